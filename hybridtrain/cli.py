@@ -1,0 +1,44 @@
+"""Command-line interface: ``hybridtrain train``, ``hybridtrain hpo …``.
+
+Every sub-command registers its own parser; the heavy imports (torch, optuna …) happen
+inside the command functions so ``hybridtrain --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from hybridtrain import __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the top-level parser with every sub-command."""
+    parser = argparse.ArgumentParser(
+        prog="hybridtrain",
+        description="Train PyTorch models larger than one GPU's memory, and tune them.",
+    )
+    parser.add_argument("--version", action="version", version=f"hybridtrain {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    from hybridtrain.train_cli import add_train_command
+
+    add_train_command(sub)
+
+    from hybridtrain.hpo.cli import add_hpo_commands
+
+    add_hpo_commands(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``hybridtrain`` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
