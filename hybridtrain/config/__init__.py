@@ -1,0 +1,19 @@
+"""Configuration: the typed schema, loading, and batch-size arithmetic."""
+
+from hybridtrain.config.loading import (
+    BatchSizes,
+    ConfigError,
+    ConfigSource,
+    load_config,
+    resolve_batch_sizes,
+)
+from hybridtrain.config.schema import Config
+
+__all__ = [
+    "BatchSizes",
+    "Config",
+    "ConfigError",
+    "ConfigSource",
+    "load_config",
+    "resolve_batch_sizes",
+]

@@ -1,0 +1,51 @@
+"""What this build can run: settings that load but need something this process lacks
+(more processes) or a technique not available yet are refused here, before any work,
+with a message naming the setting and what it needs."""
+
+from __future__ import annotations
+
+from hybridtrain.config.loading import ConfigError
+from hybridtrain.config.schema import Config
+
+
+def check_supported(cfg: Config, world_size: int) -> None:
+    """Raise :class:`ConfigError` for the first setting this run cannot honour."""
+    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    if world_size % (tp * pp):
+        raise ConfigError(
+            f"tensor_model_parallel_size={tp} × pipeline_model_parallel_size={pp} needs a world "
+            f"size that is a multiple of {tp * pp}, but this run has {world_size} process"
+            f"{'es' if world_size > 1 else ''}; launch {tp * pp} (e.g. torchrun --nproc-per-node {tp * pp})"
+        )
+    not_yet = {
+        "tensor_model_parallel_size": tp > 1,
+        "pipeline_model_parallel_size": pp > 1,
+        "zero_optimization.stage": cfg.zero_optimization.stage > 0,
+        "zero_optimization.offload_optimizer.device": cfg.zero_optimization.offload_optimizer.device != "none",
+        "zero_optimization.offload_param.device": cfg.zero_optimization.offload_param.device != "none",
+        "activation_checkpointing.cpu_checkpointing": cfg.activation_checkpointing.cpu_checkpointing,
+        "activation_checkpointing.partition_activations": cfg.activation_checkpointing.partition_activations,
+        "activation_checkpointing.contiguous_memory_optimization":
+            cfg.activation_checkpointing.contiguous_memory_optimization,
+        "activation_checkpointing.number_checkpoints": cfg.activation_checkpointing.number_checkpoints is not None,
+        "activation_checkpointing.synchronize_checkpoint_boundary":
+            cfg.activation_checkpointing.synchronize_checkpoint_boundary,
+        "activation_checkpointing.profile": cfg.activation_checkpointing.profile,
+    }
+    for key, requested in not_yet.items():
+        if requested:
+            value = _value_at(cfg, key)
+            raise ConfigError(f"config {key} = {value!r} is not supported yet by hybridtrain; remove it or "
+                              "set it to its default")
+    if world_size > 1:
+        raise ConfigError(
+            f"this run has {world_size} processes (WORLD_SIZE), but data parallelism is not "
+            "supported yet; run one process"
+        )
+
+
+def _value_at(cfg: Config, dotted: str) -> object:
+    node: object = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node

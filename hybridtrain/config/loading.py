@@ -1,0 +1,201 @@
+"""Loading a :class:`Config` from a dict, a JSON/YAML file or CLI overrides, with
+one-line errors that name the field, the value and what is allowed."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from hybridtrain.config.schema import UNSUPPORTED_DEEPSPEED_KEYS, Config
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message is one line naming the field."""
+
+
+ConfigSource = Config | Mapping[str, Any] | str | Path
+
+
+def load_config(source: ConfigSource | None = None, overrides: Iterable[str] = ()) -> Config:
+    """Build a validated :class:`Config`.
+
+    Args:
+        source: a ``Config``, a dict, or the path of a JSON/YAML file (``None`` = defaults).
+        overrides: ``a.b=c`` strings applied on top (values parsed as YAML scalars/lists).
+
+    Returns:
+        The validated configuration.
+
+    Raises:
+        ConfigError: unreadable file, unknown or unsupported key, wrong type or value.
+    """
+    if isinstance(source, Config):
+        raw: dict[str, Any] = source.model_dump(exclude_unset=True)
+    elif source is None:
+        raw = {}
+    elif isinstance(source, Mapping):
+        raw = _deep_copy(source)
+    else:
+        raw = _read_file(Path(source))
+    for item in overrides:
+        _apply_override(raw, item)
+    _reject_unsupported(raw)
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+
+
+def _deep_copy(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _deep_copy(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_deep_copy(v) for v in value]
+    return value
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        detail = " ".join(str(exc).split())
+        raise ConfigError(f"config file {str(path)!r} is not valid JSON/YAML: {detail}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {str(path)!r} must hold a mapping of keys, not {type(data).__name__}"
+        )
+    return data
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} must look like section.key=value")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text
+    node = raw
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _reject_unsupported(raw: Mapping[str, Any]) -> None:
+    for key, hint in UNSUPPORTED_DEEPSPEED_KEYS.items():
+        if key in raw:
+            raise ConfigError(
+                f"config key {key!r} is a DeepSpeed key that hybridtrain does not support yet ({hint}); remove it"
+            )
+
+
+def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The pydantic model class that owns the field at ``loc`` (None inside free-form dicts)."""
+    model: type[BaseModel] = Config
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return None
+        candidates = [field.annotation, *getattr(field.annotation, "__args__", ())]
+        nested = [c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)]
+        if not nested:
+            return None
+        model = nested[0]
+    return model
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """Turn pydantic's multi-line report into one line naming each bad field."""
+    messages: list[str] = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        path = ".".join(str(p) for p in loc)
+        if err["type"] == "extra_forbidden":
+            parent = _model_at(loc[:-1])
+            known = list(parent.model_fields) if parent else []
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+            hint = f"did you mean {'.'.join([*map(str, loc[:-1]), close[0]])!r}?" if close else (
+                f"allowed keys: {', '.join(known)}" if known else "no keys allowed here"
+            )
+            messages.append(f"unknown config key {path!r} ({hint})")
+        elif not loc:
+            messages.append(str(err["msg"]).removeprefix("Value error, "))
+        else:
+            value = err.get("input")
+            shown = repr(value) if not isinstance(value, dict) else "{…}"
+            messages.append(f"config {path} = {shown} is not allowed: {err['msg']}")
+    return "; ".join(messages)
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    """The batch arithmetic of one run: ``global = micro × accumulation × data_parallel``."""
+
+    global_batch: int
+    micro_batch: int
+    accumulation_steps: int
+    data_parallel: int
+
+
+def resolve_batch_sizes(cfg: Config, data_parallel: int) -> BatchSizes:
+    """Fill in the missing one of the three batch sizes, or check that all three agree.
+
+    Args:
+        cfg: the configuration.
+        data_parallel: number of data-parallel replicas.
+
+    Raises:
+        ConfigError: inconsistent or indivisible sizes (the message lists all three).
+    """
+    total, micro, accum = (
+        cfg.train_batch_size,
+        cfg.train_micro_batch_size_per_gpu,
+        cfg.gradient_accumulation_steps,
+    )
+    shown = (
+        f"train_batch_size={total}, train_micro_batch_size_per_gpu={micro}, "
+        f"gradient_accumulation_steps={accum}, data-parallel size={data_parallel}"
+    )
+    if total is None:
+        micro = micro or 1
+        accum = accum or 1
+        total = micro * accum * data_parallel
+    elif micro is None:
+        accum = accum or 1
+        if total % (accum * data_parallel):
+            raise ConfigError(
+                f"batch sizes do not divide: {shown}; train_batch_size must be a multiple of "
+                "gradient_accumulation_steps × data-parallel size"
+            )
+        micro = total // (accum * data_parallel)
+    elif accum is None:
+        if total % (micro * data_parallel):
+            raise ConfigError(
+                f"batch sizes do not divide: {shown}; train_batch_size must be a multiple of "
+                "train_micro_batch_size_per_gpu × data-parallel size"
+            )
+        accum = total // (micro * data_parallel)
+    if total != micro * accum * data_parallel:
+        raise ConfigError(
+            f"inconsistent batch sizes: {shown}; need train_batch_size = "
+            "train_micro_batch_size_per_gpu × gradient_accumulation_steps × data-parallel size"
+        )
+    return BatchSizes(total, micro, accum, data_parallel)

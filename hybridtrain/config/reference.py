@@ -1,0 +1,44 @@
+"""The config reference, generated from the schema's field docstrings (README, docs/config.md)."""
+
+from __future__ import annotations
+
+import json
+
+from pydantic import BaseModel
+
+from hybridtrain.config.schema import Config
+
+
+def config_reference() -> str:
+    """Markdown tables of every key: name, type, default, description."""
+    lines: list[str] = []
+    _section(Config, "", lines)
+    return "\n".join(lines)
+
+
+def _section(model: type[BaseModel], prefix: str, lines: list[str]) -> None:
+    nested: list[tuple[str, type[BaseModel]]] = []
+    title = prefix.rstrip(".") or "top level"
+    lines += [f"#### `{title}`" if prefix else f"#### {title}", "", (model.__doc__ or "").strip(), "",
+              "| key | type | default | meaning |", "|---|---|---|---|"]
+    for name, info in model.model_fields.items():
+        candidates = [info.annotation, *getattr(info.annotation, "__args__", ())]
+        sub = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if sub is not None:
+            nested.append((prefix + name + ".", sub))
+            lines.append(f"| `{prefix}{name}` | section | | {_one_line(info.description)} |")
+            continue
+        type_name = str(info.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
+        default = info.get_default(call_default_factory=True)
+        lines.append(f"| `{prefix}{name}` | {type_name} | `{json.dumps(default)}` | {_one_line(info.description)} |")
+    lines.append("")
+    for sub_prefix, sub_model in nested:
+        _section(sub_model, sub_prefix, lines)
+
+
+def _one_line(text: str | None) -> str:
+    return " ".join((text or "").split()).replace("|", "\\|")
+
+
+if __name__ == "__main__":
+    print(config_reference())

@@ -1,0 +1,271 @@
+"""The one typed configuration schema (pydantic v2), with DeepSpeed key names.
+
+Every field's docstring is its documentation: ``docs/config.md`` and the README's config
+reference are generated from this module (``python -m hybridtrain.config.reference``).
+Sections that DeepSpeed also has use DeepSpeed's key names, so an existing
+``ds_config.json`` loads; our own sections (``model``, ``data``, ``train``) say what
+DeepSpeed leaves to the user's script.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, docstrings are descriptions."""
+
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, validate_assignment=True
+    )
+
+
+class OptimizerConfig(Section):
+    """Optimizer by name, as DeepSpeed's ``optimizer`` section."""
+
+    type: str = "AdamW"
+    """Optimizer class: ``AdamW``, ``Adam``, ``SGD`` or any ``torch.optim`` class name (case-insensitive).
+    DeepSpeed's ``adam_w_mode: true`` in ``params`` turns ``Adam`` into ``AdamW``."""
+    params: dict[str, Any] = Field(default_factory=lambda: {"lr": 1e-3})
+    """Keyword arguments of the optimizer class (``lr``, ``betas``, ``eps``, ``weight_decay`` …)."""
+
+
+class SchedulerConfig(Section):
+    """Learning-rate schedule, as DeepSpeed's ``scheduler`` section (stepped once per optimizer step)."""
+
+    type: str = "constant"
+    """``constant`` / ``WarmupLR`` (warm-up then constant), ``linear`` / ``WarmupDecayLR``
+    (warm-up then linear decay to 0 at ``total_num_steps``), ``cosine`` / ``WarmupCosineLR``
+    (warm-up then cosine decay to ``cos_min_ratio`` at ``total_num_steps``)."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Schedule parameters: ``warmup_num_steps``, ``total_num_steps``, ``warmup_min_ratio``,
+    ``cos_min_ratio``, ``warmup_type`` (``linear``|``log``), and DeepSpeed's
+    ``warmup_min_lr``/``warmup_max_lr`` for ``WarmupLR``/``WarmupDecayLR``."""
+
+
+class FP16Config(Section):
+    """fp16 mixed precision with dynamic loss scaling (DeepSpeed semantics)."""
+
+    enabled: bool = False
+    """Run forward/backward under fp16 autocast; master weights stay fp32."""
+    loss_scale: float = Field(default=0.0, ge=0.0)
+    """0 = dynamic loss scaling; a positive value is a static scale."""
+    initial_scale_power: int = Field(default=16, ge=0, le=64)
+    """Dynamic scaling starts at 2**initial_scale_power."""
+    loss_scale_window: int = Field(default=1000, ge=1)
+    """Steps without overflow after which the scale doubles."""
+    hysteresis: int = Field(default=2, ge=1)
+    """Overflowing steps tolerated before the scale is shrunk (the step is skipped either way)."""
+    min_loss_scale: float = Field(default=1.0, gt=0.0)
+    """The scale never shrinks below this value."""
+    auto_cast: bool = True
+    """Accepted for DeepSpeed compatibility; hybridtrain always autocasts the forward pass."""
+
+
+class BF16Config(Section):
+    """bf16 mixed precision: autocast to bfloat16, fp32 master weights, no loss scaling."""
+
+    enabled: bool = False
+    """Run forward/backward under bfloat16 autocast."""
+
+
+class OffloadOptimizerConfig(Section):
+    """Where optimizer states and the update live (ZeRO-Offload)."""
+
+    device: Literal["none", "cpu", "nvme"] = "none"
+    """``cpu`` keeps fp32 master weights and optimizer states in host memory."""
+    pin_memory: bool = False
+    """Use page-locked host buffers for faster device↔host copies."""
+    ratio: float = Field(default=1.0, ge=0.0, le=1.0)
+    """Fraction of the update done on the host (DeepSpeed's twin-flow ``ratio``)."""
+
+
+class OffloadParamConfig(Section):
+    """Where parameters live between uses (ZeRO-3 offload)."""
+
+    device: Literal["none", "cpu", "nvme"] = "none"
+    """``cpu`` keeps parameters in host memory and fetches them for each use."""
+    pin_memory: bool = False
+    """Use page-locked host buffers."""
+
+
+class ZeroConfig(Section):
+    """ZeRO sharding of optimizer states (1), gradients (2) and parameters (3)."""
+
+    stage: Literal[0, 1, 2, 3] = 0
+    """0 = off; 1 shards optimizer states; 2 also gradients; 3 also parameters."""
+    offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
+    """Optimizer offload (ZeRO-Offload)."""
+    offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
+    """Parameter offload (stage 3)."""
+    contiguous_gradients: bool = True
+    """Accepted for DeepSpeed compatibility (a memory-layout hint with no effect on the math)."""
+    overlap_comm: bool = True
+    """Accepted for DeepSpeed compatibility: communication is always overlapped where possible."""
+    reduce_bucket_size: int = Field(default=500_000_000, ge=1)
+    """Elements per gradient bucket when gradients are reduced or offloaded."""
+    allgather_bucket_size: int = Field(default=500_000_000, ge=1)
+    """Accepted for DeepSpeed compatibility (bucket size of parameter all-gathers)."""
+    stage3_prefetch_bucket_size: int = Field(default=50_000_000, ge=0)
+    """Accepted for DeepSpeed compatibility (stage-3 prefetch size)."""
+    stage3_param_persistence_threshold: int = Field(default=100_000, ge=0)
+    """Accepted for DeepSpeed compatibility (small parameters stay unsharded)."""
+    stage3_max_live_parameters: int = Field(default=1_000_000_000, ge=0)
+    """Accepted for DeepSpeed compatibility."""
+    stage3_max_reuse_distance: int = Field(default=1_000_000_000, ge=0)
+    """Accepted for DeepSpeed compatibility."""
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    """Accepted for DeepSpeed compatibility: ``model_state_dict()`` is always gathered."""
+
+
+class ActivationCheckpointingConfig(Section):
+    """Activation checkpointing: keep block inputs, recompute the rest in backward."""
+
+    enabled: bool = False
+    """Checkpoint the model's blocks."""
+    every_n_blocks: int = Field(default=1, ge=1)
+    """Checkpoint every n-th block (1 = all blocks): fewer checkpoints, more memory, less recompute."""
+    module_classes: list[str] = Field(default_factory=list)
+    """Checkpoint modules of these class names instead of the blocks (e.g. ``["GPT2Block"]``)."""
+    partition_activations: bool = False
+    """DeepSpeed: shard checkpoints across tensor-parallel ranks (not supported yet)."""
+    cpu_checkpointing: bool = False
+    """DeepSpeed: keep checkpoints in host memory (maps to ``activation_offload``; not supported yet)."""
+    contiguous_memory_optimization: bool = False
+    """DeepSpeed: copy checkpoints into one buffer (not supported yet)."""
+    number_checkpoints: int | None = None
+    """DeepSpeed (Megatron): number of checkpoints (not supported yet; use ``every_n_blocks``)."""
+    synchronize_checkpoint_boundary: bool = False
+    """DeepSpeed: synchronize the device at checkpoint boundaries (not supported yet)."""
+    profile: bool = False
+    """DeepSpeed: time checkpoint functions (not supported yet)."""
+
+
+class ModelConfig(Section):
+    """Which model the CLI builds, and where its repeated blocks are."""
+
+    name: str = "gpt-tiny"
+    """``gpt-<size>`` for the reference GPT (``gpt-tiny`` … ``gpt-13b``), or ``hf:<model_type>``
+    (e.g. ``hf:gpt2``, ``hf:llama``) for a randomly initialised Hugging Face model."""
+    blocks: str | None = None
+    """Dotted path to the ModuleList of repeated blocks (e.g. ``transformer.h``); found
+    automatically when absent."""
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    """Fields that override the named size (reference GPT) or the Hugging Face config
+    (e.g. ``{"n_layer": 4}``)."""
+
+
+class DataConfig(Section):
+    """The training text for the CLI."""
+
+    path: str | None = None
+    """A UTF-8 text file, or a ``.npy``/``.bin`` token file (uint8/uint16/int32/int64);
+    empty = the embedded corpus."""
+    seq_len: int = Field(default=128, ge=2)
+    """Tokens per sample."""
+    val_fraction: float = Field(default=0.05, ge=0.0, lt=1.0)
+    """Fraction of the tokens held out for evaluation."""
+
+
+class TrainConfig(Section):
+    """The CLI's training loop."""
+
+    steps: int = Field(default=100, ge=1)
+    """Optimizer steps to train for."""
+    output_dir: str = "runs/default"
+    """Where metrics (``metrics.jsonl``) and checkpoints go."""
+    checkpoint_every: int = Field(default=0, ge=0)
+    """Save a checkpoint every n steps (0 = only at the end)."""
+    keep_checkpoints: int = Field(default=2, ge=1)
+    """How many recent checkpoints to keep."""
+    eval_every: int = Field(default=0, ge=0)
+    """Evaluate on held-out data every n steps (0 = only at the end)."""
+    eval_batches: int = Field(default=4, ge=1)
+    """Batches per evaluation."""
+
+
+class Config(Section):
+    """The whole hybridtrain configuration."""
+
+    train_batch_size: int | None = Field(default=None, ge=1)
+    """Samples per optimizer step over all data-parallel ranks
+    (= micro batch × accumulation steps × data-parallel size)."""
+    train_micro_batch_size_per_gpu: int | None = Field(default=None, ge=1)
+    """Samples per forward/backward pass on one rank."""
+    gradient_accumulation_steps: int | None = Field(default=None, ge=1)
+    """Micro-batches whose gradients are summed before one optimizer step."""
+    gradient_clipping: float = Field(default=0.0, ge=0.0)
+    """Clip the global gradient L2 norm to this value (0 = off)."""
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    """Optimizer (ignored when ``initialize`` is given one)."""
+    scheduler: SchedulerConfig | None = None
+    """Learning-rate schedule (none = constant)."""
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    """fp16 mixed precision with loss scaling."""
+    bf16: BF16Config = Field(default_factory=BF16Config)
+    """bf16 mixed precision."""
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    """ZeRO sharding and offload."""
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig
+    )
+    """Activation checkpointing."""
+    tensor_model_parallel_size: int = Field(default=1, ge=1)
+    """Tensor-parallel degree."""
+    pipeline_model_parallel_size: int = Field(default=1, ge=1)
+    """Pipeline-parallel degree (number of stages)."""
+    steps_per_print: int = Field(default=10, ge=1)
+    """Print a ``step=… loss=…`` line every n optimizer steps."""
+    wall_clock_breakdown: bool = False
+    """Time forward, backward and optimizer step separately and report them per step."""
+    zero_allow_untested_optimizer: bool = True
+    """Accepted for DeepSpeed compatibility: any ``torch.optim`` optimizer is allowed."""
+    seed: int = 0
+    """Seed of model initialisation (CLI), data sampling and dropout."""
+    device: str = "auto"
+    """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
+    nonfinite_loss: Literal["error", "skip"] = "error"
+    """What an inf/NaN loss does without fp16 loss scaling: stop with the step number, or skip the step."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """Model built by the CLI and its block structure."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Training data for the CLI."""
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    """The CLI's training loop."""
+
+    @model_validator(mode="after")
+    def _one_precision(self) -> Config:
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one")
+        return self
+
+
+# DeepSpeed sections we know but do not implement: an error names them instead of
+# silently ignoring what the user asked for.
+UNSUPPORTED_DEEPSPEED_KEYS: dict[str, str] = {
+    "amp": "use fp16 or bf16",
+    "fp8": "fp8 training is not supported yet",
+    "communication_data_type": "not supported yet",
+    "prescale_gradients": "not supported yet",
+    "gradient_predivide_factor": "not supported yet",
+    "sparse_gradients": "not supported yet",
+    "flops_profiler": "use hybridtrain's profiler",
+    "tensorboard": "metrics are written as JSONL",
+    "wandb": "metrics are written as JSONL",
+    "csv_monitor": "metrics are written as JSONL",
+    "comms_logger": "not supported yet",
+    "elasticity": "use `hybridtrain launch --max-restarts`",
+    "curriculum_learning": "not supported yet",
+    "data_efficiency": "not supported yet",
+    "compression_training": "not supported yet",
+    "autotuning": "use `hybridtrain hpo`",
+    "aio": "NVMe offload is not supported yet",
+    "sparse_attention": "not supported yet",
+    "checkpoint": "use train.checkpoint_every",
+    "memory_breakdown": "not supported yet",
+    "dump_state": "not supported yet",
+    "zero_force_ds_cpu_optimizer": "the host optimizer is torch's fused CPU Adam",
+    "data_types": "not supported yet",
+}

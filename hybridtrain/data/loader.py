@@ -1,0 +1,97 @@
+"""Token sources (embedded corpus, a text file, a token file) and deterministic batches.
+
+The batch of step ``n`` is a pure function of ``(seed, n)``: random windows drawn with a
+generator seeded from both. Resuming at step ``n`` therefore needs only ``n`` — the data
+position is exact without saving any iterator state.
+"""
+
+from __future__ import annotations
+
+import gzip
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from hybridtrain.data.tokenizer import ByteTokenizer
+
+_TOKEN_FILE_DTYPES = {".bin": torch.uint16, ".u16": torch.uint16, ".i32": torch.int32, ".i64": torch.int64}
+
+
+def load_tokens(path: str | Path | None = None) -> torch.Tensor:
+    """Tokens of a dataset as a 1-D tensor.
+
+    Args:
+        path: ``None`` for the embedded corpus; a ``.bin``/``.u16`` (uint16), ``.i32`` or
+            ``.i64`` raw token file, a ``.pt`` file holding a 1-D tensor, or any text file
+            (byte-tokenized).
+
+    Raises:
+        ValueError: the file does not exist or holds no usable tokens.
+    """
+    tokenizer = ByteTokenizer()
+    if path is None:
+        blob = resources.files("hybridtrain.data").joinpath("corpus.txt.gz").read_bytes()
+        return tokenizer.encode(gzip.decompress(blob).decode("utf-8"))
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"data.path = {str(path)!r} does not exist")
+    suffix = path.suffix.lower()
+    if suffix in _TOKEN_FILE_DTYPES:
+        dtype = _TOKEN_FILE_DTYPES[suffix]
+        raw = bytearray(path.read_bytes())
+        if len(raw) % dtype.itemsize:
+            raise ValueError(f"data.path = {str(path)!r} is not a whole number of {dtype} tokens")
+        tokens = torch.frombuffer(raw, dtype=dtype)
+    elif suffix == ".pt":
+        tokens = torch.load(path, weights_only=True)
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
+            raise ValueError(f"data.path = {str(path)!r} must hold a 1-D tensor of token ids")
+    else:
+        tokens = tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"))
+    if tokens.numel() < 2:
+        raise ValueError(f"data.path = {str(path)!r} holds {tokens.numel()} tokens; need at least 2")
+    return tokens
+
+
+class TokenBatches:
+    """Deterministic ``(inputs, targets)`` batches of next-token prediction windows.
+
+    Args:
+        tokens: 1-D token ids.
+        seq_len: tokens per sample.
+        val_fraction: tail fraction of the tokens held out for :meth:`eval_batch`.
+        seed: mixes into every batch's generator.
+    """
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, val_fraction: float = 0.05, seed: int = 0) -> None:
+        split = int(tokens.numel() * (1.0 - val_fraction))
+        self.train_tokens = tokens[:split]
+        self.val_tokens = tokens[split:] if val_fraction > 0 else tokens[:split]
+        self.seq_len = seq_len
+        self.seed = seed
+        for name, part in (("training", self.train_tokens), ("held-out", self.val_tokens)):
+            if part.numel() <= seq_len:
+                raise ValueError(f"the {name} data has {part.numel()} tokens, fewer than data.seq_len + 1 = "
+                                 f"{seq_len + 1}; use a shorter seq_len or more data")
+
+    @property
+    def max_token(self) -> int:
+        """Largest token id (the model's vocabulary must exceed it)."""
+        return int(max(self.train_tokens.max(), self.val_tokens.max()))
+
+    def train_batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The training batch of optimizer step ``step`` (0-based)."""
+        return self._windows(self.train_tokens, step, batch_size, stream=0)
+
+    def eval_batch(self, index: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held-out batch number ``index`` (the same for every evaluation)."""
+        return self._windows(self.val_tokens, index, batch_size, stream=1)
+
+    def _windows(self, tokens: torch.Tensor, index: int, batch_size: int,
+                 stream: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + index) * 2 + stream)
+        starts = torch.randint(0, tokens.numel() - self.seq_len, (batch_size,), generator=gen)
+        offsets = torch.arange(self.seq_len + 1)
+        windows = tokens[starts[:, None] + offsets].long()  # (B, T + 1)
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()

@@ -1,0 +1,292 @@
+"""The training engine: one optimizer step over a batch, the familiar forward/backward/step
+trio, evaluation, and checkpoints. Build one with :func:`hybridtrain.initialize`.
+
+A step (``train_batch``)::
+
+    batch ─► split into k micro-batches ─► for each: autocast forward, loss × (n_i / n),
+             × loss scale, backward (gradients accumulate) ─► unscale + inf check (fp16)
+             ─► clip ─► optimizer.step ─► scheduler.step
+
+Weighting each micro-batch's mean loss by its share of the batch makes the accumulated
+gradient the gradient of the whole batch's mean loss: the plain loop's math.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridtrain import checkpoint as ckpt
+from hybridtrain.config import BatchSizes, Config
+from hybridtrain.runtime import device as dev
+from hybridtrain.runtime.batch import Batch, LossFn, batch_size, compute_loss, run_model, split_batch, to_device
+from hybridtrain.runtime.precision import LossScaler, autocast
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss became inf/NaN and ``nonfinite_loss`` is ``error``."""
+
+
+@dataclass
+class StepTimings:
+    """Wall-clock seconds of the parts of the last step (``wall_clock_breakdown``)."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+    step: float = 0.0
+    total: float = 0.0
+
+
+@dataclass
+class EngineOptions:
+    """What the engine reads from the config, resolved once by :func:`initialize`."""
+
+    batch: BatchSizes
+    device: torch.device
+    compute_dtype: torch.dtype | None = None
+    gradient_clipping: float = 0.0
+    nonfinite_loss: str = "error"
+    wall_clock_breakdown: bool = False
+    setup: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine:
+    """Trains ``module`` with the techniques :func:`hybridtrain.initialize` applied.
+
+    Attributes:
+        module: the user's model (on ``device``; same parameter names as given).
+        optimizer / scheduler / scaler: the step's parts (scheduler and scaler may be None).
+        global_step: ``train_batch`` calls (and manual accumulation boundaries) so far.
+    """
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+                 scaler: LossScaler | None, loss_fn: LossFn | None, options: EngineOptions,
+                 config: Config) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self.loss_fn = loss_fn
+        self.options = options
+        self.config = config
+        self.device = options.device
+        self.global_step = 0
+        self.last_timings = StepTimings()
+        self._params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._nonfinite_skips = 0
+        self._manual_micro_steps = 0
+        self._manual_loss: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ training step
+    def train_batch(self, batch: Batch) -> float:
+        """One optimizer step over ``batch`` (this process's share of the global batch).
+
+        The batch is split into ``gradient_accumulation_steps`` equal micro-batches.
+
+        Returns:
+            The batch's mean loss.
+
+        Raises:
+            ValueError: the batch does not split into the micro-batches.
+            NonFiniteLossError: inf/NaN loss with ``nonfinite_loss: error``.
+        """
+        start = time.perf_counter()
+        self.module.train()
+        self.last_timings = StepTimings()
+        micro_batches = split_batch(batch, self.options.batch.accumulation_steps)
+        weight = 1.0 / len(micro_batches)
+        total = torch.zeros((), device=self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        for micro in micro_batches:
+            micro = to_device(micro, self.device)
+            with self._timed("forward"), autocast(self.device, self.options.compute_dtype):
+                loss = compute_loss(run_model(self.module, micro), micro, self.loss_fn)
+            total += loss.detach().float() * weight
+            with self._timed("backward"):
+                self._scaled_backward(loss * weight)
+        value = float(total.item())
+        with self._timed("step"):
+            self._optimizer_step(value)
+        self.last_timings.total = time.perf_counter() - start
+        return value
+
+    def eval_batch(self, batch: Batch) -> float:
+        """Mean loss of ``batch`` without gradients (in micro-batches of the training size)."""
+        was_training = self.module.training
+        self.module.eval()
+        size = batch_size(batch)
+        chunks = max(1, math.ceil(size / self.options.batch.micro_batch))
+        while size % chunks:
+            chunks += 1
+        total = 0.0
+        try:
+            with torch.no_grad():
+                for micro in split_batch(batch, chunks):
+                    micro = to_device(micro, self.device)
+                    with autocast(self.device, self.options.compute_dtype):
+                        loss = compute_loss(run_model(self.module, micro), micro, self.loss_fn)
+                    total += float(loss.float()) / chunks
+        finally:
+            self.module.train(was_training)
+        return total
+
+    # ------------------------------------------------------- forward / backward / step
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward pass under the engine's precision: ``outputs = engine(inputs)``."""
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward pass under the engine's precision (inputs are moved to the device)."""
+        self.module.train()
+        args, kwargs = to_device((args, kwargs), self.device)
+        with autocast(self.device, self.options.compute_dtype):
+            return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss, scaled by 1/accumulation (and the loss scale)."""
+        weight = 1.0 / self.options.batch.accumulation_steps
+        if self._manual_micro_steps == 0:
+            self.optimizer.zero_grad(set_to_none=True)
+        detached = loss.detach().float() * weight
+        self._manual_loss = detached if self._manual_loss is None else self._manual_loss + detached
+        self._scaled_backward(loss * weight)
+
+    def step(self) -> bool:
+        """Finish a micro-batch; at the accumulation boundary run the optimizer step.
+
+        Returns:
+            True when this call ran an optimizer step (the boundary was reached).
+        """
+        self._manual_micro_steps += 1
+        if self._manual_micro_steps < self.options.batch.accumulation_steps:
+            return False
+        value = float(self._manual_loss.item()) if self._manual_loss is not None else 0.0
+        self._manual_micro_steps, self._manual_loss = 0, None
+        self._optimizer_step(value)
+        return True
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next :meth:`step` call runs the optimizer."""
+        return self._manual_micro_steps + 1 == self.options.batch.accumulation_steps
+
+    # ------------------------------------------------------------------ internals
+    def _scaled_backward(self, loss: torch.Tensor) -> None:
+        (loss * self.scaler.scale if self.scaler else loss).backward()
+
+    def _optimizer_step(self, loss_value: float) -> bool:
+        """Unscale, check, clip, step, schedule; returns False when the step was skipped."""
+        self.global_step += 1
+        if self.scaler is not None:
+            finite = self.scaler.unscale_and_check(self._params)
+            self.scaler.update(overflow=not finite)
+            if not finite:
+                self.optimizer.zero_grad(set_to_none=True)
+                return False
+        elif not math.isfinite(loss_value):
+            if self.options.nonfinite_loss == "error":
+                raise NonFiniteLossError(
+                    f"loss is {loss_value} at step {self.global_step}; set nonfinite_loss: skip "
+                    "to skip such steps, or lower the learning rate"
+                )
+            self._nonfinite_skips += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            return False
+        if self.options.gradient_clipping > 0:
+            torch.nn.utils.clip_grad_norm_(self._params, self.options.gradient_clipping)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return True
+
+    @contextmanager
+    def _timed(self, part: str) -> Iterator[None]:
+        if not self.options.wall_clock_breakdown:
+            yield
+            return
+        dev.synchronize(self.device)
+        start = time.perf_counter()
+        yield
+        dev.synchronize(self.device)
+        setattr(self.last_timings, part, getattr(self.last_timings, part) + time.perf_counter() - start)
+
+    # ------------------------------------------------------------------ readings
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for inf/NaN (loss-scale overflow or ``nonfinite_loss: skip``)."""
+        return self._nonfinite_skips + (self.scaler.skipped_steps if self.scaler else 0)
+
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 without fp16)."""
+        return self.scaler.scale if self.scaler else 1.0
+
+    def get_lr(self) -> list[float]:
+        """Learning rate of each parameter group."""
+        return [float(group["lr"]) for group in self.optimizer.param_groups]
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's full state dict as CPU copies: what the user's model now holds."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, path: str | Path, client_state: dict[str, Any] | None = None) -> Path:
+        """Atomically save everything an exact resume needs, plus ``client_state``."""
+        engine_state = {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+            "scaler": self.scaler.state_dict() if self.scaler else None,
+            "global_step": self.global_step,
+            "nonfinite_skips": self._nonfinite_skips,
+            "rng": dev.get_rng_state(),
+            "client_state": client_state or {},
+        }
+        meta = {
+            "step": self.global_step,
+            "params": {k: list(v.shape) for k, v in self.module.state_dict().items()},
+            "setup": self.options.setup,
+        }
+        return ckpt.save_checkpoint(path, {"model.pt": self.module.state_dict(), "engine.pt": engine_state}, meta)
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        """Restore a checkpoint saved by :meth:`save_checkpoint`; returns its ``client_state``.
+
+        Raises:
+            CheckpointError: missing, corrupt, or made for another model/optimizer/precision
+                (the message says what does not match); nothing is modified then.
+        """
+        files, meta = ckpt.load_checkpoint(path)
+        self._check_compatible(Path(path), meta)
+        state = files["engine.pt"]
+        self.module.load_state_dict(files["model.pt"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state["scaler"] is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        self.global_step = int(state["global_step"])
+        self._nonfinite_skips = int(state["nonfinite_skips"])
+        dev.set_rng_state(state["rng"])
+        client: dict[str, Any] = state["client_state"]
+        return client
+
+    def _check_compatible(self, path: Path, meta: dict[str, Any]) -> None:
+        mine = {k: list(v.shape) for k, v in self.module.state_dict().items()}
+        theirs: dict[str, list[int]] = meta["params"]
+        problems = [f"missing parameter {k!r}" for k in mine if k not in theirs][:3]
+        problems += [f"unexpected parameter {k!r}" for k in theirs if k not in mine][:3]
+        problems += [f"{k!r} has shape {theirs[k]} in the checkpoint but {v} in the model"
+                     for k, v in mine.items() if k in theirs and theirs[k] != v][:3]
+        problems += [f"{k} is {meta['setup'].get(k)!r} in the checkpoint but {v!r} now"
+                     for k, v in self.options.setup.items() if meta["setup"].get(k) != v]
+        if problems:
+            raise ckpt.CheckpointError(f"checkpoint {path} does not match this run: " + "; ".join(problems))
+

@@ -1,0 +1,108 @@
+"""``initialize``: validate everything, then apply the techniques in a fixed order and
+return an :class:`Engine`. This is the one place that reads the config; modules below it
+get explicit arguments."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridtrain.config import Config, ConfigError, ConfigSource, load_config, resolve_batch_sizes
+from hybridtrain.config.capabilities import check_supported
+from hybridtrain.engine import Engine, EngineOptions
+from hybridtrain.models.blocks import BlocksNotFoundError, find_blocks
+from hybridtrain.runtime.batch import LossFn
+from hybridtrain.runtime.checkpointing import apply_activation_checkpointing, select_checkpoint_targets
+from hybridtrain.runtime.device import resolve_device
+from hybridtrain.runtime.optim import build_optimizer, build_scheduler
+from hybridtrain.runtime.precision import LossScaler
+
+
+def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: LossFn | None = None,
+               optimizer: torch.optim.Optimizer | None = None) -> Engine:
+    """Prepare ``model`` for training as ``config`` describes.
+
+    Args:
+        model: any ``nn.Module`` (including Hugging Face models).
+        config: a ``Config``, a dict, or a JSON/YAML path (DeepSpeed keys load as they are).
+        loss_fn: ``loss_fn(outputs, batch) -> loss``; without it the output's ``.loss`` or a
+            scalar output is the loss.
+        optimizer: an optimizer over ``model``'s parameters; built from ``config.optimizer``
+            when absent.
+
+    Returns:
+        The engine; ``engine.train_batch(batch)`` runs one optimizer step.
+
+    Raises:
+        ConfigError: any invalid or unsupported setting, before the model is touched.
+    """
+    cfg = load_config(config)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    check_supported(cfg, world_size)
+    data_parallel = world_size // (cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size)
+    batch = resolve_batch_sizes(cfg, data_parallel)
+    try:
+        device = resolve_device(cfg.device)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    checkpoint_targets = _checkpoint_targets(model, cfg)
+    compute_dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None
+
+    # Order matters: parameters must be on their final device before the optimizer sees
+    # them, and the forward is wrapped last so the wrappers see the final modules.
+    model.to(device)
+    if checkpoint_targets:
+        _disable_hf_cache(model)
+        apply_activation_checkpointing(checkpoint_targets)
+    try:
+        if optimizer is None:
+            optimizer = build_optimizer(model.parameters(), cfg.optimizer.type, cfg.optimizer.params)
+        scheduler = build_scheduler(optimizer, cfg.scheduler.type, cfg.scheduler.params) if cfg.scheduler else None
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    scaler = None
+    if cfg.fp16.enabled:
+        scaler = LossScaler(cfg.fp16.loss_scale, cfg.fp16.initial_scale_power, cfg.fp16.loss_scale_window,
+                            cfg.fp16.hysteresis, cfg.fp16.min_loss_scale)
+    options = EngineOptions(
+        batch=batch,
+        device=device,
+        compute_dtype=compute_dtype,
+        gradient_clipping=cfg.gradient_clipping,
+        nonfinite_loss=cfg.nonfinite_loss,
+        wall_clock_breakdown=cfg.wall_clock_breakdown,
+        setup=_resume_fingerprint(cfg, optimizer),
+    )
+    return Engine(model, optimizer, scheduler, scaler, loss_fn, options, cfg)
+
+
+def _checkpoint_targets(model: nn.Module, cfg: Config) -> list[nn.Module]:
+    section = cfg.activation_checkpointing
+    if not section.enabled:
+        return []
+    try:
+        blocks = None if section.module_classes else find_blocks(model, cfg.model.blocks)[1]
+        return select_checkpoint_targets(model, blocks, section.every_n_blocks, section.module_classes)
+    except (BlocksNotFoundError, ValueError) as exc:
+        raise ConfigError(f"activation_checkpointing: {exc}") from None
+
+
+def _disable_hf_cache(model: nn.Module) -> None:
+    # A Hugging Face KV cache is filled as a side effect of the forward; recomputation
+    # would fill it twice, and training never reads it.
+    hf_config: Any = getattr(model, "config", None)
+    if hf_config is not None and hasattr(hf_config, "use_cache"):
+        hf_config.use_cache = False
+
+
+def _resume_fingerprint(cfg: Config, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Settings a checkpoint must share with the run that resumes it."""
+    precision = "fp16" if cfg.fp16.enabled else "bf16" if cfg.bf16.enabled else "fp32"
+    return {
+        "optimizer": type(optimizer).__name__,
+        "precision": precision,
+        "scheduler": cfg.scheduler.type if cfg.scheduler else None,
+    }

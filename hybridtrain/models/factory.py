@@ -1,0 +1,51 @@
+"""Build the model a config names: the reference GPT by size, or a randomly initialised
+Hugging Face causal LM from its model type (nothing is downloaded)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridtrain.models.gpt import build_gpt
+
+
+def build_model(name: str, overrides: dict[str, Any], vocab_size: int, seq_len: int, seed: int) -> nn.Module:
+    """Build ``gpt-<size>`` or ``hf:<model_type>`` with ``overrides``, sized for the data.
+
+    Raises:
+        ValueError: unknown name or override (one line naming it).
+        ImportError: an ``hf:`` model without the ``hf`` extra installed.
+    """
+    torch.manual_seed(seed)
+    if name.startswith("gpt-"):
+        settings = {"vocab_size": vocab_size, "seq_len": seq_len, **overrides}
+        return build_gpt(name, **settings)
+    if name.startswith("hf:"):
+        return _build_hf(name.removeprefix("hf:"), overrides, vocab_size, seq_len)
+    raise ValueError(f"model.name = {name!r} is unknown; allowed: gpt-<size> (e.g. gpt-tiny) or "
+                     "hf:<model_type> (e.g. hf:gpt2, hf:llama)")
+
+
+def _build_hf(model_type: str, overrides: dict[str, Any], vocab_size: int, seq_len: int) -> nn.Module:
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise ImportError("model.name 'hf:…' needs transformers: pip install 'hybridtrain[hf]'") from None
+    try:
+        config = AutoConfig.for_model(model_type)
+    except ValueError:
+        raise ValueError(f"model.name = 'hf:{model_type}' is not a Hugging Face model type") from None
+    settings: dict[str, Any] = {"vocab_size": vocab_size}
+    for key in ("n_positions", "max_position_embeddings"):
+        if hasattr(config, key):
+            settings[key] = max(seq_len, getattr(config, key))
+    settings.update(overrides)
+    unknown = [k for k in settings if not hasattr(config, k)]
+    if unknown:
+        raise ValueError(f"model.overrides {unknown} are not fields of the {model_type} config")
+    for key, value in settings.items():
+        setattr(config, key, value)
+    model: nn.Module = AutoModelForCausalLM.from_config(config)
+    return model

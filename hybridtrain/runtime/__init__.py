@@ -1,0 +1,1 @@
+"""How one training step executes on one process: devices, precision, checkpointing, optimizers."""

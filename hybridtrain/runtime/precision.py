@@ -1,0 +1,92 @@
+"""Mixed precision: autocast for bf16/fp16 and DeepSpeed-style dynamic loss scaling.
+
+Parameters stay fp32 (they are the master weights); only the forward and backward math
+runs in half precision under ``torch.autocast``. fp16 gradients can overflow, so the loss
+is multiplied by a power-of-two scale before backward — exact, because multiplying by a
+power of two only moves the exponent — and gradients are divided by it before the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
+    """Autocast context for ``dtype`` (``None`` = full precision, no context)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+class LossScaler:
+    """Dynamic (or static) loss scaling with DeepSpeed's semantics.
+
+    On an overflowing step the step is skipped; the scale halves (not below
+    ``min_scale``) once ``hysteresis`` overflows have been seen. After ``window``
+    overflow-free steps the scale doubles. A positive ``static_scale`` disables both.
+    """
+
+    def __init__(self, static_scale: float = 0.0, initial_scale_power: int = 16,
+                 window: int = 1000, hysteresis: int = 2, min_scale: float = 1.0) -> None:
+        self.dynamic = static_scale <= 0
+        self.scale = float(2**initial_scale_power) if self.dynamic else float(static_scale)
+        self.window = window
+        self.hysteresis = hysteresis
+        self.min_scale = min_scale
+        self._hysteresis_left = hysteresis
+        self._good_steps = 0
+        self.skipped_steps = 0
+
+    def unscale_and_check(self, params: Iterable[torch.nn.Parameter]) -> bool:
+        """Divide every gradient by the scale in place; return True when all are finite."""
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        for p in params:
+            if p.grad is not None:
+                groups[(p.grad.device, p.grad.dtype)].append(p.grad)
+        found_inf = False
+        for (device, _), grads in groups.items():
+            flag = torch.zeros(1, device=device)
+            inv = torch.full((1,), 1.0 / self.scale, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)
+            found_inf |= bool(flag.item())
+        return not found_inf
+
+    def update(self, overflow: bool) -> None:
+        """Advance the scale after a step (``overflow``: the step was skipped)."""
+        if overflow:
+            self.skipped_steps += 1
+        if not self.dynamic:
+            return
+        if overflow:
+            self._good_steps = 0
+            if self._hysteresis_left <= 1:
+                self.scale = max(self.scale / 2, self.min_scale)
+                self._hysteresis_left = self.hysteresis
+            else:
+                self._hysteresis_left -= 1
+            return
+        self._good_steps += 1
+        if self._good_steps % self.window == 0:
+            self.scale *= 2
+            self._hysteresis_left = self.hysteresis
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume the scale trajectory exactly."""
+        return {
+            "scale": self.scale,
+            "hysteresis_left": self._hysteresis_left,
+            "good_steps": self._good_steps,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.scale = float(state["scale"])
+        self._hysteresis_left = int(state["hysteresis_left"])
+        self._good_steps = int(state["good_steps"])
+        self.skipped_steps = int(state["skipped_steps"])

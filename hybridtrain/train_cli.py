@@ -1,0 +1,84 @@
+"""``hybridtrain train`` and ``hybridtrain config``: the CLI side of training."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def add_train_command(sub: Any) -> None:
+    """Register ``train`` and ``config`` on the top-level sub-parsers."""
+    train = sub.add_parser(
+        "train",
+        help="train the configured model (reference GPT on the embedded corpus by default)",
+        description="Train the model a config file describes. Metrics go to OUTPUT_DIR/metrics.jsonl, "
+        "checkpoints to OUTPUT_DIR/checkpoints; SIGTERM/Ctrl-C saves a checkpoint before exiting.",
+    )
+    train.add_argument("config", nargs="?", help="JSON/YAML config (DeepSpeed keys accepted); defaults when omitted")
+    _add_overrides(train)
+    train.add_argument("--resume", nargs="?", const=True, default=False, metavar="CHECKPOINT",
+                       help="continue from CHECKPOINT, or from the newest one in train.output_dir when no path is given "
+                       "(starts fresh when there is none)")
+    train.add_argument("--output-dir", help="shortcut for --set train.output_dir=…")
+    train.add_argument("--steps", type=int, help="shortcut for --set train.steps=…")
+    train.add_argument("--data", help="text or token file to train on (shortcut for --set data.path=…)")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.set_defaults(func=_train)
+
+    config = sub.add_parser("config", help="show a resolved config, or the reference of every key",
+                            description="Print the validated config (after --set overrides) as JSON, "
+                            "or with --reference the documentation of every key.")
+    config.add_argument("config", nargs="?", help="JSON/YAML config to resolve")
+    _add_overrides(config)
+    config.add_argument("--reference", action="store_true", help="print the config reference (Markdown)")
+    config.set_defaults(func=_config)
+
+
+def _add_overrides(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set optimizer.params.lr=3e-4 (repeatable)")
+
+
+def _train(args: argparse.Namespace) -> int:
+    from hybridtrain.checkpoint import CheckpointError
+    from hybridtrain.config import ConfigError, load_config
+    from hybridtrain.trainer import run_training
+
+    overrides = list(args.overrides)
+    for key, value in (("train.output_dir", args.output_dir), ("train.steps", args.steps), ("data.path", args.data)):
+        if value is not None:
+            overrides.append(f"{key}={value}")
+    try:
+        cfg = load_config(args.config, overrides)
+        summary = run_training(cfg, resume=args.resume, progress=not args.no_progress)
+    except (ConfigError, CheckpointError, ValueError, ImportError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    first = f"{summary.first_loss:.4f}" if summary.first_loss is not None else "-"
+    last = f"{summary.last_loss:.4f}" if summary.last_loss is not None else "-"
+    print(f"summary: steps {summary.start_step}→{summary.steps}, loss {first} → {last}, "
+          f"{summary.tokens_per_s:,.0f} tokens/s, peak memory {summary.peak_memory_bytes / 2**30:.2f} GiB, "
+          f"skipped steps {summary.skipped_steps}")
+    final = [f"loss={summary.last_loss}"] if summary.last_loss is not None else []
+    if summary.eval_loss is not None:
+        final.append(f"eval_loss={summary.eval_loss}")
+    print(" ".join(final), flush=True)
+    return 130 if summary.interrupted else 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    from hybridtrain.config import ConfigError, load_config
+    from hybridtrain.config.reference import config_reference
+
+    if args.reference:
+        print(config_reference())
+        return 0
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(cfg.model_dump(), indent=2))
+    return 0

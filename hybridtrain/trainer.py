@@ -1,0 +1,193 @@
+"""The training loop behind ``hybridtrain train``: build model and data from the config,
+run the engine, print and log metrics, checkpoint periodically, resume exactly.
+
+Checkpoints are ``<output_dir>/checkpoints/step-NNNNNNN`` directories; each appears by an
+atomic rename, so the newest one present is complete. SIGTERM or Ctrl-C finishes the
+current step, saves a checkpoint and exits, so a preempted run loses nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from tqdm import tqdm
+
+from hybridtrain.config import Config
+from hybridtrain.data import TokenBatches, load_tokens
+from hybridtrain.engine import Engine
+from hybridtrain.initialize import initialize
+from hybridtrain.metrics import MetricsLog
+from hybridtrain.models.factory import build_model
+from hybridtrain.models.gpt import causal_lm_loss
+from hybridtrain.runtime.device import peak_memory_bytes, reset_peak_memory
+
+CHECKPOINTS = "checkpoints"
+
+
+@dataclass
+class TrainSummary:
+    """What a run did; also written to ``<output_dir>/summary.json``."""
+
+    steps: int
+    start_step: int
+    first_loss: float | None
+    last_loss: float | None
+    eval_loss: float | None
+    tokens_per_s: float
+    peak_memory_bytes: int
+    skipped_steps: int
+    interrupted: bool
+    checkpoints: list[str] = field(default_factory=list)
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``output_dir``, if any."""
+    found = sorted((Path(output_dir) / CHECKPOINTS).glob("step-*"))
+    complete = [p for p in found if (p / "meta.json").exists()]
+    return complete[-1] if complete else None
+
+
+class _StopRequest:
+    """Turns SIGTERM/SIGINT into a flag checked between steps (a second Ctrl-C aborts)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopRequest:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"signal {signum}: stopping after this step and saving a checkpoint", file=sys.stderr, flush=True)
+
+
+def run_training(cfg: Config, resume: bool | str = False, progress: bool = True) -> TrainSummary:
+    """Train as ``cfg`` says; see the module docstring.
+
+    Args:
+        cfg: validated configuration.
+        resume: ``True`` = continue from the newest checkpoint in ``train.output_dir`` (fresh
+            start when there is none); a path = continue from that checkpoint.
+        progress: show a progress bar on a terminal.
+    """
+    out = Path(cfg.train.output_dir)
+    tokens = load_tokens(cfg.data.path)
+    data = TokenBatches(tokens, cfg.data.seq_len, cfg.data.val_fraction, cfg.seed)
+    vocab = int(cfg.model.overrides.get("vocab_size", max(256, data.max_token + 1)))
+    if data.max_token >= vocab:
+        raise ValueError(f"data tokens go up to {data.max_token} but model.overrides.vocab_size = {vocab}")
+    model = build_model(cfg.model.name, cfg.model.overrides, vocab, cfg.data.seq_len, cfg.seed)
+    engine = initialize(model, cfg, loss_fn=causal_lm_loss)
+    metrics = MetricsLog(out / "metrics.jsonl")
+    start = _resume(engine, out, resume, metrics)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(cfg.model_dump_json(indent=1))
+    return _loop(engine, cfg, data, metrics, start, progress)
+
+
+def _resume(engine: Engine, out: Path, resume: bool | str, metrics: MetricsLog) -> int:
+    if not resume:
+        return 0
+    path = Path(resume) if isinstance(resume, str) else latest_checkpoint(out)
+    if path is None:
+        print(f"resume: no checkpoint in {out / CHECKPOINTS}; starting at step 0", file=sys.stderr)
+        return 0
+    client = engine.load_checkpoint(path)
+    step = int(client["data_step"])
+    metrics.truncate_after(step)
+    print(f"resume: continuing from {path} at step {step}", file=sys.stderr)
+    return step
+
+
+def _loop(engine: Engine, cfg: Config, data: TokenBatches, metrics: MetricsLog, start: int,
+          progress: bool) -> TrainSummary:
+    per_rank = engine.options.batch.micro_batch * engine.options.batch.accumulation_steps
+    tokens_per_step = per_rank * cfg.data.seq_len
+    reset_peak_memory(engine.device)
+    bar = tqdm(total=cfg.train.steps, initial=start, file=sys.stderr, dynamic_ncols=True,
+               disable=not (progress and sys.stderr.isatty()), unit="step")
+    first: float | None = None
+    last: float | None = None
+    eval_loss: float | None = None
+    saved: list[str] = []
+    elapsed, step = 0.0, start
+    with _StopRequest() as stop:
+        for step in range(start + 1, cfg.train.steps + 1):
+            t0 = time.perf_counter()
+            last = engine.train_batch(data.train_batch(step - 1, per_rank))
+            dt = time.perf_counter() - t0
+            elapsed += dt
+            first = last if first is None else first
+            record = _step_record(engine, step, last, tokens_per_step / dt)
+            metrics.write(record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{last:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                            mem=f"{record['peak_memory_bytes'] / 2**30:.2f}GiB")
+            if step % cfg.steps_per_print == 0 or step == cfg.train.steps:
+                print(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()), flush=True)
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0 or step == cfg.train.steps:
+                eval_loss = _evaluate(engine, data, cfg.train.eval_batches, per_rank)
+                metrics.write({"step": step, "eval_loss": eval_loss})
+                print(f"step={step} eval_loss={eval_loss:.6g}", flush=True)
+            boundary = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0
+            if boundary or step == cfg.train.steps or stop.requested:
+                saved.append(str(_save(engine, Path(cfg.train.output_dir), step, cfg.train.keep_checkpoints)))
+            if stop.requested:
+                break
+        bar.close()
+        interrupted = stop.requested and step < cfg.train.steps
+    done = step - start
+    summary = TrainSummary(
+        steps=step, start_step=start, first_loss=first, last_loss=last, eval_loss=eval_loss,
+        tokens_per_s=tokens_per_step * done / elapsed if elapsed else 0.0,
+        peak_memory_bytes=peak_memory_bytes(engine.device), skipped_steps=engine.skipped_steps,
+        interrupted=interrupted, checkpoints=saved,
+    )
+    Path(cfg.train.output_dir, "summary.json").write_text(json.dumps(summary.__dict__, indent=1))
+    return summary
+
+
+def _step_record(engine: Engine, step: int, loss: float, tokens_per_s: float) -> dict[str, Any]:
+    record: dict[str, Any] = {"step": step, "loss": loss, "lr": engine.get_lr()[0],
+                              "tokens_per_s": tokens_per_s,
+                              "peak_memory_bytes": peak_memory_bytes(engine.device)}
+    if engine.scaler is not None:
+        record["loss_scale"] = engine.loss_scale
+    if engine.skipped_steps:
+        record["skipped_steps"] = engine.skipped_steps
+    if engine.options.wall_clock_breakdown:
+        t = engine.last_timings
+        record.update(forward_s=t.forward, backward_s=t.backward, step_s=t.step)
+    return record
+
+
+def _evaluate(engine: Engine, data: TokenBatches, batches: int, batch_size: int) -> float:
+    return sum(engine.eval_batch(data.eval_batch(i, batch_size)) for i in range(batches)) / batches
+
+
+def _save(engine: Engine, out: Path, step: int, keep: int) -> Path:
+    path = engine.save_checkpoint(out / CHECKPOINTS / f"step-{step:07d}", client_state={"data_step": step})
+    for old in sorted((out / CHECKPOINTS).glob("step-*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
