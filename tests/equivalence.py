@@ -1,0 +1,225 @@
+"""The shared equivalence suite: N steps of the engine must equal a plain PyTorch loop.
+
+A *model case* builds a model deterministically and yields its batches; a *mode* is a
+config fragment (one technique or a combination) plus what the plain loop must do to be
+the same math (autocast dtype, clipping, schedule). Later techniques add a ``Mode`` to
+``MODES`` — not a new suite. The plain loop below is written out by hand on purpose: it is
+the specification the engine is checked against, and shares no code with the engine.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hybridtrain as ht
+from hybridtrain.models.gpt import GPT, GPTConfig, causal_lm_loss
+
+SEED = 1234
+STEPS = 4
+BATCH = 8
+# Adam divides each gradient element by its running RMS, so an element whose gradient is
+# at the rounding level gets an O(lr) update either way; a larger eps keeps such elements
+# from turning summation-order noise into visible parameter differences.
+OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.01}}
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    """A model shape the suite covers."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    batches: Callable[[int], list[Any]]
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None
+    plain_loss: Callable[[nn.Module, Any], torch.Tensor]
+    """The loss as a plain loop computes it (written independently of the engine)."""
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A technique (or combination) under test and the plain loop's matching settings."""
+
+    name: str
+    config: dict[str, Any]
+    autocast_dtype: torch.dtype | None = None
+    clip: float = 0.0
+    lr_lambda: Callable[[int], float] | None = None
+    rtol: float = 1e-5
+    atol: float = 1e-6
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class MLPStack(nn.Sequential):
+    """``nn.Sequential`` regression model."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__(nn.Linear(16, 32), nn.GELU(), nn.Dropout(dropout), nn.Linear(32, 32), nn.GELU(),
+                         nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def _regression_batches(steps: int) -> list[Any]:
+    gen = torch.Generator().manual_seed(SEED)
+    return [(torch.randn(BATCH, 16, generator=gen), torch.randn(BATCH, 4, generator=gen)) for _ in range(steps)]
+
+
+def _token_batches(vocab: int, seq: int) -> Callable[[int], list[Any]]:
+    def make(steps: int) -> list[Any]:
+        gen = torch.Generator().manual_seed(SEED)
+        out = []
+        for _ in range(steps):
+            tokens = torch.randint(0, vocab, (BATCH, seq + 1), generator=gen)
+            out.append((tokens[:, :-1], tokens[:, 1:]))
+        return out
+    return make
+
+
+def _hf_batches(vocab: int, seq: int) -> Callable[[int], list[Any]]:
+    def make(steps: int) -> list[Any]:
+        gen = torch.Generator().manual_seed(SEED)
+        out = []
+        for _ in range(steps):
+            ids = torch.randint(0, vocab, (BATCH, seq), generator=gen)
+            out.append({"input_ids": ids, "labels": ids.clone()})
+        return out
+    return make
+
+
+def _plain_token_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    logits = model(batch[0])
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[1].reshape(-1))
+
+
+def gpt_case(dropout: float = 0.0) -> ModelCase:
+    """Reference GPT: a ModuleList of blocks with tied embeddings."""
+    cfg = GPTConfig(n_layer=3, n_head=2, d_model=32, seq_len=16, vocab_size=64, dropout=dropout)
+    return ModelCase(
+        name=f"gpt_tied{'_dropout' if dropout else ''}",
+        build=lambda: GPT(cfg),
+        batches=_token_batches(64, 16),
+        loss_fn=causal_lm_loss,
+        plain_loss=_plain_token_loss,
+    )
+
+
+def _hf_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+def _hf_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
+    return LlamaForCausalLM(cfg)
+
+
+def _plain_hf_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    logits = model(input_ids=batch["input_ids"]).logits[:, :-1]
+    labels = batch["labels"][:, 1:]
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1))
+
+
+def model_cases() -> dict[str, ModelCase]:
+    """Every model shape: Sequential, ModuleList with tied embeddings, HF GPT-2 and Llama."""
+    cases = {
+        "sequential": ModelCase("sequential", MLPStack, _regression_batches,
+                                lambda out, batch: F.mse_loss(out, batch[1]),
+                                lambda model, batch: F.mse_loss(model(batch[0]), batch[1])),
+        "gpt_tied": gpt_case(),
+    }
+    cases["hf_gpt2"] = ModelCase("hf_gpt2", _hf_gpt2, _hf_batches(64, 16), None, _plain_hf_loss)
+    cases["hf_llama"] = ModelCase("hf_llama", _hf_llama, _hf_batches(64, 16), None, _plain_hf_loss)
+    return cases
+
+
+def _warmup_cosine(step: int) -> float:
+    # Written out independently of hybridtrain.runtime.optim: warm-up 2 steps, cosine to 0.1 at step 6.
+    if step < 2:
+        return step / 2
+    done = min(1.0, (step - 2) / 4)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done))
+
+
+MODES: dict[str, Mode] = {
+    "plain": Mode("plain", {}),
+    "accum2": Mode("accum2", {"gradient_accumulation_steps": 2}),
+    "accum4": Mode("accum4", {"gradient_accumulation_steps": 4}),
+    "accum8": Mode("accum8", {"gradient_accumulation_steps": 8}),
+    "checkpoint": Mode("checkpoint", {"activation_checkpointing": {"enabled": True}}),
+    "checkpoint_every2_accum2": Mode("checkpoint_every2_accum2", {
+        "gradient_accumulation_steps": 2, "activation_checkpointing": {"enabled": True, "every_n_blocks": 2}}),
+    "clip_schedule": Mode("clip_schedule", {
+        "gradient_clipping": 0.05,
+        "scheduler": {"type": "cosine", "params": {"warmup_num_steps": 2, "total_num_steps": 6, "cos_min_ratio": 0.1}},
+    }, clip=0.05, lr_lambda=_warmup_cosine),
+    "bf16": Mode("bf16", {"bf16": {"enabled": True}}, autocast_dtype=torch.bfloat16),
+    "fp16": Mode("fp16", {"fp16": {"enabled": True}}, autocast_dtype=torch.float16, extra={"grad_scaler": True}),
+}
+
+
+def plain_run(case: ModelCase, mode: Mode, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The specification: a hand-written full-batch PyTorch loop."""
+    torch.manual_seed(SEED)
+    model = case.build()
+    opt = torch.optim.AdamW(model.parameters(), **OPTIMIZER["params"])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, mode.lr_lambda) if mode.lr_lambda else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16) if mode.extra.get("grad_scaler") else None
+    losses = []
+    torch.manual_seed(SEED + 1)
+    for batch in case.batches(steps):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=mode.autocast_dtype or torch.bfloat16, enabled=mode.autocast_dtype is not None):
+            loss = case.plain_loss(model, batch)
+        if scaler:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+        else:
+            loss.backward()
+        if mode.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), mode.clip)
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        if sched:
+            sched.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def engine_config(mode: Mode, **extra: Any) -> dict[str, Any]:
+    """The engine config of a mode (on CPU, with the suite's optimizer)."""
+    return {"device": "cpu", "optimizer": copy.deepcopy(OPTIMIZER), **copy.deepcopy(mode.config), **extra}
+
+
+def engine_run(case: ModelCase, mode: Mode, steps: int = STEPS,
+               **extra: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The same training through ``hybridtrain.initialize`` and ``train_batch``."""
+    torch.manual_seed(SEED)
+    model = case.build()
+    engine = ht.initialize(model, engine_config(mode, **extra), loss_fn=case.loss_fn)
+    torch.manual_seed(SEED + 1)
+    losses = [engine.train_batch(batch) for batch in case.batches(steps)]
+    return losses, engine.model_state_dict()
+
+
+def assert_same_training(expected: tuple[list[float], dict[str, torch.Tensor]],
+                         actual: tuple[list[float], dict[str, torch.Tensor]], rtol: float, atol: float) -> None:
+    """Losses and every parameter agree within tolerance."""
+    torch.testing.assert_close(torch.tensor(actual[0]), torch.tensor(expected[0]), rtol=rtol, atol=atol)
+    assert actual[1].keys() == expected[1].keys()
+    for name, value in expected[1].items():
+        torch.testing.assert_close(actual[1][name], value, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")

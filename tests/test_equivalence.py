@@ -1,0 +1,20 @@
+"""Every technique × every model shape: the engine equals the plain loop (fp32 rtol 1e-5)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.equivalence import MODES, assert_same_training, engine_run, model_cases, plain_run
+
+CASES = model_cases()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("case", list(CASES))
+def test_engine_matches_plain_loop(case: str, mode: str) -> None:
+    if case.startswith("hf_"):
+        pytest.importorskip("transformers")
+    m = MODES[mode]
+    expected = plain_run(CASES[case], m)
+    actual = engine_run(CASES[case], m)
+    assert_same_training(expected, actual, rtol=m.rtol, atol=m.atol)
