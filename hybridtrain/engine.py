@@ -26,6 +26,8 @@ from torch import nn
 
 from hybridtrain import checkpoint as ckpt
 from hybridtrain.config import BatchSizes, Config
+from hybridtrain.parallel.mesh import Topology
+from hybridtrain.parallel.runtime import ParallelRuntime
 from hybridtrain.runtime import device as dev
 from hybridtrain.runtime.batch import Batch, LossFn, batch_size, compute_loss, run_model, split_batch, to_device
 from hybridtrain.runtime.precision import LossScaler, autocast
@@ -56,6 +58,7 @@ class EngineOptions:
     nonfinite_loss: str = "error"
     wall_clock_breakdown: bool = False
     setup: dict[str, Any] = field(default_factory=dict)
+    parallel: ParallelRuntime | None = None
 
 
 class Engine:
@@ -82,6 +85,8 @@ class Engine:
         self.global_step = 0
         self.last_timings = StepTimings()
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
+        # Everything that differs when several processes cooperate goes through this object.
+        self.parallel = options.parallel or ParallelRuntime(module)
         self._nonfinite_skips = 0
         self._manual_micro_steps = 0
         self._manual_loss: torch.Tensor | None = None
@@ -106,14 +111,16 @@ class Engine:
         weight = 1.0 / len(micro_batches)
         total = torch.zeros((), device=self.device)
         self.optimizer.zero_grad(set_to_none=True)
-        for micro in micro_batches:
+        for index, micro in enumerate(micro_batches):
             micro = to_device(micro, self.device)
+            # Gradients cross processes once per step: after the last micro-batch.
+            self.parallel.set_grad_sync(index == len(micro_batches) - 1)
             with self._timed("forward"), autocast(self.device, self.options.compute_dtype):
-                loss = compute_loss(run_model(self.module, micro), micro, self.loss_fn)
+                loss = compute_loss(run_model(self.parallel.module, micro), micro, self.loss_fn)
             total += loss.detach().float() * weight
             with self._timed("backward"):
                 self._scaled_backward(loss * weight)
-        value = float(total.item())
+        value = float(self.parallel.mean_loss(total).item())
         with self._timed("step"):
             self._optimizer_step(value)
         self.last_timings.total = time.perf_counter() - start
@@ -133,8 +140,8 @@ class Engine:
                 for micro in split_batch(batch, chunks):
                     micro = to_device(micro, self.device)
                     with autocast(self.device, self.options.compute_dtype):
-                        loss = compute_loss(run_model(self.module, micro), micro, self.loss_fn)
-                    total += float(loss.float()) / chunks
+                        loss = compute_loss(run_model(self.parallel.module, micro), micro, self.loss_fn)
+                    total += float(self.parallel.mean_loss(loss.float())) / chunks
         finally:
             self.module.train(was_training)
         return total
@@ -148,8 +155,9 @@ class Engine:
         """Forward pass under the engine's precision (inputs are moved to the device)."""
         self.module.train()
         args, kwargs = to_device((args, kwargs), self.device)
+        self.parallel.set_grad_sync(self.is_gradient_accumulation_boundary())
         with autocast(self.device, self.options.compute_dtype):
-            return self.module(*args, **kwargs)
+            return self.parallel.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss, scaled by 1/accumulation (and the loss scale)."""
@@ -169,7 +177,7 @@ class Engine:
         self._manual_micro_steps += 1
         if self._manual_micro_steps < self.options.batch.accumulation_steps:
             return False
-        value = float(self._manual_loss.item()) if self._manual_loss is not None else 0.0
+        value = float(self.parallel.mean_loss(self._manual_loss).item()) if self._manual_loss is not None else 0.0
         self._manual_micro_steps, self._manual_loss = 0, None
         self._optimizer_step(value)
         return True
@@ -186,7 +194,7 @@ class Engine:
         """Unscale, check, clip, step, schedule; returns False when the step was skipped."""
         self.global_step += 1
         if self.scaler is not None:
-            finite = self.scaler.unscale_and_check(self._params)
+            finite = self.parallel.all_finite(self.scaler.unscale_and_check(self._params))
             self.scaler.update(overflow=not finite)
             if not finite:
                 self.optimizer.zero_grad(set_to_none=True)
@@ -201,7 +209,7 @@ class Engine:
             self.optimizer.zero_grad(set_to_none=True)
             return False
         if self.options.gradient_clipping > 0:
-            torch.nn.utils.clip_grad_norm_(self._params, self.options.gradient_clipping)
+            self.parallel.clip_grad_norm(self._params, self.options.gradient_clipping)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
@@ -234,14 +242,30 @@ class Engine:
         return [float(group["lr"]) for group in self.optimizer.param_groups]
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's full state dict as CPU copies: what the user's model now holds."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+        """The model's full (unsharded) state dict as CPU copies, on every rank.
+
+        Under ZeRO or tensor/pipeline parallel this is a collective: call it on every rank.
+        """
+        return self.parallel.model_state_dict()
+
+    @property
+    def topology(self) -> Topology:
+        """Sizes and this rank's coordinates in ``dp × tp × pp``."""
+        return self.parallel.topology
+
+    def local_batch(self, global_batch: Batch) -> Batch:
+        """The part of ``global_batch`` this rank trains on (its data-parallel shard)."""
+        return self.parallel.topology.local_batch(global_batch)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str | Path, client_state: dict[str, Any] | None = None) -> Path:
-        """Atomically save everything an exact resume needs, plus ``client_state``."""
+        """Atomically save everything an exact resume needs, plus ``client_state``.
+
+        With several processes, call it on every rank: states are gathered, rank 0 writes.
+        """
+        model_state = self.parallel.model_state_dict()
         engine_state = {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self.parallel.optimizer_state_dict(self.optimizer),
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
             "scaler": self.scaler.state_dict() if self.scaler else None,
             "global_step": self.global_step,
@@ -251,10 +275,13 @@ class Engine:
         }
         meta = {
             "step": self.global_step,
-            "params": {k: list(v.shape) for k, v in self.module.state_dict().items()},
+            "params": {k: list(v.shape) for k, v in model_state.items()},
             "setup": self.options.setup,
         }
-        return ckpt.save_checkpoint(path, {"model.pt": self.module.state_dict(), "engine.pt": engine_state}, meta)
+        if self.parallel.is_writer:
+            ckpt.save_checkpoint(path, {"model.pt": model_state, "engine.pt": engine_state}, meta)
+        self.parallel.barrier()
+        return Path(path)
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         """Restore a checkpoint saved by :meth:`save_checkpoint`; returns its ``client_state``.
@@ -266,8 +293,8 @@ class Engine:
         files, meta = ckpt.load_checkpoint(path)
         self._check_compatible(Path(path), meta)
         state = files["engine.pt"]
-        self.module.load_state_dict(files["model.pt"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.parallel.load_model_state_dict(files["model.pt"])
+        self.parallel.load_optimizer_state_dict(self.optimizer, state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state["scaler"] is not None:
@@ -279,7 +306,7 @@ class Engine:
         return client
 
     def _check_compatible(self, path: Path, meta: dict[str, Any]) -> None:
-        mine = {k: list(v.shape) for k, v in self.module.state_dict().items()}
+        mine = {k: list(v.shape) for k, v in self.parallel.model_state_shapes().items()}
         theirs: dict[str, list[int]] = meta["params"]
         problems = [f"missing parameter {k!r}" for k in mine if k not in theirs][:3]
         problems += [f"unexpected parameter {k!r}" for k in theirs if k not in mine][:3]

@@ -6,17 +6,26 @@ from __future__ import annotations
 
 from hybridtrain.config.loading import ConfigError
 from hybridtrain.config.schema import Config
+from hybridtrain.parallel.mesh import resolve_sizes
+
+
+def parallel_sizes(cfg: Config, world_size: int) -> tuple[int, int, int]:
+    """The ``(dp, tp, pp)`` sizes of this run (``-1`` resolved), checked against the world size.
+
+    Raises:
+        ConfigError: sizes that do not multiply to / divide the world size.
+    """
+    try:
+        return resolve_sizes(world_size, cfg.data_parallel.size, cfg.tensor_model_parallel_size,
+                             cfg.pipeline_model_parallel_size)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def check_supported(cfg: Config, world_size: int) -> None:
     """Raise :class:`ConfigError` for the first setting this run cannot honour."""
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
-    if world_size % (tp * pp):
-        raise ConfigError(
-            f"tensor_model_parallel_size={tp} × pipeline_model_parallel_size={pp} needs a world "
-            f"size that is a multiple of {tp * pp}, but this run has {world_size} process"
-            f"{'es' if world_size > 1 else ''}; launch {tp * pp} (e.g. torchrun --nproc-per-node {tp * pp})"
-        )
+    parallel_sizes(cfg, world_size)
     not_yet = {
         "tensor_model_parallel_size": tp > 1,
         "pipeline_model_parallel_size": pp > 1,
@@ -37,11 +46,6 @@ def check_supported(cfg: Config, world_size: int) -> None:
             value = _value_at(cfg, key)
             raise ConfigError(f"config {key} = {value!r} is not supported yet by hybridtrain; remove it or "
                               "set it to its default")
-    if world_size > 1:
-        raise ConfigError(
-            f"this run has {world_size} processes (WORLD_SIZE), but data parallelism is not "
-            "supported yet; run one process"
-        )
 
 
 def _value_at(cfg: Config, dotted: str) -> object:

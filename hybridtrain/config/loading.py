@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,21 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from hybridtrain.config.schema import UNSUPPORTED_DEEPSPEED_KEYS, Config
+
+
+class _YAMLLoader(yaml.SafeLoader):
+    """SafeLoader that reads ``3e-4`` as a float, as YAML 1.2 and JSON do (YAML 1.1 needs a dot)."""
+
+
+_YAMLLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_YAMLLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 class ConfigError(ValueError):
@@ -66,7 +82,7 @@ def _read_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {str(path)!r} does not exist")
     text = path.read_text(encoding="utf-8")
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        data = json.loads(text) if path.suffix == ".json" else _yaml_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         detail = " ".join(str(exc).split())
         raise ConfigError(f"config file {str(path)!r} is not valid JSON/YAML: {detail}") from None
@@ -83,10 +99,7 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     key, sep, text = item.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override {item!r} must look like section.key=value")
-    try:
-        value = yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError:
-        value = text
+    value = _parse_value(text)
     node = raw
     parts = key.strip().split(".")
     for part in parts[:-1]:
@@ -97,6 +110,14 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
             raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
         node = child
     node[parts[-1]] = value
+
+
+def _parse_value(text: str) -> Any:
+    """A YAML scalar or list; text that is not valid YAML stays a string."""
+    try:
+        return _yaml_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        return text
 
 
 def _reject_unsupported(raw: Mapping[str, Any]) -> None:

@@ -143,6 +143,22 @@ class ActivationCheckpointingConfig(Section):
     """DeepSpeed: time checkpoint functions (not supported yet)."""
 
 
+class DataParallelConfig(Section):
+    """Data parallel (DDP) over the replicas of the ``dp × tp × pp`` topology."""
+
+    size: int = Field(default=-1, ge=-1)
+    """Number of data-parallel replicas; -1 = the rest (world size / (tensor × pipeline sizes))."""
+    gradient_compression: Literal["none", "fp16", "bf16", "powersgd"] = "none"
+    """Gradient all-reduce compression (DDP comm hook): ``none`` is exact; ``fp16``/``bf16``
+    round gradients to half precision on the wire; ``powersgd`` sends low-rank factors."""
+    powersgd_rank: int = Field(default=1, ge=1)
+    """Rank of PowerSGD's low-rank gradient approximation (higher = closer to exact)."""
+    powersgd_start_iter: int = Field(default=2, ge=2)
+    """Exact all-reduce steps before PowerSGD starts compressing."""
+    bucket_cap_mb: float = Field(default=25.0, gt=0.0)
+    """DDP gradient bucket size in MiB."""
+
+
 class ModelConfig(Section):
     """Which model the CLI builds, and where its repeated blocks are."""
 
@@ -216,6 +232,8 @@ class Config(Section):
     """Tensor-parallel degree."""
     pipeline_model_parallel_size: int = Field(default=1, ge=1)
     """Pipeline-parallel degree (number of stages)."""
+    data_parallel: DataParallelConfig = Field(default_factory=DataParallelConfig)
+    """Data parallel (DDP) and gradient compression."""
     steps_per_print: int = Field(default=10, ge=1)
     """Print a ``step=… loss=…`` line every n optimizer steps."""
     wall_clock_breakdown: bool = False

@@ -1,0 +1,166 @@
+"""Optuna samplers, pruners and distributions built from an :class:`ExperimentSpec`.
+
+This is the one place that maps spec names (``tpe``, ``asha`` …) to Optuna classes, so
+validation and the controller can never disagree about what a name means.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import TYPE_CHECKING, Any
+
+from hybridtrain.hpo.errors import SpecError
+from hybridtrain.hpo.spec import CategoricalParam, ExperimentSpec, FloatParam, IntParam
+
+if TYPE_CHECKING:
+    import optuna
+
+# name -> (Optuna class name, packages it needs beyond optuna)
+_SAMPLERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "random": ("RandomSampler", ()),
+    "grid": ("GridSampler", ()),
+    "tpe": ("TPESampler", ()),
+    "cmaes": ("CmaEsSampler", ("cmaes",)),
+    "qmc": ("QMCSampler", ("scipy",)),
+    "gp": ("GPSampler", ("scipy", "torch")),
+}
+_PRUNERS: dict[str, str] = {
+    "none": "NopPruner",
+    "median": "MedianPruner",
+    "percentile": "PercentilePruner",
+    "asha": "SuccessiveHalvingPruner",
+    "hyperband": "HyperbandPruner",
+}
+# Options that are objects, not plain values, cannot come from a YAML file.
+_CALLABLE_OPTIONS = {"gamma", "weights", "constraints_func", "independent_sampler",
+                     "source_trials", "search_space"}
+# Cap on grid size we are willing to enumerate during validation.
+_MAX_GRID = 1_000_000
+
+
+def distributions(spec: ExperimentSpec) -> dict[str, optuna.distributions.BaseDistribution]:
+    """The Optuna distribution of every parameter of ``spec``, in spec order."""
+    from optuna.distributions import (
+        CategoricalDistribution,
+        FloatDistribution,
+        IntDistribution,
+    )
+
+    out: dict[str, Any] = {}
+    for name, p in spec.parameters.items():
+        if isinstance(p, FloatParam):
+            out[name] = FloatDistribution(p.low, p.high, log=p.log, step=p.step)
+        elif isinstance(p, IntParam):
+            out[name] = IntDistribution(p.low, p.high, log=p.log, step=p.step)
+        else:
+            out[name] = CategoricalDistribution(p.choices)
+    return out
+
+
+def grid_space(spec: ExperimentSpec) -> dict[str, list[Any]]:
+    """Every value of every parameter, for the grid sampler.
+
+    Raises:
+        SpecError: a float parameter has no ``step`` (a grid needs finitely many values).
+    """
+    space: dict[str, list[Any]] = {}
+    for name, p in spec.parameters.items():
+        if isinstance(p, CategoricalParam):
+            space[name] = list(p.choices)
+        elif isinstance(p, IntParam):
+            space[name] = list(range(p.low, p.high + 1, p.step))
+        elif p.step is None:
+            raise SpecError(
+                f"invalid experiment spec: field 'parameters.{name}.step': algorithm grid "
+                "needs a step for float parameters; got null"
+            )
+        else:
+            count = int((p.high - p.low) / p.step + 1e-9) + 1
+            space[name] = [round(p.low + i * p.step, 12) for i in range(count)]
+    return space
+
+
+def _construct(kind: str, name: str, cls_name: str, options: dict[str, Any],
+               internal: dict[str, Any] | None = None) -> Any:
+    import optuna
+
+    module = optuna.samplers if kind == "algorithm" else optuna.pruners
+    cls = getattr(module, cls_name)
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self"} - _CALLABLE_OPTIONS
+    for key in options:
+        if key not in accepted:
+            raise SpecError(
+                f"invalid experiment spec: field '{kind}.{key}': unknown option for {name}; "
+                f"allowed: {', '.join(sorted(accepted)) or 'none'}"
+            )
+    try:
+        return cls(**options, **(internal or {}))
+    except (TypeError, ValueError) as exc:
+        raise SpecError(
+            f"invalid experiment spec: field '{kind}': {name} rejected options "
+            f"{options}: {exc}"
+        ) from None
+
+
+def build_sampler(spec: ExperimentSpec) -> optuna.samplers.BaseSampler:
+    """The sampler named by ``spec.algorithm``, seeded and with its options.
+
+    Raises:
+        SpecError: a needed package is missing, or an option is unknown or rejected.
+    """
+    algo = spec.algorithm
+    cls_name, packages = _SAMPLERS[algo.name]
+    for package in packages:
+        try:
+            importlib.import_module(package)
+        except ImportError:
+            raise SpecError(
+                f"invalid experiment spec: field 'algorithm.name': {algo.name!r} needs the "
+                f"package {package!r}; install it (pip install {package}) or pick another"
+            ) from None
+    internal = {"search_space": grid_space(spec)} if algo.name == "grid" else None
+    return _construct("algorithm", algo.name, cls_name,  # type: ignore[no-any-return]
+                      algo.options | {"seed": algo.seed}, internal)
+
+
+def build_pruner(spec: ExperimentSpec) -> optuna.pruners.BasePruner:
+    """The pruner named by ``spec.early_stopping`` with its options.
+
+    Raises:
+        SpecError: an option is unknown, missing (``percentile``) or rejected.
+    """
+    es = spec.early_stopping
+    if es.name == "none" and es.options:
+        raise SpecError(
+            "invalid experiment spec: field 'early_stopping': name none takes no options; "
+            f"got {sorted(es.options)}"
+        )
+    if es.name == "percentile" and "percentile" not in es.options:
+        raise SpecError(
+            "invalid experiment spec: field 'early_stopping.percentile': required for "
+            "percentile (a number in [0, 100]); got nothing"
+        )
+    return _construct("early_stopping", es.name, _PRUNERS[es.name], es.options)  # type: ignore[no-any-return]
+
+
+def check_algorithms(spec: ExperimentSpec) -> None:
+    """Build the sampler and pruner once so a bad option fails before any work starts.
+
+    Raises:
+        SpecError: see :func:`build_sampler`, :func:`build_pruner`; or ``max_trials``
+            exceeds the grid size.
+    """
+    build_sampler(spec)
+    build_pruner(spec)
+    if spec.algorithm.name == "grid":
+        size = 1
+        for values in grid_space(spec).values():
+            size *= len(values)
+            if size > _MAX_GRID:
+                break
+        if spec.max_trials > size:
+            raise SpecError(
+                f"invalid experiment spec: field 'max_trials': exceeds the grid size {size}; "
+                f"got {spec.max_trials}, set it to at most {size}"
+            )

@@ -1,0 +1,140 @@
+"""The REST API of the HPO service (FastAPI; OpenAPI schema at ``/openapi.json``).
+
+=======  =================================  ===========================================
+method   path                               what
+=======  =================================  ===========================================
+GET      /health                            liveness, no token needed
+GET      /v1/experiments                    every experiment's status
+POST     /v1/experiments                    create (or resume) from a spec; starts a worker
+GET      /v1/experiments/{name}             status and spec
+POST     /v1/experiments/{name}/stop        stop its trials (resumable)
+GET      /v1/experiments/{name}/trials      trials with parameters and metrics
+GET      /v1/experiments/{name}/best        best value, parameters, trial number
+=======  =================================  ===========================================
+
+Every ``/v1`` route needs ``Authorization: Bearer TOKEN``. Errors are JSON
+``{"detail": "one line"}``: 401 without token, 404 unknown experiment, 409 a spec that
+conflicts with the stored experiment, 422 an invalid spec.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import Body, Depends, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from hybridtrain import __version__
+from hybridtrain.hpo.auth import token_matches
+from hybridtrain.hpo.errors import ExperimentNotFoundError, HPOError, SpecError, StorageError
+from hybridtrain.hpo.experiments import ExperimentStore
+from hybridtrain.hpo.spec import ExperimentSpec, load_spec
+
+Launcher = Callable[[ExperimentSpec, str], Any]
+
+
+def launch_worker(spec: ExperimentSpec, storage_url: str) -> subprocess.Popen[bytes]:
+    """Start ``python -m hybridtrain.hpo worker NAME`` in its own session.
+
+    The worker is an ordinary controller: it outlives the server and can be stopped
+    through the API. Its output goes to ``OUTPUT_DIR/NAME/worker.log``.
+    """
+    log_dir = Path(spec.output_dir) / spec.name
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with (log_dir / "worker.log").open("ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "hybridtrain.hpo", "worker", spec.name,
+             "--storage", storage_url],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+
+
+def create_app(store: ExperimentStore, token: str, launcher: Launcher | None = launch_worker,
+               dashboard: bool = True) -> FastAPI:
+    """The FastAPI application.
+
+    Args:
+        store: the experiments' storage.
+        token: the bearer token every ``/v1`` request must carry.
+        launcher: starts a controller for a created experiment (``None``: create only,
+            e.g. when workers are started separately with ``hpo worker``).
+        dashboard: mount optuna-dashboard at ``/`` (behind the same token).
+
+    Returns:
+        The app, ready for uvicorn or FastAPI's ``TestClient``.
+    """
+    app = FastAPI(title="hybridtrain HPO", version=__version__,
+                  description="Katib-style hyperparameter optimization on Optuna.")
+    scheme = HTTPBearer(auto_error=False)
+    workers: list[Any] = []
+
+    def authorized(
+        cred: Annotated[HTTPAuthorizationCredentials | None, Depends(scheme)],
+    ) -> None:
+        if cred is None or not token_matches(token, cred.credentials):
+            raise HTTPException(401, "missing or invalid bearer token",
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(HPOError)
+    async def _hpo_error(_request: Request, exc: HPOError) -> JSONResponse:
+        code = {ExperimentNotFoundError: 404, SpecError: 422, StorageError: 503}.get(
+            type(exc), 409)
+        return JSONResponse({"detail": str(exc)}, status_code=code)
+
+    auth = [Depends(authorized)]
+
+    @app.get("/health")
+    def health() -> dict[str, str]:
+        """Liveness probe (no token needed)."""
+        return {"status": "ok"}
+
+    @app.get("/v1/experiments", dependencies=auth)
+    def list_experiments() -> list[dict[str, Any]]:
+        """Every experiment with its state and trial counts."""
+        return store.list()
+
+    @app.post("/v1/experiments", dependencies=auth, status_code=201)
+    def create_experiment(spec: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
+        """Validate a spec, store the experiment (or resume it) and start a worker."""
+        parsed = load_spec(spec)
+        record = store.create(parsed)
+        if launcher is not None and record.state == "running":
+            # Reap finished workers so a long-lived server collects no zombies.
+            workers[:] = [w for w in workers if getattr(w, "poll", lambda: 0)() is None]
+            workers.append(launcher(parsed, store.url))
+        return store.status(parsed.name)
+
+    @app.get("/v1/experiments/{name}", dependencies=auth)
+    def get_experiment(name: str) -> dict[str, Any]:
+        """Status and stored spec of one experiment."""
+        return store.status(name) | {"spec": store.records.get(name).spec}
+
+    @app.post("/v1/experiments/{name}/stop", dependencies=auth)
+    def stop_experiment(name: str) -> dict[str, Any]:
+        """Stop the experiment's trials on every controller; resumable later."""
+        return store.stop(name)
+
+    @app.get("/v1/experiments/{name}/trials", dependencies=auth)
+    def list_trials(name: str) -> list[dict[str, Any]]:
+        """Trials with state, value, parameters, metrics and intermediate values."""
+        return store.trials(name)
+
+    @app.get("/v1/experiments/{name}/best", dependencies=auth)
+    def best(name: str) -> dict[str, Any]:
+        """The best completed trial (404 while none has completed)."""
+        try:
+            return store.best(name)
+        except ExperimentNotFoundError:
+            raise
+        except HPOError as exc:
+            raise HTTPException(404, str(exc)) from None
+
+    if dashboard:
+        from hybridtrain.hpo.dashboard import dashboard_app
+
+        app.mount("/", dashboard_app(store.optuna_storage, token))
+    return app

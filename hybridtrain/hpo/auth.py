@@ -1,0 +1,120 @@
+"""Bearer-token authentication of ``hpo serve``.
+
+Trial commands run on the server, so every request except ``/health`` and the OpenAPI
+schema needs the token. It comes from ``$HYBRIDTRAIN_HPO_TOKEN``, else from a token file;
+on first start a random token is generated into that file (mode 0600) and printed once.
+A browser opens the dashboard once with ``?token=…``, which sets an HTTP-only cookie.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+from collections.abc import Awaitable, Callable, MutableMapping
+from http.cookies import SimpleCookie
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs
+
+from hybridtrain.hpo.errors import HPOError
+
+TOKEN_ENV = "HYBRIDTRAIN_HPO_TOKEN"
+COOKIE = "hybridtrain_hpo_token"
+DEFAULT_TOKEN_FILE = Path("~/.config/hybridtrain/hpo-token")
+_MIN_LENGTH = 16
+
+Scope = MutableMapping[str, Any]
+ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]],
+                   Awaitable[None]]
+
+
+def resolve_token(token_file: Path | None = None) -> tuple[str, bool]:
+    """The server's token: ``$HYBRIDTRAIN_HPO_TOKEN``, else the token file's content.
+
+    Args:
+        token_file: file holding the token (default ``~/.config/hybridtrain/hpo-token``);
+            created with a new random token when missing.
+
+    Returns:
+        ``(token, created)``; ``created`` is true when the token was just generated.
+
+    Raises:
+        HPOError: the token is shorter than 16 characters.
+    """
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    created = False
+    if not token:
+        path = (token_file or DEFAULT_TOKEN_FILE).expanduser()
+        if path.is_file():
+            token = path.read_text().strip()
+        else:
+            token = secrets.token_urlsafe(32)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(token + "\n")
+            created = True
+    if len(token) < _MIN_LENGTH:
+        raise HPOError(f"the HPO API token must have at least {_MIN_LENGTH} characters; got "
+                       f"{len(token)} (from ${TOKEN_ENV} or the token file)")
+    return token, created
+
+
+def token_matches(expected: str, given: str | None) -> bool:
+    """Constant-time comparison, so response timing does not leak the token."""
+    return given is not None and hmac.compare_digest(expected.encode(), given.encode())
+
+
+def bearer(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The bearer token of raw ASGI headers (``Authorization``) or the login cookie."""
+    for key, value in headers:
+        if key == b"authorization":
+            scheme, _, cred = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer":
+                return cred.strip()
+        if key == b"cookie":
+            morsel = SimpleCookie(value.decode("latin-1")).get(COOKIE)
+            if morsel is not None:
+                return morsel.value
+    return None
+
+
+class TokenGuard:
+    """ASGI wrapper that lets only requests with the token through to ``app``.
+
+    ``?token=…`` on a request sets the login cookie and redirects to the same path
+    without it, so the token does not stay in the browser's address bar.
+
+    Args:
+        app: the protected ASGI app (the dashboard).
+        token: the expected token.
+    """
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app, self.token = app, token
+
+    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Any]],
+                       send: Callable[[Any], Awaitable[None]]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        if token_matches(self.token, (query.get("token") or [None])[0]):
+            path = scope.get("root_path", "") + scope["path"]
+            await _respond(send, 303, b"", [(b"location", path.encode()), (
+                b"set-cookie",
+                f"{COOKIE}={self.token}; HttpOnly; SameSite=Strict; Path=/".encode())])
+            return
+        if token_matches(self.token, bearer(scope["headers"])):
+            await self.app(scope, receive, send)
+            return
+        await _respond(send, 401, b'{"detail":"missing or invalid bearer token"}',
+                       [(b"content-type", b"application/json"),
+                        (b"www-authenticate", b"Bearer")])
+
+
+async def _respond(send: Callable[[Any], Awaitable[None]], status: int, body: bytes,
+                   headers: list[tuple[bytes, bytes]]) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

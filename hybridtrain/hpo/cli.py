@@ -1,0 +1,213 @@
+"""``hybridtrain hpo …`` commands.
+
+Nothing heavy is imported here at module level (Optuna, FastAPI, matplotlib load inside
+the command functions), so ``hybridtrain --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from hybridtrain.hpo.errors import HPOError
+
+_STORAGE_HELP = "storage URL (default: $HYBRIDTRAIN_HPO_STORAGE or sqlite:///hpo.db)"
+
+
+def _errors_to_exit(func: Callable[[argparse.Namespace], int]) -> Callable[..., int]:
+    def wrapper(args: argparse.Namespace) -> int:
+        try:
+            return func(args)
+        except HPOError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+
+    wrapper.__doc__ = func.__doc__
+    return wrapper
+
+
+def _sigterm_as_interrupt(_signum: int, _frame: FrameType | None) -> None:
+    # A service manager's SIGTERM gets the same clean stop as Ctrl-C.
+    raise KeyboardInterrupt
+
+
+def _load_spec_arg(args: argparse.Namespace) -> Any:
+    from hybridtrain.hpo.spec import load_spec
+
+    if Path(args.spec).is_file() or args.spec.endswith((".yaml", ".yml", ".json")):
+        return load_spec(args.spec)
+    # Not a file: the name of a stored experiment whose spec a worker joins.
+    from hybridtrain.hpo.experiments import ExperimentStore
+
+    return ExperimentStore(args.storage).spec(args.spec)
+
+
+def _run_controller(args: argparse.Namespace, live: bool) -> int:
+    from hybridtrain.hpo.controller import Controller
+    from hybridtrain.hpo.experiments import ExperimentStore
+
+    spec = _load_spec_arg(args)
+    table = None
+    interactive = live and sys.stdout.isatty()
+    controller = Controller(spec, args.storage,
+                            on_event=None if interactive else lambda line: print(line, flush=True))
+    store = ExperimentStore(controller.url)
+    if interactive:
+        from hybridtrain.hpo.table import LiveTable
+
+        table = LiveTable(store, spec.name)
+        table.start()
+    previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    try:
+        record = controller.run()
+    except KeyboardInterrupt:
+        print(f"interrupted; resume with: hybridtrain hpo run {args.spec}", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if table is not None:
+            table.stop()
+    status = store.status(spec.name)
+    print(json.dumps(status))
+    return 0 if record.state in ("succeeded", "stopped") else 1
+
+
+@_errors_to_exit
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run an experiment to the end (resumes it when it is already stored)."""
+    return _run_controller(args, live=True)
+
+
+@_errors_to_exit
+def cmd_worker(args: argparse.Namespace) -> int:
+    """Join an experiment as one more controller (same storage, any machine)."""
+    return _run_controller(args, live=False)
+
+
+def _print(data: Any, as_json: bool, text: str) -> None:
+    print(json.dumps(data) if as_json else text)
+
+
+@_errors_to_exit
+def cmd_status(args: argparse.Namespace) -> int:
+    """Print an experiment's state and trial counts."""
+    from hybridtrain.hpo.experiments import ExperimentStore
+
+    status = ExperimentStore(args.storage).status(args.name)
+    counts = " ".join(f"{k}={v}" for k, v in status["trials"].items())
+    _print(status, args.json, f"{status['name']}: {status['state']} ({status['reason']}) "
+                              f"{counts}")
+    return 0
+
+
+@_errors_to_exit
+def cmd_best(args: argparse.Namespace) -> int:
+    """Print the best trial's value and parameters."""
+    from hybridtrain.hpo.experiments import ExperimentStore
+
+    best = ExperimentStore(args.storage).best(args.name)
+    _print(best, args.json, f"trial {best['trial']}: value={best['value']} "
+                            f"params={json.dumps(best['params'])}")
+    return 0
+
+
+@_errors_to_exit
+def cmd_list(args: argparse.Namespace) -> int:
+    """List the experiments of the storage."""
+    from hybridtrain.hpo.experiments import ExperimentStore
+
+    items = ExperimentStore(args.storage).list()
+    lines = [f"{s['name']}\t{s['state']}\t" + " ".join(f"{k}={v}" for k, v in s["trials"].items())
+             for s in items]
+    _print(items, args.json, "\n".join(lines) if lines else "no experiments")
+    return 0
+
+
+@_errors_to_exit
+def cmd_stop(args: argparse.Namespace) -> int:
+    """Stop an experiment's trials on every controller; `hpo run` resumes it."""
+    from hybridtrain.hpo.experiments import ExperimentStore
+
+    status = ExperimentStore(args.storage).stop(args.name)
+    print(f"{args.name}: {status['state']}")
+    return 0
+
+
+@_errors_to_exit
+def cmd_report(args: argparse.Namespace) -> int:
+    """Write plots of an experiment (PNG or HTML) to a directory."""
+    from hybridtrain.hpo.experiments import ExperimentStore
+    from hybridtrain.hpo.plots import write_report
+
+    store = ExperimentStore(args.storage)
+    out = Path(args.out or f"hpo-report-{args.name}")
+    for path in write_report(store.study(args.name), out, args.format):
+        print(path)
+    return 0
+
+
+@_errors_to_exit
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve the REST API and the optuna-dashboard."""
+    from hybridtrain.hpo.server import serve
+
+    return serve(host=args.host, port=args.port, storage=args.storage,
+                 token_file=Path(args.token_file) if args.token_file else None)
+
+
+def add_hpo_commands(sub: Any) -> None:
+    """Register ``hpo`` and its sub-commands on the top-level ``sub`` parsers.
+
+    Args:
+        sub: the ``argparse`` sub-parsers object of the ``hybridtrain`` parser.
+    """
+    hpo = sub.add_parser("hpo", help="hyperparameter optimization (Katib-style, on Optuna)",
+                         description="Hyperparameter-optimization experiments.")
+    cmds = hpo.add_subparsers(dest="hpo_command", metavar="HPO_COMMAND", required=True)
+
+    def add(name: str, func: Callable[..., int], help_text: str) -> argparse.ArgumentParser:
+        p: argparse.ArgumentParser = cmds.add_parser(name, help=help_text,
+                                                     description=help_text)
+        p.add_argument("--storage", default=None, help=_STORAGE_HELP)
+        p.set_defaults(func=func)
+        return p
+
+    add("run", cmd_run, "run an experiment to the end, showing a live table; resumable "
+        "by running it again").add_argument("spec", help="experiment spec (YAML/JSON)")
+    add("worker", cmd_worker, "join an experiment as one more controller").add_argument(
+        "spec", help="experiment spec file, or the name of a stored experiment")
+    for name, func, help_text in (("status", cmd_status, "state and trial counts"),
+                                  ("best", cmd_best, "best trial's value and parameters")):
+        p = add(name, func, help_text)
+        p.add_argument("name", help="experiment name")
+        p.add_argument("--json", action="store_true", help="print JSON")
+    add("list", cmd_list, "list experiments").add_argument("--json", action="store_true",
+                                                           help="print JSON")
+    add("stop", cmd_stop, "stop an experiment (resumable)").add_argument("name")
+    p = add("report", cmd_report, "plots: history, parallel coordinates, importances, "
+            "intermediate values")
+    p.add_argument("name", help="experiment name")
+    p.add_argument("--out", default=None, help="output directory (default hpo-report-NAME)")
+    p.add_argument("--format", choices=("png", "html"), default="png")
+    p = add("serve", cmd_serve, "serve the REST API (/api) and the dashboard (/dashboard)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--token-file", default=None,
+                   help="bearer token file (default: $HYBRIDTRAIN_HPO_TOKEN, else "
+                        "~/.config/hybridtrain/hpo-token, created on first start)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``hpo`` commands without the rest of the CLI (``python -m hybridtrain.hpo``)."""
+    parser = argparse.ArgumentParser(prog="python -m hybridtrain.hpo")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_hpo_commands(sub)
+    args = parser.parse_args(["hpo", *(sys.argv[1:] if argv is None else argv)])
+    code: int = args.func(args)
+    return code

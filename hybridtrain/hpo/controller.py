@@ -1,0 +1,279 @@
+"""The controller: runs an experiment's trials, at most ``parallel_trials`` at a time.
+
+Any number of controllers (``hpo run`` or ``hpo worker``, on one or many machines) may
+work on the same experiment through the same storage; slots and leases
+(:mod:`hybridtrain.hpo.records`, :mod:`hybridtrain.hpo.leases`) make them share the
+work without running a slot twice. One loop iteration:
+
+1. settle slots whose lease expired (their controller died): stop the leftover
+   processes if they are on this machine, mark the trial failed, retry it per
+   ``retries``; a trial that had in fact finished is kept as it is;
+2. poll the running trials (metrics, pruning, timeout, exit) and record the finished;
+3. claim pending slots and start trials while there is room;
+4. leave once the experiment is over, or it is stopping and nothing of ours runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.exceptions import UpdateFinishedTrialError
+from optuna.trial import TrialState
+
+from hybridtrain.hpo.algorithms import build_pruner, build_sampler, distributions
+from hybridtrain.hpo.errors import HPOError
+from hybridtrain.hpo.leases import Claim, Heartbeat, Leases, new_owner_id
+from hybridtrain.hpo.process import stop_orphan_group
+from hybridtrain.hpo.records import ExperimentRecord, Records
+from hybridtrain.hpo.spec import ExperimentSpec
+from hybridtrain.hpo.storage import open_engine, open_optuna_storage, resolve_url
+from hybridtrain.hpo.trial import Outcome, RunningTrial
+
+log = logging.getLogger(__name__)
+
+_STATES = {"complete": TrialState.COMPLETE, "pruned": TrialState.PRUNED,
+           "failed": TrialState.FAIL, "interrupted": TrialState.FAIL}
+
+
+class Controller:
+    """Runs one experiment from this process.
+
+    Args:
+        spec: the validated spec.
+        storage: storage URL (default: ``$HYBRIDTRAIN_HPO_STORAGE`` or ``sqlite:///hpo.db``).
+        on_event: called with one line for each trial started or finished.
+
+    Raises:
+        StorageError: the storage cannot be opened.
+        SpecError: the experiment exists in the storage with a different search spec.
+        HPOError: ``trial.workdir`` does not exist.
+    """
+
+    def __init__(self, spec: ExperimentSpec, storage: str | None = None,
+                 on_event: Callable[[str], None] | None = None) -> None:
+        if not Path(spec.trial.workdir).is_dir():
+            raise HPOError(f"trial.workdir {spec.trial.workdir!r} is not a directory; create "
+                           "it or fix the spec")
+        self.spec = spec
+        self.url = resolve_url(storage)
+        self.on_event = on_event or (lambda line: log.info("%s", line))
+        self.records = Records(open_engine(self.url))
+        self.storage = open_optuna_storage(self.url)
+        self.record = self.records.ensure_experiment(spec)
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.study = optuna.create_study(
+            storage=self.storage, study_name=spec.name, sampler=build_sampler(spec),
+            pruner=build_pruner(spec), direction=spec.objective.direction,
+            load_if_exists=True)
+        self.study_id = self.storage.get_study_id_from_name(spec.name)
+        self.owner = new_owner_id()
+        self.leases = Leases(self.records.engine, spec.name, self.owner,
+                             spec.durability.lease_duration)
+        self.heartbeat = Heartbeat(self.leases, spec.durability.heartbeat_interval)
+        self.running: dict[int, RunningTrial] = {}
+        self._free_gpus = list(spec.resources.gpus)
+
+    # -- main loop ---------------------------------------------------------------------
+    def run(self) -> ExperimentRecord:
+        """Work on the experiment until it is over (or stopped) for this controller.
+
+        Ctrl-C (KeyboardInterrupt) stops this controller's trials, returns their slots
+        to ``pending`` with the same parameters, and re-raises.
+
+        Returns:
+            The experiment record at the end.
+        """
+        self.heartbeat.start()
+        try:
+            while True:
+                record = self.records.get(self.spec.name)
+                if record.state != "running" and self.running:
+                    # Stopped: the slots wait for a resume. Over: they will never run.
+                    after = "pending" if record.state == "stopping" else "cancelled"
+                    self._stop_all(f"experiment {record.state}: {record.reason}", after)
+                self._settle_abandoned()
+                self._poll_running()
+                self._start_trials()
+                if not self.running:
+                    self.records.settle(self.spec.name)
+                    record = self.records.get(self.spec.name)
+                    if record.state != "running":
+                        return record
+                time.sleep(self.spec.durability.poll_interval)
+        except KeyboardInterrupt:
+            self._stop_all("interrupted (Ctrl-C); rerun to resume", "pending")
+            if not self.records.running_slots(self.spec.name):
+                self.records.set_state(self.spec.name, "interrupted", "Ctrl-C",
+                                       only_from=("running",))
+            raise
+        finally:
+            self.heartbeat.stop()
+
+    def _settle_abandoned(self) -> None:
+        while (claim := self.leases.claim(allow_pending=False)) is not None:
+            self._settle(claim)
+
+    def _start_trials(self) -> None:
+        while len(self.running) < self.spec.parallel_trials and self._gpus_free():
+            if self.records.get(self.spec.name).state != "running":
+                return
+            claim = self.leases.claim(allow_pending=True)
+            if claim is None:
+                return
+            if claim.taken_over:
+                self._settle(claim)
+                continue
+            self._start(claim)
+
+    def _poll_running(self) -> None:
+        for slot in self.heartbeat.take_lost():
+            rt = self.running.pop(slot, None)
+            if rt is not None:
+                # Another controller took the slot over (we missed our heartbeats): it
+                # settles the trial; we only make sure our copy stops.
+                rt.stop("lease lost")
+                self._release_gpus(rt)
+                self.on_event(f"trial {rt.number}: lease lost, stopped")
+        for rt in list(self.running.values()):
+            outcome = rt.poll()
+            if outcome is not None:
+                self._finish(rt, outcome)
+
+    def _stop_all(self, reason: str, slot_state: str) -> None:
+        for rt in list(self.running.values()):
+            self._finish(rt, rt.stop(reason), slot_state)
+
+    # -- one trial -----------------------------------------------------------------------
+    def _start(self, claim: Claim) -> None:
+        dists = distributions(self.spec)
+        if claim.params is None:
+            trial = self.study.ask(fixed_distributions=dists)
+        else:
+            # A rerun keeps the parameters: write them into a fresh trial before the
+            # Trial object reads it, so suggest_* returns them instead of sampling.
+            trial_id = self.storage.create_new_trial(self.study_id)
+            for name, value in claim.params.items():
+                self.storage.set_trial_param(trial_id, name, dists[name].to_internal_repr(value),
+                                             dists[name])
+            trial = optuna.Trial(self.study, trial_id)
+        for key, value in {"slot": claim.slot, "attempt": claim.attempt,
+                           "host": socket.gethostname()}.items():
+            trial.set_user_attr(key, value)
+        gpus = self._take_gpus()
+        try:
+            rt = RunningTrial(self.spec, trial, claim.slot, claim.attempt, gpus)
+        except OSError as exc:
+            self._free_gpus.extend(gpus)
+            self._record_failure(trial.number, claim, dict(trial.params),
+                                 f"cannot start command: {exc}")
+            return
+        trial.set_user_attr("command", rt.command)
+        trial.set_user_attr("trial_dir", str(rt.dir))
+        if not self.leases.attach(claim.slot, trial.number, rt.params, rt.process.pid,
+                                  rt.process.start_ticks):
+            rt.stop("lease lost")
+            self._release_gpus(rt)
+            return
+        self.heartbeat.track(claim.slot)
+        self.running[claim.slot] = rt
+        self.on_event(f"trial {trial.number} started (slot {claim.slot}, attempt "
+                      f"{claim.attempt}): {rt.params}")
+
+    def _finish(self, rt: RunningTrial, outcome: Outcome, stopped_slot: str = "pending") -> None:
+        self.running.pop(rt.slot, None)
+        self._release_gpus(rt)
+        self.heartbeat.untrack(rt.slot)
+        claim = Claim(rt.slot, rt.attempt, rt.params)
+        if outcome.state in ("complete", "pruned"):
+            if self._tell(rt.number, outcome) and self.leases.release(rt.slot, "done",
+                                                                      rt.attempt, None):
+                self._check_goal(rt.number, outcome)
+            self.on_event(f"trial {rt.number} {outcome.state}: value={outcome.value}")
+        elif outcome.state == "interrupted":
+            if self._tell(rt.number, outcome):
+                self.leases.release(rt.slot, stopped_slot, rt.attempt, rt.params)
+            self.on_event(f"trial {rt.number} interrupted: {outcome.reason}")
+        else:
+            self._record_failure(rt.number, claim, rt.params, outcome.reason)
+
+    def _record_failure(self, number: int, claim: Claim, params: dict[str, Any],
+                        reason: str) -> None:
+        if not self._tell(number, Outcome("failed", reason=reason)):
+            return
+        self._after_failure(claim, params, reason)
+        self.on_event(f"trial {number} failed: {reason}")
+
+    def _after_failure(self, claim: Claim, params: dict[str, Any] | None, reason: str) -> None:
+        """Release a slot whose trial failed: retry it, or count a failed trial."""
+        if params is not None and claim.attempt < self.spec.trial.retries:
+            self.leases.release(claim.slot, "pending", claim.attempt + 1, params)
+            return
+        # Release first, count second: a crash in between loses a count, never a trial.
+        if self.leases.release(claim.slot, "pending", 0, None):
+            self.records.add_failure(self.spec.name, self.spec.max_failed_trials, reason)
+
+    def _tell(self, number: int, outcome: Outcome) -> bool:
+        """Record the outcome in Optuna; ``False`` if the trial was already finished."""
+        trial_id = self.storage.get_trial_id_from_study_id_trial_number(
+            self.study_id, number)
+        try:
+            if outcome.reason:
+                self.storage.set_trial_user_attr(trial_id, "fail_reason", outcome.reason)
+            # Optuna takes a pruned trial's value from its last intermediate report.
+            value = outcome.value if outcome.state == "complete" else None
+            self.study.tell(number, value, state=_STATES[outcome.state])
+        except UpdateFinishedTrialError:
+            return False
+        return True
+
+    def _check_goal(self, number: int, outcome: Outcome) -> None:
+        goal = self.spec.objective.goal
+        if goal is None or outcome.state != "complete" or outcome.value is None:
+            return
+        reached = (outcome.value <= goal if self.spec.objective.direction == "minimize"
+                   else outcome.value >= goal)
+        if reached:
+            self.records.finish(self.spec.name, "succeeded",
+                                f"goal {goal} reached by trial {number} ({outcome.value})")
+
+    # -- takeover of abandoned slots --------------------------------------------------------
+    def _settle(self, claim: Claim) -> None:
+        """Settle a slot taken over from a dead controller (see module docstring)."""
+        if claim.abandoned_trial is None:
+            # The dead controller claimed the slot but never started a trial in it.
+            self.leases.release(claim.slot, "pending", claim.attempt, claim.params)
+            return
+        if claim.host == socket.gethostname() and claim.pgid is not None:
+            stop_orphan_group(claim.pgid, claim.start_ticks, self.spec.trial.kill_grace)
+        number = claim.abandoned_trial
+        reason = "lease expired: its controller stopped renewing it (crashed or killed)"
+        told = self._tell(number, Outcome("failed", reason=reason))
+        trial_id = self.storage.get_trial_id_from_study_id_trial_number(
+            self.study_id, number)
+        state = self.storage.get_trial(trial_id).state
+        if not told and state in (TrialState.COMPLETE, TrialState.PRUNED):
+            # It finished just before its controller died: keep it, count it once.
+            self.leases.release(claim.slot, "done", claim.attempt, None)
+            return
+        params = dict(self.storage.get_trial(trial_id).params) or None
+        self._after_failure(claim, params, reason)
+        self.on_event(f"trial {number} failed: {reason}")
+
+    # -- GPU pool --------------------------------------------------------------------------
+    def _gpus_free(self) -> bool:
+        res = self.spec.resources
+        return not res.gpus or len(self._free_gpus) >= res.gpus_per_trial
+
+    def _take_gpus(self) -> tuple[int, ...]:
+        n = self.spec.resources.gpus_per_trial if self.spec.resources.gpus else 0
+        taken, self._free_gpus = self._free_gpus[:n], self._free_gpus[n:]
+        return tuple(taken)
+
+    def _release_gpus(self, rt: RunningTrial) -> None:
+        self._free_gpus.extend(rt.gpus)

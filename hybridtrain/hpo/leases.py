@@ -1,0 +1,234 @@
+"""Leases on trial slots and the heartbeat that keeps them alive.
+
+A controller that starts a trial first *claims* a slot: it becomes the slot's owner with
+a lease that expires ``lease_duration`` seconds later unless the :class:`Heartbeat`
+renews it. If the controller dies (kill -9, machine lost), the lease expires and any
+controller of the experiment may claim the slot again; it then learns which trial the
+dead owner was running (:attr:`Claim.abandoned_trial`) and settles it.
+
+Leases compare wall-clock times written by different machines: keep their clocks in
+sync (NTP) to well under ``lease_duration``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+
+from hybridtrain.hpo.records import SLOTS
+
+log = logging.getLogger(__name__)
+
+
+def new_owner_id() -> str:
+    """A unique id for one controller process: ``host:pid:random``."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A slot this controller now holds.
+
+    Attributes:
+        slot: the slot index.
+        attempt: how many failed attempts came before (0 for a first run).
+        params: parameters to run again, or ``None`` to sample new ones.
+        taken_over: the slot was running under a controller whose lease expired.
+        abandoned_trial: for a takeover, the Optuna number of the trial that controller
+            was running (``None`` if it died before starting one).
+        host, pgid, start_ticks: where that abandoned trial's processes run.
+    """
+
+    slot: int
+    attempt: int
+    params: dict[str, Any] | None
+    taken_over: bool = False
+    abandoned_trial: int | None = None
+    host: str | None = None
+    pgid: int | None = None
+    start_ticks: int | None = None
+
+
+class Leases:
+    """Claim, renew and release slot leases of one experiment for one controller.
+
+    Args:
+        engine: engine on the storage database.
+        experiment: experiment name.
+        owner: this controller's id (:func:`new_owner_id`).
+        lease_duration: seconds a lease lives without renewal.
+    """
+
+    def __init__(
+        self, engine: sa.engine.Engine, experiment: str, owner: str, lease_duration: float
+    ) -> None:
+        self.engine = engine
+        self.experiment = experiment
+        self.owner = owner
+        self.lease_duration = lease_duration
+
+    def _mine(self, slot: int) -> Any:
+        return sa.and_(SLOTS.c.experiment == self.experiment, SLOTS.c.slot == slot,
+                       SLOTS.c.owner == self.owner, SLOTS.c.state == "running")
+
+    def claim(self, allow_pending: bool) -> Claim | None:
+        """Take one slot: an abandoned one (expired lease) first, else a pending one.
+
+        Args:
+            allow_pending: whether new trials may start (``False`` once the experiment is
+                stopping or over, when only abandoned slots still need settling).
+
+        Returns:
+            The claim, or ``None`` when no slot is available.
+        """
+        now = time.time()
+        expired = sa.and_(SLOTS.c.state == "running", SLOTS.c.lease_expires < now)
+        takeable = sa.or_(expired, SLOTS.c.state == "pending") if allow_pending else expired
+        with self.engine.connect() as conn:
+            rows = conn.execute(SLOTS.select().where(SLOTS.c.experiment == self.experiment,
+                                                     takeable)
+                                .order_by(SLOTS.c.state.desc(), SLOTS.c.slot).limit(8)).all()
+        for row in rows:
+            # Compare-and-set on the version we read: of two controllers racing for the
+            # same row exactly one updates it.
+            stmt = SLOTS.update().where(
+                SLOTS.c.experiment == self.experiment, SLOTS.c.slot == row.slot,
+                SLOTS.c.version == row.version,
+                sa.or_(SLOTS.c.state == "pending", SLOTS.c.lease_expires < now),
+            ).values(state="running", owner=self.owner, version=SLOTS.c.version + 1,
+                     lease_expires=time.time() + self.lease_duration)
+            with self.engine.begin() as conn:
+                if conn.execute(stmt).rowcount != 1:
+                    continue
+            params = json.loads(row.params_json) if row.params_json else None
+            if row.state == "pending":
+                return Claim(row.slot, row.attempt, params)
+            return Claim(row.slot, row.attempt, params, taken_over=True,
+                         abandoned_trial=row.trial_number,
+                         host=row.host, pgid=row.pgid, start_ticks=row.start_ticks)
+        return None
+
+    def attach(self, slot: int, trial_number: int, params: dict[str, Any],
+               pgid: int | None = None, start_ticks: int | None = None) -> bool:
+        """Record the trial (and its process group) running in a slot we hold.
+
+        Returns:
+            Whether we still held the slot.
+        """
+        stmt = SLOTS.update().where(self._mine(slot)).values(
+            trial_number=trial_number, params_json=json.dumps(params),
+            host=socket.gethostname(), pgid=pgid, start_ticks=start_ticks)
+        with self.engine.begin() as conn:
+            return conn.execute(stmt).rowcount == 1
+
+    def renew(self, slots: Iterable[int]) -> set[int]:
+        """Extend the leases of ``slots``.
+
+        Returns:
+            The slots whose lease was lost (taken over after it expired).
+        """
+        wanted = set(slots)
+        if not wanted:
+            return set()
+        cond = sa.and_(SLOTS.c.experiment == self.experiment, SLOTS.c.slot.in_(wanted),
+                       SLOTS.c.owner == self.owner, SLOTS.c.state == "running")
+        with self.engine.begin() as conn:
+            updated = conn.execute(SLOTS.update().where(cond).values(
+                lease_expires=time.time() + self.lease_duration)).rowcount
+            if updated == len(wanted):
+                return set()
+            held = set(conn.execute(sa.select(SLOTS.c.slot).where(cond)).scalars())
+        return wanted - held
+
+    def release(self, slot: int, state: str, attempt: int,
+                params: dict[str, Any] | None) -> bool:
+        """Give up a slot we hold, leaving it in ``state`` (``done``/``pending``/``cancelled``).
+
+        Args:
+            slot: the slot.
+            state: its new state.
+            attempt: the attempt count to store (for the next claim).
+            params: parameters the next claim must rerun, or ``None`` for new ones.
+
+        Returns:
+            Whether we still held the slot (``False``: another controller took it over,
+            and settles it instead).
+        """
+        # A done slot keeps its trial number; any other forgets it, so a later takeover
+        # never mistakes an old attempt for the abandoned one.
+        keep = state == "done"
+        stmt = SLOTS.update().where(self._mine(slot)).values(
+            state=state, attempt=attempt, owner=None, lease_expires=None,
+            params_json=None if params is None else json.dumps(params),
+            trial_number=SLOTS.c.trial_number if keep else None,
+            pgid=SLOTS.c.pgid if keep else None, version=SLOTS.c.version + 1)
+        with self.engine.begin() as conn:
+            return conn.execute(stmt).rowcount == 1
+
+
+class Heartbeat(threading.Thread):
+    """Renews the leases of the tracked slots every ``interval`` seconds.
+
+    A thread, so leases stay alive while the controller's loop is busy (sampling, a slow
+    database). Slots whose lease was lost are collected in :meth:`take_lost`.
+
+    Args:
+        leases: lease operations of this controller.
+        interval: seconds between renewals.
+    """
+
+    def __init__(self, leases: Leases, interval: float) -> None:
+        super().__init__(name="hpo-heartbeat", daemon=True)
+        self.leases = leases
+        self.interval = interval
+        self._slots: set[int] = set()
+        self._lost: set[int] = set()
+        self._lock = threading.Lock()
+        self._stop_event = threading.Event()
+
+    def track(self, slot: int) -> None:
+        """Start renewing ``slot``."""
+        with self._lock:
+            self._slots.add(slot)
+
+    def untrack(self, slot: int) -> None:
+        """Stop renewing ``slot`` (before releasing it)."""
+        with self._lock:
+            self._slots.discard(slot)
+            self._lost.discard(slot)
+
+    def take_lost(self) -> set[int]:
+        """Slots found lost since the last call."""
+        with self._lock:
+            lost, self._lost = self._lost, set()
+        return lost
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval):
+            with self._lock:
+                slots = set(self._slots)
+            try:
+                lost = self.leases.renew(slots)
+            except sa.exc.SQLAlchemyError as exc:
+                # The database is unreachable for a moment; the lease has slack for this.
+                log.warning("heartbeat failed (will retry): %s", exc)
+                continue
+            if lost:
+                with self._lock:
+                    self._lost |= lost & self._slots
+
+    def stop(self) -> None:
+        """Stop the thread and wait for it."""
+        self._stop_event.set()
+        if self.is_alive():
+            self.join()

@@ -1,0 +1,179 @@
+"""A trial as an operating-system process: its own process group, its own log files.
+
+The command runs through ``/bin/sh`` in a new session, so the trial and everything it
+starts share one process group that :meth:`TrialProcess.stop` can signal as a whole
+(SIGTERM, then SIGKILL after a grace period). Output goes to files rather than pipes so
+a trial survives its controller being killed, and the next controller can still read it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """The start time of process ``pid`` in clock ticks since boot (Linux ``/proc``).
+
+    Together with the pid it identifies a process across pid reuse.
+
+    Returns:
+        The start time, or ``None`` if the process does not exist or ``/proc`` is absent.
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Field 2 (comm) may contain spaces and parentheses; fields after the last ")" are fixed.
+    fields = stat.rsplit(")", 1)[1].split()
+    return int(fields[19])
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def stop_group(pgid: int, grace: float, leader: subprocess.Popen[bytes] | None = None) -> None:
+    """SIGTERM the process group ``pgid``; SIGKILL whatever is left after ``grace`` seconds.
+
+    Args:
+        pgid: the process group id.
+        grace: seconds to wait for a clean exit.
+        leader: the group leader when it is our child, so it is reaped (a zombie leader
+            would keep the group "alive").
+    """
+    _signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if leader is not None:
+            leader.poll()
+        if not _group_alive(pgid):
+            return
+        time.sleep(0.02)
+    _signal_group(pgid, signal.SIGKILL)
+    if leader is not None:
+        leader.wait()
+
+
+def stop_orphan_group(pgid: int, start_ticks: int | None, grace: float) -> bool:
+    """Stop a trial process group left behind by a controller that died.
+
+    The group is signalled only if its leader is gone (a live group id cannot be reused)
+    or is still the very process that was started (same start time), never a stranger
+    that happens to have the same pid.
+
+    Returns:
+        Whether a live group was found and stopped.
+    """
+    ticks = process_start_ticks(pgid)
+    if ticks is not None and ticks != start_ticks:
+        return False
+    if not _group_alive(pgid):
+        return False
+    stop_group(pgid, grace)
+    return True
+
+
+class TrialProcess:
+    """One running trial command.
+
+    Args:
+        command: the shell command, placeholders already substituted.
+        cwd: its working directory.
+        env: its complete environment.
+        stdout_path: file that receives stdout (appended).
+        stderr_path: file that receives stderr (appended).
+
+    Raises:
+        OSError: the working directory does not exist (from :meth:`start`).
+    """
+
+    def __init__(
+        self,
+        command: str,
+        cwd: Path,
+        env: Mapping[str, str],
+        stdout_path: Path,
+        stderr_path: Path,
+    ) -> None:
+        self.command = command
+        self.cwd = cwd
+        self.env = dict(env)
+        self.stdout_path = stdout_path
+        self.stderr_path = stderr_path
+        self._popen: subprocess.Popen[bytes] | None = None
+        self.started_at = 0.0
+        self.start_ticks: int | None = None
+
+    @property
+    def pid(self) -> int:
+        """Pid of the shell, which is also the process group id."""
+        assert self._popen is not None, "start() first"
+        return self._popen.pid
+
+    def start(self) -> TrialProcess:
+        """Start the command in a new session (its own process group)."""
+        self.stdout_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.stdout_path.open("ab") as out, self.stderr_path.open("ab") as err:
+            self._popen = subprocess.Popen(  # noqa: S602 - the command is a shell line by design
+                self.command,
+                shell=True,
+                cwd=self.cwd,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+            )
+        self.started_at = time.monotonic()
+        self.start_ticks = process_start_ticks(self._popen.pid)
+        return self
+
+    def poll(self) -> int | None:
+        """The exit code, or ``None`` while the command runs."""
+        assert self._popen is not None, "start() first"
+        return self._popen.poll()
+
+    def elapsed(self) -> float:
+        """Seconds since :meth:`start`."""
+        return time.monotonic() - self.started_at
+
+    def stop(self, grace: float) -> int:
+        """Stop the whole process group (SIGTERM, SIGKILL after ``grace`` s).
+
+        Also used after a normal exit, to end anything the command left running.
+
+        Returns:
+            The exit code of the command (negative: killed by that signal).
+        """
+        assert self._popen is not None, "start() first"
+        stop_group(self._popen.pid, grace, leader=self._popen)
+        return self._popen.wait()
+
+    def stderr_tail(self, lines: int = 5, chars: int = 400) -> str:
+        """The last ``lines`` non-empty lines of stderr joined by `` | ``, at most ``chars``."""
+        try:
+            with self.stderr_path.open("rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+        tail = " | ".join(line.strip() for line in text.splitlines() if line.strip())
+        picked = " | ".join(tail.split(" | ")[-lines:])
+        return picked[-chars:]

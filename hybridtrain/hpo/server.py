@@ -1,0 +1,54 @@
+"""``hybridtrain hpo serve``: the REST API and the dashboard in one uvicorn server."""
+
+from __future__ import annotations
+
+import ipaddress
+import sys
+from pathlib import Path
+
+from hybridtrain.hpo.auth import TOKEN_ENV, resolve_token
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(host: str = "127.0.0.1", port: int = 8080, storage: str | None = None,
+          token_file: Path | None = None) -> int:
+    """Serve until interrupted.
+
+    Args:
+        host: bind address; loopback unless told otherwise.
+        port: TCP port.
+        storage: storage URL of the experiments.
+        token_file: where the bearer token lives (see :mod:`hybridtrain.hpo.auth`).
+
+    Returns:
+        The exit code (0).
+
+    Raises:
+        HPOError: bad token or storage.
+    """
+    import uvicorn
+
+    from hybridtrain.hpo.api import create_app
+    from hybridtrain.hpo.experiments import ExperimentStore
+
+    token, created = resolve_token(token_file)
+    store = ExperimentStore(storage)
+    app = create_app(store, token)
+    if created:
+        print(f"generated API token (saved; set ${TOKEN_ENV} to override): {token}", flush=True)
+    if not _is_loopback(host):
+        print(f"warning: binding {host}: trial commands run on this machine; anyone who "
+              "has the token can start them", file=sys.stderr)
+    base = f"http://{host}:{port}"
+    print(f"REST API:  {base}/v1/experiments  (schema: {base}/openapi.json)\n"
+          f"dashboard: {base}/dashboard?token=<token>", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
+    return 0

@@ -1,0 +1,110 @@
+"""Experiment storage: one SQL database holds Optuna's tables and our own two tables.
+
+Optuna's RDB storage keeps studies, trials, parameters and reported values. Next to it,
+:mod:`hybridtrain.hpo.records` keeps one row per experiment (spec, state, failure count)
+and one row per trial *slot* with its lease. A SQLite file is the default (nothing to
+start); a PostgreSQL URL lets controllers on many machines share an experiment.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from hybridtrain.hpo.errors import StorageError
+
+if TYPE_CHECKING:
+    import optuna
+    import sqlalchemy
+
+STORAGE_ENV = "HYBRIDTRAIN_HPO_STORAGE"
+DEFAULT_STORAGE = "sqlite:///hpo.db"
+# SQLite writers queue on a file lock; several controllers plus their heartbeat threads
+# need far more patience than pysqlite's default 5 s.
+_SQLITE_TIMEOUT_S = 60
+
+
+def resolve_url(url: str | None) -> str:
+    """The storage URL to use: ``url``, else ``$HYBRIDTRAIN_HPO_STORAGE``, else ``hpo.db``.
+
+    Raises:
+        StorageError: the URL is not a SQLAlchemy database URL of a supported backend.
+    """
+    chosen = url or os.environ.get(STORAGE_ENV) or DEFAULT_STORAGE
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(chosen)
+    except ArgumentError:
+        raise StorageError(
+            f"storage URL {chosen!r} is not a database URL; use sqlite:///PATH or "
+            "postgresql://USER@HOST/DB"
+        ) from None
+    if parsed.get_backend_name() not in ("sqlite", "postgresql"):
+        raise StorageError(
+            f"storage URL {safe_url(chosen)!r}: backend {parsed.get_backend_name()!r} is not "
+            "supported; use sqlite:///PATH or postgresql://USER@HOST/DB"
+        )
+    return chosen
+
+
+def safe_url(url: str) -> str:
+    """``url`` with any password masked, for messages."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # an unparsable URL has no password we could find
+        return url
+
+
+def _engine_kwargs(url: str) -> dict[str, Any]:
+    if url.startswith("sqlite"):
+        return {"connect_args": {"timeout": _SQLITE_TIMEOUT_S}}
+    return {"pool_pre_ping": True}
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def open_engine(url: str) -> sqlalchemy.engine.Engine:
+    """A SQLAlchemy engine on ``url`` for our own tables, checked to be reachable.
+
+    Raises:
+        StorageError: the database cannot be reached (one line, password masked).
+    """
+    import sqlalchemy
+    from sqlalchemy import event
+
+    engine = sqlalchemy.create_engine(url, **_engine_kwargs(url))
+    if url.startswith("sqlite"):
+        @event.listens_for(engine, "connect")
+        def _wal(dbapi_conn: Any, _record: Any) -> None:
+            # WAL lets readers (status, dashboard) proceed while a controller writes.
+            dbapi_conn.execute("PRAGMA journal_mode=WAL")
+
+    try:
+        with engine.connect():
+            pass
+    except sqlalchemy.exc.SQLAlchemyError as exc:
+        engine.dispose()
+        raise StorageError(f"cannot open storage {safe_url(url)!r}: {_first_line(exc)}") from None
+    return engine
+
+
+def open_optuna_storage(url: str) -> optuna.storages.RDBStorage:
+    """Optuna's RDB storage on ``url`` (tables created on first use).
+
+    Raises:
+        StorageError: the database cannot be reached or initialized.
+    """
+    import optuna
+    import sqlalchemy
+
+    try:
+        return optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url))
+    except (sqlalchemy.exc.SQLAlchemyError, RuntimeError) as exc:
+        raise StorageError(f"cannot open storage {safe_url(url)!r}: {_first_line(exc)}") from None

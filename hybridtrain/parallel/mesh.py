@@ -1,0 +1,170 @@
+"""The process topology: ``dp × tp × pp`` ranks on one ``DeviceMesh``.
+
+Rank layout (``pp`` outermost, ``tp`` innermost, so tensor-parallel peers — the chattiest
+group — are neighbours, i.e. on one node when a node holds ``tp`` ranks)::
+
+    rank = pp_rank · (dp · tp) + dp_rank · tp + tp_rank
+
+    8 ranks, dp=2 tp=2 pp=2:   stage 0: replica 0 = [0 1]   replica 1 = [2 3]
+                               stage 1: replica 0 = [4 5]   replica 1 = [6 7]
+
+Sizes are checked by :func:`resolve_sizes` with no process group needed, so bad sizes fail
+on every rank before any collective starts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from hybridtrain.runtime.batch import Batch, batch_size, split_batch
+
+MESH_DIMS = ("pp", "dp", "tp")
+
+
+def env_world_size() -> int:
+    """The world size ``torchrun`` announced (1 when not launched by it)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+SIZE_KEYS = ("data_parallel.size", "tensor_model_parallel_size", "pipeline_model_parallel_size")
+
+
+def resolve_sizes(world_size: int, dp: int, tp: int, pp: int,
+                  names: tuple[str, str, str] = SIZE_KEYS) -> tuple[int, int, int]:
+    """Fill in a ``-1`` size as "the rest" and check that ``dp × tp × pp == world_size``.
+
+    Args:
+        world_size: number of processes.
+        dp / tp / pp: data-, tensor- and pipeline-parallel sizes; at most one may be -1.
+        names: the config keys the three sizes came from (named in errors).
+
+    Returns:
+        ``(dp, tp, pp)``, all positive.
+
+    Raises:
+        ValueError: more than one -1, a size below -1 or 0, or sizes that do not multiply
+            to the world size (the message names all four numbers and the fix).
+    """
+    sizes = dict(zip(names, (dp, tp, pp), strict=True))
+    bad = [f"{k}={v}" for k, v in sizes.items() if v == 0 or v < -1]
+    if bad:
+        raise ValueError(f"{', '.join(bad)} is not allowed; sizes are positive or -1 (= the rest)")
+    rest = [k for k, v in sizes.items() if v == -1]
+    if len(rest) > 1:
+        raise ValueError(f"{' and '.join(rest)} are both -1; at most one size can be 'the rest'")
+    known = 1
+    for value in sizes.values():
+        known *= value if value > 0 else 1
+    shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
+    if world_size % known:
+        raise ValueError(f"{shown} do not divide the world size {world_size}; launch a multiple "
+                         f"of {known} processes (hybridtrain launch --nproc-per-node {known} …)")
+    if rest:
+        sizes[rest[0]] = world_size // known
+    elif known != world_size:
+        raise ValueError(f"{shown} multiply to {known}, but the world size is {world_size}; set one "
+                         "of them to -1 (= the rest) or launch that many processes")
+    return sizes[names[0]], sizes[names[1]], sizes[names[2]]
+
+
+def backend_for(device: torch.device) -> str:
+    """The collective backend for a device: NCCL on CUDA, gloo on CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_process_group(device: torch.device, timeout_s: float = 600.0) -> None:
+    """Join the process group ``torchrun`` described in the environment (idempotent).
+
+    A finite timeout turns a peer that died mid-collective into an error instead of a hang.
+    """
+    if dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s))
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits in ``dp × tp × pp``.
+
+    Attributes:
+        world_size / rank: global numbers.
+        dp / tp / pp: the three sizes (product = world size).
+        dp_rank / tp_rank / pp_rank: this process's coordinate along each.
+        mesh: the ``DeviceMesh`` with dims ``("pp", "dp", "tp")`` (None in one process).
+    """
+
+    world_size: int = 1
+    rank: int = 0
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    dp_rank: int = 0
+    tp_rank: int = 0
+    pp_rank: int = 0
+    mesh: DeviceMesh | None = None
+
+    @property
+    def is_first_stage(self) -> bool:
+        """Whether this rank runs the first pipeline stage."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank runs the last pipeline stage."""
+        return self.pp_rank == self.pp - 1
+
+    def group(self, dim: str) -> dist.ProcessGroup | None:
+        """The process group of this rank's peers along ``dim`` (``pp``/``dp``/``tp``)."""
+        return self.mesh.get_group(dim) if self.mesh is not None else None
+
+    def submesh(self, dim: str) -> DeviceMesh | None:
+        """The one-dimensional mesh along ``dim`` (None in one process)."""
+        return self.mesh[dim] if self.mesh is not None else None
+
+    def local_batch(self, global_batch: Batch) -> Batch:
+        """This rank's data-parallel shard of ``global_batch`` (the replica's share).
+
+        Ranks of one replica (its pipeline stages and tensor-parallel peers) get the same
+        shard; replica ``i`` gets the ``i``-th of ``dp`` equal slices.
+
+        Raises:
+            ValueError: the batch size is not divisible by the data-parallel size.
+        """
+        if self.dp == 1:
+            return global_batch
+        size = batch_size(global_batch)
+        if size % self.dp:
+            raise ValueError(f"global batch of {size} samples does not split over data_parallel.size="
+                             f"{self.dp} replicas; use a multiple of {self.dp}")
+        return split_batch(global_batch, self.dp)[self.dp_rank]
+
+    def describe(self) -> dict[str, Any]:
+        """Sizes and coordinates as a plain dict (for logs and checkpoints)."""
+        return {"world_size": self.world_size, "rank": self.rank, "dp": self.dp, "tp": self.tp,
+                "pp": self.pp, "dp_rank": self.dp_rank, "tp_rank": self.tp_rank, "pp_rank": self.pp_rank}
+
+
+def build_topology(device: torch.device, dp: int, tp: int, pp: int) -> Topology:
+    """Create the ``DeviceMesh`` for already-resolved sizes (a collective on every rank).
+
+    Args:
+        device: this rank's device (picks the mesh's device type).
+        dp / tp / pp: sizes from :func:`resolve_sizes`.
+    """
+    world = dp * tp * pp
+    if world == 1:
+        return Topology()
+    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
+    rank = dist.get_rank()
+    pp_rank, rest = divmod(rank, dp * tp)
+    dp_rank, tp_rank = divmod(rest, tp)
+    return Topology(world, rank, dp, tp, pp, dp_rank, tp_rank, pp_rank, mesh)

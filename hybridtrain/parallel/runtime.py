@@ -1,0 +1,113 @@
+"""What the engine asks of "the other processes", in one small class.
+
+The engine is written once for one process; everything that changes when several
+processes cooperate goes through a :class:`ParallelRuntime`:
+
+- ``module``: what the forward pass calls (the user's model, or its DDP wrapper);
+- ``set_grad_sync(flag)``: called before each micro-batch's forward — False inside
+  gradient accumulation, so gradients are communicated once per optimizer step;
+- ``mean_loss(value)``: turn this rank's loss into the global batch's mean loss, the same
+  number on every rank;
+- ``clip_grad_norm`` / ``all_finite``: gradient checks that must see every rank's shard;
+- the ``*_state_dict`` methods: full (unsharded) states for users and checkpoints, and
+  ``is_writer`` to let one rank write them.
+
+The base class serves one process and DDP (replicated parameters and gradients).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybridtrain.parallel.mesh import Topology
+
+
+class ParallelRuntime:
+    """Replicated model (one process, or DDP); see the module docstring for the contract.
+
+    Args:
+        model: the user's model (parameter names as the user knows them).
+        topology: where this rank sits.
+        module: what the forward calls (defaults to ``model``).
+    """
+
+    def __init__(self, model: nn.Module, topology: Topology | None = None,
+                 module: nn.Module | None = None) -> None:
+        self.model = model
+        self.topology = topology or Topology()
+        self.module = module if module is not None else model
+
+    @property
+    def distributed(self) -> bool:
+        """Whether more than one process cooperates."""
+        return self.topology.world_size > 1
+
+    @property
+    def is_writer(self) -> bool:
+        """Whether this rank writes shared files (checkpoints, metrics): global rank 0."""
+        return self.topology.rank == 0
+
+    def set_grad_sync(self, sync: bool) -> None:
+        """Communicate gradients in the next backward (False while accumulating)."""
+        if isinstance(self.module, nn.parallel.DistributedDataParallel):
+            self.module.require_backward_grad_sync = sync
+
+    def holds_loss(self) -> bool:
+        """Whether this rank's loss counts in the global mean (one rank per replica)."""
+        return self.topology.is_last_stage and self.topology.tp_rank == 0
+
+    def mean_loss(self, value: torch.Tensor) -> torch.Tensor:
+        """The global batch's mean loss from this rank's replica mean, on every rank.
+
+        Each replica trains an equal share, so the global mean is the mean over replicas;
+        ranks that hold no loss (pipeline stages before the last, tensor-parallel peers)
+        contribute zero to one all-reduce over the world.
+        """
+        if not self.distributed:
+            return value
+        share = value.detach().float() / self.topology.dp if self.holds_loss() else torch.zeros_like(value)
+        share = share.clone()
+        dist.all_reduce(share)
+        return share
+
+    def all_finite(self, finite: bool) -> bool:
+        """Whether every rank found its gradients finite (ranks may hold different shards)."""
+        if not self.distributed:
+            return finite
+        flag = torch.tensor([0.0 if finite else 1.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item() == 0.0)
+
+    def clip_grad_norm(self, params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm (gradients are replicated after DDP's all-reduce)."""
+        return torch.nn.utils.clip_grad_norm_(list(params), max_norm)
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's full state dict as CPU copies (every rank gets it)."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def model_state_shapes(self) -> dict[str, torch.Size]:
+        """Full shape of every state-dict entry, without gathering anything."""
+        return {k: v.shape for k, v in self.model.state_dict().items()}
+
+    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a full state dict (as :meth:`model_state_dict` returns) on every rank."""
+        self.model.load_state_dict(state)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's full state (identical on every replica here)."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Restore :meth:`optimizer_state_dict`'s result on every rank."""
+        optimizer.load_state_dict(state)
+
+    def barrier(self) -> None:
+        """Wait for every rank (e.g. until the writer finished a checkpoint)."""
+        if self.distributed:
+            dist.barrier()

@@ -1,0 +1,116 @@
+"""Config loading: DeepSpeed keys, files, overrides, one-line errors, batch arithmetic."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import hybridtrain as ht
+import hybridtrain.models
+from hybridtrain.config import ConfigError, load_config, resolve_batch_sizes
+
+SOURCE_DOCUMENT_CONFIG = {
+    "train_batch_size": 1024,
+    "gradient_accumulation_steps": 4,
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+    "tensor_model_parallel_size": 2,
+    "pipeline_model_parallel_size": 2,
+    "fp16": {"enabled": True},
+}
+
+
+def test_source_document_config_loads_and_names_what_it_needs() -> None:
+    cfg = load_config(SOURCE_DOCUMENT_CONFIG)
+    assert cfg.zero_optimization.stage == 3 and cfg.fp16.enabled
+    with pytest.raises(ConfigError, match="multiple of 4") as err:
+        ht.initialize(ht.models.build_gpt("gpt-tiny"), SOURCE_DOCUMENT_CONFIG)
+    assert "\n" not in str(err.value)
+    assert "tensor_model_parallel_size=2" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        ({"gradient_acumulation_steps": 2}, "did you mean 'gradient_accumulation_steps'"),
+        ({"fp16": {"enabeld": True}}, "did you mean 'fp16.enabled'"),
+        ({"gradient_clipping": "abc"}, "gradient_clipping = 'abc'"),
+        ({"fp16": {"loss_scale_window": 0}}, "fp16.loss_scale_window = 0"),
+        ({"zero_optimization": {"stage": 5}}, "zero_optimization.stage = 5"),
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enable at most one"),
+        ({"flops_profiler": {"enabled": True}}, "'flops_profiler' is a DeepSpeed key"),
+        ({"train": {"steps": -1}}, "train.steps = -1"),
+    ],
+)
+def test_bad_config_is_one_line_naming_the_field(raw: dict, needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(raw)
+    assert needle in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_json_yaml_and_overrides(tmp_path: Path) -> None:
+    (tmp_path / "c.json").write_text(json.dumps({"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}))
+    (tmp_path / "c.yaml").write_text("train_batch_size: 8\noptimizer: {type: SGD, params: {lr: 1e-1}}\n")
+    for name in ("c.json", "c.yaml"):
+        cfg = load_config(tmp_path / name, ["optimizer.params.lr=3e-4", "bf16.enabled=true", "model.name=gpt-mini"])
+        assert cfg.optimizer.params["lr"] == pytest.approx(3e-4)
+        assert cfg.bf16.enabled is True and cfg.model.name == "gpt-mini" and cfg.train_batch_size == 8
+    assert load_config(str(tmp_path / "c.yaml")) == load_config(load_config(tmp_path / "c.yaml"))
+
+
+def test_unreadable_file_and_bad_override(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("a: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid JSON/YAML"):
+        load_config(tmp_path / "bad.yaml")
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config({}, ["no_equals_sign"])
+    with pytest.raises(ConfigError, match="did you mean 'optimizer.type'"):
+        load_config({}, ["optimizer.typo=SGD"])
+
+
+@pytest.mark.parametrize(
+    ("given", "dp", "expected"),
+    [
+        ({"train_batch_size": 32, "gradient_accumulation_steps": 4}, 2, (32, 4, 4)),
+        ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, 2, (32, 4, 4)),
+        ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 2, (16, 4, 2)),
+        ({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}, 1, (8, 2, 4)),
+        ({}, 1, (1, 1, 1)),
+    ],
+)
+def test_any_two_batch_sizes_determine_the_third(given: dict, dp: int, expected: tuple[int, int, int]) -> None:
+    sizes = resolve_batch_sizes(load_config(given), dp)
+    assert (sizes.global_batch, sizes.micro_batch, sizes.accumulation_steps) == expected
+
+
+def test_inconsistent_batch_sizes_list_all_three() -> None:
+    cfg = load_config({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2})
+    with pytest.raises(ConfigError) as err:
+        resolve_batch_sizes(cfg, 1)
+    for part in ("train_batch_size=8", "train_micro_batch_size_per_gpu=3", "gradient_accumulation_steps=2"):
+        assert part in str(err.value)
+    with pytest.raises(ConfigError, match="multiple of"):
+        resolve_batch_sizes(load_config({"train_batch_size": 10, "gradient_accumulation_steps": 4}), 1)
+
+
+def test_example_configs_load() -> None:
+    examples = sorted(Path(__file__).resolve().parents[2].joinpath("examples").rglob("*.yaml"))
+    assert examples
+    for path in examples:
+        if "hpo" not in path.parts:
+            load_config(path)
+
+
+def test_config_reference_documents_every_field() -> None:
+    from hybridtrain.config.reference import config_reference
+    from hybridtrain.config.schema import Config
+
+    text = config_reference()
+    for name, info in Config.model_fields.items():
+        assert f"`{name}`" in text
+        assert info.description, f"{name} has no docstring"
+    assert "`fp16.loss_scale_window`" in text

@@ -1,0 +1,128 @@
+"""Fixtures of the HPO tests: fast synthetic trials, storages, a throwaway PostgreSQL."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("optuna")
+
+REPO = Path(__file__).resolve().parents[2]
+BRANIN = REPO / "examples" / "hpo" / "branin.py"
+PY = sys.executable
+
+
+def branin_command(steps: int = 1, sleep: float = 0.0) -> str:
+    """Trial command running the Branin example with the spec's x1/x2."""
+    return f"{PY} {BRANIN} ${{x1}} ${{x2}} --steps {steps} --sleep {sleep}"
+
+
+@pytest.fixture
+def make_spec(tmp_path: Path) -> Callable[..., dict[str, Any]]:
+    """Build a small Branin experiment spec dict; keyword arguments override fields."""
+
+    def make(**overrides: Any) -> dict[str, Any]:
+        spec: dict[str, Any] = {
+            "name": "branin",
+            "objective": {"metric": "loss", "direction": "minimize"},
+            "parameters": {
+                "x1": {"type": "float", "low": -5.0, "high": 10.0},
+                "x2": {"type": "float", "low": 0.0, "high": 15.0},
+            },
+            "algorithm": {"name": "tpe", "seed": 0, "n_startup_trials": 3},
+            "trial": {"command": branin_command(), "kill_grace": 2.0},
+            "parallel_trials": 2,
+            "max_trials": 6,
+            "max_failed_trials": 2,
+            "durability": {"heartbeat_interval": 0.2, "lease_duration": 1.0,
+                           "poll_interval": 0.05},
+            "output_dir": str(tmp_path / "runs"),
+        }
+        for key, value in overrides.items():
+            if isinstance(value, dict) and isinstance(spec.get(key), dict):
+                spec[key] = spec[key] | value
+            else:
+                spec[key] = value
+        return spec
+
+    return make
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'hpo.db'}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pg_bin() -> Path | None:
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
+    if found:
+        return found[-1].parent
+    initdb = shutil.which("initdb")
+    return Path(initdb).parent if initdb else None
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A PostgreSQL server in a temporary directory, started for this test session.
+
+    Skips (saying why) only when no server can be started: binaries missing, or no
+    unprivileged user to run them as root.
+    """
+    pytest.importorskip("psycopg2")
+    bindir = _pg_bin()
+    if bindir is None:
+        pytest.skip("PostgreSQL server binaries not found (install postgresql; .ci/postgres.sh)")
+    run_as: list[str] = []
+    if os.geteuid() == 0:
+        # PostgreSQL refuses to run as root.
+        if subprocess.run(["id", "postgres"], capture_output=True).returncode != 0:
+            pytest.skip("running as root and no 'postgres' user to run PostgreSQL as")
+        run_as = ["runuser", "-u", "postgres", "--"]
+    tmp = Path(tempfile.mkdtemp(prefix="hpo-pg-"))
+    os.chmod(tmp, 0o777)
+    data, port = tmp / "data", _free_port()
+    try:
+        subprocess.run([*run_as, str(bindir / "initdb"), "-D", str(data), "-U", "hpo",
+                        "--auth=trust", "-E", "UTF8"], check=True, capture_output=True,
+                       timeout=120)
+        subprocess.run([*run_as, str(bindir / "pg_ctl"), "-D", str(data), "-w", "-t", "60",
+                        "-l", str(tmp / "log"), "-o",
+                        f"-p {port} -k {tmp} -c listen_addresses=127.0.0.1", "start"],
+                       check=True, capture_output=True, timeout=90)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        shutil.rmtree(tmp, ignore_errors=True)
+        pytest.skip(f"PostgreSQL could not be started: {detail.decode(errors='replace')[-200:]}")
+    url = f"postgresql://hpo@127.0.0.1:{port}/postgres"
+    try:
+        yield url
+    finally:
+        subprocess.run([*run_as, str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate",
+                        "stop"], capture_output=True, timeout=60)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``predicate`` until true; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")

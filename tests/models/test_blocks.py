@@ -1,0 +1,34 @@
+"""find_blocks on the model shapes we support."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from hybridtrain.models.blocks import BlocksNotFoundError, find_blocks
+from hybridtrain.models.gpt import build_gpt
+from tests.equivalence import model_cases
+
+
+def test_found_automatically() -> None:
+    assert find_blocks(build_gpt("gpt-tiny"))[0] == "blocks"
+    seq = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    assert find_blocks(seq) == ("", seq)
+
+
+def test_hugging_face_blocks() -> None:
+    pytest.importorskip("transformers")
+    cases = model_cases()
+    assert find_blocks(cases["hf_gpt2"].build())[0] == "transformer.h"
+    assert find_blocks(cases["hf_llama"].build())[0] == "model.layers"
+
+
+def test_named_path_and_errors() -> None:
+    model = build_gpt("gpt-tiny")
+    assert find_blocks(model, "blocks")[1] is model.blocks
+    with pytest.raises(BlocksNotFoundError, match="model.blocks = 'layers' does not exist"):
+        find_blocks(model, "layers")
+    with pytest.raises(BlocksNotFoundError, match="not a ModuleList"):
+        find_blocks(model, "ln_f")
+    with pytest.raises(BlocksNotFoundError, match="set model.blocks"):
+        find_blocks(nn.Linear(2, 2))

@@ -1,0 +1,72 @@
+"""Activation checkpointing: which modules, RNG-identical dropout, eval untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridtrain.models.gpt import GPT, GPTConfig
+from hybridtrain.runtime.checkpointing import (
+    apply_activation_checkpointing,
+    is_checkpointed,
+    remove_activation_checkpointing,
+    select_checkpoint_targets,
+)
+from tests.equivalence import MODES, assert_same_training, engine_run, gpt_case, plain_run
+
+
+def test_dropout_with_checkpointing_equals_the_unckeckpointed_plain_loop() -> None:
+    case = gpt_case(dropout=0.2)
+    assert_same_training(plain_run(case, MODES["plain"]), engine_run(case, MODES["checkpoint"]), rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_with_checkpointing_and_accumulation_equals_no_checkpointing() -> None:
+    case = gpt_case(dropout=0.2)
+    with_ckpt = engine_run(case, MODES["checkpoint_every2_accum2"])
+    without = engine_run(case, MODES["accum2"])
+    assert_same_training(without, with_ckpt, rtol=1e-5, atol=1e-6)
+
+
+def test_selection_every_n_and_by_class() -> None:
+    model = GPT(GPTConfig(n_layer=5))
+    blocks = list(model.blocks)
+    assert select_checkpoint_targets(model, blocks, 2) == [blocks[0], blocks[2], blocks[4]]
+    mlps = select_checkpoint_targets(model, None, module_classes=["MLP"])
+    assert len(mlps) == 5 and all(type(m).__name__ == "MLP" for m in mlps)
+    with pytest.raises(ValueError, match="matches no module"):
+        select_checkpoint_targets(model, None, module_classes=["Nope"])
+
+
+def test_apply_keeps_names_and_is_reversible() -> None:
+    model = GPT(GPTConfig(n_layer=2))
+    names = list(model.state_dict())
+    apply_activation_checkpointing(list(model.blocks))
+    apply_activation_checkpointing(list(model.blocks))  # idempotent
+    assert list(model.state_dict()) == names and all(is_checkpointed(b) for b in model.blocks)
+    x = torch.randint(0, 256, (2, 8))
+    with torch.no_grad():
+        out = model(x)
+    remove_activation_checkpointing(list(model.blocks))
+    assert not any(is_checkpointed(b) for b in model.blocks)
+    with torch.no_grad():
+        assert torch.equal(model(x), out)
+
+
+def test_checkpointed_block_saves_less_for_backward() -> None:
+    def saved_bytes(model: torch.nn.Module) -> int:
+        total = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(torch.randint(0, 256, (4, 64))).sum()
+        return total
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, d_model=64))
+    plain = saved_bytes(model)
+    apply_activation_checkpointing(list(model.blocks))
+    assert saved_bytes(model) < plain / 3

@@ -1,0 +1,60 @@
+"""Optimizers by name and learning-rate schedules."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hybridtrain.runtime.optim import build_optimizer, build_scheduler, lr_factor_fn
+
+
+def _params() -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.ones(2))]
+
+
+@pytest.mark.parametrize(("name", "cls"), [("adamw", torch.optim.AdamW), ("Adam", torch.optim.Adam),
+                                           ("SGD", torch.optim.SGD), ("RMSprop", torch.optim.RMSprop)])
+def test_optimizers_by_name(name: str, cls: type) -> None:
+    assert type(build_optimizer(_params(), name, {"lr": 0.1})) is cls
+
+
+def test_deepspeed_adam_w_mode_and_bad_input() -> None:
+    assert type(build_optimizer(_params(), "Adam", {"lr": 0.1, "adam_w_mode": True, "torch_adam": True})) is torch.optim.AdamW
+    with pytest.raises(ValueError, match="optimizer.type = 'Adamm'"):
+        build_optimizer(_params(), "Adamm", {})
+    with pytest.raises(ValueError, match="optimizer.params"):
+        build_optimizer(_params(), "SGD", {"lr": 0.1, "betas": (0.9, 0.9)})
+
+
+def test_schedules() -> None:
+    constant = lr_factor_fn("constant", {"warmup_num_steps": 4})
+    assert [constant(s) for s in (0, 2, 4, 100)] == [0.0, 0.5, 1.0, 1.0]
+    linear = lr_factor_fn("linear", {"warmup_num_steps": 2, "total_num_steps": 6})
+    assert [linear(s) for s in (1, 2, 4, 6, 9)] == [0.5, 1.0, 0.5, 0.0, 0.0]
+    cosine = lr_factor_fn("WarmupCosineLR", {"warmup_num_steps": 0, "total_num_steps": 10, "cos_min_ratio": 0.1})
+    assert cosine(0) == 1.0 and cosine(5) == pytest.approx(0.55) and cosine(10) == pytest.approx(0.1)
+    log = lr_factor_fn("WarmupLR", {"warmup_num_steps": 9, "warmup_type": "log"})
+    assert log(0) == 0.0 and log(4) == pytest.approx(math.log(5) / math.log(10))
+
+
+def test_deepspeed_warmup_lr_sets_the_learning_rates() -> None:
+    opt = build_optimizer(_params(), "SGD", {"lr": 1.0})
+    sched = build_scheduler(opt, "WarmupLR", {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1, "warmup_num_steps": 10})
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.01)
+    for _ in range(10):
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(("name", "params", "needle"), [
+    ("bogus", {}, "scheduler.type = 'bogus'"),
+    ("cosine", {"warmup_num_steps": 5}, "total_num_steps"),
+    ("linear", {"total_num_steps": 10, "typo": 1}, "'typo'"),
+    ("constant", {"warmup_type": "exp"}, "warmup_type"),
+])
+def test_bad_schedules(name: str, params: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        lr_factor_fn(name, params)

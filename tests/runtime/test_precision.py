@@ -1,0 +1,74 @@
+"""fp16 loss scaling: an inf gradient skips the step and shrinks the scale; windows grow it."""
+
+from __future__ import annotations
+
+import torch
+
+import hybridtrain as ht
+from hybridtrain.runtime.precision import LossScaler
+from tests.equivalence import MLPStack, engine_config, MODES, _regression_batches
+
+
+def _fp16_engine(**fp16: object) -> ht.Engine:
+    torch.manual_seed(0)
+    cfg = engine_config(MODES["fp16"])
+    cfg["fp16"] = {"enabled": True, **fp16}
+    return ht.initialize(MLPStack(), cfg, loss_fn=lambda out, batch: torch.nn.functional.mse_loss(out, batch[1]))
+
+
+def test_injected_inf_skips_the_step_and_shrinks_the_scale() -> None:
+    engine = _fp16_engine(hysteresis=1, initial_scale_power=10)
+    batches = _regression_batches(3)
+    weight = engine.module[0].weight
+    inject = {"on": True}
+    weight.register_hook(lambda g: g * float("inf") if inject["on"] else g)
+    before = {k: v.clone() for k, v in engine.model_state_dict().items()}
+    engine.train_batch(batches[0])
+    after = engine.model_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "a skipped step must not change parameters"
+    assert engine.optimizer.state == {} or all(not s for s in engine.optimizer.state.values())
+    assert engine.skipped_steps == 1
+    assert engine.loss_scale == 2.0**9
+    inject["on"] = False
+    engine.train_batch(batches[1])
+    assert engine.skipped_steps == 1
+    assert not torch.equal(engine.model_state_dict()["0.weight"], before["0.weight"])
+
+
+def test_hysteresis_delays_the_shrink() -> None:
+    scaler = LossScaler(initial_scale_power=4, hysteresis=2, window=100)
+    scaler.update(overflow=True)
+    assert scaler.scale == 16 and scaler.skipped_steps == 1
+    scaler.update(overflow=True)
+    assert scaler.scale == 8 and scaler.skipped_steps == 2
+
+
+def test_scale_grows_after_window_and_respects_minimum() -> None:
+    scaler = LossScaler(initial_scale_power=1, hysteresis=1, window=3, min_scale=1.0)
+    for _ in range(3):
+        scaler.update(overflow=False)
+    assert scaler.scale == 4
+    for _ in range(5):
+        scaler.update(overflow=True)
+    assert scaler.scale == 1.0
+    restored = LossScaler()
+    restored.load_state_dict(scaler.state_dict())
+    assert restored.state_dict() == scaler.state_dict()
+
+
+def test_static_loss_scale_never_changes() -> None:
+    scaler = LossScaler(static_scale=128.0)
+    scaler.update(overflow=True)
+    for _ in range(5):
+        scaler.update(overflow=False)
+    assert scaler.scale == 128.0 and scaler.skipped_steps == 1
+
+
+def test_unscale_divides_and_detects() -> None:
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 8.0)
+    scaler = LossScaler(initial_scale_power=3)
+    assert scaler.unscale_and_check([p])
+    assert torch.equal(p.grad, torch.ones(3))
+    p.grad = torch.tensor([1.0, float("nan"), 1.0])
+    assert not scaler.unscale_and_check([p])
