@@ -306,7 +306,7 @@ class Engine:
         return client
 
     def _check_compatible(self, path: Path, meta: dict[str, Any]) -> None:
-        mine = {k: list(v.shape) for k, v in self.parallel.model_state_shapes().items()}
+        mine = {k: list(shape) for k, shape in self.parallel.model_state_shapes().items()}
         theirs: dict[str, list[int]] = meta["params"]
         problems = [f"missing parameter {k!r}" for k in mine if k not in theirs][:3]
         problems += [f"unexpected parameter {k!r}" for k in theirs if k not in mine][:3]

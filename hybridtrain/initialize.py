@@ -11,9 +11,12 @@ import torch
 from torch import nn
 
 from hybridtrain.config import Config, ConfigError, ConfigSource, load_config, resolve_batch_sizes
-from hybridtrain.config.capabilities import check_supported
+from hybridtrain.config.capabilities import check_supported, parallel_sizes
 from hybridtrain.engine import Engine, EngineOptions
 from hybridtrain.models.blocks import BlocksNotFoundError, find_blocks
+from hybridtrain.parallel import mesh
+from hybridtrain.parallel.data import apply_data_parallel
+from hybridtrain.parallel.runtime import ParallelRuntime
 from hybridtrain.runtime.batch import LossFn
 from hybridtrain.runtime.checkpointing import apply_activation_checkpointing, select_checkpoint_targets
 from hybridtrain.runtime.device import resolve_device
@@ -40,12 +43,14 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
         ConfigError: any invalid or unsupported setting, before the model is touched.
     """
     cfg = load_config(config)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = mesh.env_world_size()
+    # Everything below up to the first collective only reads the config and the model, so
+    # bad input fails identically on every rank and no rank waits in a collective.
     check_supported(cfg, world_size)
-    data_parallel = world_size // (cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size)
-    batch = resolve_batch_sizes(cfg, data_parallel)
+    sizes = parallel_sizes(cfg, world_size)
+    batch = resolve_batch_sizes(cfg, sizes[0])
     try:
-        device = resolve_device(cfg.device)
+        device = _rank_device(resolve_device(cfg.device), world_size)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     checkpoint_targets = _checkpoint_targets(model, cfg)
@@ -57,6 +62,7 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
     if checkpoint_targets:
         _disable_hf_cache(model)
         apply_activation_checkpointing(checkpoint_targets)
+    parallel = _parallelize(model, cfg, device, sizes)
     try:
         if optimizer is None:
             optimizer = build_optimizer(model.parameters(), cfg.optimizer.type, cfg.optimizer.params)
@@ -75,8 +81,31 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
         nonfinite_loss=cfg.nonfinite_loss,
         wall_clock_breakdown=cfg.wall_clock_breakdown,
         setup=_resume_fingerprint(cfg, optimizer),
+        parallel=parallel,
     )
     return Engine(model, optimizer, scheduler, scaler, loss_fn, options, cfg)
+
+
+def _rank_device(device: torch.device, world_size: int) -> torch.device:
+    # Several ranks on one node each take the GPU of their local rank.
+    if world_size > 1 and device.type == "cuda" and device.index in (None, 0):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
+
+
+def _parallelize(model: nn.Module, cfg: Config, device: torch.device,
+                 sizes: tuple[int, int, int]) -> ParallelRuntime:
+    """Join the process group and wrap the model for data parallel (first collectives)."""
+    if sizes == (1, 1, 1):
+        return ParallelRuntime(model)
+    mesh.init_process_group(device)
+    topology = mesh.build_topology(device, *sizes)
+    if topology.dp == 1:
+        return ParallelRuntime(model, topology)
+    dp = cfg.data_parallel
+    ddp = apply_data_parallel(model, topology.group("dp"), device, dp.gradient_compression,
+                              dp.powersgd_rank, dp.powersgd_start_iter, dp.bucket_cap_mb)
+    return ParallelRuntime(model, topology, ddp)
 
 
 def _checkpoint_targets(model: nn.Module, cfg: Config) -> list[nn.Module]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -25,6 +26,11 @@ def add_train_command(sub: Any) -> None:
     train.add_argument("--steps", type=int, help="shortcut for --set train.steps=…")
     train.add_argument("--data", help="text or token file to train on (shortcut for --set data.path=…)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from hybridtrain.parallel.launch_cli import add_launch_options
+
+    # --nproc-per-node N (or several nodes) starts N ranks through torchrun, each running
+    # this same command without the placement options.
+    add_launch_options(train)
     train.set_defaults(func=_train)
 
     config = sub.add_parser("config", help="show a resolved config, or the reference of every key",
@@ -46,6 +52,8 @@ def _train(args: argparse.Namespace) -> int:
     from hybridtrain.config import ConfigError, load_config
     from hybridtrain.trainer import run_training
 
+    if _wants_launch(args):
+        return _launch_ranks(args)
     overrides = list(args.overrides)
     for key, value in (("train.output_dir", args.output_dir), ("train.steps", args.steps), ("data.path", args.data)):
         if value is not None:
@@ -56,6 +64,8 @@ def _train(args: argparse.Namespace) -> int:
     except (ConfigError, CheckpointError, ValueError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if os.environ.get("RANK", "0") != "0":
+        return 130 if summary.interrupted else 0
     first = f"{summary.first_loss:.4f}" if summary.first_loss is not None else "-"
     last = f"{summary.last_loss:.4f}" if summary.last_loss is not None else "-"
     print(f"summary: steps {summary.start_step}→{summary.steps}, loss {first} → {last}, "
@@ -66,6 +76,30 @@ def _train(args: argparse.Namespace) -> int:
         final.append(f"eval_loss={summary.eval_loss}")
     print(" ".join(final), flush=True)
     return 130 if summary.interrupted else 0
+
+
+def _wants_launch(args: argparse.Namespace) -> bool:
+    inside_worker = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+    return not inside_worker and (args.nproc_per_node is not None or args.nnodes not in ("1", "1:1"))
+
+
+def _launch_ranks(args: argparse.Namespace) -> int:
+    from hybridtrain.parallel.launch import launch
+    from hybridtrain.parallel.launch_cli import spec_from_args
+
+    worker = ["train", *([args.config] if args.config else [])]
+    for item in args.overrides:
+        worker += ["--set", item]
+    for flag, value in (("--output-dir", args.output_dir), ("--steps", args.steps), ("--data", args.data)):
+        worker += [flag, str(value)] if value is not None else []
+    if args.resume:
+        worker += ["--resume"] if args.resume is True else ["--resume", str(args.resume)]
+    worker += ["--no-progress"] if args.no_progress else []
+    try:
+        return launch(spec_from_args(args, module=True), "hybridtrain.cli", worker)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 def _config(args: argparse.Namespace) -> int:

@@ -95,14 +95,16 @@ def run_training(cfg: Config, resume: bool | str = False, progress: bool = True)
         raise ValueError(f"data tokens go up to {data.max_token} but model.overrides.vocab_size = {vocab}")
     model = build_model(cfg.model.name, cfg.model.overrides, vocab, cfg.data.seq_len, cfg.seed)
     engine = initialize(model, cfg, loss_fn=causal_lm_loss)
-    metrics = MetricsLog(out / "metrics.jsonl")
+    # With several processes every rank trains, but only rank 0 writes files and prints.
+    metrics = MetricsLog(out / "metrics.jsonl") if engine.parallel.is_writer else None
     start = _resume(engine, out, resume, metrics)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(cfg.model_dump_json(indent=1))
+    if metrics is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(cfg.model_dump_json(indent=1))
     return _loop(engine, cfg, data, metrics, start, progress)
 
 
-def _resume(engine: Engine, out: Path, resume: bool | str, metrics: MetricsLog) -> int:
+def _resume(engine: Engine, out: Path, resume: bool | str, metrics: MetricsLog | None) -> int:
     if not resume:
         return 0
     path = Path(resume) if isinstance(resume, str) else latest_checkpoint(out)
@@ -111,18 +113,21 @@ def _resume(engine: Engine, out: Path, resume: bool | str, metrics: MetricsLog) 
         return 0
     client = engine.load_checkpoint(path)
     step = int(client["data_step"])
-    metrics.truncate_after(step)
+    if metrics is not None:
+        metrics.truncate_after(step)
     print(f"resume: continuing from {path} at step {step}", file=sys.stderr)
     return step
 
 
-def _loop(engine: Engine, cfg: Config, data: TokenBatches, metrics: MetricsLog, start: int,
+def _loop(engine: Engine, cfg: Config, data: TokenBatches, metrics: MetricsLog | None, start: int,
           progress: bool) -> TrainSummary:
-    per_rank = engine.options.batch.micro_batch * engine.options.batch.accumulation_steps
-    tokens_per_step = per_rank * cfg.data.seq_len
+    # Every rank draws the same global batch and trains its data-parallel shard of it.
+    global_batch = engine.options.batch.global_batch
+    tokens_per_step = global_batch * cfg.data.seq_len
+    writer = metrics is not None
     reset_peak_memory(engine.device)
     bar = tqdm(total=cfg.train.steps, initial=start, file=sys.stderr, dynamic_ncols=True,
-               disable=not (progress and sys.stderr.isatty()), unit="step")
+               disable=not (writer and progress and sys.stderr.isatty()), unit="step")
     first: float | None = None
     last: float | None = None
     eval_loss: float | None = None
@@ -131,21 +136,23 @@ def _loop(engine: Engine, cfg: Config, data: TokenBatches, metrics: MetricsLog, 
     with _StopRequest() as stop:
         for step in range(start + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
-            last = engine.train_batch(data.train_batch(step - 1, per_rank))
+            last = engine.train_batch(engine.local_batch(data.train_batch(step - 1, global_batch)))
             dt = time.perf_counter() - t0
             elapsed += dt
             first = last if first is None else first
             record = _step_record(engine, step, last, tokens_per_step / dt)
-            metrics.write(record)
+            if metrics is not None:
+                metrics.write(record)
             bar.update(1)
             bar.set_postfix(loss=f"{last:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
                             mem=f"{record['peak_memory_bytes'] / 2**30:.2f}GiB")
-            if step % cfg.steps_per_print == 0 or step == cfg.train.steps:
+            if writer and (step % cfg.steps_per_print == 0 or step == cfg.train.steps):
                 print(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()), flush=True)
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 or step == cfg.train.steps:
-                eval_loss = _evaluate(engine, data, cfg.train.eval_batches, per_rank)
-                metrics.write({"step": step, "eval_loss": eval_loss})
-                print(f"step={step} eval_loss={eval_loss:.6g}", flush=True)
+                eval_loss = _evaluate(engine, data, cfg.train.eval_batches, global_batch)
+                if metrics is not None:
+                    metrics.write({"step": step, "eval_loss": eval_loss})
+                    print(f"step={step} eval_loss={eval_loss:.6g}", flush=True)
             boundary = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0
             if boundary or step == cfg.train.steps or stop.requested:
                 saved.append(str(_save(engine, Path(cfg.train.output_dir), step, cfg.train.keep_checkpoints)))
@@ -160,7 +167,8 @@ def _loop(engine: Engine, cfg: Config, data: TokenBatches, metrics: MetricsLog, 
         peak_memory_bytes=peak_memory_bytes(engine.device), skipped_steps=engine.skipped_steps,
         interrupted=interrupted, checkpoints=saved,
     )
-    Path(cfg.train.output_dir, "summary.json").write_text(json.dumps(summary.__dict__, indent=1))
+    if writer:
+        Path(cfg.train.output_dir, "summary.json").write_text(json.dumps(summary.__dict__, indent=1))
     return summary
 
 
@@ -179,11 +187,14 @@ def _step_record(engine: Engine, step: int, loss: float, tokens_per_s: float) ->
 
 
 def _evaluate(engine: Engine, data: TokenBatches, batches: int, batch_size: int) -> float:
-    return sum(engine.eval_batch(data.eval_batch(i, batch_size)) for i in range(batches)) / batches
+    return sum(engine.eval_batch(engine.local_batch(data.eval_batch(i, batch_size)))
+               for i in range(batches)) / batches
 
 
 def _save(engine: Engine, out: Path, step: int, keep: int) -> Path:
     path = engine.save_checkpoint(out / CHECKPOINTS / f"step-{step:07d}", client_state={"data_step": step})
+    if not engine.parallel.is_writer:
+        return path
     for old in sorted((out / CHECKPOINTS).glob("step-*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return path

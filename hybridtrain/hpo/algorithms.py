@@ -103,8 +103,13 @@ def _construct(kind: str, name: str, cls_name: str, options: dict[str, Any],
         ) from None
 
 
-def build_sampler(spec: ExperimentSpec) -> optuna.samplers.BaseSampler:
+def build_sampler(spec: ExperimentSpec, seed_offset: int = 0) -> optuna.samplers.BaseSampler:
     """The sampler named by ``spec.algorithm``, seeded and with its options.
+
+    Args:
+        spec: the experiment spec.
+        seed_offset: added to ``algorithm.seed``; controllers of one experiment pass
+            different offsets so they do not all propose the same random points.
 
     Raises:
         SpecError: a needed package is missing, or an option is unknown or rejected.
@@ -120,8 +125,9 @@ def build_sampler(spec: ExperimentSpec) -> optuna.samplers.BaseSampler:
                 f"package {package!r}; install it (pip install {package}) or pick another"
             ) from None
     internal = {"search_space": grid_space(spec)} if algo.name == "grid" else None
+    seed = None if algo.seed is None else algo.seed + seed_offset
     return _construct("algorithm", algo.name, cls_name,  # type: ignore[no-any-return]
-                      algo.options | {"seed": algo.seed}, internal)
+                      algo.options | {"seed": seed}, internal)
 
 
 def build_pruner(spec: ExperimentSpec) -> optuna.pruners.BasePruner:

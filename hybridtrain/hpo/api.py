@@ -36,6 +36,20 @@ from hybridtrain.hpo.experiments import ExperimentStore
 from hybridtrain.hpo.spec import ExperimentSpec, load_spec
 
 Launcher = Callable[[ExperimentSpec, str], Any]
+_SCHEME = HTTPBearer(auto_error=False)
+
+
+def require_token(
+    request: Request, cred: Annotated[HTTPAuthorizationCredentials | None, Depends(_SCHEME)]
+) -> None:
+    """Dependency of every ``/v1`` route: the app's bearer token must be presented.
+
+    Raises:
+        HTTPException: 401 with ``WWW-Authenticate: Bearer``.
+    """
+    if cred is None or not token_matches(request.app.state.token, cred.credentials):
+        raise HTTPException(401, "missing or invalid bearer token",
+                            headers={"WWW-Authenticate": "Bearer"})
 
 
 def launch_worker(spec: ExperimentSpec, storage_url: str) -> subprocess.Popen[bytes]:
@@ -69,15 +83,8 @@ def create_app(store: ExperimentStore, token: str, launcher: Launcher | None = l
     """
     app = FastAPI(title="hybridtrain HPO", version=__version__,
                   description="Katib-style hyperparameter optimization on Optuna.")
-    scheme = HTTPBearer(auto_error=False)
+    app.state.token = token
     workers: list[Any] = []
-
-    def authorized(
-        cred: Annotated[HTTPAuthorizationCredentials | None, Depends(scheme)],
-    ) -> None:
-        if cred is None or not token_matches(token, cred.credentials):
-            raise HTTPException(401, "missing or invalid bearer token",
-                                headers={"WWW-Authenticate": "Bearer"})
 
     @app.exception_handler(HPOError)
     async def _hpo_error(_request: Request, exc: HPOError) -> JSONResponse:
@@ -85,7 +92,7 @@ def create_app(store: ExperimentStore, token: str, launcher: Launcher | None = l
             type(exc), 409)
         return JSONResponse({"detail": str(exc)}, status_code=code)
 
-    auth = [Depends(authorized)]
+    auth = [Depends(require_token)]
 
     @app.get("/health")
     def health() -> dict[str, str]:

@@ -68,7 +68,8 @@ class Controller:
         self.record = self.records.ensure_experiment(spec)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.study = optuna.create_study(
-            storage=self.storage, study_name=spec.name, sampler=build_sampler(spec),
+            storage=self.storage, study_name=spec.name,
+            sampler=build_sampler(spec, self.records.join(spec.name)),
             pruner=build_pruner(spec), direction=spec.objective.direction,
             load_if_exists=True)
         self.study_id = self.storage.get_study_id_from_name(spec.name)

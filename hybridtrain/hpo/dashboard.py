@@ -28,9 +28,12 @@ def dashboard_app(storage: optuna.storages.BaseStorage, token: str) -> ASGIApp:
     import warnings
 
     import optuna_dashboard
-    from starlette.middleware.wsgi import WSGIMiddleware
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
+        # Starlette deprecates its WSGI bridge in favour of a2wsgi; it still works, and
+        # one fewer dependency is worth more here.
+        warnings.simplefilter("ignore")
+        from starlette.middleware.wsgi import WSGIMiddleware
+
         wsgi = WSGIMiddleware(optuna_dashboard.wsgi(storage))  # type: ignore[arg-type]
     return TokenGuard(wsgi, token)

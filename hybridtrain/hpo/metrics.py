@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # A metric name starts with a letter or "_" and is not glued to a preceding word, dash or
-# slash, so echoed flags such as "--lr=0.1" or URLs are not taken for metrics.
+# slash or URL query, so echoed flags ("--lr=0.1") and URLs are not taken for metrics.
 _PAIR = re.compile(
-    r"(?<![\w.\-/])([A-Za-z_][\w.\-/]*)\s*=\s*"
+    r"(?<![\w.\-/?&])([A-Za-z_][\w.\-/]*)\s*=\s*"
     r"([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?|[+-]?(?:nan|inf(?:inity)?))(?![\w.])",
     re.IGNORECASE,
 )

@@ -24,6 +24,7 @@ import sqlalchemy as sa
 
 from hybridtrain.hpo.errors import ExperimentNotFoundError, SpecError
 from hybridtrain.hpo.spec import ExperimentSpec
+from hybridtrain.hpo.storage import create_tables_racing
 
 METADATA = sa.MetaData()
 
@@ -37,6 +38,8 @@ EXPERIMENTS = sa.Table(
     sa.Column("state", sa.String(16), nullable=False),
     sa.Column("reason", sa.Text, nullable=False, default=""),
     sa.Column("failed_trials", sa.Integer, nullable=False, default=0),
+    # Controllers that have joined so far; each seeds its sampler differently.
+    sa.Column("controllers", sa.Integer, nullable=False, default=0),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("updated_at", sa.Float, nullable=False),
 )
@@ -110,7 +113,7 @@ class Records:
 
     def __init__(self, engine: sa.engine.Engine) -> None:
         self.engine = engine
-        METADATA.create_all(engine, checkfirst=True)
+        create_tables_racing(lambda: METADATA.create_all(engine, checkfirst=True))
 
     # -- experiments ---------------------------------------------------------------
     def ensure_experiment(self, spec: ExperimentSpec) -> ExperimentRecord:
@@ -130,7 +133,8 @@ class Records:
                 conn.execute(EXPERIMENTS.insert().values(
                     name=spec.name, spec_json=spec.model_dump_json(),
                     search_json=json.dumps(search, sort_keys=True), state="running",
-                    reason="", failed_trials=0, created_at=now, updated_at=now))
+                    reason="", failed_trials=0, controllers=0, created_at=now,
+                    updated_at=now))
                 conn.execute(SLOTS.insert(), [
                     {"experiment": spec.name, "slot": i, "state": "pending", "version": 0,
                      "attempt": 0} for i in range(spec.max_trials)])
@@ -182,6 +186,19 @@ class Records:
         with self.engine.begin() as conn:
             res = conn.execute(stmt.values(state=state, reason=reason, updated_at=time.time()))
         return res.rowcount > 0
+
+    def join(self, name: str) -> int:
+        """Register one more controller of experiment ``name``.
+
+        Returns:
+            How many controllers joined before this one (0 for the first).
+        """
+        with self.engine.begin() as conn:
+            conn.execute(EXPERIMENTS.update().where(EXPERIMENTS.c.name == name).values(
+                controllers=EXPERIMENTS.c.controllers + 1))
+            count = conn.execute(sa.select(EXPERIMENTS.c.controllers).where(
+                EXPERIMENTS.c.name == name)).scalar_one()
+        return int(count) - 1
 
     def add_failure(self, name: str, max_failed: int, reason: str) -> int:
         """Count one permanently failed trial; fail the experiment past ``max_failed``.

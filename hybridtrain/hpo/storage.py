@@ -9,7 +9,9 @@ start); a PostgreSQL URL lets controllers on many machines share an experiment.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from hybridtrain.hpo.errors import StorageError
 
@@ -17,6 +19,7 @@ if TYPE_CHECKING:
     import optuna
     import sqlalchemy
 
+T = TypeVar("T")
 STORAGE_ENV = "HYBRIDTRAIN_HPO_STORAGE"
 DEFAULT_STORAGE = "sqlite:///hpo.db"
 # SQLite writers queue on a file lock; several controllers plus their heartbeat threads
@@ -46,7 +49,21 @@ def resolve_url(url: str | None) -> str:
             f"storage URL {safe_url(chosen)!r}: backend {parsed.get_backend_name()!r} is not "
             "supported; use sqlite:///PATH or postgresql://USER@HOST/DB"
         )
+    if parsed.drivername == "postgresql":
+        # SQLAlchemy >= 2.1 maps a bare postgresql:// to psycopg 3; use whichever driver
+        # is installed (the hpo extra ships psycopg2-binary).
+        chosen = parsed.set(drivername=f"postgresql+{_pg_driver()}").render_as_string(
+            hide_password=False)
     return chosen
+
+
+def _pg_driver() -> str:
+    import importlib.util
+
+    for module, driver in (("psycopg2", "psycopg2"), ("psycopg", "psycopg")):
+        if importlib.util.find_spec(module) is not None:
+            return driver
+    raise StorageError("a postgresql:// storage needs a driver; pip install psycopg2-binary")
 
 
 def safe_url(url: str) -> str:
@@ -79,7 +96,10 @@ def open_engine(url: str) -> sqlalchemy.engine.Engine:
     import sqlalchemy
     from sqlalchemy import event
 
-    engine = sqlalchemy.create_engine(url, **_engine_kwargs(url))
+    try:
+        engine = sqlalchemy.create_engine(url, **_engine_kwargs(url))
+    except ImportError as exc:
+        raise StorageError(f"storage {safe_url(url)!r}: database driver missing ({exc})") from None
     if url.startswith("sqlite"):
         @event.listens_for(engine, "connect")
         def _wal(dbapi_conn: Any, _record: Any) -> None:
@@ -95,6 +115,25 @@ def open_engine(url: str) -> sqlalchemy.engine.Engine:
     return engine
 
 
+def create_tables_racing(create: Callable[[], T]) -> T:
+    """Run ``create`` (which creates tables if missing), retrying if a peer raced us.
+
+    Two workers starting together on a fresh PostgreSQL database both try ``CREATE
+    TABLE``; the loser gets a unique-violation on the catalog. By the retry the winner's
+    tables exist and ``create`` only checks them.
+    """
+    import sqlalchemy
+
+    for attempt in range(4):
+        try:
+            return create()
+        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
+            if attempt == 3:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 def open_optuna_storage(url: str) -> optuna.storages.RDBStorage:
     """Optuna's RDB storage on ``url`` (tables created on first use).
 
@@ -105,6 +144,7 @@ def open_optuna_storage(url: str) -> optuna.storages.RDBStorage:
     import sqlalchemy
 
     try:
-        return optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url))
+        return create_tables_racing(
+            lambda: optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url)))
     except (sqlalchemy.exc.SQLAlchemyError, RuntimeError) as exc:
         raise StorageError(f"cannot open storage {safe_url(url)!r}: {_first_line(exc)}") from None

@@ -107,7 +107,8 @@ class RunningTrial:
             else ``None``.
         """
         code = self.process.poll()
-        if self._collect(final=code is not None):
+        # A trial that already exited has spent its compute: it completes, never pruned.
+        if self._collect(final=code is not None) and code is None:
             self.process.stop(self.spec.trial.kill_grace)
             return Outcome("pruned", self._value())
         if code is None:

@@ -18,16 +18,47 @@ warm-up), then compresses; error feedback carries what compression lost to the n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel
 
 Compression = Literal["none", "fp16", "bf16", "powersgd"]
+_HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def half_precision_hook(dtype: torch.dtype) -> Callable[..., torch.futures.Future[torch.Tensor]]:
+    """A DDP comm hook that all-reduces each gradient bucket in ``dtype``.
+
+    torch's own ``bf16_compress_hook`` refuses to run without NCCL; this one is the same
+    math on any backend (gloo reduces fp16/bf16 on CPU), so CPU runs can use it too.
+    """
+
+    # No annotations on the hook: DDP compares them by identity with its own types.
+    def hook(group, bucket):  # type: ignore[no-untyped-def]
+        group = group if group is not None else dist.group.WORLD
+        buffer = bucket.buffer()
+        # Divide before reducing: the sum of N half-precision gradients may overflow.
+        compressed = buffer.to(dtype).div_(dist.get_world_size(group))
+        future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+        def decompress(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            buffer.copy_(done.value()[0])
+            return buffer
+
+        return future.then(decompress)
+
+    hook.__name__ = f"{dtype_name(dtype)}_compress_hook_any_backend"
+    return hook
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` → ``bfloat16``."""
+    return str(dtype).removeprefix("torch.")
 
 
 def apply_data_parallel(model: nn.Module, group: dist.ProcessGroup | None, device: torch.device,
@@ -53,10 +84,8 @@ def apply_data_parallel(model: nn.Module, group: dist.ProcessGroup | None, devic
         if device.type == "cuda" else None
     ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=group,
                                   bucket_cap_mb=bucket_cap_mb)
-    if compression == "fp16":
-        ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
-    elif compression == "bf16":
-        ddp.register_comm_hook(group, default_hooks.bf16_compress_hook)
+    if compression in ("fp16", "bf16"):
+        ddp.register_comm_hook(group, half_precision_hook(_HALF[compression]))
     elif compression == "powersgd":
         state = powersgd.PowerSGDState(process_group=group, matrix_approximation_rank=powersgd_rank,
                                        start_powerSGD_iter=powersgd_start_iter, use_error_feedback=True,

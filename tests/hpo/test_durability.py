@@ -1,0 +1,149 @@
+"""Crashes and concurrency: kill -9 and resume, Ctrl-C, stop, two workers on one storage."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hybridtrain.hpo.experiments import ExperimentStore
+from hybridtrain.hpo.records import SLOTS
+from tests.hpo.conftest import REPO, branin_command, wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _spawn(command: str, spec: dict[str, Any] | str, storage: str, tmp_path: Path,
+           tag: str) -> tuple[subprocess.Popen[bytes], Path]:
+    if isinstance(spec, dict):
+        path = tmp_path / f"{spec['name']}.json"
+        path.write_text(json.dumps(spec))
+        arg = str(path)
+    else:
+        arg = spec
+    log = tmp_path / f"{tag}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "hybridtrain.hpo", command, arg,
+                                 "--storage", storage], cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT)
+    return proc, log
+
+
+def _slot_groups(store: ExperimentStore, name: str) -> list[int]:
+    return [r.pgid for r in store.records.running_slots(name) if r.pgid]
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _slow_spec(make_spec: Any, **overrides: Any) -> dict[str, Any]:
+    return make_spec(trial={"command": branin_command(steps=8, sleep=0.2), "retries": 1},
+                     **overrides)
+
+
+def _assert_exactly_finished(store: ExperimentStore, name: str, max_trials: int) -> None:
+    status = store.status(name)
+    assert status["state"] == "succeeded", status
+    assert status["trials"]["complete"] + status["trials"]["pruned"] == max_trials
+    assert status["trials"]["running"] == status["trials"]["waiting"] == 0
+    done = [t for t in store.trials(name) if t["state"] in ("complete", "pruned")]
+    assert sorted(t["slot"] for t in done) == list(range(max_trials))
+
+
+def test_kill9_then_resume_loses_and_double_counts_nothing(make_spec: Any, sqlite_url: str,
+                                                            tmp_path: Path) -> None:
+    spec = _slow_spec(make_spec, max_trials=8)
+    proc, _ = _spawn("run", spec, sqlite_url, tmp_path, "first")
+    store = ExperimentStore(sqlite_url)
+    wait_for(lambda: proc.poll() is None and store.records.slot_counts("branin")["done"] >= 2
+             and len(_slot_groups(store, "branin")) == 2, 60, "two done, two running")
+    orphans = _slot_groups(store, "branin")
+    done_before = {t["number"] for t in store.trials("branin") if t["state"] == "complete"}
+    proc.kill()  # SIGKILL: no cleanup at all
+    proc.wait()
+    alive = [g for g in orphans if _group_alive(g)]
+    assert alive, "trials should outlive the controller"
+
+    resumed, log = _spawn("run", spec, sqlite_url, tmp_path, "second")
+    assert resumed.wait(120) == 0, log.read_text()
+    _assert_exactly_finished(store, "branin", 8)
+    trials = store.trials("branin")
+    done_after = {t["number"] for t in trials if t["state"] == "complete"}
+    assert done_before <= done_after
+    abandoned = [t for t in trials if t["state"] == "fail"]
+    assert abandoned and all(t["fail_reason"].startswith("lease expired") for t in abandoned)
+    assert not any(_group_alive(g) for g in alive), "orphaned trials were not stopped"
+    # The abandoned trials were rerun with the same parameters (retries: 1).
+    rerun = {json.dumps(t["params"], sort_keys=True) for t in trials if t["attempt"] == 1}
+    assert {json.dumps(t["params"], sort_keys=True) for t in abandoned} <= rerun
+
+
+def test_sigint_stops_trials_and_rerun_resumes(make_spec: Any, sqlite_url: str,
+                                               tmp_path: Path) -> None:
+    spec = _slow_spec(make_spec, max_trials=5)
+    proc, log = _spawn("run", spec, sqlite_url, tmp_path, "first")
+    store = ExperimentStore(sqlite_url)
+    wait_for(lambda: len(_slot_groups(store, "branin")) == 2, 60, "two running trials")
+    groups = _slot_groups(store, "branin")
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 130, log.read_text()
+    assert not any(_group_alive(g) for g in groups)
+    status = store.status("branin")
+    assert status["state"] == "interrupted"
+    assert status["trials"]["running"] == 0 and status["trials"]["waiting"] >= 2
+    stopped = [t for t in store.trials("branin") if t["state"] == "fail"]
+    assert len(stopped) == 2 and all("interrupted" in t["fail_reason"] for t in stopped)
+
+    resumed, log = _spawn("run", spec, sqlite_url, tmp_path, "second")
+    assert resumed.wait(120) == 0, log.read_text()
+    _assert_exactly_finished(store, "branin", 5)
+    assert store.status("branin")["failed_trials"] == 0  # interruptions are not failures
+
+
+def test_stop_request_reaches_the_controller(make_spec: Any, sqlite_url: str,
+                                             tmp_path: Path) -> None:
+    spec = _slow_spec(make_spec, max_trials=6)
+    proc, log = _spawn("run", spec, sqlite_url, tmp_path, "run")
+    store = ExperimentStore(sqlite_url)
+    wait_for(lambda: len(_slot_groups(store, "branin")) == 2, 60, "two running trials")
+    assert store.stop("branin")["state"] == "stopping"
+    assert proc.wait(60) == 0, log.read_text()
+    assert store.status("branin")["state"] == "stopped"
+
+
+def _two_workers(spec: dict[str, Any], storage: str, tmp_path: Path) -> None:
+    store = ExperimentStore(storage)
+    workers = [_spawn("worker", spec, storage, tmp_path, f"w{i}") for i in range(2)]
+    for proc, log in workers:
+        assert proc.wait(150) == 0, log.read_text()
+    _assert_exactly_finished(store, spec["name"], spec["max_trials"])
+    for _, log in workers:
+        assert "started" in log.read_text(), "each worker should have run trials"
+
+
+def test_two_workers_share_sqlite(make_spec: Any, sqlite_url: str, tmp_path: Path) -> None:
+    _two_workers(make_spec(max_trials=12, trial={"command": branin_command(steps=2,
+                                                                           sleep=0.1)}),
+                 sqlite_url, tmp_path)
+
+
+def test_two_workers_share_postgresql(make_spec: Any, postgres_url: str,
+                                      tmp_path: Path) -> None:
+    spec = make_spec(name=f"pg-{os.getpid()}-{time.time_ns() % 10**6}", max_trials=12,
+                     trial={"command": branin_command(steps=2, sleep=0.1)})
+    _two_workers(spec, postgres_url, tmp_path)
+    with ExperimentStore(postgres_url).records.engine.connect() as conn:
+        rows = conn.execute(SLOTS.select().where(SLOTS.c.experiment == spec["name"])).all()
+    assert [r.state for r in rows] == ["done"] * 12

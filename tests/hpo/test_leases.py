@@ -1,0 +1,96 @@
+"""Slot leases: compare-and-set claims, expiry, takeover, renewal."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from hybridtrain.hpo.leases import Heartbeat, Leases
+from hybridtrain.hpo.records import Records
+from hybridtrain.hpo.spec import load_spec
+from hybridtrain.hpo.storage import open_engine
+
+
+@pytest.fixture
+def records(sqlite_url: str, make_spec: Any) -> Records:
+    recs = Records(open_engine(sqlite_url))
+    recs.ensure_experiment(load_spec(make_spec(max_trials=3)))
+    return recs
+
+
+def test_claims_are_exclusive_and_run_out(records: Records) -> None:
+    a = Leases(records.engine, "branin", "a", 30)
+    b = Leases(records.engine, "branin", "b", 30)
+    got = [a.claim(True), b.claim(True), a.claim(True)]
+    assert sorted(c.slot for c in got if c) == [0, 1, 2]
+    assert b.claim(True) is None
+    assert records.slot_counts("branin")["running"] == 3
+
+
+def test_concurrent_claims_never_share_a_slot(sqlite_url: str, make_spec: Any) -> None:
+    recs = Records(open_engine(sqlite_url))
+    recs.ensure_experiment(load_spec(make_spec(name="many", max_trials=40)))
+    claimed: list[int] = []
+    lock = threading.Lock()
+
+    def worker(owner: str) -> None:
+        leases = Leases(recs.engine, "many", owner, 30)
+        while (claim := leases.claim(True)) is not None:
+            with lock:
+                claimed.append(claim.slot)
+
+    threads = [threading.Thread(target=worker, args=(f"w{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(claimed) == list(range(40))
+
+
+def test_expired_lease_is_taken_over_with_its_trial(records: Records) -> None:
+    dead = Leases(records.engine, "branin", "dead", 0.2)
+    claim = dead.claim(True)
+    assert claim is not None
+    assert dead.attach(claim.slot, 7, {"x1": 1.0, "x2": 2.0}, pgid=12345, start_ticks=99)
+    alive = Leases(records.engine, "branin", "alive", 30)
+    assert alive.claim(allow_pending=False) is None  # lease still valid
+    time.sleep(0.3)
+    takeover = alive.claim(allow_pending=False)
+    assert takeover is not None and takeover.taken_over
+    assert (takeover.slot, takeover.abandoned_trial, takeover.pgid) == (claim.slot, 7, 12345)
+    # The dead owner can neither renew nor release any more.
+    assert dead.renew([claim.slot]) == {claim.slot}
+    assert not dead.release(claim.slot, "done", 0, None)
+    assert alive.release(claim.slot, "pending", 1, {"x1": 1.0, "x2": 2.0})
+    again = alive.claim(True)
+    assert again is not None and again.params == {"x1": 1.0, "x2": 2.0}
+    assert again.attempt == 1 and not again.taken_over
+
+
+def test_heartbeat_keeps_a_short_lease_alive(records: Records) -> None:
+    leases = Leases(records.engine, "branin", "hb", 0.3)
+    claim = leases.claim(True)
+    assert claim is not None
+    beat = Heartbeat(leases, 0.05)
+    beat.track(claim.slot)
+    beat.start()
+    try:
+        time.sleep(0.8)
+        other = Leases(records.engine, "branin", "other", 30)
+        assert other.claim(allow_pending=False) is None
+        assert beat.take_lost() == set()
+    finally:
+        beat.stop()
+
+
+def test_finish_cancels_pending_slots(records: Records) -> None:
+    leases = Leases(records.engine, "branin", "x", 30)
+    claim = leases.claim(True)
+    assert claim is not None
+    records.finish("branin", "succeeded", "goal")
+    counts = records.slot_counts("branin")
+    assert counts == {"pending": 0, "running": 1, "done": 0, "cancelled": 2}
+    assert leases.claim(True) is None

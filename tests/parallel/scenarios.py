@@ -1,0 +1,97 @@
+"""Distributed equivalence: the engine on N ranks must train like the single-process
+plain loop of ``tests/equivalence.py`` (same model cases, same batches, same optimizer).
+
+A *scenario* is ``(case name, config fragment)``. Each rank builds the model with the
+suite's seed, trains ``STEPS`` global batches through ``engine.local_batch`` and
+``engine.train_batch``, and reports its losses and the full ``model_state_dict()``.
+Scenarios are run in groups, one spawn per group, because starting ranks (torch,
+transformers, gloo rendezvous) costs far more than training these tiny models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import hybridtrain as ht
+from tests.equivalence import (
+    SEED,
+    Mode,
+    assert_same_training,
+    engine_config,
+    model_cases,
+    plain_run,
+)
+from tests.parallel.spawn import run_ranks
+
+STEPS = 5
+RTOL = 1e-4
+ATOL = 1e-5
+Result = tuple[list[float], dict[str, torch.Tensor]]
+Scenario = tuple[str, dict[str, Any]]
+
+
+def train_scenarios(scenarios: dict[str, Scenario], steps: int = STEPS) -> dict[str, Any]:
+    """On one rank: train every scenario; returns name → ``(losses, state)`` or topology."""
+    cases = model_cases()
+    out: dict[str, Any] = {}
+    for name, (case_name, config) in scenarios.items():
+        case = cases[case_name]
+        torch.manual_seed(SEED)
+        model = case.build()
+        engine = ht.initialize(model, engine_config(Mode(name, config)), loss_fn=case.loss_fn)
+        torch.manual_seed(SEED + 1)
+        losses = [engine.train_batch(engine.local_batch(batch)) for batch in case.batches(steps)]
+        out[name] = (losses, engine.model_state_dict(), engine.topology.describe())
+    return out
+
+
+class GroupRunner:
+    """Runs each scenario group once per test session and remembers results or the error."""
+
+    def __init__(self, groups: dict[str, tuple[int, dict[str, Scenario]]], timeout: float = 150.0) -> None:
+        self.groups = groups
+        self.timeout = timeout
+        self._done: dict[str, list[dict[str, Any]] | BaseException] = {}
+
+    def results(self, group: str) -> list[dict[str, Any]]:
+        """Every rank's results for ``group`` (raises the group's failure again)."""
+        if group not in self._done:
+            world, scenarios = self.groups[group]
+            try:
+                self._done[group] = run_ranks(train_scenarios, world, scenarios, timeout=self.timeout)
+            except BaseException as exc:  # remembered so the group's other tests fail fast
+                self._done[group] = exc
+        done = self._done[group]
+        if isinstance(done, BaseException):
+            raise done
+        return done
+
+    def find(self, name: str) -> list[Any]:
+        """Every rank's ``(losses, state, topology)`` for scenario ``name``."""
+        for group, (_, scenarios) in self.groups.items():
+            if name in scenarios:
+                return [rank[name] for rank in self.results(group)]
+        raise KeyError(name)
+
+
+_REFERENCE: dict[str, Result] = {}
+
+
+def reference(case_name: str) -> Result:
+    """The single-process plain loop for a model case (fp32, full batch), cached."""
+    if case_name not in _REFERENCE:
+        _REFERENCE[case_name] = plain_run(model_cases()[case_name], Mode("plain", {}), steps=STEPS)
+    return _REFERENCE[case_name]
+
+
+def assert_equivalent(per_rank: list[Any], case_name: str, rtol: float = RTOL, atol: float = ATOL,
+                      check: Callable[[Result, Result], None] | None = None) -> None:
+    """Every rank reports the same losses, and rank 0 trained like the plain loop."""
+    losses = [r[0] for r in per_rank]
+    assert all(rank_losses == losses[0] for rank_losses in losses), f"ranks disagree on the loss: {losses}"
+    expected = reference(case_name)
+    actual = (per_rank[0][0], per_rank[0][1])
+    (check or (lambda e, a: assert_same_training(e, a, rtol=rtol, atol=atol)))(expected, actual)
