@@ -29,7 +29,15 @@ from hybridtrain.config import BatchSizes, Config
 from hybridtrain.parallel.mesh import Topology
 from hybridtrain.parallel.runtime import ParallelRuntime
 from hybridtrain.runtime import device as dev
-from hybridtrain.runtime.batch import Batch, LossFn, batch_size, compute_loss, run_model, split_batch, to_device
+from hybridtrain.runtime.batch import (
+    Batch,
+    LossFn,
+    batch_size,
+    compute_loss,
+    run_model,
+    split_batch,
+    to_device,
+)
 from hybridtrain.runtime.precision import LossScaler, autocast
 
 

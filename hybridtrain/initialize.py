@@ -17,8 +17,12 @@ from hybridtrain.models.blocks import BlocksNotFoundError, find_blocks
 from hybridtrain.parallel import mesh
 from hybridtrain.parallel.data import apply_data_parallel
 from hybridtrain.parallel.runtime import ParallelRuntime
+from hybridtrain.parallel.zero import ZeroRuntime, apply_zero
 from hybridtrain.runtime.batch import LossFn
-from hybridtrain.runtime.checkpointing import apply_activation_checkpointing, select_checkpoint_targets
+from hybridtrain.runtime.checkpointing import (
+    apply_activation_checkpointing,
+    select_checkpoint_targets,
+)
 from hybridtrain.runtime.device import resolve_device
 from hybridtrain.runtime.optim import build_optimizer, build_scheduler
 from hybridtrain.runtime.precision import LossScaler
@@ -55,6 +59,11 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
         raise ConfigError(str(exc)) from None
     checkpoint_targets = _checkpoint_targets(model, cfg)
     compute_dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None
+    sharded = cfg.zero_optimization.stage > 0 and sizes[0] > 1
+    if sharded and optimizer is not None:
+        raise ConfigError("zero_optimization.stage > 0 shards the parameters, so the optimizer must be "
+                          "built after sharding: pass optimizer=None and set config optimizer instead")
+    shard_units = _blocks_or_none(model, cfg) if sharded else []
 
     # Order matters: parameters must be on their final device before the optimizer sees
     # them, and the forward is wrapped last so the wrappers see the final modules.
@@ -62,7 +71,7 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
     if checkpoint_targets:
         _disable_hf_cache(model)
         apply_activation_checkpointing(checkpoint_targets)
-    parallel = _parallelize(model, cfg, device, sizes)
+    parallel = _parallelize(model, cfg, device, sizes, shard_units, compute_dtype)
     try:
         if optimizer is None:
             optimizer = build_optimizer(model.parameters(), cfg.optimizer.type, cfg.optimizer.params)
@@ -93,19 +102,34 @@ def _rank_device(device: torch.device, world_size: int) -> torch.device:
     return device
 
 
-def _parallelize(model: nn.Module, cfg: Config, device: torch.device,
-                 sizes: tuple[int, int, int]) -> ParallelRuntime:
-    """Join the process group and wrap the model for data parallel (first collectives)."""
+def _parallelize(model: nn.Module, cfg: Config, device: torch.device, sizes: tuple[int, int, int],
+                 shard_units: list[nn.Module], compute_dtype: torch.dtype | None) -> ParallelRuntime:
+    """Join the process group, then shard (ZeRO) or replicate (DDP) over the data-parallel
+    dimension. The first collectives of the run happen here."""
     if sizes == (1, 1, 1):
         return ParallelRuntime(model)
     mesh.init_process_group(device)
     topology = mesh.build_topology(device, *sizes)
     if topology.dp == 1:
         return ParallelRuntime(model, topology)
+    zero = cfg.zero_optimization
+    if zero.stage > 0:
+        offload = "cpu" in (zero.offload_param.device, zero.offload_optimizer.device)
+        apply_zero(model, shard_units, topology.submesh("dp"), zero.stage, compute_dtype, offload)
+        return ZeroRuntime(model, topology, zero.stage)
     dp = cfg.data_parallel
     ddp = apply_data_parallel(model, topology.group("dp"), device, dp.gradient_compression,
                               dp.powersgd_rank, dp.powersgd_start_iter, dp.bucket_cap_mb)
     return ParallelRuntime(model, topology, ddp)
+
+
+def _blocks_or_none(model: nn.Module, cfg: Config) -> list[nn.Module]:
+    # Without recognisable blocks the whole model is one FSDP unit: still correct, but
+    # every parameter is gathered at once.
+    try:
+        return list(find_blocks(model, cfg.model.blocks)[1])
+    except BlocksNotFoundError:
+        return []
 
 
 def _checkpoint_targets(model: nn.Module, cfg: Config) -> list[nn.Module]:
@@ -113,7 +137,7 @@ def _checkpoint_targets(model: nn.Module, cfg: Config) -> list[nn.Module]:
     if not section.enabled:
         return []
     try:
-        blocks = None if section.module_classes else find_blocks(model, cfg.model.blocks)[1]
+        blocks = None if section.module_classes else list(find_blocks(model, cfg.model.blocks)[1])
         return select_checkpoint_targets(model, blocks, section.every_n_blocks, section.module_classes)
     except (BlocksNotFoundError, ValueError) as exc:
         raise ConfigError(f"activation_checkpointing: {exc}") from None
@@ -134,4 +158,6 @@ def _resume_fingerprint(cfg: Config, optimizer: torch.optim.Optimizer) -> dict[s
         "optimizer": type(optimizer).__name__,
         "precision": precision,
         "scheduler": cfg.scheduler.type if cfg.scheduler else None,
+        # Sharded runs save the optimizer state keyed by parameter name, others by index.
+        **({"optimizer_state": "by-name"} if cfg.zero_optimization.stage > 0 else {}),
     }

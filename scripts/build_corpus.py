@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gzip
 from pathlib import Path
-
 from pydoc_data.topics import topics
 
 TARGET = Path(__file__).resolve().parents[1] / "hybridtrain" / "data" / "corpus.txt.gz"

@@ -7,7 +7,15 @@ import torch
 import torch.nn.functional as F
 
 import hybridtrain as ht
-from tests.equivalence import MODES, MLPStack, _regression_batches, assert_same_training, engine_config, model_cases, plain_run
+from tests.equivalence import (
+    MODES,
+    MLPStack,
+    _regression_batches,
+    assert_same_training,
+    engine_config,
+    model_cases,
+    plain_run,
+)
 
 mse = lambda out, batch: F.mse_loss(out, batch[1])  # noqa: E731
 

@@ -25,13 +25,20 @@ def parallel_sizes(cfg: Config, world_size: int) -> tuple[int, int, int]:
 def check_supported(cfg: Config, world_size: int) -> None:
     """Raise :class:`ConfigError` for the first setting this run cannot honour."""
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
-    parallel_sizes(cfg, world_size)
+    dp = parallel_sizes(cfg, world_size)[0]
+    zero = cfg.zero_optimization
+    offload = "cpu" in (zero.offload_param.device, zero.offload_optimizer.device)
+    if offload and (zero.stage == 0 or dp == 1):
+        raise ConfigError(
+            f"zero_optimization offload to cpu needs zero_optimization.stage >= 1 and more than one "
+            f"data-parallel rank (stage={zero.stage}, data-parallel size={dp}); single-process "
+            "offload is not supported yet"
+        )
     not_yet = {
         "tensor_model_parallel_size": tp > 1,
         "pipeline_model_parallel_size": pp > 1,
-        "zero_optimization.stage": cfg.zero_optimization.stage > 0,
-        "zero_optimization.offload_optimizer.device": cfg.zero_optimization.offload_optimizer.device != "none",
-        "zero_optimization.offload_param.device": cfg.zero_optimization.offload_param.device != "none",
+        "zero_optimization.offload_optimizer.device": cfg.zero_optimization.offload_optimizer.device == "nvme",
+        "zero_optimization.offload_param.device": cfg.zero_optimization.offload_param.device == "nvme",
         "activation_checkpointing.cpu_checkpointing": cfg.activation_checkpointing.cpu_checkpointing,
         "activation_checkpointing.partition_activations": cfg.activation_checkpointing.partition_activations,
         "activation_checkpointing.contiguous_memory_optimization":

@@ -85,6 +85,7 @@ class ExperimentStore:
         from hybridtrain.hpo.algorithms import build_pruner, build_sampler
 
         record = self.records.ensure_experiment(spec)
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
         optuna.create_study(storage=self.optuna_storage, study_name=spec.name,
                             sampler=build_sampler(spec), pruner=build_pruner(spec),
                             direction=spec.objective.direction, load_if_exists=True)

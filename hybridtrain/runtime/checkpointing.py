@@ -50,7 +50,7 @@ def apply_activation_checkpointing(modules: Sequence[nn.Module]) -> None:
             continue
         original = module.forward
         setattr(module, _ORIGINAL_FORWARD, original)
-        module.forward = functools.partial(_checkpointed_forward, original)  # type: ignore[method-assign]
+        module.forward = functools.partial(_checkpointed_forward, original)
 
 
 def remove_activation_checkpointing(modules: Sequence[nn.Module]) -> None:

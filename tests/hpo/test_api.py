@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from urllib.parse import quote
 from typing import Any
 
 import pytest
@@ -94,22 +95,27 @@ def test_token_is_generated_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         resolve_token(path)
 
 
-_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
                      | st.text(max_size=8),
                      lambda kids: st.lists(kids, max_size=3)
                      | st.dictionaries(st.text(max_size=8), kids, max_size=3), max_leaves=8)
 
 
-@settings(max_examples=60, deadline=None,
+@pytest.fixture(scope="module")
+def fuzz_client(tmp_path_factory: pytest.TempPathFactory) -> TestClient:
+    url = f"sqlite:///{tmp_path_factory.mktemp('fuzz') / 'fuzz.db'}"
+    return TestClient(create_app(ExperimentStore(url), TOKEN, launcher=None, dashboard=False))
+
+
+@settings(max_examples=30, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(name=st.text(max_size=20), body=_json,
        field=st.sampled_from(["name", "objective", "parameters", "trial", "max_trials",
                               "algorithm", "early_stopping"]))
-def test_fuzz_never_5xx(tmp_path_factory: pytest.TempPathFactory, make_spec: Any, name: str,
-                        body: Any, field: str) -> None:
-    url = f"sqlite:///{tmp_path_factory.getbasetemp() / 'fuzz.db'}"
-    client = TestClient(create_app(ExperimentStore(url), TOKEN, launcher=None,
-                                   dashboard=False))
+def test_fuzz_never_5xx(fuzz_client: TestClient, make_spec: Any, name: str, body: Any,
+                        field: str) -> None:
+    client = fuzz_client
+    name = quote(name, safe="")
     spec = make_spec()
     spec[field] = body
     for response in (

@@ -6,7 +6,7 @@ import torch
 
 import hybridtrain as ht
 from hybridtrain.runtime.precision import LossScaler
-from tests.equivalence import MLPStack, engine_config, MODES, _regression_batches
+from tests.equivalence import MODES, MLPStack, _regression_batches, engine_config
 
 
 def _fp16_engine(**fp16: object) -> ht.Engine:
