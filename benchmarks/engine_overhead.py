@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 import hybridtrain as ht
 from hybridtrain.models.gpt import GPT, build_gpt, causal_lm_loss
+from hybridtrain.profiling import SavedTensorMeter
 
 Step = Callable[[tuple[torch.Tensor, torch.Tensor]], float]
 
@@ -84,16 +85,9 @@ def memory(step: Step, batch: tuple[torch.Tensor, torch.Tensor], device: torch.d
         torch.cuda.reset_peak_memory_stats()
         step(batch)
         return int(torch.cuda.max_memory_allocated())
-    saved = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal saved
-        saved += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedTensorMeter() as meter:
         step(batch)
-    return saved
+    return meter.bytes
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ from hybridtrain.engine import Engine, EngineOptions
 from hybridtrain.models.blocks import BlocksNotFoundError, find_blocks
 from hybridtrain.parallel import mesh
 from hybridtrain.parallel.data import apply_data_parallel
+from hybridtrain.parallel.model_parallel import apply_device_map, resolve_device_map
 from hybridtrain.parallel.runtime import ParallelRuntime
 from hybridtrain.parallel.zero import ZeroRuntime, apply_zero
 from hybridtrain.runtime.batch import LossFn
@@ -64,6 +65,10 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
         raise ConfigError("zero_optimization.stage > 0 shards the parameters, so the optimizer must be "
                           "built after sharding: pass optimizer=None and set config optimizer instead")
     shard_units = _blocks_or_none(model, cfg) if sharded else []
+    try:
+        device_map = resolve_device_map(model, cfg.device_map)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
     # Order matters: parameters must be on their final device before the optimizer sees
     # them, and the forward is wrapped last so the wrappers see the final modules.
@@ -71,6 +76,7 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
     if checkpoint_targets:
         _disable_hf_cache(model)
         apply_activation_checkpointing(checkpoint_targets)
+    apply_device_map(model, device_map, device)
     parallel = _parallelize(model, cfg, device, sizes, shard_units, compute_dtype)
     try:
         if optimizer is None:

@@ -26,6 +26,9 @@ def check_supported(cfg: Config, world_size: int) -> None:
     """Raise :class:`ConfigError` for the first setting this run cannot honour."""
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
     dp = parallel_sizes(cfg, world_size)[0]
+    if cfg.device_map and (cfg.zero_optimization.stage > 0 and dp > 1 or tp > 1 or pp > 1):
+        raise ConfigError("device_map (model parallel inside one process) does not compose with ZeRO "
+                          "sharding, tensor or pipeline parallel; remove device_map or those settings")
     zero = cfg.zero_optimization
     offload = "cpu" in (zero.offload_param.device, zero.offload_optimizer.device)
     if offload and (zero.stage == 0 or dp == 1):

@@ -234,6 +234,10 @@ class Config(Section):
     """Pipeline-parallel degree (number of stages)."""
     data_parallel: DataParallelConfig = Field(default_factory=DataParallelConfig)
     """Data parallel (DDP) and gradient compression."""
+    device_map: dict[str, str] = Field(default_factory=dict)
+    """Naive model parallel inside one process: module path → device (e.g.
+    ``{"blocks.0": "cuda:0", "blocks.1": "cuda:1"}``); activations move to each module's
+    device before it runs and back to ``device`` after. Unlisted modules stay on ``device``."""
     steps_per_print: int = Field(default=10, ge=1)
     """Print a ``step=… loss=…`` line every n optimizer steps."""
     wall_clock_breakdown: bool = False

@@ -126,8 +126,9 @@ def build_sampler(spec: ExperimentSpec, seed_offset: int = 0) -> optuna.samplers
             ) from None
     internal = {"search_space": grid_space(spec)} if algo.name == "grid" else None
     seed = None if algo.seed is None else algo.seed + seed_offset
-    return _construct("algorithm", algo.name, cls_name,  # type: ignore[no-any-return]
-                      algo.options | {"seed": seed}, internal)
+    sampler: optuna.samplers.BaseSampler = _construct(
+        "algorithm", algo.name, cls_name, algo.options | {"seed": seed}, internal)
+    return sampler
 
 
 def build_pruner(spec: ExperimentSpec) -> optuna.pruners.BasePruner:
@@ -147,7 +148,9 @@ def build_pruner(spec: ExperimentSpec) -> optuna.pruners.BasePruner:
             "invalid experiment spec: field 'early_stopping.percentile': required for "
             "percentile (a number in [0, 100]); got nothing"
         )
-    return _construct("early_stopping", es.name, _PRUNERS[es.name], es.options)  # type: ignore[no-any-return]
+    pruner: optuna.pruners.BasePruner = _construct("early_stopping", es.name,
+                                                   _PRUNERS[es.name], es.options)
+    return pruner
 
 
 def check_algorithms(spec: ExperimentSpec) -> None:

@@ -102,7 +102,7 @@ def create_app(store: ExperimentStore, token: str, launcher: Launcher | None = l
     @app.get("/v1/experiments", dependencies=auth)
     def list_experiments() -> list[dict[str, Any]]:
         """Every experiment with its state and trial counts."""
-        return store.list()
+        return store.list_experiments()
 
     @app.post("/v1/experiments", dependencies=auth, status_code=201)
     def create_experiment(spec: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:

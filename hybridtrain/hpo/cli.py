@@ -122,7 +122,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     """List the experiments of the storage."""
     from hybridtrain.hpo.experiments import ExperimentStore
 
-    items = ExperimentStore(args.storage).list()
+    items = ExperimentStore(args.storage).list_experiments()
     lines = [f"{s['name']}\t{s['state']}\t" + " ".join(f"{k}={v}" for k, v in s["trials"].items())
              for s in items]
     _print(items, args.json, "\n".join(lines) if lines else "no experiments")

@@ -152,6 +152,8 @@ class Controller:
 
     # -- one trial -----------------------------------------------------------------------
     def _start(self, claim: Claim) -> None:
+        # Renew from the start: sampling (GP, CMA-ES) may take a while.
+        self.heartbeat.track(claim.slot)
         dists = distributions(self.spec)
         if claim.params is None:
             trial = self.study.ask(fixed_distributions=dists)
@@ -163,6 +165,12 @@ class Controller:
                 self.storage.set_trial_param(trial_id, name, dists[name].to_internal_repr(value),
                                              dists[name])
             trial = optuna.Trial(self.study, trial_id)
+        # Record the trial in the slot at once, so whoever takes the slot over after a
+        # crash from here on finds the trial and settles it.
+        if not self.leases.attach(claim.slot, trial.number, dict(trial.params)):
+            self.heartbeat.untrack(claim.slot)
+            self._tell(trial.number, Outcome("failed", reason="lease lost before start"))
+            return
         for key, value in {"slot": claim.slot, "attempt": claim.attempt,
                            "host": socket.gethostname()}.items():
             trial.set_user_attr(key, value)
@@ -171,18 +179,15 @@ class Controller:
             rt = RunningTrial(self.spec, trial, claim.slot, claim.attempt, gpus)
         except OSError as exc:
             self._free_gpus.extend(gpus)
+            self.heartbeat.untrack(claim.slot)
             self._record_failure(trial.number, claim, dict(trial.params),
                                  f"cannot start command: {exc}")
             return
+        self.running[claim.slot] = rt
         trial.set_user_attr("command", rt.command)
         trial.set_user_attr("trial_dir", str(rt.dir))
-        if not self.leases.attach(claim.slot, trial.number, rt.params, rt.process.pid,
-                                  rt.process.start_ticks):
-            rt.stop("lease lost")
-            self._release_gpus(rt)
-            return
-        self.heartbeat.track(claim.slot)
-        self.running[claim.slot] = rt
+        self.leases.attach(claim.slot, trial.number, rt.params, rt.process.pid,
+                           rt.process.start_ticks)
         self.on_event(f"trial {trial.number} started (slot {claim.slot}, attempt "
                       f"{claim.attempt}): {rt.params}")
 

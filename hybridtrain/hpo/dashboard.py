@@ -35,5 +35,5 @@ def dashboard_app(storage: optuna.storages.BaseStorage, token: str) -> ASGIApp:
         warnings.simplefilter("ignore")
         from starlette.middleware.wsgi import WSGIMiddleware
 
-        wsgi = WSGIMiddleware(optuna_dashboard.wsgi(storage))  # type: ignore[arg-type]
+        wsgi = WSGIMiddleware(optuna_dashboard.wsgi(storage))
     return TokenGuard(wsgi, token)

@@ -106,9 +106,9 @@ class ExperimentStore:
         self.records.get(name)
         return optuna.load_study(study_name=name, storage=self.optuna_storage)
 
-    def list(self) -> list[dict[str, Any]]:
+    def list_experiments(self) -> list[dict[str, Any]]:
         """One summary per experiment: name, state, reason and trial counts."""
-        return [self.status(r.name) for r in self.records.list()]
+        return [self.status(r.name) for r in self.records.experiments()]
 
     def status(self, name: str) -> dict[str, Any]:
         """State and trial counts of experiment ``name``.

@@ -162,11 +162,11 @@ class Records:
         with self.engine.connect() as conn:
             row = conn.execute(EXPERIMENTS.select().where(EXPERIMENTS.c.name == name)).first()
         if row is None:
-            known = ", ".join(r.name for r in self.list()[:10]) or "none"
+            known = ", ".join(r.name for r in self.experiments()[:10]) or "none"
             raise ExperimentNotFoundError(f"experiment {name!r} not found; known: {known}")
         return _record(row)
 
-    def list(self) -> list[ExperimentRecord]:
+    def experiments(self) -> list[ExperimentRecord]:
         """All experiments, oldest first."""
         with self.engine.connect() as conn:
             rows = conn.execute(EXPERIMENTS.select().order_by(EXPERIMENTS.c.created_at)).all()

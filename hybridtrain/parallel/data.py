@@ -39,7 +39,7 @@ def half_precision_hook(dtype: torch.dtype) -> Callable[..., torch.futures.Futur
     """
 
     # No annotations on the hook: DDP compares them by identity with its own types.
-    def hook(group, bucket):  # type: ignore[no-untyped-def]
+    def hook(group, bucket):
         group = group if group is not None else dist.group.WORLD
         buffer = bucket.buffer()
         # Divide before reducing: the sum of N half-precision gradients may overflow.

@@ -99,7 +99,8 @@ class ZeroRuntime(ParallelRuntime):
 
     def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load a full state dict; every rank keeps only its shards."""
-        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
+        set_model_state_dict(self.model, dict(state.items()),
+                             options=StateDictOptions(full_state_dict=True))
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The full optimizer state keyed by parameter name (gathered; complete on rank 0)."""

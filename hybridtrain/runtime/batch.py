@@ -48,6 +48,15 @@ def split_batch(batch: Batch, chunks: int) -> list[Batch]:
     return [_slice(batch, i * micro, (i + 1) * micro, size) for i in range(chunks)]
 
 
+def chunk_batch(batch: Batch, max_size: int) -> list[tuple[Batch, int]]:
+    """Split along dim 0 into chunks of at most ``max_size`` samples (the last may be
+    smaller); returns ``(chunk, samples)`` pairs. For evaluation, where no gradient
+    depends on equal sizes."""
+    size = batch_size(batch)
+    return [(_slice(batch, start, min(start + max_size, size), size), min(max_size, size - start))
+            for start in range(0, size, max_size)]
+
+
 def _slice(batch: Batch, start: int, stop: int, size: int) -> Batch:
     if isinstance(batch, torch.Tensor):
         return batch[start:stop] if batch.dim() and batch.shape[0] == size else batch

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from urllib.parse import quote
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 from fastapi.testclient import TestClient
@@ -95,8 +95,9 @@ def test_token_is_generated_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         resolve_token(path)
 
 
-_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
-                     | st.text(max_size=8),
+_scalars = (st.none() | st.booleans() | st.integers()
+            | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8))
+_json = st.recursive(_scalars,
                      lambda kids: st.lists(kids, max_size=3)
                      | st.dictionaries(st.text(max_size=8), kids, max_size=3), max_leaves=8)
 

@@ -124,7 +124,8 @@ def test_finished_experiment_rerun_and_conflicting_spec(make_spec: Any,
 
 
 def test_bad_storage_and_workdir_fail_before_work(make_spec: Any, tmp_path: Path) -> None:
-    with pytest.raises(StorageError, match=r"cannot open storage 'postgresql\S*://nobody:\*\*\*@.*refused"):
+    masked = r"cannot open storage 'postgresql\S*://nobody:\*\*\*@.*refused"
+    with pytest.raises(StorageError, match=masked):
         run_experiment(make_spec(), "postgresql://nobody:secret@127.0.0.1:1/db")
     with pytest.raises(StorageError, match="backend 'mysql' is not supported"):
         run_experiment(make_spec(), "mysql://x@localhost/db")

@@ -65,3 +65,10 @@ def test_world_size_that_does_not_fit_fails_before_any_collective(monkeypatch: p
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match="data_parallel.size=2"):
         ht.initialize(torch.nn.Linear(2, 2), {"device": "cpu", "data_parallel": {"size": 2}})
+
+
+def test_batch_that_does_not_split_over_replicas_fails_before_any_collective(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="data-parallel size=2"):
+        ht.initialize(torch.nn.Linear(2, 2), {"device": "cpu", "train_batch_size": 3})

@@ -51,3 +51,11 @@ def test_run_model_call_conventions() -> None:
     run_model(probe, ({"input_ids": torch.zeros(1)}, torch.zeros(1)))
     run_model(probe, torch.zeros(1))
     assert seen == [(1, []), (0, ["input_ids"]), (0, ["input_ids"]), (1, [])]
+
+
+def test_chunk_batch_allows_a_smaller_last_chunk() -> None:
+    from hybridtrain.runtime.batch import chunk_batch
+
+    chunks = chunk_batch((torch.arange(7), torch.arange(7)), 3)
+    assert [n for _, n in chunks] == [3, 3, 1]
+    assert torch.equal(chunks[2][0][0], torch.tensor([6]))

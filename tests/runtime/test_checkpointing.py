@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hybridtrain.models.gpt import GPT, GPTConfig
+from hybridtrain.profiling import SavedTensorMeter
 from hybridtrain.runtime.checkpointing import (
     apply_activation_checkpointing,
     is_checkpointed,
@@ -54,16 +55,9 @@ def test_apply_keeps_names_and_is_reversible() -> None:
 
 def test_checkpointed_block_saves_less_for_backward() -> None:
     def saved_bytes(model: torch.nn.Module) -> int:
-        total = 0
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            nonlocal total
-            total += t.numel() * t.element_size()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with SavedTensorMeter() as meter:
             model(torch.randint(0, 256, (4, 64))).sum()
-        return total
+        return meter.bytes
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=4, d_model=64))
