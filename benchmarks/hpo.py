@@ -44,13 +44,14 @@ def _spec(name: str, params: dict[str, Any], algorithm: dict[str, Any],
           early_stopping: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
     return {"name": name, "objective": {"metric": "loss"}, "parameters": params,
             "algorithm": algorithm, "early_stopping": early_stopping or {"name": "none"},
-            "trial": {"command": "echo loss=${x}"}, "max_trials": 1, **extra}
+            "trial": {"command": extra.pop("command", "true")}, "max_trials": 1, **extra}
 
 
 def bench_overhead(trials: int, workdir: Path) -> None:
     params = {"x": {"type": "float", "low": 0.0, "high": 1.0}}
     spec = load_spec(_spec("overhead", params, {"name": "random", "seed": 0},
-                           max_trials=trials, output_dir=str(workdir / "runs"),
+                           command="echo loss=${x}", max_trials=trials,
+                           output_dir=str(workdir / "runs"),
                            durability={"poll_interval": 0.002}))
     times: list[float] = []
     controller = Controller(spec, f"sqlite:///{workdir / 'service.db'}",
