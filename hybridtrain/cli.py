@@ -26,6 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_train_command(sub)
 
+    from hybridtrain.parallel.launch_cli import add_launch_command
+
+    add_launch_command(sub)
+
     from hybridtrain.hpo.cli import add_hpo_commands
 
     add_hpo_commands(sub)

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -39,6 +39,25 @@ from hybridtrain.runtime.batch import (
     to_device,
 )
 from hybridtrain.runtime.precision import LossScaler, autocast
+
+
+class BackwardObserver(Protocol):
+    """Told about every micro-batch's backward (optimizer offload moves gradients to the
+    host as they complete). ``final``: the last micro-batch of the optimizer step."""
+
+    def before_backward(self, final: bool, loss: torch.Tensor) -> None: ...
+
+    def after_backward(self, final: bool) -> None: ...
+
+
+class StepRunner(Protocol):
+    """Runs forward and backward of a step's micro-batches itself (layer streaming)."""
+
+    def forward_backward(self, micro_batches: list[Batch], loss_of: Callable[[Batch], torch.Tensor],
+                         weight: float, scale: float) -> torch.Tensor:
+        """Backward of ``loss_of(micro) * weight * scale`` for every micro-batch; returns
+        the sum of the detached ``loss * weight``."""
+        ...
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -67,6 +86,8 @@ class EngineOptions:
     wall_clock_breakdown: bool = False
     setup: dict[str, Any] = field(default_factory=dict)
     parallel: ParallelRuntime | None = None
+    backward_observer: BackwardObserver | None = None
+    runner: StepRunner | None = None
 
 
 class Engine:
@@ -119,15 +140,21 @@ class Engine:
         weight = 1.0 / len(micro_batches)
         total = torch.zeros((), device=self.device)
         self.optimizer.zero_grad(set_to_none=True)
-        for index, micro in enumerate(micro_batches):
-            micro = to_device(micro, self.device)
-            # Gradients cross processes once per step: after the last micro-batch.
-            self.parallel.set_grad_sync(index == len(micro_batches) - 1)
-            with self._timed("forward"), autocast(self.device, self.options.compute_dtype):
-                loss = compute_loss(run_model(self.parallel.module, micro), micro, self.loss_fn)
-            total += loss.detach().float() * weight
-            with self._timed("backward"):
-                self._scaled_backward(loss * weight)
+        if self.options.runner is not None:
+            # Layer streaming interleaves forward and backward with weight transfers itself.
+            with self._timed("forward"):
+                total += self.options.runner.forward_backward(
+                    micro_batches, self._micro_loss, weight, self.scaler.scale if self.scaler else 1.0)
+        else:
+            for index, micro in enumerate(micro_batches):
+                final = index == len(micro_batches) - 1
+                # Gradients cross processes once per step: after the last micro-batch.
+                self.parallel.set_grad_sync(final)
+                with self._timed("forward"):
+                    loss = self._micro_loss(micro)
+                total += loss.detach().float() * weight
+                with self._timed("backward"):
+                    self._scaled_backward(loss * weight, final)
         value = float(self.parallel.mean_loss(total).item())
         with self._timed("step"):
             self._optimizer_step(value)
@@ -160,7 +187,14 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Forward pass under the engine's precision (inputs are moved to the device)."""
+        """Forward pass under the engine's precision (inputs are moved to the device).
+
+        Raises:
+            RuntimeError: under layer streaming, which runs whole steps (``train_batch``).
+        """
+        if self.options.runner is not None:
+            raise RuntimeError("layer_streaming runs forward and backward of a whole step together; "
+                               "use engine.train_batch(batch) instead of engine(...)/backward/step")
         self.module.train()
         args, kwargs = to_device((args, kwargs), self.device)
         self.parallel.set_grad_sync(self.is_gradient_accumulation_boundary())
@@ -174,7 +208,7 @@ class Engine:
             self.optimizer.zero_grad(set_to_none=True)
         detached = loss.detach().float() * weight
         self._manual_loss = detached if self._manual_loss is None else self._manual_loss + detached
-        self._scaled_backward(loss * weight)
+        self._scaled_backward(loss * weight, self.is_gradient_accumulation_boundary())
 
     def step(self) -> bool:
         """Finish a micro-batch; at the accumulation boundary run the optimizer step.
@@ -195,8 +229,18 @@ class Engine:
         return self._manual_micro_steps + 1 == self.options.batch.accumulation_steps
 
     # ------------------------------------------------------------------ internals
-    def _scaled_backward(self, loss: torch.Tensor) -> None:
+    def _micro_loss(self, micro: Batch) -> torch.Tensor:
+        micro = to_device(micro, self.device)
+        with autocast(self.device, self.options.compute_dtype):
+            return compute_loss(run_model(self.parallel.module, micro), micro, self.loss_fn)
+
+    def _scaled_backward(self, loss: torch.Tensor, final: bool) -> None:
+        observer = self.options.backward_observer
+        if observer is not None:
+            observer.before_backward(final, loss)
         (loss * self.scaler.scale if self.scaler else loss).backward()
+        if observer is not None:
+            observer.after_backward(final)
 
     def _optimizer_step(self, loss_value: float) -> bool:
         """Unscale, check, clip, step, schedule; returns False when the step was skipped."""

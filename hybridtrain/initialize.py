@@ -19,6 +19,7 @@ from hybridtrain.parallel.data import apply_data_parallel
 from hybridtrain.parallel.model_parallel import apply_device_map, resolve_device_map
 from hybridtrain.parallel.runtime import ParallelRuntime
 from hybridtrain.parallel.zero import ZeroRuntime, apply_zero
+from hybridtrain.runtime.activation_offload import apply_activation_offload
 from hybridtrain.runtime.batch import LossFn
 from hybridtrain.runtime.checkpointing import (
     apply_activation_checkpointing,
@@ -26,6 +27,7 @@ from hybridtrain.runtime.checkpointing import (
 )
 from hybridtrain.runtime.device import resolve_device
 from hybridtrain.runtime.optim import build_optimizer, build_scheduler
+from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
 from hybridtrain.runtime.precision import LossScaler
 
 
@@ -59,6 +61,7 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     checkpoint_targets = _checkpoint_targets(model, cfg)
+    swap_targets, swap_recompute = _swap_targets(model, cfg, checkpoint_targets)
     compute_dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None
     sharded = cfg.zero_optimization.stage > 0 and sizes[0] > 1
     if sharded and optimizer is not None:
@@ -75,12 +78,20 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
     model.to(device)
     if checkpoint_targets:
         _disable_hf_cache(model)
-        apply_activation_checkpointing(checkpoint_targets)
+        # Blocks that are also swapped get a checkpoint that swaps their inputs instead.
+        apply_activation_checkpointing([m for m in checkpoint_targets if m not in swap_recompute])
+    if swap_targets:
+        swap = cfg.activation_offload
+        apply_activation_offload(swap_targets, device, swap_recompute, swap.prefetch_blocks, swap.pin_memory,
+                                 swap.min_bytes)
     apply_device_map(model, device_map, device)
     parallel = _parallelize(model, cfg, device, sizes, shard_units, compute_dtype)
     try:
         if optimizer is None:
             optimizer = build_optimizer(model.parameters(), cfg.optimizer.type, cfg.optimizer.params)
+        setup = _resume_fingerprint(cfg, optimizer)
+        offload = _offload_optimizer(optimizer, cfg, device, sizes)
+        optimizer = offload or optimizer
         scheduler = build_scheduler(optimizer, cfg.scheduler.type, cfg.scheduler.params) if cfg.scheduler else None
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -95,8 +106,9 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
         gradient_clipping=cfg.gradient_clipping,
         nonfinite_loss=cfg.nonfinite_loss,
         wall_clock_breakdown=cfg.wall_clock_breakdown,
-        setup=_resume_fingerprint(cfg, optimizer),
+        setup=setup,
         parallel=parallel,
+        backward_observer=offload,
     )
     return Engine(model, optimizer, scheduler, scaler, loss_fn, options, cfg)
 
@@ -147,6 +159,39 @@ def _checkpoint_targets(model: nn.Module, cfg: Config) -> list[nn.Module]:
         return select_checkpoint_targets(model, blocks, section.every_n_blocks, section.module_classes)
     except (BlocksNotFoundError, ValueError) as exc:
         raise ConfigError(f"activation_checkpointing: {exc}") from None
+
+
+def _swap_targets(model: nn.Module, cfg: Config,
+                  checkpoint_targets: list[nn.Module]) -> tuple[list[nn.Module], list[nn.Module]]:
+    """Blocks whose saved activations are swapped, and those of them also checkpointed
+    (only their inputs travel). DeepSpeed's ``cpu_checkpointing`` swaps the checkpoints."""
+    section = cfg.activation_offload
+    if not section.enabled:
+        swapped = checkpoint_targets if cfg.activation_checkpointing.cpu_checkpointing else []
+    else:
+        try:
+            blocks = list(find_blocks(model, cfg.model.blocks)[1])
+        except BlocksNotFoundError as exc:
+            raise ConfigError(f"activation_offload: {exc}") from None
+        wrong = [i for i in section.blocks if not 0 <= i < len(blocks)]
+        if wrong:
+            raise ConfigError(f"activation_offload.blocks {wrong} out of range; the model has "
+                              f"{len(blocks)} blocks (0..{len(blocks) - 1})")
+        swapped = [blocks[i] for i in sorted(set(section.blocks))] if section.blocks else blocks
+    checkpointed = {id(m) for m in checkpoint_targets}
+    return swapped, [m for m in swapped if id(m) in checkpointed]
+
+
+def _offload_optimizer(optimizer: torch.optim.Optimizer, cfg: Config, device: torch.device,
+                       sizes: tuple[int, int, int]) -> OffloadOptimizer | None:
+    """ZeRO-Offload on one process (several processes offload inside ZeRO sharding)."""
+    section = cfg.zero_optimization.offload_optimizer
+    if section.device != "cpu" or sizes != (1, 1, 1):
+        return None
+    # These need every gradient before any update, so the host step waits for backward.
+    defer = cfg.gradient_clipping > 0 or cfg.fp16.enabled or cfg.nonfinite_loss == "skip"
+    return OffloadOptimizer(optimizer, device, section.pin_memory, section.ratio,
+                            cfg.zero_optimization.reduce_bucket_size, defer)
 
 
 def _disable_hf_cache(model: nn.Module) -> None:

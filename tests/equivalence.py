@@ -166,6 +166,28 @@ MODES: dict[str, Mode] = {
     }, clip=0.05, lr_lambda=_warmup_cosine),
     "bf16": Mode("bf16", {"bf16": {"enabled": True}}, autocast_dtype=torch.bfloat16),
     "fp16": Mode("fp16", {"fp16": {"enabled": True}}, autocast_dtype=torch.float16, extra={"grad_scaler": True}),
+    # Optimizer offload: small buckets so several host steps overlap backward (eager path);
+    # clipping and fp16 defer the host step until every gradient has landed.
+    "offload_opt": Mode("offload_opt", {"zero_optimization": {
+        "stage": 1, "reduce_bucket_size": 2000, "offload_optimizer": {"device": "cpu"}}}),
+    "offload_opt_accum2_clip": Mode("offload_opt_accum2_clip", {
+        "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}, clip=0.05),
+    "offload_opt_twinflow_fp16": Mode("offload_opt_twinflow_fp16", {
+        "fp16": {"enabled": True}, "zero_optimization": {"stage": 1, "offload_optimizer": {
+            "device": "cpu", "ratio": 0.5}}}, autocast_dtype=torch.float16, extra={"grad_scaler": True},
+        # The fused CPU AdamW rounds some updates 1 ulp differently from the plain loop's
+        # unfused AdamW (unfused is bit-identical here); fp16 forwards amplify that.
+        atol=1e-5),
+    # Activation swapping, alone and with checkpointing (then only block inputs travel).
+    "swap": Mode("swap", {"activation_offload": {"enabled": True, "min_bytes": 0}}),
+    "swap_checkpoint_bf16": Mode("swap_checkpoint_bf16", {
+        "bf16": {"enabled": True}, "activation_checkpointing": {"enabled": True},
+        "activation_offload": {"enabled": True, "min_bytes": 0, "prefetch_blocks": 2}}, autocast_dtype=torch.bfloat16),
+    "cpu_checkpointing_accum2_offload": Mode("cpu_checkpointing_accum2_offload", {
+        "gradient_accumulation_steps": 2,
+        "activation_checkpointing": {"enabled": True, "cpu_checkpointing": True},
+        "zero_optimization": {"stage": 1, "reduce_bucket_size": 3000, "offload_optimizer": {"device": "cpu"}}}),
 }
 
 

@@ -31,18 +31,18 @@ def check_supported(cfg: Config, world_size: int) -> None:
                           "sharding, tensor or pipeline parallel; remove device_map or those settings")
     zero = cfg.zero_optimization
     offload = "cpu" in (zero.offload_param.device, zero.offload_optimizer.device)
-    if offload and (zero.stage == 0 or dp == 1):
-        raise ConfigError(
-            f"zero_optimization offload to cpu needs zero_optimization.stage >= 1 and more than one "
-            f"data-parallel rank (stage={zero.stage}, data-parallel size={dp}); single-process "
-            "offload is not supported yet"
-        )
+    if offload and zero.stage == 0:
+        raise ConfigError(f"zero_optimization offload to cpu needs zero_optimization.stage >= 1 "
+                          f"(stage={zero.stage}); set stage: 1 (or higher)")
+    if zero.offload_param.device == "cpu" and dp == 1:
+        raise ConfigError("zero_optimization.offload_param on one process: use layer_streaming "
+                          "(enabled: true), which streams the blocks' weights from host memory")
+    _check_offload_combinations(cfg, dp, tp, pp)
     not_yet = {
         "tensor_model_parallel_size": tp > 1,
         "pipeline_model_parallel_size": pp > 1,
         "zero_optimization.offload_optimizer.device": cfg.zero_optimization.offload_optimizer.device == "nvme",
         "zero_optimization.offload_param.device": cfg.zero_optimization.offload_param.device == "nvme",
-        "activation_checkpointing.cpu_checkpointing": cfg.activation_checkpointing.cpu_checkpointing,
         "activation_checkpointing.partition_activations": cfg.activation_checkpointing.partition_activations,
         "activation_checkpointing.contiguous_memory_optimization":
             cfg.activation_checkpointing.contiguous_memory_optimization,
@@ -56,6 +56,33 @@ def check_supported(cfg: Config, world_size: int) -> None:
             value = _value_at(cfg, key)
             raise ConfigError(f"config {key} = {value!r} is not supported yet by hybridtrain; remove it or "
                               "set it to its default")
+
+
+def _check_offload_combinations(cfg: Config, dp: int, tp: int, pp: int) -> None:
+    """Activation swapping, optimizer offload and layer streaming: what does not compose."""
+    streaming = cfg.layer_streaming.enabled
+    swapping = cfg.activation_offload.enabled or cfg.activation_checkpointing.cpu_checkpointing
+    offload_optimizer = cfg.zero_optimization.offload_optimizer.device == "cpu"
+    problems = {
+        "activation_checkpointing.cpu_checkpointing needs activation_checkpointing.enabled: true":
+            cfg.activation_checkpointing.cpu_checkpointing and not cfg.activation_checkpointing.enabled,
+        "layer_streaming runs on one process; remove data/tensor/pipeline parallel or layer_streaming":
+            streaming and (dp > 1 or tp > 1 or pp > 1),
+        "layer_streaming already keeps optimizer state in host memory; remove "
+        "zero_optimization.offload_optimizer":
+            streaming and offload_optimizer,
+        "layer_streaming recomputes blocks itself; set layer_streaming.boundary_activations "
+        "instead of activation_checkpointing":
+            streaming and cfg.activation_checkpointing.enabled,
+        "device_map does not compose with layer_streaming, activation_offload or optimizer offload; "
+        "remove device_map or those settings":
+            bool(cfg.device_map) and (streaming or swapping or offload_optimizer),
+        "activation_offload and layer_streaming run on one process; remove tensor/pipeline parallel":
+            swapping and (tp > 1 or pp > 1),
+    }
+    for reason, applies in problems.items():
+        if applies:
+            raise ConfigError(reason)
 
 
 def _value_at(cfg: Config, dotted: str) -> object:

@@ -132,7 +132,8 @@ class ActivationCheckpointingConfig(Section):
     partition_activations: bool = False
     """DeepSpeed: shard checkpoints across tensor-parallel ranks (not supported yet)."""
     cpu_checkpointing: bool = False
-    """DeepSpeed: keep checkpoints in host memory (maps to ``activation_offload``; not supported yet)."""
+    """DeepSpeed: keep the checkpoints (block inputs) in host memory; the same as
+    ``activation_offload.enabled`` for the checkpointed blocks."""
     contiguous_memory_optimization: bool = False
     """DeepSpeed: copy checkpoints into one buffer (not supported yet)."""
     number_checkpoints: int | None = None
@@ -141,6 +142,49 @@ class ActivationCheckpointingConfig(Section):
     """DeepSpeed: synchronize the device at checkpoint boundaries (not supported yet)."""
     profile: bool = False
     """DeepSpeed: time checkpoint functions (not supported yet)."""
+
+
+class ActivationOffloadConfig(Section):
+    """Activation swapping (vDNN): tensors saved for backward inside the chosen blocks move
+    to host memory during forward and come back, prefetched, ahead of their use in backward."""
+
+    enabled: bool = False
+    """Swap the saved activations of the blocks to host memory."""
+    blocks: list[int] = Field(default_factory=list)
+    """Indices of the blocks to swap (empty = every block). With activation checkpointing
+    only the inputs of the checkpointed blocks are swapped."""
+    prefetch_blocks: int = Field(default=1, ge=0)
+    """In backward, start copying this many blocks ahead of the one computing back."""
+    pin_memory: bool = True
+    """Page-locked host buffers (needed for copies that overlap compute)."""
+    min_bytes: int = Field(default=1024, ge=0)
+    """Saved tensors smaller than this stay on the device (copies of tiny tensors cost more
+    latency than the memory is worth)."""
+
+
+class LayerStreamingConfig(Section):
+    """Layer-to-layer streaming (L2L): the blocks' weights, gradients and optimizer state live
+    in host memory; only the executing block(s) are on the device, and each block's host
+    update runs as soon as its gradients are complete."""
+
+    enabled: bool = False
+    """Stream the blocks through the device."""
+    prefetch_blocks: int = Field(default=1, ge=1)
+    """Blocks uploaded ahead of the one computing (1 = double buffering); at most
+    ``prefetch_blocks + 1`` blocks' weights are on the device at once."""
+    layer_major: bool = False
+    """Run each block over all micro-batches before the next block, so weights cross the
+    bus once per step instead of once per micro-batch."""
+    boundary_activations: Literal["device", "host", "recompute"] = "recompute"
+    """``recompute``: keep each block's input on the device and recompute the block in
+    backward; ``host``: the same with the inputs swapped to host memory (device memory
+    independent of depth); ``device``: keep all activations on the device (no recompute)."""
+    resident: list[str] = Field(default_factory=list)
+    """Module paths of blocks that stay on the device instead of streaming (e.g.
+    ``["blocks.0"]``). Modules outside the blocks (embeddings, final norm, head) are always
+    resident; their optimizer state lives in host memory."""
+    pin_memory: bool = True
+    """Page-locked host buffers for the blocks' weights and gradients."""
 
 
 class DataParallelConfig(Section):
@@ -228,6 +272,10 @@ class Config(Section):
         default_factory=ActivationCheckpointingConfig
     )
     """Activation checkpointing."""
+    activation_offload: ActivationOffloadConfig = Field(default_factory=ActivationOffloadConfig)
+    """Activation swapping to host memory (vDNN)."""
+    layer_streaming: LayerStreamingConfig = Field(default_factory=LayerStreamingConfig)
+    """Layer-to-layer streaming of the blocks through the device (L2L)."""
     tensor_model_parallel_size: int = Field(default=1, ge=1)
     """Tensor-parallel degree."""
     pipeline_model_parallel_size: int = Field(default=1, ge=1)

@@ -1,0 +1,258 @@
+"""Activation swapping (vDNN): what autograd saves inside chosen blocks waits for backward
+in host memory instead of device memory.
+
+::
+
+    forward   block 0     block 1     block 2          (compute stream)
+                 └─D2H──┐    └─D2H──┐    └─D2H──┐      (copy stream; device copy freed
+                        ▼           ▼           ▼       once the copy has read it)
+    host      [acts 0]    [acts 1]    [acts 2]
+                        ┌───────────┘  ┌──────┘
+    backward  block 2 ◄─H2D(1)  block 1 ◄─H2D(0)  block 0
+              while block k runs backward, block k-1's tensors (``prefetch_blocks``
+              ahead) are already on their way back
+
+A saved tensor is packed by a ``saved_tensors_hooks`` pack hook active only inside the
+block's forward: it is copied into a (pinned) host buffer on a side stream after the
+kernel that produced it (an event orders the streams) and ``record_stream`` keeps its
+device memory from reuse until the copy has read it. When backward unpacks the first
+tensor of a block, that block and the ``prefetch_blocks`` blocks before it are copied back
+on another side stream; the compute stream waits for each tensor's copy event only when it
+needs the tensor.
+
+With activation checkpointing on a swapped block, only the block's inputs are saved (the
+rest is recomputed in backward), so only they travel: :class:`_SwappedRecompute` is a
+checkpoint whose inputs are saved with ``save_for_backward`` and therefore pass through
+the pack hook. Parameters, buffers and small tensors are never swapped.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from hybridtrain.runtime import transfer
+
+_ORIGINAL_FORWARD = "_hybridtrain_swap_original_forward"
+
+
+@dataclass
+class SwapStats:
+    """What the swapper did (tests and the profiler read it)."""
+
+    tensors_out: int = 0
+    bytes_out: int = 0
+    bytes_in: int = 0
+    kept_on_device: int = 0
+    prefetch_ahead: list[int] = field(default_factory=list)
+    """For every block whose backward began: blocks already on their way back beyond it."""
+
+
+class _Swapped:
+    """A saved tensor living in host memory (and, once prefetched, on its way back)."""
+
+    __slots__ = ("host", "copied", "seq", "device_tensor", "ready", "__weakref__")
+
+    def __init__(self, host: torch.Tensor, copied: torch.cuda.Event | None, seq: int) -> None:
+        self.host = host
+        self.copied = copied
+        self.seq = seq
+        self.device_tensor: torch.Tensor | None = None
+        self.ready: torch.cuda.Event | None = None
+
+
+class ActivationSwapper:
+    """Swaps the saved activations of wrapped blocks (see the module docstring).
+
+    Args:
+        device: the compute device.
+        prefetch_blocks: blocks copied back ahead of the one whose backward starts.
+        pin_memory: page-locked host buffers.
+        min_bytes: smaller saved tensors stay where they are.
+    """
+
+    def __init__(self, device: torch.device, prefetch_blocks: int = 1, pin_memory: bool = True,
+                 min_bytes: int = 1024) -> None:
+        self.device = device
+        self.prefetch_blocks = prefetch_blocks
+        self.pin_memory = pin_memory
+        self.min_bytes = min_bytes
+        self.stats = SwapStats()
+        self._d2h = transfer.SideStream(device)
+        self._h2d = transfer.SideStream(device)
+        self._seq = 0
+        self._pending: dict[int, list[weakref.ref[_Swapped]]] = {}
+        self._prefetched: set[int] = set()
+
+    # ------------------------------------------------------------------ wrapping
+    def wrap(self, module: nn.Module, recompute: bool = False) -> None:
+        """Swap ``module``'s saved activations (``recompute``: checkpoint it and swap only
+        its inputs). The forward is wrapped in place, so parameter names stay."""
+        if hasattr(module, _ORIGINAL_FORWARD):
+            return
+        original = module.forward
+        setattr(module, _ORIGINAL_FORWARD, original)
+        run = self._recomputed_forward if recompute else self._swapped_forward
+        module.forward = functools.partial(run, module, original)
+
+    def _swapped_forward(self, module: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        with self._scope(module):
+            return forward(*args, **kwargs)
+
+    def _recomputed_forward(self, module: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        leaves, spec = tree_flatten((args, kwargs))
+        slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        out_spec: list[Any] = []
+
+        def run(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            filled = list(leaves)
+            for i, t in zip(slots, tensors, strict=True):
+                filled[i] = t
+            a, kw = tree_unflatten(filled, spec)
+            out_leaves, o_spec = tree_flatten(forward(*a, **kw))
+            out_spec[:] = [o_spec, out_leaves]
+            return tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
+
+        # A grad-requiring dummy input makes the outputs require grad even when no real
+        # input does (the first block of an nn.Sequential), so parameters get gradients.
+        dummy = torch.empty(0, requires_grad=True)
+        with self._scope(module):
+            outs = _SwappedRecompute.apply(run, self.device, dummy, *[leaves[i] for i in slots])
+        o_spec, o_leaves = out_spec
+        it = iter(outs)
+        return tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in o_leaves], o_spec)
+
+    # ------------------------------------------------------------------ hooks
+    @contextmanager
+    def _scope(self, module: nn.Module) -> Iterator[None]:
+        self._seq += 1
+        seq = self._seq
+        self._pending = {k: v for k, v in self._pending.items() if any(r() is not None for r in v)}
+        self._pending[seq] = []
+        skip = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+        # Keyed by tensor identity and holding the tensor until the block's forward ends:
+        # an address could be reused by a new tensor once the swapped one is freed.
+        seen: dict[int, tuple[torch.Tensor, _Swapped]] = {}
+        with torch.autograd.graph.saved_tensors_hooks(
+                functools.partial(self._pack, seq, skip, seen), self._unpack):
+            yield
+
+    def _pack(self, seq: int, skip: set[int], seen: dict[int, tuple[torch.Tensor, _Swapped]],
+              tensor: torch.Tensor) -> Any:
+        if (tensor.device != self.device or tensor.is_sparse or not tensor.is_contiguous()
+                or tensor.numel() * tensor.element_size() < self.min_bytes
+                or tensor.untyped_storage().data_ptr() in skip):
+            self.stats.kept_on_device += 1
+            return tensor
+        # The same tensor saved by several ops travels once.
+        if id(tensor) in seen:
+            return seen[id(tensor)][1]
+        host = transfer.host_empty(tensor.numel(), tensor.dtype, self.pin_memory, self.device).view(tensor.shape)
+        with self._d2h.after_compute():
+            host.copy_(tensor, non_blocking=True)
+            self._d2h.keep_alive(tensor)
+            copied = self._d2h.record()
+        handle = _Swapped(host, copied, seq)
+        seen[id(tensor)] = (tensor, handle)
+        self._pending[seq].append(weakref.ref(handle))
+        self.stats.tensors_out += 1
+        self.stats.bytes_out += host.numel() * host.element_size()
+        return handle
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        handle: _Swapped = packed
+        if handle.device_tensor is None and handle.seq in self._pending:
+            self._begin_block(handle.seq)
+        if handle.device_tensor is None:  # unpacked twice (retain_graph): copy again
+            self._prefetch_one(handle)
+        tensor, handle.device_tensor = handle.device_tensor, None
+        assert tensor is not None
+        transfer.compute_waits(handle.ready, self.device)
+        if tensor.is_cuda:
+            # Allocated on the copy stream, used (and freed) on the compute stream.
+            tensor.record_stream(torch.cuda.current_stream(self.device))
+        return tensor
+
+    def _begin_block(self, seq: int) -> None:
+        """Backward reached block ``seq``: bring it and the blocks before it back."""
+        self._prefetched = {s for s in self._prefetched if s < seq}
+        earlier = sorted(s for s in self._pending if s < seq)
+        wanted = [seq, *reversed(earlier[len(earlier) - self.prefetch_blocks:] if self.prefetch_blocks else [])]
+        for s in wanted:
+            for ref in self._pending.pop(s, []):
+                handle = ref()
+                if handle is not None:
+                    self._prefetch_one(handle)
+            self._prefetched.add(s)
+        self.stats.prefetch_ahead.append(len(self._prefetched - {seq}))
+
+    def _prefetch_one(self, handle: _Swapped) -> None:
+        with self._h2d.after(handle.copied):
+            handle.device_tensor = handle.host.to(self.device, non_blocking=True)
+            handle.ready = self._h2d.record()
+        self.stats.bytes_in += handle.host.numel() * handle.host.element_size()
+
+
+class _SwappedRecompute(torch.autograd.Function):
+    """Checkpoint whose inputs go through ``save_for_backward`` (and thus the swap hooks);
+    the forward runs without grad and is recomputed in backward with the same RNG state
+    and autocast settings, so dropout masks and precision match the plain run."""
+
+    @staticmethod
+    def forward(ctx: Any, run: Callable[..., tuple[torch.Tensor, ...]], device: torch.device,
+                dummy: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.run = run
+        ctx.device = device
+        ctx.autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
+        ctx.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+        ctx.save_for_backward(*inputs)
+        with torch.no_grad():
+            return run(*inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
+        device: torch.device = ctx.device
+        enabled, dtype = ctx.autocast
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [],
+                                   device_type=device.type if device.type == "cuda" else "cuda"):
+            torch.set_rng_state(ctx.rng[0])
+            if ctx.rng[1] is not None:
+                torch.cuda.set_rng_state(ctx.rng[1], device)
+            with torch.enable_grad(), torch.autocast(device.type, dtype=dtype, enabled=enabled):
+                outs = ctx.run(*inputs)
+        pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad and g is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None, None, *[x.grad if x.requires_grad else None for x in inputs])
+
+
+def apply_activation_offload(blocks: Sequence[nn.Module], device: torch.device, recompute: Sequence[nn.Module] = (),
+                             prefetch_blocks: int = 1, pin_memory: bool = True,
+                             min_bytes: int = 1024) -> ActivationSwapper:
+    """Swap the saved activations of ``blocks``; those also in ``recompute`` are
+    checkpointed with only their inputs swapped.
+
+    Returns:
+        The swapper (its ``stats`` say what moved).
+    """
+    swapper = ActivationSwapper(device, prefetch_blocks, pin_memory, min_bytes)
+    again = {id(m) for m in recompute}
+    for block in blocks:
+        swapper.wrap(block, recompute=id(block) in again)
+    transfer.note_cpu_offload(device, "activation offload")
+    return swapper

@@ -1,0 +1,366 @@
+"""Optimizer offload (ZeRO-Offload) on one process: fp32 master weights, gradients and
+optimizer state in host memory; the update runs on the host while backward continues.
+
+::
+
+    backward ──► grads of bucket k complete ──► D2H (side stream) ──► worker thread:
+       │            (post-accumulate hooks)       device grads freed     wait copy, accumulate
+       │                                                                 into host grads,
+       ▼                                                                 [eager] fused CPU step,
+    grads of bucket k-1 …                                                H2D of updated weights
+
+Parameters are grouped in *buckets* (backward order, ``reduce_bucket_size`` elements).
+When the last gradient of a bucket has accumulated, the bucket's gradients are copied to
+host buffers and the device gradients released. On the last micro-batch of a step the
+host step of the bucket starts at once (the *eager* step) — unless something needs all
+gradients first: gradient clipping (global norm), fp16 loss scaling (global overflow
+check) or ``nonfinite_loss: skip``. Then the step is *deferred*: the engine unscales and
+clips the host gradients and calls :meth:`OffloadOptimizer.step`. Either way each element
+sees exactly the plain optimizer's update.
+
+:class:`OffloadOptimizer` is the optimizer the engine and the LR scheduler see. Its
+parameters are the host masters (and, with a ``ratio`` below 1, the device parameters
+updated on the device — DeepSpeed's "twin-flow"), in the model's parameter order, so its
+``state_dict`` has the plain optimizer's layout and checkpoints move between offloaded and
+plain runs. One per-bucket inner optimizer (torch's fused CPU implementation where the
+class has one) shares its ``state``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridtrain.runtime import transfer
+
+_NOT_HYPERPARAMS = ("params", "fused", "foreach", "capturable", "differentiable")
+
+
+@dataclass(eq=False)
+class Bucket:
+    """Parameters whose gradients travel and whose update runs together.
+
+    ``params`` are the tensors autograd fills; ``masters`` the host tensors the optimizer
+    updates. For a streamed block they are the same objects (the parameter's data *is*
+    the host master between uses), otherwise separate host copies.
+    """
+
+    index: int
+    params: list[nn.Parameter]
+    masters: list[nn.Parameter]
+    flat_master: torch.Tensor
+    flat_grad: torch.Tensor
+    streamed: bool
+    optimizer: torch.optim.Optimizer | None = None
+    group_of: list[int] = field(default_factory=list)
+    staging: torch.Tensor | None = None
+    has_grad: list[bool] = field(default_factory=list)
+    arrived: int = 0
+    stepped: bool = False
+    uploaded: torch.cuda.Event | None = None
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``flat`` cut into tensors shaped like the bucket's parameters."""
+        out, offset = [], 0
+        for p in self.params:
+            out.append(flat[offset:offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        return out
+
+
+class OffloadOptimizer(torch.optim.Optimizer):
+    """The engine's optimizer when updates run in host memory (see the module docstring).
+
+    Args:
+        optimizer: an optimizer over the device parameters; its class, groups and
+            hyperparameters are taken over (it must not have stepped yet).
+        device: the compute device.
+        pin_memory: page-locked host buffers (asynchronous copies on CUDA).
+        host_ratio: fraction of the parameters (by elements) updated on the host; the
+            rest (the last parameters) keep device state and a device optimizer.
+        bucket_numel: elements per automatically formed bucket.
+        defer: always defer the host step to :meth:`step` (clipping, fp16, skip-on-inf).
+        streamed: parameter lists (blocks) that become their own host masters and whose
+            gradients the caller lands with :meth:`land`.
+
+    Raises:
+        ValueError: the optimizer already has state.
+        HostMemoryError: the host state does not fit in available host memory.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, pin_memory: bool = True,
+                 host_ratio: float = 1.0, bucket_numel: int = 500_000_000, defer: bool = False,
+                 streamed: Sequence[Sequence[nn.Parameter]] = ()) -> None:
+        if any(optimizer.state.values()):
+            raise ValueError("optimizer offload takes over a fresh optimizer; this one has already stepped")
+        self.device = device
+        self.pin_memory = pin_memory
+        self.defer = defer
+        self._d2h = transfer.SideStream(device)
+        self._h2d = transfer.SideStream(device)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridtrain-host-step")
+        self._jobs: list[Future[None]] = []
+        self._cls = type(optimizer)
+        streamed_ids = {id(p) for block in streamed for p in block}
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        on_device = _device_kept(params, host_ratio, streamed_ids)
+        group_index = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        _check_host_memory(params, on_device, optimizer)
+
+        self.buckets: list[Bucket] = []
+        for block in streamed:
+            self.buckets.append(self._make_bucket(list(block), True, group_index))
+        auto = [p for p in params if id(p) not in streamed_ids and id(p) not in on_device]
+        for chunk in _chunks(list(reversed(auto)), bucket_numel):
+            self.buckets.append(self._make_bucket(chunk, False, group_index))
+        master_of = {id(p): m for b in self.buckets for p, m in zip(b.params, b.masters, strict=True)}
+
+        groups = []
+        for g in optimizer.param_groups:
+            groups.append({**{k: v for k, v in g.items() if k != "params"},
+                           "params": [master_of.get(id(p), p) for p in g["params"]]})
+        super().__init__(groups, optimizer.defaults)
+        for bucket in self.buckets:
+            bucket.optimizer = self._inner([bucket.masters], [bucket.group_of], fused=True)
+        device_params = [p for p in params if id(p) in on_device]
+        self._device_optimizer = (self._inner([device_params], [[group_index[id(p)] for p in device_params]],
+                                              fused=False) if device_params else None)
+        self._device_groups = [group_index[id(p)] for p in device_params]
+        for p, bucket in ((p, b) for b in self.buckets if not b.streamed for p in b.params):
+            p.register_post_accumulate_grad_hook(lambda _p, b=bucket: self._arrived(b))
+        self._final = False
+        self._eager = False
+        self._finite = True
+        self.register_load_state_dict_post_hook(lambda opt: opt._after_load())  # type: ignore[attr-defined]
+        transfer.note_cpu_offload(device, "optimizer offload")
+
+    # ------------------------------------------------------------------ construction
+    def _make_bucket(self, params: list[nn.Parameter], streamed: bool, group_index: dict[int, int]) -> Bucket:
+        numel = sum(p.numel() for p in params)
+        flat_master = transfer.host_empty(numel, torch.float32, self.pin_memory, self.device)
+        flat_grad = transfer.host_empty(numel, torch.float32, self.pin_memory, self.device)
+        bucket = Bucket(len(self.buckets), params, [], flat_master, flat_grad, streamed,
+                        group_of=[group_index[id(p)] for p in params], has_grad=[False] * len(params))
+        for p, view in zip(params, bucket.views(flat_master), strict=True):
+            view.copy_(p.detach())
+            if streamed:
+                # The parameter's data becomes the host master: no second copy exists.
+                p.data = view
+                bucket.masters.append(p)
+            else:
+                bucket.masters.append(nn.Parameter(view))
+        return bucket
+
+    def _inner(self, params: list[list[nn.Parameter]], group_ids: list[list[int]],
+               fused: bool) -> torch.optim.Optimizer:
+        """An optimizer of the user's class over ``params``, one group per outer group."""
+        by_group: dict[int, list[nn.Parameter]] = {}
+        for plist, gids in zip(params, group_ids, strict=True):
+            for p, k in zip(plist, gids, strict=True):
+                by_group.setdefault(k, []).append(p)
+        groups = [{**self._hyperparams(k), "params": ps, "_outer": k} for k, ps in by_group.items()]
+        accepts_fused = "fused" in inspect.signature(self._cls.__init__).parameters
+        kwargs: dict[str, Any] = {"fused": True, "foreach": False} if fused and accepts_fused else {}
+        try:
+            inner = self._cls(groups, **kwargs)
+        except (RuntimeError, ValueError, TypeError):
+            inner = self._cls(groups)  # no fused kernel for this class on this device
+        inner.state = self.state  # one state dict: the outer one is what checkpoints see
+        return inner
+
+    def _hyperparams(self, k: int) -> dict[str, Any]:
+        return {key: v for key, v in self.param_groups[k].items() if key not in _NOT_HYPERPARAMS}
+
+    # ------------------------------------------------------------------ backward protocol
+    def before_backward(self, final: bool, loss: torch.Tensor) -> None:
+        """Called before each micro-batch's backward (``final``: last of the step).
+
+        The eager step needs every micro-batch's loss to be finite: a step the engine
+        will skip or refuse must not have touched the host masters.
+        """
+        self._wait()
+        for bucket in self.buckets:
+            bucket.arrived = 0
+        if not self.defer:
+            self._finite = self._finite and bool(torch.isfinite(loss.detach()).all())
+        self._final = final
+        self._eager = final and not self.defer and self._finite
+
+    def after_backward(self, final: bool) -> None:
+        """Called after each micro-batch's backward: land what no hook landed (unused
+        parameters, streamed blocks left over); at the end of the step wait for the host."""
+        for bucket in self.buckets:
+            if any(p.grad is not None for p in bucket.params):
+                self.land(bucket.index)
+        if final:
+            self._wait()
+
+    def land(self, index: int) -> None:
+        """Copy bucket ``index``'s device gradients to the host and release them; the
+        worker accumulates them (and, on an eager final micro-batch, steps the bucket)."""
+        bucket = self.buckets[index]
+        landed: list[tuple[int, bool]] = []
+        with self._d2h.after_compute():
+            for j, p in enumerate(bucket.params):
+                grad = p.grad
+                if grad is None:
+                    continue
+                first = not bucket.has_grad[j]
+                if not first and bucket.staging is None:
+                    bucket.staging = transfer.host_empty(bucket.flat_grad.numel(), torch.float32,
+                                                         self.pin_memory, self.device)
+                target = bucket.views(bucket.flat_grad if first else bucket.staging)[j]  # type: ignore[arg-type]
+                target.copy_(grad, non_blocking=True)
+                self._d2h.keep_alive(grad)
+                p.grad = None
+                bucket.has_grad[j] = True
+                landed.append((j, first))
+            copied = self._d2h.record()
+        step = self._eager and bucket.arrived >= 0
+        self._jobs.append(self._worker.submit(self._accumulate, bucket, landed, copied, step))
+
+    def _arrived(self, bucket: Bucket) -> None:
+        bucket.arrived += 1
+        if bucket.arrived == len(bucket.params):
+            self.land(bucket.index)
+
+    # ------------------------------------------------------------------ host side (worker)
+    def _accumulate(self, bucket: Bucket, landed: list[tuple[int, bool]],
+                    copied: torch.cuda.Event | None, step: bool) -> None:
+        transfer.host_waits(copied)
+        grads = bucket.views(bucket.flat_grad)
+        staging = bucket.views(bucket.staging) if bucket.staging is not None else []
+        for j, first in landed:
+            if first:
+                bucket.masters[j].grad = grads[j]
+            else:
+                # Same order as the plain loop's accumulation: earlier micro-batches + this one.
+                grads[j].add_(staging[j])
+        if step:
+            self._step_bucket(bucket)
+
+    def _step_bucket(self, bucket: Bucket) -> None:
+        if bucket.stepped or not any(bucket.has_grad):
+            return
+        assert bucket.optimizer is not None
+        _sync_hyperparams(bucket.optimizer, self)
+        bucket.optimizer.step()
+        bucket.stepped = True
+        if not bucket.streamed:
+            with self._h2d.after(None):
+                for p, m in zip(bucket.params, bucket.masters, strict=True):
+                    p.data.copy_(m.detach(), non_blocking=True)
+                bucket.uploaded = self._h2d.record()
+
+    def _wait(self) -> None:
+        jobs, self._jobs = self._jobs, []
+        for job in jobs:
+            job.result()
+
+    # ------------------------------------------------------------------ optimizer API
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """Finish the step: update every bucket the eager path did not, the device-kept
+        parameters, and make the compute stream wait for the updated weights.
+
+        Raises:
+            ValueError: a closure was given (offloaded steps cannot re-evaluate the loss).
+        """
+        if closure is not None:
+            raise ValueError("OffloadOptimizer.step does not take a closure")
+        self._wait()
+        for bucket in self.buckets:
+            self._step_bucket(bucket)
+        if self._device_optimizer is not None:
+            _sync_hyperparams(self._device_optimizer, self)
+            self._device_optimizer.step()
+        for bucket in self.buckets:
+            transfer.compute_waits(bucket.uploaded, self.device)
+            bucket.uploaded = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Start a new step: clear host and device gradients (always released)."""
+        self._wait()
+        super().zero_grad(set_to_none=True)
+        for bucket in self.buckets:
+            bucket.has_grad = [False] * len(bucket.params)
+            bucket.stepped = False
+            for p in bucket.params:
+                p.grad = None
+        self._finite = True
+
+    def _after_load(self) -> None:
+        """After ``load_state_dict``: re-share the state and refresh masters from the
+        (already loaded) model parameters."""
+        for bucket in self.buckets:
+            assert bucket.optimizer is not None
+            bucket.optimizer.state = self.state
+            if not bucket.streamed:
+                for p, m in zip(bucket.params, bucket.masters, strict=True):
+                    m.data.copy_(p.detach())
+        if self._device_optimizer is not None:
+            self._device_optimizer.state = self.state
+
+    def close(self) -> None:
+        """Stop the host worker thread."""
+        self._worker.shutdown(wait=True)
+
+    @property
+    def host_numel(self) -> int:
+        """Elements whose master weights and state live in host memory."""
+        return sum(b.flat_master.numel() for b in self.buckets)
+
+
+def _sync_hyperparams(inner: torch.optim.Optimizer, outer: torch.optim.Optimizer) -> None:
+    # The LR scheduler edits the outer groups; the inner ones follow before every step.
+    for group in inner.param_groups:
+        for key, value in outer.param_groups[group["_outer"]].items():
+            if key not in _NOT_HYPERPARAMS:
+                group[key] = value
+
+
+def _device_kept(params: list[nn.Parameter], host_ratio: float, streamed: set[int]) -> set[int]:
+    """Twin-flow: the last parameters, ``1 - host_ratio`` of the elements, stay on the device."""
+    candidates = [p for p in params if id(p) not in streamed]
+    budget = (1.0 - host_ratio) * sum(p.numel() for p in candidates)
+    kept: set[int] = set()
+    for p in reversed(candidates):
+        if budget <= 0:
+            break
+        kept.add(id(p))
+        budget -= p.numel()
+    return kept
+
+
+def _chunks(params: list[nn.Parameter], numel: int) -> Iterable[list[nn.Parameter]]:
+    chunk: list[nn.Parameter] = []
+    size = 0
+    for p in params:
+        if chunk and size + p.numel() > numel:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(p)
+        size += p.numel()
+    if chunk:
+        yield chunk
+
+
+def host_state_bytes(numel: int, optimizer: torch.optim.Optimizer) -> int:
+    """Host bytes for ``numel`` offloaded elements: fp32 master + gradient + staging +
+    the optimizer's per-element state (two fp32 moments for the Adam family)."""
+    name = type(optimizer).__name__.lower()
+    state = 8 if "adam" in name else 4
+    return numel * (4 + 4 + 4 + state)
+
+
+def _check_host_memory(params: list[nn.Parameter], on_device: set[int], optimizer: torch.optim.Optimizer) -> None:
+    numel = sum(p.numel() for p in params if id(p) not in on_device)
+    cpu_resident = sum(p.numel() * p.element_size() for p in params if p.device.type == "cpu")
+    # Parameters already in host memory (CPU device, streamed blocks) are replaced, not added to.
+    transfer.check_host_memory(host_state_bytes(numel, optimizer) - cpu_resident, "optimizer offload")
