@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,22 +42,12 @@ from hybridtrain.runtime.precision import LossScaler, autocast
 
 
 class BackwardObserver(Protocol):
-    """Told about every micro-batch's backward (optimizer offload moves gradients to the
-    host as they complete). ``final``: the last micro-batch of the optimizer step."""
+    """Told about every micro-batch's backward (optimizer offload and layer streaming move
+    gradients to the host as they complete). ``final``: the last micro-batch of the step."""
 
     def before_backward(self, final: bool, loss: torch.Tensor) -> None: ...
 
     def after_backward(self, final: bool) -> None: ...
-
-
-class StepRunner(Protocol):
-    """Runs forward and backward of a step's micro-batches itself (layer streaming)."""
-
-    def forward_backward(self, micro_batches: list[Batch], loss_of: Callable[[Batch], torch.Tensor],
-                         weight: float, scale: float) -> torch.Tensor:
-        """Backward of ``loss_of(micro) * weight * scale`` for every micro-batch; returns
-        the sum of the detached ``loss * weight``."""
-        ...
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -87,7 +77,6 @@ class EngineOptions:
     setup: dict[str, Any] = field(default_factory=dict)
     parallel: ParallelRuntime | None = None
     backward_observer: BackwardObserver | None = None
-    runner: StepRunner | None = None
 
 
 class Engine:
@@ -113,7 +102,6 @@ class Engine:
         self.device = options.device
         self.global_step = 0
         self.last_timings = StepTimings()
-        self._params = [p for group in optimizer.param_groups for p in group["params"]]
         # Everything that differs when several processes cooperate goes through this object.
         self.parallel = options.parallel or ParallelRuntime(module)
         self._nonfinite_skips = 0
@@ -140,21 +128,20 @@ class Engine:
         weight = 1.0 / len(micro_batches)
         total = torch.zeros((), device=self.device)
         self.optimizer.zero_grad(set_to_none=True)
-        if self.options.runner is not None:
-            # Layer streaming interleaves forward and backward with weight transfers itself.
+        pipeline = self.parallel.pipeline
+        if pipeline is not None:
+            # The schedule interleaves the micro-batches' forwards and backwards across stages.
             with self._timed("forward"):
-                total += self.options.runner.forward_backward(
-                    micro_batches, self._micro_loss, weight, self.scaler.scale if self.scaler else 1.0)
-        else:
-            for index, micro in enumerate(micro_batches):
-                final = index == len(micro_batches) - 1
-                # Gradients cross processes once per step: after the last micro-batch.
-                self.parallel.set_grad_sync(final)
-                with self._timed("forward"):
-                    loss = self._micro_loss(micro)
-                total += loss.detach().float() * weight
-                with self._timed("backward"):
-                    self._scaled_backward(loss * weight, final)
+                total += pipeline.train_step(micro_batches, self.loss_scale)
+        for index, micro in enumerate(micro_batches if pipeline is None else []):
+            final = index == len(micro_batches) - 1
+            # Gradients cross processes once per step: after the last micro-batch.
+            self.parallel.set_grad_sync(final)
+            with self._timed("forward"):
+                loss = self._micro_loss(micro)
+            total += loss.detach().float() * weight
+            with self._timed("backward"):
+                self._scaled_backward(loss * weight, final)
         value = float(self.parallel.mean_loss(total).item())
         with self._timed("step"):
             self._optimizer_step(value)
@@ -163,6 +150,8 @@ class Engine:
 
     def eval_batch(self, batch: Batch) -> float:
         """Mean loss of ``batch`` without gradients (in micro-batches of the training size)."""
+        if self.parallel.pipeline is not None:
+            return float(self.parallel.mean_loss(self.parallel.pipeline.eval_loss(to_device(batch, self.device))))
         was_training = self.module.training
         self.module.eval()
         size = batch_size(batch)
@@ -190,11 +179,11 @@ class Engine:
         """Forward pass under the engine's precision (inputs are moved to the device).
 
         Raises:
-            RuntimeError: under layer streaming, which runs whole steps (``train_batch``).
+            RuntimeError: under pipeline parallel, whose schedule runs whole steps.
         """
-        if self.options.runner is not None:
-            raise RuntimeError("layer_streaming runs forward and backward of a whole step together; "
-                               "use engine.train_batch(batch) instead of engine(...)/backward/step")
+        if self.parallel.pipeline is not None:
+            raise RuntimeError("pipeline parallel runs forward and backward of all micro-batches in its "
+                               "schedule; use engine.train_batch(batch) instead of engine(...)/backward/step")
         self.module.train()
         args, kwargs = to_device((args, kwargs), self.device)
         self.parallel.set_grad_sync(self.is_gradient_accumulation_boundary())
@@ -229,6 +218,11 @@ class Engine:
         return self._manual_micro_steps + 1 == self.options.batch.accumulation_steps
 
     # ------------------------------------------------------------------ internals
+    @property
+    def _params(self) -> list[torch.nn.Parameter]:
+        # Read live: a pipeline drops other stages' parameters from the optimizer at its split.
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
     def _micro_loss(self, micro: Batch) -> torch.Tensor:
         micro = to_device(micro, self.device)
         with autocast(self.device, self.options.compute_dtype):

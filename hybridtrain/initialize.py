@@ -17,7 +17,9 @@ from hybridtrain.models.blocks import BlocksNotFoundError, find_blocks
 from hybridtrain.parallel import mesh
 from hybridtrain.parallel.data import apply_data_parallel
 from hybridtrain.parallel.model_parallel import apply_device_map, resolve_device_map
+from hybridtrain.parallel.pipeline import PipelineRunner, PipelineSpec
 from hybridtrain.parallel.runtime import ParallelRuntime
+from hybridtrain.parallel.split_runtime import GradientSync, SplitRuntime
 from hybridtrain.parallel.zero import ZeroRuntime, apply_zero
 from hybridtrain.runtime.activation_offload import apply_activation_offload
 from hybridtrain.runtime.batch import LossFn
@@ -29,6 +31,7 @@ from hybridtrain.runtime.device import resolve_device
 from hybridtrain.runtime.optim import build_optimizer, build_scheduler
 from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
 from hybridtrain.runtime.precision import LossScaler
+from hybridtrain.runtime.streaming import LayerStreamer, check_not_shared, place_for_streaming
 
 
 def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: LossFn | None = None,
@@ -55,13 +58,17 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
     # bad input fails identically on every rank and no rank waits in a collective.
     check_supported(cfg, world_size)
     sizes = parallel_sizes(cfg, world_size)
+    if sizes[2] > 1 and cfg.pipeline.micro_batches and cfg.gradient_accumulation_steps is None:
+        # Under a pipeline, micro-batches per step and accumulation steps are one setting.
+        cfg = cfg.model_copy(update={"gradient_accumulation_steps": cfg.pipeline.micro_batches})
     batch = resolve_batch_sizes(cfg, sizes[0])
     try:
         device = _rank_device(resolve_device(cfg.device), world_size)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    checkpoint_targets = _checkpoint_targets(model, cfg)
-    swap_targets, swap_recompute = _swap_targets(model, cfg, checkpoint_targets)
+    streamed = _streamed_blocks(model, cfg)
+    checkpoint_targets = _checkpoint_targets(model, cfg, streamed)
+    swap_targets, swap_recompute = _swap_targets(model, cfg, checkpoint_targets, streamed)
     compute_dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None
     sharded = cfg.zero_optimization.stage > 0 and sizes[0] > 1
     if sharded and optimizer is not None:
@@ -75,7 +82,10 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
 
     # Order matters: parameters must be on their final device before the optimizer sees
     # them, and the forward is wrapped last so the wrappers see the final modules.
-    model.to(device)
+    if streamed:
+        place_for_streaming(model, streamed, device)  # the blocks stay in host memory
+    else:
+        model.to(device)
     if checkpoint_targets:
         _disable_hf_cache(model)
         # Blocks that are also swapped get a checkpoint that swaps their inputs instead.
@@ -84,15 +94,23 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
         swap = cfg.activation_offload
         apply_activation_offload(swap_targets, device, swap_recompute, swap.prefetch_blocks, swap.pin_memory,
                                  swap.min_bytes)
+    pipeline_blocks = _pipeline_blocks(model, cfg, sizes[2])
     apply_device_map(model, device_map, device)
     parallel = _parallelize(model, cfg, device, sizes, shard_units, compute_dtype)
+    if isinstance(parallel, SplitRuntime) and pipeline_blocks is not None:
+        spec = PipelineSpec(cfg.pipeline.schedule, batch.accumulation_steps, cfg.pipeline.virtual_stages,
+                            cfg.pipeline.partition, pipeline_blocks[0])
+        parallel.pipeline = PipelineRunner(model, pipeline_blocks[1], spec, parallel, loss_fn, device,
+                                           compute_dtype)
     try:
         if optimizer is None:
             optimizer = build_optimizer(model.parameters(), cfg.optimizer.type, cfg.optimizer.params)
         setup = _resume_fingerprint(cfg, optimizer)
-        offload = _offload_optimizer(optimizer, cfg, device, sizes)
+        offload = _offload_optimizer(optimizer, cfg, device, sizes, streamed)
         optimizer = offload or optimizer
         scheduler = build_scheduler(optimizer, cfg.scheduler.type, cfg.scheduler.params) if cfg.scheduler else None
+        if parallel.pipeline is not None:
+            parallel.pipeline.optimizer = optimizer  # pruned to this stage's parameters at the split
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     scaler = None
@@ -108,7 +126,8 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
         wall_clock_breakdown=cfg.wall_clock_breakdown,
         setup=setup,
         parallel=parallel,
-        backward_observer=offload,
+        backward_observer=LayerStreamer(streamed, offload, device, cfg.layer_streaming.prefetch_blocks)
+        if streamed and offload else offload or _replica_sync(parallel),
     )
     return Engine(model, optimizer, scheduler, scaler, loss_fn, options, cfg)
 
@@ -128,6 +147,8 @@ def _parallelize(model: nn.Module, cfg: Config, device: torch.device, sizes: tup
         return ParallelRuntime(model)
     mesh.init_process_group(device)
     topology = mesh.build_topology(device, *sizes)
+    if topology.tp > 1 or topology.pp > 1:
+        return SplitRuntime(model, topology)
     if topology.dp == 1:
         return ParallelRuntime(model, topology)
     zero = cfg.zero_optimization
@@ -141,6 +162,33 @@ def _parallelize(model: nn.Module, cfg: Config, device: torch.device, sizes: tup
     return ParallelRuntime(model, topology, ddp)
 
 
+def _pipeline_blocks(model: nn.Module, cfg: Config,
+                     stages: int) -> tuple[str, nn.ModuleList | nn.Sequential] | None:
+    """The block container a pipeline splits, checked against the stages (no collective)."""
+    if stages == 1:
+        return None
+    try:
+        path, blocks = find_blocks(model, cfg.model.blocks)
+    except BlocksNotFoundError as exc:
+        raise ConfigError(f"pipeline: {exc}") from None
+    total = stages * cfg.pipeline.virtual_stages
+    if total > len(blocks):
+        raise ConfigError(f"pipeline of {total} stages (stages × virtual_stages) but the model has "
+                          f"{len(blocks)} blocks; use at most {len(blocks)} stages")
+    counts = cfg.pipeline.partition
+    if isinstance(counts, list) and (sum(counts) != len(blocks) or min(counts) < 1):
+        raise ConfigError(f"pipeline.partition {counts} must be positive block counts adding up to the "
+                          f"model's {len(blocks)} blocks")
+    return path, blocks
+
+
+def _replica_sync(parallel: ParallelRuntime) -> GradientSync | None:
+    # Tensor parallel without a pipeline: replicas average gradients after the last backward.
+    if isinstance(parallel, SplitRuntime) and parallel.pipeline is None and parallel.topology.dp > 1:
+        return GradientSync(parallel.model, parallel.topology)
+    return None
+
+
 def _blocks_or_none(model: nn.Module, cfg: Config) -> list[nn.Module]:
     # Without recognisable blocks the whole model is one FSDP unit: still correct, but
     # every parameter is gathered at once.
@@ -150,7 +198,9 @@ def _blocks_or_none(model: nn.Module, cfg: Config) -> list[nn.Module]:
         return []
 
 
-def _checkpoint_targets(model: nn.Module, cfg: Config) -> list[nn.Module]:
+def _checkpoint_targets(model: nn.Module, cfg: Config, streamed: list[nn.Module]) -> list[nn.Module]:
+    if streamed:  # streaming chooses its own recomputation
+        return streamed if cfg.layer_streaming.boundary_activations != "device" else []
     section = cfg.activation_checkpointing
     if not section.enabled:
         return []
@@ -161,12 +211,15 @@ def _checkpoint_targets(model: nn.Module, cfg: Config) -> list[nn.Module]:
         raise ConfigError(f"activation_checkpointing: {exc}") from None
 
 
-def _swap_targets(model: nn.Module, cfg: Config,
-                  checkpoint_targets: list[nn.Module]) -> tuple[list[nn.Module], list[nn.Module]]:
+def _swap_targets(model: nn.Module, cfg: Config, checkpoint_targets: list[nn.Module],
+                  streamed: list[nn.Module]) -> tuple[list[nn.Module], list[nn.Module]]:
     """Blocks whose saved activations are swapped, and those of them also checkpointed
-    (only their inputs travel). DeepSpeed's ``cpu_checkpointing`` swaps the checkpoints."""
+    (only their inputs travel). DeepSpeed's ``cpu_checkpointing`` and streaming with host
+    boundary activations swap the checkpoints."""
     section = cfg.activation_offload
-    if not section.enabled:
+    if streamed and cfg.layer_streaming.boundary_activations == "host":
+        swapped = streamed
+    elif not section.enabled:
         swapped = checkpoint_targets if cfg.activation_checkpointing.cpu_checkpointing else []
     else:
         try:
@@ -183,15 +236,40 @@ def _swap_targets(model: nn.Module, cfg: Config,
 
 
 def _offload_optimizer(optimizer: torch.optim.Optimizer, cfg: Config, device: torch.device,
-                       sizes: tuple[int, int, int]) -> OffloadOptimizer | None:
-    """ZeRO-Offload on one process (several processes offload inside ZeRO sharding)."""
+                       sizes: tuple[int, int, int], streamed: list[nn.Module]) -> OffloadOptimizer | None:
+    """ZeRO-Offload on one process (several processes offload inside ZeRO sharding); layer
+    streaming always updates on the host, each streamed block being one bucket."""
     section = cfg.zero_optimization.offload_optimizer
-    if section.device != "cpu" or sizes != (1, 1, 1):
+    if not streamed and (section.device != "cpu" or sizes != (1, 1, 1)):
         return None
     # These need every gradient before any update, so the host step waits for backward.
     defer = cfg.gradient_clipping > 0 or cfg.fp16.enabled or cfg.nonfinite_loss == "skip"
-    return OffloadOptimizer(optimizer, device, section.pin_memory, section.ratio,
-                            cfg.zero_optimization.reduce_bucket_size, defer)
+    pin = cfg.layer_streaming.pin_memory if streamed else section.pin_memory
+    return OffloadOptimizer(optimizer, device, pin, 1.0 if streamed else section.ratio,
+                            cfg.zero_optimization.reduce_bucket_size, defer,
+                            streamed=[list(block.parameters()) for block in streamed])
+
+
+def _streamed_blocks(model: nn.Module, cfg: Config) -> list[nn.Module]:
+    """The blocks layer streaming moves through the device (all but ``resident``)."""
+    section = cfg.layer_streaming
+    if not section.enabled:
+        return []
+    try:
+        path, container = find_blocks(model, cfg.model.blocks)
+    except BlocksNotFoundError as exc:
+        raise ConfigError(f"layer_streaming: {exc}") from None
+    names = {f"{path}.{i}" if path else str(i): block for i, block in enumerate(container)}
+    unknown = [r for r in section.resident if r not in names]
+    if unknown:
+        raise ConfigError(f"layer_streaming.resident {unknown} are not blocks; blocks are "
+                          f"{', '.join(list(names)[:4])}, …")
+    streamed = [block for name, block in names.items() if name not in section.resident]
+    try:
+        check_not_shared(model, streamed)
+    except ValueError as exc:
+        raise ConfigError(f"layer_streaming: {exc}") from None
+    return streamed
 
 
 def _disable_hf_cache(model: nn.Module) -> None:

@@ -188,6 +188,15 @@ MODES: dict[str, Mode] = {
         "gradient_accumulation_steps": 2,
         "activation_checkpointing": {"enabled": True, "cpu_checkpointing": True},
         "zero_optimization": {"stage": 1, "reduce_bucket_size": 3000, "offload_optimizer": {"device": "cpu"}}}),
+    # Layer streaming: eager per-block host updates; accumulation + clipping defer them;
+    # boundary activations recomputed (default), swapped to host, or kept on the device.
+    "stream": Mode("stream", {"layer_streaming": {"enabled": True}}),
+    "stream_host_accum2_clip": Mode("stream_host_accum2_clip", {
+        "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
+        "layer_streaming": {"enabled": True, "prefetch_blocks": 2, "boundary_activations": "host"}}, clip=0.05),
+    "stream_device_bf16": Mode("stream_device_bf16", {
+        "bf16": {"enabled": True}, "layer_streaming": {"enabled": True, "boundary_activations": "device"}},
+        autocast_dtype=torch.bfloat16),
 }
 
 

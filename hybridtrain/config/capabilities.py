@@ -15,17 +15,26 @@ def parallel_sizes(cfg: Config, world_size: int) -> tuple[int, int, int]:
     Raises:
         ConfigError: sizes that do not multiply to / divide the world size.
     """
+    tp = _one_of(cfg.tensor_model_parallel_size, "tensor_model_parallel_size", cfg.tensor_parallel.size,
+                 "tensor_parallel.size")
+    pp = _one_of(cfg.pipeline_model_parallel_size, "pipeline_model_parallel_size", cfg.pipeline.stages,
+                 "pipeline.stages")
     try:
-        return resolve_sizes(world_size, cfg.data_parallel.size, cfg.tensor_model_parallel_size,
-                             cfg.pipeline_model_parallel_size)
+        return resolve_sizes(world_size, cfg.data_parallel.size, tp, pp)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
 
+def _one_of(value: int, name: str, alias: int, alias_name: str) -> int:
+    # DeepSpeed's flat key and our section's key name one setting; 1 is "not set".
+    if value > 1 and alias > 1 and value != alias:
+        raise ConfigError(f"{name}={value} but {alias_name}={alias}; they are the same setting, set only one")
+    return max(value, alias)
+
+
 def check_supported(cfg: Config, world_size: int) -> None:
     """Raise :class:`ConfigError` for the first setting this run cannot honour."""
-    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
-    dp = parallel_sizes(cfg, world_size)[0]
+    dp, tp, pp = parallel_sizes(cfg, world_size)
     if cfg.device_map and (cfg.zero_optimization.stage > 0 and dp > 1 or tp > 1 or pp > 1):
         raise ConfigError("device_map (model parallel inside one process) does not compose with ZeRO "
                           "sharding, tensor or pipeline parallel; remove device_map or those settings")
@@ -38,9 +47,8 @@ def check_supported(cfg: Config, world_size: int) -> None:
         raise ConfigError("zero_optimization.offload_param on one process: use layer_streaming "
                           "(enabled: true), which streams the blocks' weights from host memory")
     _check_offload_combinations(cfg, dp, tp, pp)
+    _check_model_parallel(cfg, dp, tp, pp)
     not_yet = {
-        "tensor_model_parallel_size": tp > 1,
-        "pipeline_model_parallel_size": pp > 1,
         "zero_optimization.offload_optimizer.device": cfg.zero_optimization.offload_optimizer.device == "nvme",
         "zero_optimization.offload_param.device": cfg.zero_optimization.offload_param.device == "nvme",
         "activation_checkpointing.partition_activations": cfg.activation_checkpointing.partition_activations,
@@ -50,6 +58,7 @@ def check_supported(cfg: Config, world_size: int) -> None:
         "activation_checkpointing.synchronize_checkpoint_boundary":
             cfg.activation_checkpointing.synchronize_checkpoint_boundary,
         "activation_checkpointing.profile": cfg.activation_checkpointing.profile,
+        "layer_streaming.layer_major": cfg.layer_streaming.layer_major,
     }
     for key, requested in not_yet.items():
         if requested:
@@ -83,6 +92,41 @@ def _check_offload_combinations(cfg: Config, dp: int, tp: int, pp: int) -> None:
     for reason, applies in problems.items():
         if applies:
             raise ConfigError(reason)
+
+
+def _check_model_parallel(cfg: Config, dp: int, tp: int, pp: int) -> None:
+    """Tensor and pipeline parallel: what they need and what they do not compose with."""
+    if tp == 1 and pp == 1:
+        return
+    if cfg.zero_optimization.stage > 0 and dp > 1:
+        raise ConfigError("zero_optimization.stage > 0 with tensor or pipeline parallel is not supported; "
+                          "set zero_optimization.stage: 0 (replicas then all-reduce their gradients)")
+    if cfg.data_parallel.gradient_compression != "none":
+        raise ConfigError("data_parallel.gradient_compression needs DDP, which tensor/pipeline parallel "
+                          "replaces; set gradient_compression: none")
+    if pp == 1:
+        return
+    section = cfg.pipeline
+    accum = cfg.gradient_accumulation_steps
+    if section.micro_batches is not None and accum is not None and accum != section.micro_batches:
+        raise ConfigError(f"pipeline.micro_batches={section.micro_batches} but gradient_accumulation_steps="
+                          f"{accum}; under a pipeline they are the same setting, set only one")
+    micro = section.micro_batches or accum or 1
+    interleaved = section.schedule in ("interleaved_1f1b", "zero_bubble")
+    if section.virtual_stages > 1 and not interleaved:
+        raise ConfigError(f"pipeline.virtual_stages={section.virtual_stages} needs schedule interleaved_1f1b "
+                          f"or zero_bubble (schedule={section.schedule!r}); set virtual_stages: 1")
+    if section.schedule == "1f1b" and micro < pp:
+        raise ConfigError(f"pipeline schedule 1f1b needs at least as many micro-batches as stages "
+                          f"(micro_batches={micro}, stages={pp}); set pipeline.micro_batches >= {pp}")
+    rounds = max(1, micro // pp)
+    if interleaved and micro % rounds:
+        raise ConfigError(f"pipeline schedule {section.schedule} needs micro_batches a multiple of "
+                          f"{rounds} (micro_batches={micro}, stages={pp}); use {rounds * (micro // rounds + 1)}")
+    stages = pp * section.virtual_stages
+    if isinstance(section.partition, list) and len(section.partition) != stages:
+        raise ConfigError(f"pipeline.partition lists {len(section.partition)} block counts for {stages} stages "
+                          f"(stages × virtual_stages); give one count per stage")
 
 
 def _value_at(cfg: Config, dotted: str) -> object:

@@ -203,6 +203,39 @@ class DataParallelConfig(Section):
     """DDP gradient bucket size in MiB."""
 
 
+class PipelineConfig(Section):
+    """Pipeline parallel: the blocks split into consecutive stages, one rank per stage (or
+    ``virtual_stages`` per rank), micro-batches flowing through them on a schedule."""
+
+    stages: int = Field(default=1, ge=1)
+    """Number of pipeline ranks (``pipeline_model_parallel_size`` is the same setting)."""
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
+    """``gpipe``: all forwards, then all backwards; ``1f1b``: one forward, one backward
+    (at most ``stages`` micro-batches' activations in flight); ``interleaved_1f1b``: 1F1B
+    over ``virtual_stages`` chunks per rank (smaller bubble); ``zero_bubble``: interleaved
+    schedule that splits backward into input and weight gradients to fill the bubble."""
+    micro_batches: int | None = Field(default=None, ge=1)
+    """Micro-batches per step (= ``gradient_accumulation_steps``, which it sets when that is absent)."""
+    virtual_stages: int = Field(default=1, ge=1)
+    """Stages per rank for ``interleaved_1f1b`` / ``zero_bubble`` (chunks placed round-robin)."""
+    partition: Literal["time", "params", "uniform"] | list[int] = "time"
+    """How blocks are split into stages: ``time`` balances each block's measured forward +
+    backward time (profiled once), ``params`` balances parameter counts, ``uniform`` gives
+    equal block counts, or a list of blocks per stage (e.g. ``[3, 2, 2, 3]``)."""
+
+
+class TensorParallelConfig(Section):
+    """Tensor parallel (Megatron-style, on DTensor): attention and MLP weights sharded over
+    ``size`` ranks, column-wise into a layer pair and row-wise out of it."""
+
+    size: int = Field(default=1, ge=1)
+    """Tensor-parallel degree (``tensor_model_parallel_size`` is the same setting)."""
+    plan: dict[str, Literal["colwise", "rowwise"]] = Field(default_factory=dict)
+    """Module path pattern → ``colwise``/``rowwise`` (``*`` matches one path component, e.g.
+    ``{"blocks.*.attn.q": "colwise", "blocks.*.attn.out": "rowwise"}``); empty = the built-in
+    plan for the reference GPT and Hugging Face models that publish one (Llama family)."""
+
+
 class ModelConfig(Section):
     """Which model the CLI builds, and where its repeated blocks are."""
 
@@ -277,9 +310,13 @@ class Config(Section):
     layer_streaming: LayerStreamingConfig = Field(default_factory=LayerStreamingConfig)
     """Layer-to-layer streaming of the blocks through the device (L2L)."""
     tensor_model_parallel_size: int = Field(default=1, ge=1)
-    """Tensor-parallel degree."""
+    """Tensor-parallel degree (DeepSpeed/Megatron name of ``tensor_parallel.size``)."""
     pipeline_model_parallel_size: int = Field(default=1, ge=1)
-    """Pipeline-parallel degree (number of stages)."""
+    """Pipeline-parallel degree (DeepSpeed/Megatron name of ``pipeline.stages``)."""
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    """Pipeline parallel: stages, schedule, micro-batches, partition."""
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    """Tensor parallel: size and sharding plan."""
     data_parallel: DataParallelConfig = Field(default_factory=DataParallelConfig)
     """Data parallel (DDP) and gradient compression."""
     device_map: dict[str, str] = Field(default_factory=dict)

@@ -24,6 +24,7 @@ _LAZY = {
     "load_spec": "hybridtrain.hpo.spec",
     "HPOError": "hybridtrain.hpo.errors",
     "SpecError": "hybridtrain.hpo.errors",
+    "ExperimentConflictError": "hybridtrain.hpo.errors",
     "StorageError": "hybridtrain.hpo.errors",
     "ExperimentNotFoundError": "hybridtrain.hpo.errors",
 }

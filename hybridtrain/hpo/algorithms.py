@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from hybridtrain.hpo.errors import SpecError
@@ -95,7 +96,10 @@ def _construct(kind: str, name: str, cls_name: str, options: dict[str, Any],
                 f"allowed: {', '.join(sorted(accepted)) or 'none'}"
             )
     try:
-        return cls(**options, **(internal or {}))
+        with warnings.catch_warnings():
+            # The spec chose it: Optuna's "experimental" notice (QMC, GP) is only noise.
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return cls(**options, **(internal or {}))
     except (TypeError, ValueError) as exc:
         raise SpecError(
             f"invalid experiment spec: field '{kind}': {name} rejected options "
@@ -153,15 +157,50 @@ def build_pruner(spec: ExperimentSpec) -> optuna.pruners.BasePruner:
     return pruner
 
 
+def _dry_run(spec: ExperimentSpec, sampler: optuna.samplers.BaseSampler,
+             pruner: optuna.pruners.BasePruner) -> None:
+    """Run two in-memory trials, so an option of the wrong type (``n_startup_trials:
+    "3"``) fails here rather than in the middle of an experiment."""
+    import optuna
+
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # no "study created" chatter
+    dists = distributions(spec)
+    stage = "algorithm"
+    try:
+        study = optuna.create_study(sampler=sampler, pruner=pruner,
+                                    direction=spec.objective.direction)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for value in (1.0, 2.0):
+                stage = "algorithm"
+                trial = study.ask(fixed_distributions=dists)
+                stage = "early_stopping"
+                trial.report(value, 1)
+                trial.should_prune()
+                stage = "algorithm"
+                study.tell(trial, value)
+    except (TypeError, ValueError, AttributeError) as exc:
+        es = spec.early_stopping
+        name, options = ((spec.algorithm.name, spec.algorithm.options) if stage == "algorithm"
+                         else (es.name, es.options))
+        raise SpecError(
+            f"invalid experiment spec: field '{stage}': {name} failed a trial run with "
+            f"options {options}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        ) from None
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+
+
 def check_algorithms(spec: ExperimentSpec) -> None:
-    """Build the sampler and pruner once so a bad option fails before any work starts.
+    """Build the sampler and pruner and run them on two in-memory trials, so a bad option
+    fails before any work starts.
 
     Raises:
         SpecError: see :func:`build_sampler`, :func:`build_pruner`; or ``max_trials``
             exceeds the grid size.
     """
-    build_sampler(spec)
-    build_pruner(spec)
+    _dry_run(spec, build_sampler(spec), build_pruner(spec))
     if spec.algorithm.name == "grid":
         size = 1
         for values in grid_space(spec).values():

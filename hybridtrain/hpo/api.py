@@ -31,7 +31,13 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from hybridtrain import __version__
 from hybridtrain.hpo.auth import token_matches
-from hybridtrain.hpo.errors import ExperimentNotFoundError, HPOError, SpecError, StorageError
+from hybridtrain.hpo.errors import (
+    ExperimentConflictError,
+    ExperimentNotFoundError,
+    HPOError,
+    SpecError,
+    StorageError,
+)
 from hybridtrain.hpo.experiments import ExperimentStore
 from hybridtrain.hpo.spec import ExperimentSpec, load_spec
 
@@ -88,8 +94,10 @@ def create_app(store: ExperimentStore, token: str, launcher: Launcher | None = l
 
     @app.exception_handler(HPOError)
     async def _hpo_error(_request: Request, exc: HPOError) -> JSONResponse:
-        code = {ExperimentNotFoundError: 404, SpecError: 422, StorageError: 503}.get(
-            type(exc), 409)
+        # Most specific first: a not-found is a storage error, a conflict a spec error.
+        codes = ((ExperimentNotFoundError, 404), (ExperimentConflictError, 409),
+                 (SpecError, 422), (StorageError, 503))
+        code = next((c for cls, c in codes if isinstance(exc, cls)), 409)
         return JSONResponse({"detail": str(exc)}, status_code=code)
 
     auth = [Depends(require_token)]

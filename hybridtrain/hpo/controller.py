@@ -19,6 +19,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,13 @@ class Controller:
                 self.records.set_state(self.spec.name, "interrupted", "Ctrl-C",
                                        only_from=("running",))
             raise
+        except BaseException:
+            # The database was gone past its timeout, or a bug: nothing can be recorded,
+            # but the trials must not run on unsupervised. Their slots keep the leases
+            # until expiry; then the next controller settles and retries them.
+            for rt in self.running.values():
+                rt.process.stop(self.spec.trial.kill_grace)
+            raise
         finally:
             self.heartbeat.stop()
 
@@ -134,19 +142,24 @@ class Controller:
 
     def _poll_running(self) -> None:
         for slot in self.heartbeat.take_lost():
-            rt = self.running.pop(slot, None)
-            if rt is not None:
-                # Another controller took the slot over (we missed our heartbeats): it
-                # settles the trial; we only make sure our copy stops.
-                rt.stop("lease lost")
-                self._release_gpus(rt)
-                self.on_event(f"trial {rt.number}: lease lost, stopped")
+            if slot not in self.running or self.leases.holds(slot):
+                continue  # released, or released and claimed again during a renewal
+            rt = self.running.pop(slot)
+            self.heartbeat.untrack(slot)
+            # Another controller took the slot over (we missed our heartbeats): it
+            # settles the trial; we only make sure our copy stops.
+            rt.stop("lease lost")
+            self._release_gpus(rt)
+            self.on_event(f"trial {rt.number}: lease lost, stopped")
         for rt in list(self.running.values()):
             outcome = rt.poll()
             if outcome is not None:
                 self._finish(rt, outcome)
 
     def _stop_all(self, reason: str, slot_state: str) -> None:
+        # SIGTERM every trial first, so their grace periods run together, not one by one.
+        for rt in self.running.values():
+            rt.process.terminate()
         for rt in list(self.running.values()):
             self._finish(rt, rt.stop(reason), slot_state)
 
@@ -231,6 +244,9 @@ class Controller:
         try:
             if outcome.reason:
                 self.storage.set_trial_user_attr(trial_id, "fail_reason", outcome.reason)
+            if outcome.state == "interrupted":
+                # Optuna has no such state; status and trial listings tell it from failures.
+                self.storage.set_trial_user_attr(trial_id, "interrupted", True)
             # Optuna takes a pruned trial's value from its last intermediate report.
             value = outcome.value if outcome.state == "complete" else None
             self.study.tell(number, value, state=_STATES[outcome.state])
@@ -252,7 +268,9 @@ class Controller:
     def _settle(self, claim: Claim) -> None:
         """Settle a slot taken over from a dead controller (see module docstring)."""
         if claim.abandoned_trial is None:
-            # The dead controller claimed the slot but never started a trial in it.
+            # The dead controller claimed the slot but never attached a trial to it; it
+            # may have died between creating the Optuna trial and attaching it.
+            self._fail_unattached_trials()
             self.leases.release(claim.slot, "pending", claim.attempt, claim.params)
             return
         if claim.host == socket.gethostname() and claim.pgid is not None:
@@ -270,6 +288,19 @@ class Controller:
         params = dict(self.storage.get_trial(trial_id).params) or None
         self._after_failure(claim, params, reason)
         self.on_event(f"trial {number} failed: {reason}")
+
+    def _fail_unattached_trials(self) -> None:
+        """Fail Optuna trials left ``RUNNING`` outside any slot by a dead controller.
+
+        A live controller attaches its new trial to its slot right after creating it, so
+        a running trial in no running slot and older than a lease is abandoned.
+        """
+        attached = {r.trial_number for r in self.records.running_slots(self.spec.name)}
+        cutoff = datetime.now() - timedelta(seconds=self.spec.durability.lease_duration)
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if t.number not in attached and t.datetime_start and t.datetime_start < cutoff:
+                self._tell(t.number, Outcome("failed", reason="abandoned: its controller "
+                                             "died before the trial started"))
 
     # -- GPU pool --------------------------------------------------------------------------
     def _gpus_free(self) -> bool:

@@ -15,6 +15,10 @@ class SpecError(HPOError, ValueError):
     """An experiment spec failed validation (raised before any work starts)."""
 
 
+class ExperimentConflictError(SpecError):
+    """An experiment of that name is stored with a different search definition."""
+
+
 class StorageError(HPOError):
     """The experiment storage cannot be opened or does not hold what was asked for."""
 

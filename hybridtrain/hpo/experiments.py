@@ -48,6 +48,14 @@ def run_experiment(
     return ExperimentStore(controller.url).status(spec.name)
 
 
+def _state(trial: optuna.trial.FrozenTrial) -> str:
+    """``complete``, ``pruned``, ``fail``, ``running``, ``waiting``, or ``interrupted`` for
+    an attempt stopped by Ctrl-C or ``hpo stop`` (a ``FAIL`` to Optuna)."""
+    if trial.user_attrs.get("interrupted"):
+        return "interrupted"
+    return str(trial.state.name.lower())
+
+
 def _finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
@@ -116,18 +124,17 @@ class ExperimentStore:
         Returns:
             ``{"name", "state", "reason", "max_trials", "failed_trials", "trials":
             {"complete", "pruned", "failed", "running", "waiting"}}``; ``failed`` counts
-            failed attempts (retried ones included), ``failed_trials`` the trials that
-            failed for good; ``running``/``waiting`` are slots holding a live lease or
-            not yet started.
+            failed attempts (retried ones included; attempts stopped by Ctrl-C or ``hpo
+            stop`` are not failures and are left out), ``failed_trials`` the trials that
+            failed for good; ``running``/``waiting`` are slots holding a lease or not yet
+            started.
 
         Raises:
             ExperimentNotFoundError: no such experiment.
         """
-        from optuna.trial import TrialState
-
         record = self.records.get(name)
         slots = self.records.slot_counts(name)
-        states = [t.state for t in self.study(name).get_trials(deepcopy=False)]
+        states = [_state(t) for t in self.study(name).get_trials(deepcopy=False)]
         return {
             "name": name,
             "state": record.state,
@@ -135,9 +142,9 @@ class ExperimentStore:
             "max_trials": sum(slots.values()),
             "failed_trials": record.failed_trials,
             "trials": {
-                "complete": states.count(TrialState.COMPLETE),
-                "pruned": states.count(TrialState.PRUNED),
-                "failed": states.count(TrialState.FAIL),
+                "complete": states.count("complete"),
+                "pruned": states.count("pruned"),
+                "failed": states.count("fail"),
                 "running": slots["running"],
                 "waiting": slots["pending"],
             },
@@ -166,7 +173,7 @@ class ExperimentStore:
         for t in self.study(name).get_trials(deepcopy=False):
             out.append({
                 "number": t.number,
-                "state": t.state.name.lower(),
+                "state": _state(t),
                 "value": _finite(t.value),
                 "params": t.params,
                 "metrics": t.user_attrs.get("metrics", {}),

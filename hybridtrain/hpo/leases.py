@@ -131,6 +131,11 @@ class Leases:
         with self.engine.begin() as conn:
             return conn.execute(stmt).rowcount == 1
 
+    def holds(self, slot: int) -> bool:
+        """Whether this controller still holds ``slot`` (it may have been taken over)."""
+        with self.engine.connect() as conn:
+            return conn.execute(sa.select(SLOTS.c.slot).where(self._mine(slot))).first() is not None
+
     def renew(self, slots: Iterable[int]) -> set[int]:
         """Extend the leases of ``slots``.
 
@@ -208,7 +213,11 @@ class Heartbeat(threading.Thread):
             self._lost.discard(slot)
 
     def take_lost(self) -> set[int]:
-        """Slots found lost since the last call."""
+        """Slots found lost since the last call.
+
+        A slot released and claimed again by this controller while a renewal was in
+        flight can show up here although it is held: confirm with :meth:`Leases.holds`.
+        """
         with self._lock:
             lost, self._lost = self._lost, set()
         return lost

@@ -18,9 +18,11 @@ from pathlib import Path
 
 # A metric name starts with a letter or "_" and is not glued to a preceding word, dash or
 # slash or URL query, so echoed flags ("--lr=0.1") and URLs are not taken for metrics.
+# A value must not run on into a word or another ".digit" ("version=1.2.3" is no metric),
+# but may end a sentence ("... loss=0.25.").
 _PAIR = re.compile(
     r"(?<![\w.\-/?&])([A-Za-z_][\w.\-/]*)\s*=\s*"
-    r"([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?|[+-]?(?:nan|inf(?:inity)?))(?![\w.])",
+    r"([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?|[+-]?(?:nan|inf(?:inity)?))(?!\w|\.\d)",
     re.IGNORECASE,
 )
 STEP_KEY = "step"

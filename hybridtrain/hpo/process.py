@@ -154,6 +154,11 @@ class TrialProcess:
         """Seconds since :meth:`start`."""
         return time.monotonic() - self.started_at
 
+    def terminate(self) -> None:
+        """Send SIGTERM to the whole process group without waiting (see :meth:`stop`)."""
+        assert self._popen is not None, "start() first"
+        _signal_group(self._popen.pid, signal.SIGTERM)
+
     def stop(self, grace: float) -> int:
         """Stop the whole process group (SIGTERM, SIGKILL after ``grace`` s).
 

@@ -22,9 +22,9 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from hybridtrain.hpo.errors import ExperimentNotFoundError, SpecError
+from hybridtrain.hpo.errors import ExperimentConflictError, ExperimentNotFoundError, StorageError
 from hybridtrain.hpo.spec import ExperimentSpec
-from hybridtrain.hpo.storage import create_tables_racing
+from hybridtrain.hpo.storage import create_tables_racing, first_line, safe_url
 
 METADATA = sa.MetaData()
 
@@ -113,7 +113,11 @@ class Records:
 
     def __init__(self, engine: sa.engine.Engine) -> None:
         self.engine = engine
-        create_tables_racing(lambda: METADATA.create_all(engine, checkfirst=True))
+        try:
+            create_tables_racing(lambda: METADATA.create_all(engine, checkfirst=True))
+        except sa.exc.SQLAlchemyError as exc:
+            raise StorageError(f"cannot create the HPO tables in {safe_url(str(engine.url))!r}: "
+                               f"{first_line(exc)}") from None
 
     # -- experiments ---------------------------------------------------------------
     def ensure_experiment(self, spec: ExperimentSpec) -> ExperimentRecord:
@@ -123,8 +127,8 @@ class Records:
         ``running`` again; a finished one (succeeded, failed) is returned as is.
 
         Raises:
-            SpecError: an experiment of that name exists with a different search
-                definition (parameters, objective, algorithm, …).
+            ExperimentConflictError: an experiment of that name exists with a different
+                search definition (parameters, objective, algorithm, …).
         """
         search = spec.search_fields()
         now = time.time()
@@ -144,7 +148,7 @@ class Records:
             row = conn.execute(EXPERIMENTS.select().where(EXPERIMENTS.c.name == spec.name)).one()
         changed = _diff(json.loads(row.search_json), search)
         if changed:
-            raise SpecError(
+            raise ExperimentConflictError(
                 f"experiment {spec.name!r} already exists with a different spec "
                 f"(fields: {', '.join(changed)}); use a new name or the original spec"
             )
@@ -221,10 +225,13 @@ class Records:
         """End the experiment (``succeeded``/``failed``); slots not yet started are cancelled."""
         if self.set_state(name, state, reason, only_from=ACTIVE_STATES + ("stopped",
                                                                          "interrupted")):
-            with self.engine.begin() as conn:
-                conn.execute(SLOTS.update().where(
-                    SLOTS.c.experiment == name, SLOTS.c.state == "pending").values(
-                    state="cancelled", version=SLOTS.c.version + 1))
+            self._cancel_pending(name)
+
+    def _cancel_pending(self, name: str) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(SLOTS.update().where(
+                SLOTS.c.experiment == name, SLOTS.c.state == "pending").values(
+                state="cancelled", version=SLOTS.c.version + 1))
 
     # -- slot summaries --------------------------------------------------------------
     def slot_counts(self, name: str) -> dict[str, int]:
@@ -247,8 +254,13 @@ class Records:
         """Give the experiment its final state once no slot can run any more.
 
         ``running`` with every slot done becomes ``succeeded``; ``stopping`` with nothing
-        running becomes ``stopped``.
+        running becomes ``stopped``. In a finished experiment, slots that went back to
+        ``pending`` after it ended (a trial of another controller failing a moment after
+        the goal was reached) are cancelled, so nothing shows as waiting.
         """
+        if self.get(name).state in TERMINAL_STATES:
+            self._cancel_pending(name)
+            return
         counts = self.slot_counts(name)
         if counts["pending"] == 0 and counts["running"] == 0:
             self.set_state(name, "succeeded", f"{counts['done']} trials finished",

@@ -39,6 +39,15 @@ _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
+class _FieldError(ValueError):
+    """A cross-field check's error, with the field it is about (the model's own location
+    would be the whole spec)."""
+
+    def __init__(self, field: str, message: str, value: Any) -> None:
+        super().__init__(message)
+        self.field, self.value = field, value
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -81,6 +90,8 @@ class FloatParam(_Strict):
             raise ValueError(f"low ({self.low}) must be > 0 when log: true")
         if self.log and self.step is not None:
             raise ValueError("step and log: true cannot be combined; drop one")
+        if self.step is not None and self.step > self.high - self.low:
+            raise ValueError(f"step ({self.step}) must be <= high - low ({self.high - self.low})")
         return self
 
 
@@ -233,17 +244,15 @@ class ExperimentSpec(_Strict):
     def _check_names(self) -> ExperimentSpec:
         for name in self.parameters:
             if not _IDENT.match(name) or name in BUILTIN_PLACEHOLDERS:
-                raise ValueError(
-                    f"parameter name {name!r} must be an identifier and not one of "
-                    f"{', '.join(BUILTIN_PLACEHOLDERS)}"
-                )
+                raise _FieldError(
+                    f"parameters.{name}", f"parameter name {name!r} must be an identifier "
+                    f"and not one of {', '.join(BUILTIN_PLACEHOLDERS)}", name)
         allowed = set(self.parameters) | set(BUILTIN_PLACEHOLDERS)
         for used in _PLACEHOLDER.findall(self.trial.command):
             if used not in allowed:
-                raise ValueError(
-                    f"trial.command uses placeholder ${{{used}}} which is not a parameter; "
-                    f"allowed: {', '.join(sorted(allowed))}"
-                )
+                raise _FieldError(
+                    "trial.command", f"placeholder ${{{used}}} is not a parameter; "
+                    f"allowed: {', '.join(sorted(allowed))}", self.trial.command)
         return self
 
     def search_fields(self) -> dict[str, Any]:
@@ -270,15 +279,24 @@ def render_command(command: str, values: Mapping[str, str]) -> str:
     return _PLACEHOLDER.sub(lambda m: values[m.group(1)], command)
 
 
+_PARAM_TYPES = ("float", "int", "categorical")
+
+
 def _format_error(err: ValidationError) -> str:
     first = err.errors()[0]
     # Discriminated unions add the tag (e.g. "float") to the location; users never wrote it.
-    loc = ".".join(str(p) for p in first["loc"] if p not in ("float", "int", "categorical"))
+    loc = ".".join(str(p) for p in first["loc"] if p not in _PARAM_TYPES)
     msg = first["msg"].removeprefix("Value error, ")
+    value = first.get("input")
+    cause = first.get("ctx", {}).get("error")
+    if isinstance(cause, _FieldError):
+        loc, value = cause.field, cause.value
     if first["type"] == "extra_forbidden":
         msg = "unknown field"
-    value = first.get("input")
-    shown = json.dumps(value, default=str) if not isinstance(value, dict) else "{...}"
+    elif first["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        loc, value = f"{loc}.type", value.get("type") if isinstance(value, dict) else value
+        msg = f"unknown parameter type; use one of {', '.join(_PARAM_TYPES)}"
+    shown = json.dumps(value, default=str)
     more = f" (and {err.error_count() - 1} more errors)" if err.error_count() > 1 else ""
     where = f"field '{loc}'" if loc else "spec"
     return f"invalid experiment spec: {where}: {msg}; got {shown[:80]}{more}"

@@ -82,7 +82,8 @@ def _engine_kwargs(url: str) -> dict[str, Any]:
     return {"pool_pre_ping": True}
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of a (database) error's message, for one-line errors."""
     text = str(getattr(exc, "orig", None) or exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 
@@ -111,26 +112,33 @@ def open_engine(url: str) -> sqlalchemy.engine.Engine:
             pass
     except sqlalchemy.exc.SQLAlchemyError as exc:
         engine.dispose()
-        raise StorageError(f"cannot open storage {safe_url(url)!r}: {_first_line(exc)}") from None
+        raise StorageError(f"cannot open storage {safe_url(url)!r}: {first_line(exc)}") from None
     return engine
 
 
 def create_tables_racing(create: Callable[[], T]) -> T:
     """Run ``create`` (which creates tables if missing), retrying if a peer raced us.
 
-    Two workers starting together on a fresh PostgreSQL database both try ``CREATE
-    TABLE``; the loser gets a unique-violation on the catalog. By the retry the winner's
-    tables exist and ``create`` only checks them.
+    Two workers starting together on a fresh database both see no table and both try
+    ``CREATE TABLE``; the loser gets a unique-violation on the catalog or "relation
+    already exists" (PostgreSQL), or "table … already exists" (SQLite, an
+    ``OperationalError``). By the retry the winner's tables exist and ``create`` only
+    checks them. Any other error is raised at once.
     """
     import sqlalchemy
 
-    for attempt in range(4):
+    attempts = 6
+    for attempt in range(attempts):
         try:
             return create()
-        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
-            if attempt == 3:
+        except sqlalchemy.exc.DatabaseError as exc:
+            lost_race = isinstance(exc, (sqlalchemy.exc.IntegrityError,
+                                         sqlalchemy.exc.ProgrammingError)) or (
+                isinstance(exc, sqlalchemy.exc.OperationalError)
+                and "already exists" in str(exc.orig))
+            if not lost_race or attempt == attempts - 1:
                 raise
-            time.sleep(0.2 * (attempt + 1))
+            time.sleep(0.1 * (attempt + 1))
     raise AssertionError("unreachable")
 
 
@@ -147,4 +155,4 @@ def open_optuna_storage(url: str) -> optuna.storages.RDBStorage:
         return create_tables_racing(
             lambda: optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url)))
     except (sqlalchemy.exc.SQLAlchemyError, RuntimeError) as exc:
-        raise StorageError(f"cannot open storage {safe_url(url)!r}: {_first_line(exc)}") from None
+        raise StorageError(f"cannot open storage {safe_url(url)!r}: {first_line(exc)}") from None

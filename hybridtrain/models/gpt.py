@@ -66,20 +66,23 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
+        self.head_dim = cfg.d_model // cfg.n_head
         self.dropout = cfg.dropout
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape  # (B, T, C)
-        q, k, v = self.qkv(x).split(c, dim=2)
+        b, t, _ = x.shape  # (B, T, C)
+        # Head counts come from the tensor, not n_head: under tensor parallel this rank's
+        # qkv shard holds [q; k; v] of its own heads only.
+        q, k, v = self.qkv(x).chunk(3, dim=2)
         # (B, H, T, C/H)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        y = y.transpose(1, 2).reshape(b, t, c)  # (B, T, C)
+        y = y.transpose(1, 2).reshape(b, t, -1)  # (B, T, C)
         return self.resid_dropout(self.proj(y))
 
 

@@ -4,6 +4,8 @@ The engine is written once for one process; everything that changes when several
 processes cooperate goes through a :class:`ParallelRuntime`:
 
 - ``module``: what the forward pass calls (the user's model, or its DDP wrapper);
+- ``pipeline``: a :class:`~hybridtrain.parallel.pipeline.PipelineRunner` that runs whole
+  steps (pipeline parallel), else None;
 - ``set_grad_sync(flag)``: called before each micro-batch's forward — False inside
   gradient accumulation, so gradients are communicated once per optimizer step;
 - ``mean_loss(value)``: turn this rank's loss into the global batch's mean loss, the same
@@ -18,13 +20,16 @@ The base class serves one process and DDP (replicated parameters and gradients).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from hybridtrain.parallel.mesh import Topology
+
+if TYPE_CHECKING:
+    from hybridtrain.parallel.pipeline import PipelineRunner
 
 
 class ParallelRuntime:
@@ -41,6 +46,7 @@ class ParallelRuntime:
         self.model = model
         self.topology = topology or Topology()
         self.module = module if module is not None else model
+        self.pipeline: PipelineRunner | None = None
 
     @property
     def distributed(self) -> bool:

@@ -91,6 +91,7 @@ class ActivationSwapper:
         self._seq = 0
         self._pending: dict[int, list[weakref.ref[_Swapped]]] = {}
         self._prefetched: set[int] = set()
+        self._current = 0
 
     # ------------------------------------------------------------------ wrapping
     def wrap(self, module: nn.Module, recompute: bool = False) -> None:
@@ -175,7 +176,7 @@ class ActivationSwapper:
         if isinstance(packed, torch.Tensor):
             return packed
         handle: _Swapped = packed
-        if handle.device_tensor is None and handle.seq in self._pending:
+        if handle.seq != self._current:
             self._begin_block(handle.seq)
         if handle.device_tensor is None:  # unpacked twice (retain_graph): copy again
             self._prefetch_one(handle)
@@ -189,10 +190,11 @@ class ActivationSwapper:
 
     def _begin_block(self, seq: int) -> None:
         """Backward reached block ``seq``: bring it and the blocks before it back."""
+        self._current = seq
         self._prefetched = {s for s in self._prefetched if s < seq}
-        earlier = sorted(s for s in self._pending if s < seq)
-        wanted = [seq, *reversed(earlier[len(earlier) - self.prefetch_blocks:] if self.prefetch_blocks else [])]
-        for s in wanted:
+        earlier = sorted(s for s in {*self._pending, *self._prefetched} if s < seq)
+        ahead = earlier[len(earlier) - self.prefetch_blocks:] if self.prefetch_blocks else []
+        for s in [seq, *reversed(ahead)]:
             for ref in self._pending.pop(s, []):
                 handle = ref()
                 if handle is not None:

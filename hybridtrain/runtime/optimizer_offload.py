@@ -29,7 +29,7 @@ class has one) shares its ``state``.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,7 +127,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                            "params": [master_of.get(id(p), p) for p in g["params"]]})
         super().__init__(groups, optimizer.defaults)
         for bucket in self.buckets:
-            bucket.optimizer = self._inner([bucket.masters], [bucket.group_of], fused=True)
+            if bucket.params:  # a streamed block may have none (an activation function)
+                bucket.optimizer = self._inner([bucket.masters], [bucket.group_of], fused=True)
         device_params = [p for p in params if id(p) in on_device]
         self._device_optimizer = (self._inner([device_params], [[group_index[id(p)] for p in device_params]],
                                               fused=False) if device_params else None)
@@ -196,14 +197,24 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """Called after each micro-batch's backward: land what no hook landed (unused
         parameters, streamed blocks left over); at the end of the step wait for the host."""
         for bucket in self.buckets:
-            if any(p.grad is not None for p in bucket.params):
+            # Streamed buckets are landed by their streamer (their parameters may already
+            # hold the exposed host gradients).
+            if not bucket.streamed and any(p.grad is not None for p in bucket.params):
                 self.land(bucket.index)
         if final:
             self._wait()
+            for bucket in self.buckets:
+                self._expose_grads(bucket)
 
-    def land(self, index: int) -> None:
+    def land(self, index: int, then: Callable[[], None] | None = None) -> None:
         """Copy bucket ``index``'s device gradients to the host and release them; the
-        worker accumulates them (and, on an eager final micro-batch, steps the bucket)."""
+        worker accumulates them (and, on an eager final micro-batch, steps the bucket).
+
+        Args:
+            index: the bucket.
+            then: runs after the copies are queued and before the host worker may touch
+                the bucket (layer streaming points the parameters back at the masters).
+        """
         bucket = self.buckets[index]
         landed: list[tuple[int, bool]] = []
         with self._d2h.after_compute():
@@ -222,8 +233,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 bucket.has_grad[j] = True
                 landed.append((j, first))
             copied = self._d2h.record()
-        step = self._eager and bucket.arrived >= 0
-        self._jobs.append(self._worker.submit(self._accumulate, bucket, landed, copied, step))
+        if then is not None:
+            then()
+        self._jobs.append(self._worker.submit(self._accumulate, bucket, landed, copied, self._eager))
 
     def _arrived(self, bucket: Bucket) -> None:
         bucket.arrived += 1
@@ -237,9 +249,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         grads = bucket.views(bucket.flat_grad)
         staging = bucket.views(bucket.staging) if bucket.staging is not None else []
         for j, first in landed:
-            if first:
-                bucket.masters[j].grad = grads[j]
-            else:
+            if not first:  # the first micro-batch's gradient was copied straight in
                 # Same order as the plain loop's accumulation: earlier micro-batches + this one.
                 grads[j].add_(staging[j])
         if step:
@@ -249,6 +259,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if bucket.stepped or not any(bucket.has_grad):
             return
         assert bucket.optimizer is not None
+        self._expose_grads(bucket)
         _sync_hyperparams(bucket.optimizer, self)
         bucket.optimizer.step()
         bucket.stepped = True
@@ -257,6 +268,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 for p, m in zip(bucket.params, bucket.masters, strict=True):
                     p.data.copy_(m.detach(), non_blocking=True)
                 bucket.uploaded = self._h2d.record()
+
+    @staticmethod
+    def _expose_grads(bucket: Bucket) -> None:
+        # Only once the step's gradients are complete: a streamed block's master *is* its
+        # parameter, which holds device gradients again in the next micro-batch.
+        for master, grad, has in zip(bucket.masters, bucket.views(bucket.flat_grad), bucket.has_grad, strict=True):
+            if has:
+                master.grad = grad
 
     def _wait(self) -> None:
         jobs, self._jobs = self._jobs, []
@@ -299,8 +318,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """After ``load_state_dict``: re-share the state and refresh masters from the
         (already loaded) model parameters."""
         for bucket in self.buckets:
-            assert bucket.optimizer is not None
-            bucket.optimizer.state = self.state
+            if bucket.optimizer is not None:
+                bucket.optimizer.state = self.state
             if not bucket.streamed:
                 for p, m in zip(bucket.params, bucket.masters, strict=True):
                     m.data.copy_(p.detach())

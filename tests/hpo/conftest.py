@@ -44,7 +44,9 @@ def make_spec(tmp_path: Path) -> Callable[..., dict[str, Any]]:
             "parallel_trials": 2,
             "max_trials": 6,
             "max_failed_trials": 2,
-            "durability": {"heartbeat_interval": 0.2, "lease_duration": 1.0,
+            # Short enough for a quick kill -9 resume, long enough that a heartbeat
+            # delayed by a loaded machine does not lose a lease.
+            "durability": {"heartbeat_interval": 0.25, "lease_duration": 2.5,
                            "poll_interval": 0.05},
             "output_dir": str(tmp_path / "runs"),
         }
@@ -63,7 +65,8 @@ def sqlite_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'hpo.db'}"
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on loopback right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -96,7 +99,7 @@ def postgres_url() -> Iterator[str]:
         run_as = ["runuser", "-u", "postgres", "--"]
     tmp = Path(tempfile.mkdtemp(prefix="hpo-pg-"))
     os.chmod(tmp, 0o777)
-    data, port = tmp / "data", _free_port()
+    data, port = tmp / "data", free_port()
     try:
         subprocess.run([*run_as, str(bindir / "initdb"), "-D", str(data), "-U", "hpo",
                         "--auth=trust", "-E", "UTF8"], check=True, capture_output=True,

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -15,6 +20,7 @@ from hypothesis import strategies as st
 from hybridtrain.hpo.api import create_app, launch_worker
 from hybridtrain.hpo.auth import resolve_token
 from hybridtrain.hpo.experiments import ExperimentStore
+from tests.hpo.conftest import REPO, free_port, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 TOKEN = "t" * 32
@@ -70,7 +76,7 @@ def test_experiment_lifecycle_over_http(client: TestClient, make_spec: Any) -> N
     best = client.get("/v1/experiments/branin/best", headers=AUTH).json()
     assert best["value"] == min(t["value"] for t in trials)
     conflict = client.post("/v1/experiments", json=make_spec(max_trials=5), headers=AUTH)
-    assert conflict.status_code == 422 and "different spec" in conflict.json()["detail"]
+    assert conflict.status_code == 409 and "different spec" in conflict.json()["detail"]
     assert client.get("/v1/experiments/nope", headers=AUTH).status_code == 404
     assert client.post("/v1/experiments/nope/stop", headers=AUTH).status_code == 404
 
@@ -128,3 +134,48 @@ def test_fuzz_never_5xx(fuzz_client: TestClient, make_spec: Any, name: str, body
         client.post(f"/v1/experiments/{name}/stop", headers=AUTH),
     ):
         assert response.status_code < 500, response.text
+
+
+def test_serve_generates_prints_and_enforces_a_token(tmp_path: Path, sqlite_url: str) -> None:
+    """The real server: token generated and printed on first start, loopback by default."""
+    token_file, out = tmp_path / "token", tmp_path / "serve.log"
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "HYBRIDTRAIN_HPO_TOKEN"}
+    with out.open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "hybridtrain.hpo", "serve", "--port",
+                                 str(port), "--storage", sqlite_url, "--token-file",
+                                 str(token_file)], cwd=REPO, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: "REST API" in out.read_text() or proc.poll() is not None, 90,
+                 "the server to start")
+        printed = out.read_text()
+        token = token_file.read_text().strip()
+        assert f"generated API token (saved; set $HYBRIDTRAIN_HPO_TOKEN to override): {token}" \
+            in printed, printed
+        assert "warning: binding" not in printed
+        base = f"http://127.0.0.1:{port}"
+
+        def get(path: str, headers: dict[str, str]) -> int:
+            request = urllib.request.Request(base + path, headers=headers)
+            try:
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    return int(response.status)
+            except urllib.error.HTTPError as exc:
+                return exc.code
+
+        wait_for(lambda: _answers(base), 60, "the server to accept connections")
+        assert get("/v1/experiments", {}) == 401
+        assert get("/v1/experiments", {"Authorization": f"Bearer {token}"}) == 200
+        assert get("/dashboard", {}) == 401
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _answers(base: str) -> bool:
+    try:
+        with urllib.request.urlopen(base + "/health", timeout=5):
+            return True
+    except OSError:
+        return False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,20 +34,27 @@ def test_branin_experiment_finishes_exactly_max_trials(make_spec: Any, sqlite_ur
 
 
 def test_pruning_stops_bad_trials_early(make_spec: Any, sqlite_url: str) -> None:
-    spec = make_spec(max_trials=10, parallel_trials=2,
-                     early_stopping={"name": "median", "n_startup_trials": 3,
+    # One trial at a time, so the startup trials are complete before any trial can be
+    # pruned; a trial pruned at its last step would otherwise look unstopped.
+    spec = make_spec(max_trials=8, parallel_trials=1,
+                     early_stopping={"name": "median", "n_startup_trials": 2,
                                      "n_warmup_steps": 2},
-                     algorithm={"name": "random", "seed": 3},
-                     trial={"command": branin_command(steps=20, sleep=0.03)})
+                     trial={"command": branin_command(steps=30, sleep=0.02)})
     spec["algorithm"] = {"name": "random", "seed": 3}
     status = run_experiment(spec, sqlite_url)
-    pruned = [t for t in ExperimentStore(sqlite_url).trials("branin") if t["state"] == "pruned"]
+    trials = ExperimentStore(sqlite_url).trials("branin")
+    pruned = [t for t in trials if t["state"] == "pruned"]
     assert status["trials"]["pruned"] == len(pruned) >= 1
-    assert status["trials"]["complete"] + len(pruned) == 10
+    assert status["trials"]["complete"] + len(pruned) == 8
     for t in pruned:
-        lines = (Path(t["trial_dir"]) / "stdout.log").read_text().count("step=")
-        assert lines < 20, "a pruned trial ran to the end: it was not stopped"
-        assert t["value"] is not None
+        log = (Path(t["trial_dir"]) / "stdout.log").read_text()
+        assert "final loss" not in log, "a pruned trial ran to the end: it was not stopped"
+        steps = [int(s) for s in t["intermediate"]]
+        # It may print a step or two between the pruning decision and its SIGTERM.
+        assert max(steps) <= log.count("step=") < 30
+        assert t["value"] == t["intermediate"][str(max(steps))]  # Optuna: last report
+    complete = [t for t in trials if t["state"] == "complete"]
+    assert all(len(t["intermediate"]) == 31 for t in complete)  # 30 steps + the final line
 
 
 def test_missing_command_fails_trials_then_the_experiment(make_spec: Any,
@@ -133,3 +141,39 @@ def test_bad_storage_and_workdir_fail_before_work(make_spec: Any, tmp_path: Path
         run_experiment(make_spec(trial={"workdir": str(tmp_path / "nope")}),
                        f"sqlite:///{tmp_path / 'x.db'}")
     assert not (tmp_path / "runs").exists()
+
+
+def test_gpu_pool_is_shared_without_overlap(make_spec: Any, sqlite_url: str) -> None:
+    # Each trial reports its CUDA_VISIBLE_DEVICES as a metric and holds it for a while.
+    spec = make_spec(resources={"gpus": [3, 5], "gpus_per_trial": 1}, parallel_trials=4,
+                     max_trials=4, trial={"command": 'sleep 0.3; echo "loss=${x1} '
+                                          'gpu=$CUDA_VISIBLE_DEVICES"'})
+    status = run_experiment(spec, sqlite_url)
+    assert status["state"] == "succeeded"
+    trials = ExperimentStore(sqlite_url).trials("branin")
+    assert sorted(t["metrics"]["gpu"] for t in trials) == [3, 3, 5, 5]
+    # Two GPUs, one per trial: never more than two trials at once, whatever parallel_trials.
+    spans = [(t["started"], t["completed"]) for t in trials]
+    for start, _ in spans:
+        assert sum(s <= start < e for s, e in spans) <= 2
+
+
+def test_trial_created_but_never_attached_is_failed_on_resume(make_spec: Any,
+                                                               sqlite_url: str) -> None:
+    from hybridtrain.hpo.leases import Leases
+    from hybridtrain.hpo.spec import load_spec
+
+    spec = load_spec(make_spec(max_trials=2, durability={"heartbeat_interval": 0.25,
+                                                          "lease_duration": 1.0}))
+    store = ExperimentStore(sqlite_url)
+    store.create(spec)
+    # A controller that claimed a slot and created its Optuna trial, then died (kill -9)
+    # before attaching the trial to the slot.
+    assert Leases(store.records.engine, "branin", "dead", 1.0).claim(True) is not None
+    orphan = store.study("branin").ask().number
+    time.sleep(1.1)
+    status = run_experiment(spec, sqlite_url)
+    assert status["state"] == "succeeded" and status["trials"]["complete"] == 2
+    trials = {t["number"]: t for t in ExperimentStore(sqlite_url).trials("branin")}
+    assert trials[orphan]["state"] == "fail"
+    assert trials[orphan]["fail_reason"].startswith("abandoned")

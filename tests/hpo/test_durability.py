@@ -90,21 +90,32 @@ def test_kill9_then_resume_loses_and_double_counts_nothing(make_spec: Any, sqlit
     assert {json.dumps(t["params"], sort_keys=True) for t in abandoned} <= rerun
 
 
+def _run_until_two_running(spec: dict[str, Any], storage: str, tmp_path: Path
+                           ) -> tuple[subprocess.Popen[bytes], Path, ExperimentStore, list[int]]:
+    proc, log = _spawn("run", spec, storage, tmp_path, "first")
+    store = ExperimentStore(storage)
+    wait_for(lambda: len(_slot_groups(store, spec["name"])) == 2, 60, "two running trials")
+    return proc, log, store, _slot_groups(store, spec["name"])
+
+
+def _assert_interrupted(store: ExperimentStore, name: str, reason: str) -> None:
+    status = store.status(name)
+    stopped = [t for t in store.trials(name) if t["state"] == "interrupted"]
+    # Normally both running trials; one may have finished just before the signal.
+    assert 1 <= len(stopped) <= 2 and all(reason in t["fail_reason"] for t in stopped)
+    assert status["trials"]["running"] == status["trials"]["failed"] == 0
+    assert status["trials"]["waiting"] >= len(stopped)
+
+
 def test_sigint_stops_trials_and_rerun_resumes(make_spec: Any, sqlite_url: str,
                                                tmp_path: Path) -> None:
     spec = _slow_spec(make_spec, max_trials=5)
-    proc, log = _spawn("run", spec, sqlite_url, tmp_path, "first")
-    store = ExperimentStore(sqlite_url)
-    wait_for(lambda: len(_slot_groups(store, "branin")) == 2, 60, "two running trials")
-    groups = _slot_groups(store, "branin")
+    proc, log, store, groups = _run_until_two_running(spec, sqlite_url, tmp_path)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(60) == 130, log.read_text()
     assert not any(_group_alive(g) for g in groups)
-    status = store.status("branin")
-    assert status["state"] == "interrupted"
-    assert status["trials"]["running"] == 0 and status["trials"]["waiting"] >= 2
-    stopped = [t for t in store.trials("branin") if t["state"] == "fail"]
-    assert len(stopped) == 2 and all("interrupted" in t["fail_reason"] for t in stopped)
+    assert store.status("branin")["state"] == "interrupted"
+    _assert_interrupted(store, "branin", "interrupted (Ctrl-C)")
 
     resumed, log = _spawn("run", spec, sqlite_url, tmp_path, "second")
     assert resumed.wait(120) == 0, log.read_text()
@@ -115,12 +126,12 @@ def test_sigint_stops_trials_and_rerun_resumes(make_spec: Any, sqlite_url: str,
 def test_stop_request_reaches_the_controller(make_spec: Any, sqlite_url: str,
                                              tmp_path: Path) -> None:
     spec = _slow_spec(make_spec, max_trials=6)
-    proc, log = _spawn("run", spec, sqlite_url, tmp_path, "run")
-    store = ExperimentStore(sqlite_url)
-    wait_for(lambda: len(_slot_groups(store, "branin")) == 2, 60, "two running trials")
+    proc, log, store, groups = _run_until_two_running(spec, sqlite_url, tmp_path)
     assert store.stop("branin")["state"] == "stopping"
     assert proc.wait(60) == 0, log.read_text()
+    assert not any(_group_alive(g) for g in groups)
     assert store.status("branin")["state"] == "stopped"
+    _assert_interrupted(store, "branin", "stop requested")
 
 
 def _two_workers(spec: dict[str, Any], storage: str, tmp_path: Path) -> None:

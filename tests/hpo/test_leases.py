@@ -51,13 +51,15 @@ def test_concurrent_claims_never_share_a_slot(sqlite_url: str, make_spec: Any) -
 
 
 def test_expired_lease_is_taken_over_with_its_trial(records: Records) -> None:
-    dead = Leases(records.engine, "branin", "dead", 0.2)
+    # Long enough to still be valid at the first check on a loaded machine; waiting past
+    # it can only be late, never early.
+    dead = Leases(records.engine, "branin", "dead", 1.0)
     claim = dead.claim(True)
     assert claim is not None
     assert dead.attach(claim.slot, 7, {"x1": 1.0, "x2": 2.0}, pgid=12345, start_ticks=99)
     alive = Leases(records.engine, "branin", "alive", 30)
     assert alive.claim(allow_pending=False) is None  # lease still valid
-    time.sleep(0.3)
+    time.sleep(1.1)
     takeover = alive.claim(allow_pending=False)
     assert takeover is not None and takeover.taken_over
     assert (takeover.slot, takeover.abandoned_trial, takeover.pgid) == (claim.slot, 7, 12345)
@@ -71,17 +73,20 @@ def test_expired_lease_is_taken_over_with_its_trial(records: Records) -> None:
 
 
 def test_heartbeat_keeps_a_short_lease_alive(records: Records) -> None:
-    leases = Leases(records.engine, "branin", "hb", 0.3)
+    # The lease is renewed ten times per lifetime, so a heartbeat delayed by a loaded
+    # machine still keeps it; without renewal it would expire well before the check.
+    leases = Leases(records.engine, "branin", "hb", 1.0)
     claim = leases.claim(True)
     assert claim is not None
-    beat = Heartbeat(leases, 0.05)
+    beat = Heartbeat(leases, 0.1)
     beat.track(claim.slot)
     beat.start()
     try:
-        time.sleep(0.8)
+        time.sleep(2.0)
         other = Leases(records.engine, "branin", "other", 30)
         assert other.claim(allow_pending=False) is None
         assert beat.take_lost() == set()
+        assert leases.holds(claim.slot) and not other.holds(claim.slot)
     finally:
         beat.stop()
 
@@ -94,3 +99,8 @@ def test_finish_cancels_pending_slots(records: Records) -> None:
     counts = records.slot_counts("branin")
     assert counts == {"pending": 0, "running": 1, "done": 0, "cancelled": 2}
     assert leases.claim(True) is None
+    # A trial still running when the goal was reached fails and is queued for a retry:
+    # settling the finished experiment cancels it instead of leaving it waiting forever.
+    assert leases.release(claim.slot, "pending", 1, {"x1": 0.0, "x2": 0.0})
+    records.settle("branin")
+    assert records.slot_counts("branin")["cancelled"] == 3

@@ -29,6 +29,9 @@ def test_parse_line_katib_format() -> None:
     assert parse_line("args: --lr=0.5 url=https://x.org/?loss=9 id=12ab") == ({}, None)
     assert parse_line("no metrics here") == ({}, None)
     assert parse_line("val/acc=-.5")[0] == {"val/acc": -0.5}
+    # A value may end a sentence, but a version or an address is no number.
+    assert parse_line("Validation done: loss=0.25.") == ({"loss": 0.25}, None)
+    assert parse_line("torch version=2.3.1 host ip=10.0.0.1 lr=1e-3x") == ({}, None)
 
 
 def test_parse_json_line() -> None:

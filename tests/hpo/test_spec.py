@@ -57,7 +57,6 @@ max_failed_trials: 3
     ("name", "has space", "'name'"),
     ("objective.direction", "down", "'objective.direction'"),
     ("objective.strategy", "median", "'objective.strategy'"),
-    ("parameters.x1.type", "floaty", "'parameters.x1'"),
     ("parameters.x1.low", 20.0, "empty range"),
     ("parameters.x1.log", True, "must be > 0 when log"),
     ("parameters.x1.bogus", 1, "'parameters.x1.bogus': unknown field"),
@@ -68,7 +67,11 @@ max_failed_trials: 3
     ("algorithm.n_startup", 3, "'algorithm.n_startup': unknown option for tpe"),
     ("early_stopping.name", "asha2", "'early_stopping.name'"),
     ("early_stopping.name", "percentile", "'early_stopping.percentile'"),
-    ("trial.command", "run ${lr}", "${lr} which is not a parameter"),
+    ("trial.command", "run ${lr}", "field 'trial.command': placeholder ${lr} is not a param"),
+    ("parameters.trial_dir", {"type": "int", "low": 0, "high": 1}, "'parameters.trial_dir'"),
+    ("parameters.x1.type", "floaty", "'parameters.x1.type': unknown parameter type"),
+    ("parameters.x1.step", 100.0, "step (100.0) must be <= high - low"),
+    ("algorithm.n_startup_trials", "3", "'algorithm': tpe failed a trial run"),
     ("trial.command", "", "'trial.command'"),
     ("trial.timeout", -1, "'trial.timeout'"),
     ("trial.retries", -1, "'trial.retries'"),
@@ -86,6 +89,22 @@ def test_malformed_field_names_it_on_one_line(make_spec: Any, path: str, value: 
     assert expected in message
     assert "\n" not in message
     assert message.startswith("invalid experiment spec")
+
+
+@pytest.mark.parametrize("name", ["random", "tpe", "cmaes", "qmc", "gp"])
+def test_every_algorithm_builds_and_samples(make_spec: Any, name: str) -> None:
+    spec = make_spec()
+    spec["algorithm"] = {"name": name, "seed": 1}
+    assert load_spec(spec).algorithm.name == name  # load_spec runs two trials with it
+
+
+@pytest.mark.parametrize("early_stopping", [
+    {"name": "none"}, {"name": "median", "n_warmup_steps": 2}, {"name": "percentile",
+    "percentile": 25.0}, {"name": "asha", "min_resource": 2}, {"name": "hyperband"}])
+def test_every_early_stopping_rule_builds(make_spec: Any,
+                                          early_stopping: dict[str, Any]) -> None:
+    spec = load_spec(make_spec(early_stopping=early_stopping))
+    assert spec.early_stopping.name == early_stopping["name"]
 
 
 def test_missing_required_field(make_spec: Any) -> None:

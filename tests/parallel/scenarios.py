@@ -10,17 +10,21 @@ transformers, gloo rendezvous) costs far more than training these tiny models.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import hybridtrain as ht
+from hybridtrain.models.gpt import GPT, GPTConfig
 from tests.equivalence import (
     SEED,
     Mode,
+    ModelCase,
     assert_same_training,
     engine_config,
+    gpt_case,
     model_cases,
     plain_run,
 )
@@ -33,12 +37,19 @@ Result = tuple[list[float], dict[str, torch.Tensor]]
 Scenario = tuple[str, dict[str, Any]]
 
 
+def cases() -> dict[str, ModelCase]:
+    """The suite's model cases plus ``gpt_deep``: the tied-embedding GPT with 4 blocks and
+    4 heads, enough for 4 pipeline stages or 2 ranks × 2 virtual stages and TP of 4."""
+    deep = GPTConfig(n_layer=4, n_head=4, d_model=32, seq_len=16, vocab_size=64)
+    return {**model_cases(), "gpt_deep": dataclasses.replace(gpt_case(), name="gpt_deep", build=lambda: GPT(deep))}
+
+
 def train_scenarios(scenarios: dict[str, Scenario], steps: int = STEPS) -> dict[str, Any]:
     """On one rank: train every scenario; returns name → ``(losses, state)`` or topology."""
-    cases = model_cases()
+    known = cases()
     out: dict[str, Any] = {}
     for name, (case_name, config) in scenarios.items():
-        case = cases[case_name]
+        case = known[case_name]
         torch.manual_seed(SEED)
         model = case.build()
         engine = ht.initialize(model, engine_config(Mode(name, config)), loss_fn=case.loss_fn)
@@ -83,7 +94,7 @@ _REFERENCE: dict[str, Result] = {}
 def reference(case_name: str) -> Result:
     """The single-process plain loop for a model case (fp32, full batch), cached."""
     if case_name not in _REFERENCE:
-        _REFERENCE[case_name] = plain_run(model_cases()[case_name], Mode("plain", {}), steps=STEPS)
+        _REFERENCE[case_name] = plain_run(cases()[case_name], Mode("plain", {}), steps=STEPS)
     return _REFERENCE[case_name]
 
 

@@ -1,0 +1,185 @@
+"""The :class:`~hybridtrain.parallel.runtime.ParallelRuntime` of a model split across ranks
+(tensor and/or pipeline parallel), with plain data parallel over its replicas.
+
+DDP cannot wrap a model whose parameters are DTensors or whose forward is driven by a
+pipeline schedule, so replicas average their gradients here, once per step, with one
+flat all-reduce per dtype (:class:`GradientSync`). Tensor-parallel shards are averaged
+shard by shard (every replica holds the same shard layout).
+
+Gradient norm (clipping) over a split model::
+
+    ‖g‖² = Σ_pp-stages ( Σ_tp-ranks ‖own shards‖²  +  ‖replicated params‖² )
+
+replicated parameters (norms, embeddings outside TP) are counted once per stage, and a
+tied parameter held by the first and the last stage only on the first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from hybridtrain.parallel.mesh import Topology
+from hybridtrain.parallel.runtime import ParallelRuntime
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank-local part of a (D)Tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class GradientSync:
+    """Averages gradients over the data-parallel replicas (and sums tied end-stage
+    gradients first when a pipeline holds a tied parameter on two stages).
+
+    Args:
+        model: the (split) model whose parameters' gradients are synchronised.
+        topology: where this rank sits.
+        tied: names of parameters held by the first and the last pipeline stage.
+        tied_group: the process group of those two stages (None without tied parameters).
+    """
+
+    def __init__(self, model: nn.Module, topology: Topology, tied: list[str] | None = None,
+                 tied_group: dist.ProcessGroup | None = None) -> None:
+        self.model = model
+        self.topology = topology
+        self.tied = tied or []
+        self.tied_group = tied_group
+
+    def sync(self) -> None:
+        """Sum tied gradients across the end stages, then average over replicas."""
+        if self.tied_group is not None:
+            tied = [self.model.get_parameter(name) for name in self.tied]
+            for param in tied:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+            _all_reduce([local(p.grad) for p in tied if p.grad is not None], self.tied_group, 1)
+        if self.topology.dp > 1:
+            grads = [local(p.grad) for p in self.model.parameters() if p.grad is not None]
+            _all_reduce(grads, self.topology.group("dp"), self.topology.dp)
+
+    # The engine's backward observer protocol (tensor parallel without a pipeline).
+    def before_backward(self, final: bool, loss: torch.Tensor) -> None:
+        """Nothing to do before backward."""
+
+    def after_backward(self, final: bool) -> None:
+        """After the step's last micro-batch, synchronise the accumulated gradients."""
+        if final:
+            self.sync()
+
+
+def _all_reduce(tensors: list[torch.Tensor], group: dist.ProcessGroup | None, divide: int) -> None:
+    # One flat buffer per dtype: a handful of collectives instead of one per parameter.
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.all_reduce(flat, group=group)
+        if divide > 1:
+            flat /= divide
+        offset = 0
+        for tensor in same:
+            tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
+
+
+class SplitRuntime(ParallelRuntime):
+    """Runtime of a tensor- and/or pipeline-parallel model.
+
+    Args:
+        model: the user's model (TP-sharded; hollowed by the pipeline once it is split).
+        topology: where this rank sits.
+        owner: ``owner(name) -> pipeline rank`` that holds the true value of a state-dict
+            entry (every entry on rank 0 without a pipeline).
+        counted_once: ``counted(name)`` — whether this rank counts a parameter in the
+            gradient norm (False for the second copy of a tied parameter).
+    """
+
+    def __init__(self, model: nn.Module, topology: Topology) -> None:
+        super().__init__(model, topology)
+        self.owner: Any = lambda name: 0
+        self.counted: Any = lambda name: True
+
+    def set_grad_sync(self, sync: bool) -> None:
+        """Gradients are synchronised by :class:`GradientSync` after the last micro-batch."""
+
+    def clip_grad_norm(self, params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        """Clip by the norm of the whole (unsplit) model's gradient, as one process would."""
+        sharded = torch.zeros((), dtype=torch.float64)
+        replicated = torch.zeros((), dtype=torch.float64)
+        grads = []
+        for name, param in self.model.named_parameters():
+            if param.grad is None:
+                continue
+            grads.append(local(param.grad))
+            if not self.counted(name):
+                continue
+            square = local(param.grad).detach().double().pow(2).sum().cpu()
+            if isinstance(param.grad, DTensor) and any(p.is_shard() for p in param.grad.placements):
+                sharded += square
+            else:
+                replicated += square
+        if self.topology.tp > 1:
+            dist.all_reduce(sharded, group=self.topology.group("tp"))
+        total = sharded + replicated
+        if self.topology.pp > 1:
+            dist.all_reduce(total, group=self.topology.group("pp"))
+        norm = total.sqrt().float()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(coef.to(grad.device))
+        return norm
+
+    def _local_state(self) -> dict[str, torch.Tensor]:
+        # Every TP peer takes part in each gather; only the owning stage keeps the entry.
+        mine = {}
+        for name, value in self.model.state_dict().items():
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            if self.owner(name) == self.topology.pp_rank:
+                mine[name] = full.detach().to("cpu", copy=True)
+        return mine
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model state on every rank (TP shards gathered, pipeline stages merged)."""
+        mine = self._local_state()
+        if self.topology.pp == 1:
+            return mine
+        parts: list[Any] = [None] * self.topology.pp
+        dist.all_gather_object(parts, mine, group=self.topology.group("pp"))
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            merged.update(part)
+        return merged
+
+    def model_state_shapes(self) -> dict[str, torch.Size]:
+        """Full shapes of the entries this rank holds (TP shapes are the unsharded ones)."""
+        return {k: v.shape for k, v in self.model.state_dict().items()}
+
+    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a full state dict: each rank copies in the entries (shards) it holds."""
+        with torch.no_grad():
+            for name, value in self.model.state_dict().items():
+                full = state[name].to(local(value).device)
+                if isinstance(value, DTensor):
+                    full = distribute_tensor(full, value.device_mesh, value.placements).to_local()
+                local(value).copy_(full)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer state keyed by parameter name, TP shards gathered (this stage's)."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(self.model, optimizer, options=options)
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Restore :meth:`optimizer_state_dict`'s result (re-sharded for TP)."""
+        set_optimizer_state_dict(self.model, optimizer, state, options=StateDictOptions(full_state_dict=True))

@@ -1,0 +1,207 @@
+"""Layer-to-layer streaming (L2L): the blocks live in host memory and pass through the
+device one (plus ``prefetch_blocks``) at a time; each block's host update runs as soon as
+its gradients are complete.
+
+::
+
+    forward    pre-hook(i): wait upload(i), upload(i+1..i+p) ─► block i ─► post-hook: free i
+    backward   grad of block i's output ready: wait upload(i), upload(i-1..i-p)
+               block i's parameter gradients all accumulated: D2H grads, free i,
+               host worker: accumulate, [eager] fused CPU step of block i
+    resident   embeddings, final norm, head (and blocks listed in ``resident``) stay on the
+               device; their optimizer state is offloaded like optimizer offload
+
+A block's weights are one flat host buffer (pinned, the fp32 master the optimizer
+updates) and one flat device buffer whose *storage* is freed (``resize_(0)``) between
+uses and re-filled before the next. Every tensor viewing it — including weight views that
+autograd saved in forward — sees the restored data, so backward needs no special path.
+Between uses the parameters' ``.data`` points at the host master, so ``state_dict`` and
+checkpoints read (and load into) the masters directly.
+
+Uploads are issued on a side stream after the compute work queued so far and the compute
+stream waits for their event before the block runs: block i+1 copies while block i
+computes. Device buffers are allocated and freed on the compute stream, so the caching
+allocator never hands a buffer to new work before the kernels reading it have finished.
+
+Because everything is driven by module and autograd hooks, the engine's ordinary step
+(micro-batches, accumulation, loss scaling, clipping) and its forward/backward/step trio
+run unchanged; gradients reach the host optimizer through :class:`OffloadOptimizer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from hybridtrain.runtime import transfer
+from hybridtrain.runtime.optimizer_offload import Bucket, OffloadOptimizer
+from hybridtrain.runtime.residency import Residency
+
+
+class _StreamedBlock:
+    """One block's device buffer, its views, and its upload event."""
+
+    def __init__(self, index: int, module: nn.Module, bucket: Bucket, device: torch.device) -> None:
+        self.index = index
+        self.module = module
+        self.bucket = bucket
+        self.device_flat = torch.empty(bucket.flat_master.numel(), dtype=bucket.flat_master.dtype, device=device)
+        self.nbytes = self.device_flat.untyped_storage().nbytes()
+        self.device_views = bucket.views(self.device_flat)
+        self.host_views = bucket.views(bucket.flat_master)
+        self.device_flat.untyped_storage().resize_(0)
+        self.loaded = False
+        self.active = False
+        self.ready: torch.cuda.Event | None = None
+        self.arrived = 0
+        self.landed = False
+
+    def point_at(self, views: Sequence[torch.Tensor]) -> None:
+        for p, view in zip(self.bucket.params, views, strict=True):
+            p.data = view
+
+
+class LayerStreamer:
+    """Streams ``blocks`` through ``device`` (see the module docstring).
+
+    Args:
+        blocks: the streamed blocks, in execution order.
+        optimizer: an :class:`OffloadOptimizer` built with ``streamed`` = the blocks'
+            parameter lists in the same order (bucket ``i`` is block ``i``).
+        device: the compute device.
+        prefetch_blocks: blocks uploaded ahead of the computing one.
+    """
+
+    def __init__(self, blocks: Sequence[nn.Module], optimizer: OffloadOptimizer, device: torch.device,
+                 prefetch_blocks: int = 1) -> None:
+        self.device = device
+        self.optimizer = optimizer
+        self.prefetch_blocks = prefetch_blocks
+        self.residency = Residency()
+        self._h2d = transfer.SideStream(device)
+        self.blocks = [_StreamedBlock(i, m, optimizer.buckets[i], device) for i, m in enumerate(blocks)]
+        for block in self.blocks:
+            block.point_at(block.host_views)
+            block.module.register_forward_pre_hook(lambda _m, _a, b=block: self._before_forward(b))
+            block.module.register_forward_hook(lambda _m, _a, out, b=block: self._after_forward(b, out))
+            for p in block.bucket.params:
+                p.register_post_accumulate_grad_hook(lambda _p, b=block: self._grad_arrived(b))
+        transfer.note_cpu_offload(device, "layer streaming")
+
+    # ------------------------------------------------------------------ residency
+    def _upload(self, block: _StreamedBlock) -> None:
+        if block.loaded:
+            return
+        # Allocated on the compute stream: its memory may be a just-freed block's, which
+        # the copy stream must not overwrite before compute has finished reading it.
+        block.device_flat.untyped_storage().resize_(block.nbytes)
+        with self._h2d.after_compute():
+            block.device_flat.copy_(block.bucket.flat_master, non_blocking=True)
+            block.ready = self._h2d.record()
+        block.loaded = True
+        self.residency.load(block.index)
+
+    def _activate(self, block: _StreamedBlock) -> None:
+        self._upload(block)
+        transfer.compute_waits(block.ready, self.device)
+        block.ready = None
+        if not block.active:
+            block.point_at(block.device_views)
+            block.active = True
+
+    def _free(self, block: _StreamedBlock) -> None:
+        if not block.loaded:
+            return
+        block.point_at(block.host_views)
+        block.active = False
+        block.device_flat.untyped_storage().resize_(0)
+        block.loaded = False
+        self.residency.release(block.index)
+
+    def _prefetch(self, indices: range) -> None:
+        for i in indices:
+            if 0 <= i < len(self.blocks):
+                self._upload(self.blocks[i])
+
+    # ------------------------------------------------------------------ hooks
+    def _before_forward(self, block: _StreamedBlock) -> None:
+        self._activate(block)
+        self._prefetch(range(block.index + 1, block.index + 1 + self.prefetch_blocks))
+
+    def _after_forward(self, block: _StreamedBlock, output: Any) -> None:
+        training = torch.is_grad_enabled()
+        grads = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if training and grads:
+            # Fires when the gradient of the block's output is ready: its backward is next.
+            grads[0].register_hook(lambda g, b=block: self._before_backward(b))
+        # The last block is the first one backward needs: keep it.
+        if not (training and grads and block.index == len(self.blocks) - 1):
+            self._free(block)
+
+    def _before_backward(self, block: _StreamedBlock) -> None:
+        self._activate(block)
+        self._prefetch(range(block.index - 1, block.index - 1 - self.prefetch_blocks, -1))
+
+    def _grad_arrived(self, block: _StreamedBlock) -> None:
+        block.arrived += 1
+        if block.arrived == len(block.bucket.params):
+            block.landed = True
+            # Every node that reads the weights has run: gradients go to the host, the
+            # device copy is freed, and the host updates the block (eagerly when allowed).
+            self.optimizer.land(block.index, then=lambda: self._free(block))
+
+    # ------------------------------------------------------------------ engine protocol
+    def before_backward(self, final: bool, loss: torch.Tensor) -> None:
+        """Engine hook before a micro-batch's backward (see :class:`BackwardObserver`)."""
+        for block in self.blocks:
+            block.arrived = 0
+            block.landed = False
+        self.optimizer.before_backward(final, loss)
+
+    def after_backward(self, final: bool) -> None:
+        """Engine hook after a micro-batch's backward: land and free what is left (blocks
+        with unused parameters never complete through the hooks)."""
+        for block in self.blocks:
+            if not block.landed and any(p.grad is not None for p in block.bucket.params):
+                self.optimizer.land(block.index, then=lambda b=block: self._free(b))
+            self._free(block)
+        self.optimizer.after_backward(final)
+
+
+def place_for_streaming(model: nn.Module, streamed: Sequence[nn.Module], device: torch.device) -> None:
+    """Move everything to ``device`` except the streamed blocks' parameters (their buffers
+    are small and go too), so a model larger than the device never lands on it whole."""
+    keep = {id(p) for block in streamed for p in block.parameters()}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if id(p) not in keep:
+                p.data = p.data.to(device)
+        for name, b in list(module.named_buffers(recurse=False)):
+            module._buffers[name] = b.to(device)
+
+
+def check_not_shared(model: nn.Module, streamed: Sequence[nn.Module]) -> None:
+    """Refuse a parameter that a streamed block shares with another module.
+
+    Raises:
+        ValueError: naming the parameter and its second owner.
+    """
+    owner: dict[int, str] = {}
+    for i, block in enumerate(streamed):
+        for name, p in block.named_parameters():
+            if id(p) in owner:
+                raise ValueError(f"parameter {name} of streamed block {i} is shared with {owner[id(p)]}; "
+                                 "list the sharing blocks in layer_streaming.resident")
+            owner[id(p)] = f"streamed block {i}"
+    streamed_ids = {id(m) for block in streamed for m in block.modules()}
+    for mname, module in model.named_modules():
+        if id(module) in streamed_ids:
+            continue
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in owner:
+                raise ValueError(f"parameter {mname}.{pname} is shared with {owner[id(p)]}; "
+                                 "list that block in layer_streaming.resident")

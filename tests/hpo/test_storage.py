@@ -1,0 +1,54 @@
+"""Storage: URLs, SQLite settings for several workers, racing table creation."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from hybridtrain.hpo.errors import StorageError
+from hybridtrain.hpo.records import Records
+from hybridtrain.hpo.storage import open_engine, open_optuna_storage, resolve_url
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_workers_starting_together_on_a_fresh_database(tmp_path: Path) -> None:
+    # Every one of them sees no tables and creates them; the losers must not fail.
+    for round_ in range(3):
+        url = f"sqlite:///{tmp_path / f'fresh{round_}.db'}"
+        errors: list[BaseException] = []
+
+        def open_all(url: str = url, errors: list[BaseException] = errors) -> None:
+            try:
+                Records(open_engine(url))
+                open_optuna_storage(url)
+            except BaseException as exc:  # collected for the assertion below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=open_all) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert errors == []
+
+
+def test_sqlite_is_opened_for_concurrent_controllers(sqlite_url: str) -> None:
+    engine = open_engine(sqlite_url)
+    with engine.connect() as conn:
+        raw = conn.connection.driver_connection
+        assert raw is not None
+        assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        # Writers queue on the file lock: a generous busy timeout, not pysqlite's 5 s.
+        assert raw.execute("PRAGMA busy_timeout").fetchone()[0] >= 30_000
+
+
+def test_urls() -> None:
+    assert resolve_url("sqlite:///x.db") == "sqlite:///x.db"
+    assert resolve_url("postgresql://u:p@h/db").startswith("postgresql+psycopg")
+    with pytest.raises(StorageError, match="not a database URL"):
+        resolve_url("hpo.db")
+    with pytest.raises(StorageError, match="cannot open storage 'sqlite:////nonexistent/"):
+        open_engine("sqlite:////nonexistent/dir/x.db")

@@ -1,0 +1,112 @@
+"""Activation swapping: what travels, how far prefetch runs ahead, which blocks are
+wrapped, refusals; on CUDA the peak-memory cut. Equivalence is in the shared suite
+(``swap*`` and ``cpu_checkpointing*`` modes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hybridtrain as ht
+from hybridtrain.config import ConfigError
+from hybridtrain.models.gpt import GPT, GPTConfig, causal_lm_loss
+from hybridtrain.runtime.activation_offload import ActivationSwapper, apply_activation_offload
+
+CFG = GPTConfig(n_layer=4, n_head=2, d_model=32, seq_len=16, vocab_size=64)
+
+
+def _train_once(model: GPT, device: str = "cpu") -> None:
+    tokens = torch.randint(0, CFG.vocab_size, (4, CFG.seq_len + 1), device=device)
+    causal_lm_loss(model(tokens[:, :-1]), (tokens[:, :-1], tokens[:, 1:])).backward()
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_everything_that_leaves_comes_back_and_prefetch_stays_in_bounds(prefetch: int) -> None:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    swapper = apply_activation_offload(list(model.blocks), torch.device("cpu"), prefetch_blocks=prefetch, min_bytes=0)
+    _train_once(model)
+    assert swapper.stats.tensors_out > 0
+    assert swapper.stats.bytes_in == swapper.stats.bytes_out
+    # One entry per block; the first block reached in backward prefetches ``prefetch``
+    # earlier blocks, and never more than that are in flight.
+    assert len(swapper.stats.prefetch_ahead) == CFG.n_layer
+    assert max(swapper.stats.prefetch_ahead) == min(prefetch, CFG.n_layer - 1)
+
+
+def test_with_checkpointing_only_block_inputs_travel() -> None:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    swapper = apply_activation_offload(list(model.blocks), torch.device("cpu"), recompute=list(model.blocks),
+                                       min_bytes=0)
+    _train_once(model)
+    assert swapper.stats.tensors_out == CFG.n_layer  # the (B, T, C) input of each block
+    assert swapper.stats.bytes_out == CFG.n_layer * 4 * CFG.seq_len * CFG.d_model * 4
+
+
+def test_parameters_and_small_tensors_stay_on_the_device() -> None:
+    swapper = ActivationSwapper(torch.device("cpu"), min_bytes=1 << 30)
+    lin = torch.nn.Linear(8, 8)
+    swapper.wrap(lin)
+    lin(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    assert swapper.stats.tensors_out == 0 and swapper.stats.kept_on_device > 0
+
+
+def test_config_selects_blocks_and_maps_cpu_checkpointing() -> None:
+    model = GPT(CFG)
+    ht.initialize(model, {"device": "cpu", "activation_offload": {"enabled": True, "blocks": [1, 3]}},
+                  loss_fn=causal_lm_loss)
+    wrapped = [hasattr(b, "_hybridtrain_swap_original_forward") for b in model.blocks]
+    assert wrapped == [False, True, False, True]
+    model = GPT(CFG)
+    ht.initialize(model, {"device": "cpu", "activation_checkpointing": {"enabled": True, "every_n_blocks": 2,
+                                                                        "cpu_checkpointing": True}},
+                  loss_fn=causal_lm_loss)
+    assert [hasattr(b, "_hybridtrain_swap_original_forward") for b in model.blocks] == [True, False, True, False]
+
+
+@pytest.mark.parametrize(("model", "raw", "needle"), [
+    (GPT(CFG), {"activation_offload": {"enabled": True, "blocks": [7]}}, "out of range"),
+    (torch.nn.Module(), {"activation_offload": {"enabled": True}}, "model.blocks"),
+    (GPT(CFG), {"activation_checkpointing": {"cpu_checkpointing": True}}, "needs activation_checkpointing.enabled"),
+])
+def test_bad_settings_are_refused(model: torch.nn.Module, raw: dict, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        ht.initialize(model, {"device": "cpu", **raw}, loss_fn=causal_lm_loss)
+
+
+def _peak_activation_bytes(swap: bool) -> int:
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=8, n_head=8, d_model=512, seq_len=512, vocab_size=256)
+    model = GPT(cfg).cuda()
+    if swap:
+        apply_activation_offload(list(model.blocks), torch.device("cuda"))
+    tokens = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len + 1), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    static = torch.cuda.memory_allocated()
+    loss = causal_lm_loss(model(tokens[:, :-1]), (tokens[:, :-1], tokens[:, 1:]))
+    loss.backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - static
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_swapping_cuts_peak_activation_memory_3x() -> None:
+    plain, swapped = _peak_activation_bytes(False), _peak_activation_bytes(True)
+    assert plain >= 3 * swapped, (plain, swapped)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_result_equals_cpu_result() -> None:
+    grads = []
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        model = GPT(CFG).to(device)
+        apply_activation_offload(list(model.blocks), torch.device(device), recompute=list(model.blocks[::2]),
+                                 min_bytes=0)
+        torch.manual_seed(1)
+        _train_once(model, device)
+        grads.append({n: p.grad.cpu() for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-5)
