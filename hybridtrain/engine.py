@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +50,16 @@ class BackwardObserver(Protocol):
     def after_backward(self, final: bool) -> None: ...
 
 
+class StepRunner(Protocol):
+    """Runs a whole step's forwards and backwards in its own order (layer-major streaming
+    runs every micro-batch through one block before the next). Each micro-batch's backward
+    is of ``loss_of(micro) × weight × scale``; gradients end where the ordinary loop leaves
+    them; returns the weighted sum of the losses (detached)."""
+
+    def forward_backward(self, micro_batches: Sequence[Batch], loss_of: Callable[[Batch], torch.Tensor],
+                         weight: float, scale: float) -> torch.Tensor: ...
+
+
 class NonFiniteLossError(FloatingPointError):
     """The loss became inf/NaN and ``nonfinite_loss`` is ``error``."""
 
@@ -77,6 +87,7 @@ class EngineOptions:
     setup: dict[str, Any] = field(default_factory=dict)
     parallel: ParallelRuntime | None = None
     backward_observer: BackwardObserver | None = None
+    step_runner: StepRunner | None = None
 
 
 class Engine:
@@ -133,7 +144,11 @@ class Engine:
             # The schedule interleaves the micro-batches' forwards and backwards across stages.
             with self._timed("forward"):
                 total += pipeline.train_step(micro_batches, self.loss_scale)
-        for index, micro in enumerate(micro_batches if pipeline is None else []):
+        runner = self.options.step_runner
+        if runner is not None:
+            with self._timed("forward"):
+                total += runner.forward_backward(micro_batches, self._micro_loss, weight, self.loss_scale)
+        for index, micro in enumerate(micro_batches if pipeline is None and runner is None else []):
             final = index == len(micro_batches) - 1
             # Gradients cross processes once per step: after the last micro-batch.
             self.parallel.set_grad_sync(final)

@@ -20,6 +20,7 @@ from hybridtrain.parallel.model_parallel import apply_device_map, resolve_device
 from hybridtrain.parallel.pipeline import PipelineRunner, PipelineSpec
 from hybridtrain.parallel.runtime import ParallelRuntime
 from hybridtrain.parallel.split_runtime import GradientSync, SplitRuntime
+from hybridtrain.parallel.tensor import apply_tensor_parallel, resolve_plan
 from hybridtrain.parallel.zero import ZeroRuntime, apply_zero
 from hybridtrain.runtime.activation_offload import apply_activation_offload
 from hybridtrain.runtime.batch import LossFn
@@ -28,6 +29,7 @@ from hybridtrain.runtime.checkpointing import (
     select_checkpoint_targets,
 )
 from hybridtrain.runtime.device import resolve_device
+from hybridtrain.runtime.layer_major import LayerMajorRunner
 from hybridtrain.runtime.optim import build_optimizer, build_scheduler
 from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
 from hybridtrain.runtime.precision import LossScaler
@@ -95,8 +97,14 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
         apply_activation_offload(swap_targets, device, swap_recompute, swap.prefetch_blocks, swap.pin_memory,
                                  swap.min_bytes)
     pipeline_blocks = _pipeline_blocks(model, cfg, sizes[2])
+    try:
+        tensor_plan = resolve_plan(model, cfg.tensor_parallel.plan, sizes[1]) if sizes[1] > 1 else {}
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     apply_device_map(model, device_map, device)
     parallel = _parallelize(model, cfg, device, sizes, shard_units, compute_dtype)
+    if isinstance(parallel, SplitRuntime) and tensor_plan:
+        parallel.reordered = set(apply_tensor_parallel(model, parallel.topology.submesh("tp"), tensor_plan))
     if isinstance(parallel, SplitRuntime) and pipeline_blocks is not None:
         spec = PipelineSpec(cfg.pipeline.schedule, batch.accumulation_steps, cfg.pipeline.virtual_stages,
                             cfg.pipeline.partition, pipeline_blocks[0])
@@ -117,6 +125,8 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
     if cfg.fp16.enabled:
         scaler = LossScaler(cfg.fp16.loss_scale, cfg.fp16.initial_scale_power, cfg.fp16.loss_scale_window,
                             cfg.fp16.hysteresis, cfg.fp16.min_loss_scale)
+    streamer = LayerStreamer(streamed, offload, device, cfg.layer_streaming.prefetch_blocks) \
+        if streamed and offload else None
     options = EngineOptions(
         batch=batch,
         device=device,
@@ -126,8 +136,8 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
         wall_clock_breakdown=cfg.wall_clock_breakdown,
         setup=setup,
         parallel=parallel,
-        backward_observer=LayerStreamer(streamed, offload, device, cfg.layer_streaming.prefetch_blocks)
-        if streamed and offload else offload or _replica_sync(parallel),
+        backward_observer=streamer or offload or _replica_sync(parallel),
+        step_runner=LayerMajorRunner(streamer) if streamer and cfg.layer_streaming.layer_major else None,
     )
     return Engine(model, optimizer, scheduler, scaler, loss_fn, options, cfg)
 

@@ -197,6 +197,17 @@ MODES: dict[str, Mode] = {
     "stream_device_bf16": Mode("stream_device_bf16", {
         "bf16": {"enabled": True}, "layer_streaming": {"enabled": True, "boundary_activations": "device"}},
         autocast_dtype=torch.bfloat16),
+    # Layer-major streaming: every micro-batch through a block before the next block; the
+    # blocks' gradients are complete at once (eager update), or deferred by clipping.
+    "stream_layer_major_accum4": Mode("stream_layer_major_accum4", {
+        "gradient_accumulation_steps": 4, "layer_streaming": {"enabled": True, "layer_major": True}}),
+    "stream_layer_major_host_accum2_clip": Mode("stream_layer_major_host_accum2_clip", {
+        "gradient_accumulation_steps": 2, "gradient_clipping": 0.05, "layer_streaming": {
+            "enabled": True, "layer_major": True, "prefetch_blocks": 2, "boundary_activations": "host"}},
+        clip=0.05),
+    "stream_layer_major_device_accum2": Mode("stream_layer_major_device_accum2", {
+        "gradient_accumulation_steps": 2,
+        "layer_streaming": {"enabled": True, "layer_major": True, "boundary_activations": "device"}}),
 }
 
 

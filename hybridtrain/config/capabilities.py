@@ -58,7 +58,6 @@ def check_supported(cfg: Config, world_size: int) -> None:
         "activation_checkpointing.synchronize_checkpoint_boundary":
             cfg.activation_checkpointing.synchronize_checkpoint_boundary,
         "activation_checkpointing.profile": cfg.activation_checkpointing.profile,
-        "layer_streaming.layer_major": cfg.layer_streaming.layer_major,
     }
     for key, requested in not_yet.items():
         if requested:
@@ -75,6 +74,8 @@ def _check_offload_combinations(cfg: Config, dp: int, tp: int, pp: int) -> None:
     problems = {
         "activation_checkpointing.cpu_checkpointing needs activation_checkpointing.enabled: true":
             cfg.activation_checkpointing.cpu_checkpointing and not cfg.activation_checkpointing.enabled,
+        "layer_streaming.layer_major needs layer_streaming.enabled: true":
+            cfg.layer_streaming.layer_major and not streaming,
         "layer_streaming runs on one process; remove data/tensor/pipeline parallel or layer_streaming":
             streaming and (dp > 1 or tp > 1 or pp > 1),
         "layer_streaming already keeps optimizer state in host memory; remove "

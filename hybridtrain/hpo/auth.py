@@ -49,16 +49,35 @@ def resolve_token(token_file: Path | None = None) -> tuple[str, bool]:
         if path.is_file():
             token = path.read_text().strip()
         else:
-            token = secrets.token_urlsafe(32)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(token + "\n")
-            created = True
+            token, created = _create_token_file(path)
     if len(token) < _MIN_LENGTH:
         raise HPOError(f"the HPO API token must have at least {_MIN_LENGTH} characters; got "
                        f"{len(token)} (from ${TOKEN_ENV} or the token file)")
     return token, created
+
+
+def _create_token_file(path: Path) -> tuple[str, bool]:
+    """Write a new random token to ``path`` (mode 0600), all or nothing.
+
+    The token is written to a private temporary file and hard-linked into place, so a
+    crash never leaves a half-written token file, and of two servers starting together
+    one creates the file and the other reads it.
+    """
+    token = secrets.token_urlsafe(32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(tmp, path)
+    except FileExistsError:
+        return path.read_text().strip(), False
+    finally:
+        tmp.unlink(missing_ok=True)
+    return token, True
 
 
 def token_matches(expected: str, given: str | None) -> bool:

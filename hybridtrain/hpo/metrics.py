@@ -92,6 +92,10 @@ class _Tail:
     def read_lines(self, final: bool = False) -> list[str]:
         try:
             with self.path.open("rb") as f:
+                if f.seek(0, 2) < self.offset:
+                    # Rewritten shorter (a resumed training run truncates its metrics
+                    # file): read it again; values already seen are dropped by step.
+                    self.offset, self.partial = 0, b""
                 f.seek(self.offset)
                 data = f.read()
         except FileNotFoundError:

@@ -77,7 +77,7 @@ class StageRouter:
         for i in range(len(blocks)):
             if i in mine:
                 block = blocks[i]
-                block.forward = self._dispatch(i, block.forward)  # type: ignore[method-assign]
+                block.forward = self._dispatch(i, block.forward)
             else:
                 blocks[i] = HollowBlock(tuple_output)
 
@@ -154,9 +154,9 @@ class StageModule(nn.Module):
     def forward(self, *activations: torch.Tensor, batch: Batch) -> torch.Tensor:
         """The stage's output activation, or ``loss × weight`` on the last stage."""
         incoming = activations[0] if activations else None
-        out = self.router.run(self.index, incoming, lambda: run_model(self._model, batch))
+        out: torch.Tensor = self.router.run(self.index, incoming, lambda: run_model(self._model, batch))
         if not self.is_last:
-            return out  # type: ignore[no-any-return]
+            return out
         loss = compute_loss(out, batch, self.loss_fn).float()
         self.losses.append(loss.detach())
         return loss * self.weight

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hybridtrain.parallel.mesh import Topology
 from hybridtrain.parallel.runtime import ParallelRuntime
+from hybridtrain.parallel.tensor import qkv_from_user, qkv_to_user
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -100,16 +101,20 @@ class SplitRuntime(ParallelRuntime):
     Args:
         model: the user's model (TP-sharded; hollowed by the pipeline once it is split).
         topology: where this rank sits.
-        owner: ``owner(name) -> pipeline rank`` that holds the true value of a state-dict
-            entry (every entry on rank 0 without a pipeline).
-        counted_once: ``counted(name)`` — whether this rank counts a parameter in the
-            gradient norm (False for the second copy of a tied parameter).
+
+    Attributes:
+        owner: ``owner(name) -> pipeline rank`` holding the true value of a state-dict
+            entry (set by the pipeline at its split; rank 0 without a pipeline).
+        counted: ``counted(name)``: whether this rank counts a parameter in the gradient
+            norm (False for another stage's entry or the second copy of a tied one).
+        reordered: entries stored in tensor parallel's interleaved fused-qkv row order.
     """
 
     def __init__(self, model: nn.Module, topology: Topology) -> None:
         super().__init__(model, topology)
         self.owner: Any = lambda name: 0
         self.counted: Any = lambda name: True
+        self.reordered: set[str] = set()
 
     def set_grad_sync(self, sync: bool) -> None:
         """Gradients are synchronised by :class:`GradientSync` after the last micro-batch."""
@@ -146,6 +151,8 @@ class SplitRuntime(ParallelRuntime):
         mine = {}
         for name, value in self.model.state_dict().items():
             full = value.full_tensor() if isinstance(value, DTensor) else value
+            if name in self.reordered:
+                full = qkv_to_user(full, self.topology.tp)
             if self.owner(name) == self.topology.pp_rank:
                 mine[name] = full.detach().to("cpu", copy=True)
         return mine
@@ -171,6 +178,8 @@ class SplitRuntime(ParallelRuntime):
         with torch.no_grad():
             for name, value in self.model.state_dict().items():
                 full = state[name].to(local(value).device)
+                if name in self.reordered:
+                    full = qkv_from_user(full, self.topology.tp)
                 if isinstance(value, DTensor):
                     full = distribute_tensor(full, value.device_mesh, value.placements).to_local()
                 local(value).copy_(full)

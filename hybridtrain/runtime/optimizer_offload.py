@@ -106,7 +106,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._h2d = transfer.SideStream(device)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridtrain-host-step")
         self._jobs: list[Future[None]] = []
-        self._cls = type(optimizer)
+        # Typed as a factory: the user's class takes (params, **hyperparameters), not the
+        # base class's (params, defaults).
+        self._cls: Callable[..., torch.optim.Optimizer] = type(optimizer)
+        self.manual_landing = False
+        """Set by a whole-step runner that lands buckets itself (layer-major streaming runs
+        several backward passes per micro-batch, so hook arrival counts mean nothing)."""
         streamed_ids = {id(p) for block in streamed for p in block}
         params = [p for g in optimizer.param_groups for p in g["params"]]
         on_device = _device_kept(params, host_ratio, streamed_ids)
@@ -166,7 +171,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             for p, k in zip(plist, gids, strict=True):
                 by_group.setdefault(k, []).append(p)
         groups = [{**self._hyperparams(k), "params": ps, "_outer": k} for k, ps in by_group.items()]
-        accepts_fused = "fused" in inspect.signature(self._cls.__init__).parameters
+        accepts_fused = "fused" in inspect.signature(self._cls).parameters
         kwargs: dict[str, Any] = {"fused": True, "foreach": False} if fused and accepts_fused else {}
         try:
             inner = self._cls(groups, **kwargs)
@@ -238,6 +243,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._jobs.append(self._worker.submit(self._accumulate, bucket, landed, copied, self._eager))
 
     def _arrived(self, bucket: Bucket) -> None:
+        if self.manual_landing:
+            return
         bucket.arrived += 1
         if bucket.arrived == len(bucket.params):
             self.land(bucket.index)

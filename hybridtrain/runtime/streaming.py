@@ -26,6 +26,10 @@ allocator never hands a buffer to new work before the kernels reading it have fi
 Because everything is driven by module and autograd hooks, the engine's ordinary step
 (micro-batches, accumulation, loss scaling, clipping) and its forward/backward/step trio
 run unchanged; gradients reach the host optimizer through :class:`OffloadOptimizer`.
+With ``layer_major`` a whole-step runner (:mod:`hybridtrain.runtime.layer_major`) sets
+:attr:`LayerStreamer.driven` for the step, which silences the hooks, and calls
+:meth:`~LayerStreamer.enter`, :meth:`~LayerStreamer.release` and :meth:`~LayerStreamer.land`
+itself.
 """
 
 from __future__ import annotations
@@ -82,6 +86,8 @@ class LayerStreamer:
         self.optimizer = optimizer
         self.prefetch_blocks = prefetch_blocks
         self.residency = Residency()
+        self.driven = False
+        """True while a whole-step runner moves the blocks itself (the hooks stand aside)."""
         self._h2d = transfer.SideStream(device)
         self.blocks = [_StreamedBlock(i, m, optimizer.buckets[i], device) for i, m in enumerate(blocks)]
         for block in self.blocks:
@@ -122,17 +128,34 @@ class LayerStreamer:
         block.loaded = False
         self.residency.release(block.index)
 
-    def _prefetch(self, indices: range) -> None:
-        for i in indices:
+    def enter(self, index: int, backward: bool = False) -> None:
+        """Block ``index`` computes next: make its weights usable on the device and start
+        uploading the ``prefetch_blocks`` blocks that follow it (preceding ones in backward)."""
+        self._activate(self.blocks[index])
+        step = -1 if backward else 1
+        for i in range(index + step, index + step * (1 + self.prefetch_blocks), step):
             if 0 <= i < len(self.blocks):
                 self._upload(self.blocks[i])
 
+    def release(self, index: int) -> None:
+        """Free block ``index``'s device copy (its parameters point at the host master)."""
+        self._free(self.blocks[index])
+
+    def land(self, index: int) -> None:
+        """Block ``index``'s gradients are complete: move them to the host, free its device
+        copy, and let the host optimizer update it (at once, when the step allows)."""
+        block = self.blocks[index]
+        block.landed = True
+        self.optimizer.land(index, then=lambda: self._free(block))
+
     # ------------------------------------------------------------------ hooks
     def _before_forward(self, block: _StreamedBlock) -> None:
-        self._activate(block)
-        self._prefetch(range(block.index + 1, block.index + 1 + self.prefetch_blocks))
+        if not self.driven:
+            self.enter(block.index)
 
     def _after_forward(self, block: _StreamedBlock, output: Any) -> None:
+        if self.driven:
+            return
         training = torch.is_grad_enabled()
         grads = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
         if training and grads:
@@ -143,16 +166,16 @@ class LayerStreamer:
             self._free(block)
 
     def _before_backward(self, block: _StreamedBlock) -> None:
-        self._activate(block)
-        self._prefetch(range(block.index - 1, block.index - 1 - self.prefetch_blocks, -1))
+        if not self.driven:
+            self.enter(block.index, backward=True)
 
     def _grad_arrived(self, block: _StreamedBlock) -> None:
+        if self.driven:
+            return
         block.arrived += 1
         if block.arrived == len(block.bucket.params):
-            block.landed = True
-            # Every node that reads the weights has run: gradients go to the host, the
-            # device copy is freed, and the host updates the block (eagerly when allowed).
-            self.optimizer.land(block.index, then=lambda: self._free(block))
+            # Every node that reads the weights has run.
+            self.land(block.index)
 
     # ------------------------------------------------------------------ engine protocol
     def before_backward(self, final: bool, loss: torch.Tensor) -> None:
@@ -167,7 +190,7 @@ class LayerStreamer:
         with unused parameters never complete through the hooks)."""
         for block in self.blocks:
             if not block.landed and any(p.grad is not None for p in block.bucket.params):
-                self.optimizer.land(block.index, then=lambda b=block: self._free(b))
+                self.land(block.index)
             self._free(block)
         self.optimizer.after_backward(final)
 

@@ -93,3 +93,15 @@ def test_strategies(tmp_path: Path, strategy: str, expected: float) -> None:
     c = MetricsCollector(out, tmp_path / "none.jsonl")
     c.poll(final=True)
     assert c.final_value("loss", strategy) == expected
+
+
+def test_collector_follows_a_file_rewritten_shorter(tmp_path: Path) -> None:
+    jsonl = tmp_path / "metrics.jsonl"
+    jsonl.write_text("".join(json.dumps({"step": s, "loss": 10.0 - s}) + "\n"
+                             for s in range(1, 6)))
+    c = MetricsCollector(tmp_path / "stdout.log", jsonl)
+    assert len(c.poll()) == 5
+    # A resumed run drops the records after its checkpoint (step 2) and goes on from there.
+    jsonl.write_text("".join(json.dumps({"step": s, "loss": 10.0 - s}) + "\n"
+                             for s in (1, 2, 6)))
+    assert [(o.step, o.value) for o in c.poll()] == [(6, 4.0)]

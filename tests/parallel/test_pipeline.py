@@ -7,7 +7,9 @@ from typing import Any
 
 import pytest
 
+import hybridtrain as ht
 from tests.parallel.scenarios import GroupRunner, assert_equivalent
+from tests.parallel.spawn import run_ranks
 
 
 def _pp(schedule: str, micro: int, stages: int = 2, **extra: Any) -> dict[str, Any]:
@@ -37,3 +39,45 @@ def test_pipeline_matches_single_process(name: str, case: str) -> None:
     if case.startswith("hf_"):
         pytest.importorskip("transformers")
     assert_equivalent(RUNNER.find(name), case)
+
+
+def _refused(config: dict[str, Any], world: int, match: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # WORLD_SIZE without a process group: the error must come before any collective.
+    from tests.parallel.scenarios import cases
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(ht.ConfigError, match=match):
+        ht.initialize(cases()["gpt_tied"].build(), {"device": "cpu", **config})
+
+
+@pytest.mark.parametrize(("config", "world", "match"), [
+    (_pp("1f1b", 4, stages=3), 4, "do not divide the world size 4"),
+    (_pp("gpipe", 4, stages=4), 4, "4 stages .* but the model has 3 blocks"),
+    (_pp("gpipe", 2, partition=[2, 2]), 2, r"partition \[2, 2\] must be positive block counts adding up"),
+    (_pp("1f1b", 1), 2, "1f1b needs at least as many micro-batches as stages"),
+    (_pp("gpipe", 2, virtual_stages=2), 2, "virtual_stages=2 needs schedule interleaved_1f1b"),
+    ({**_pp("gpipe", 2), "layer_streaming": {"enabled": True}}, 2, "layer_streaming runs on one process"),
+    ({**_pp("gpipe", 2), "device_map": {"blocks.0": "cpu"}}, 2, "device_map .* does not compose"),
+    ({**_pp("gpipe", 2), "pipeline_model_parallel_size": 4}, 2, "they are the same setting"),
+    ({**_pp("gpipe", 2), "gradient_accumulation_steps": 4}, 2, "micro_batches=2 but gradient_accumulation_steps=4"),
+])
+def test_bad_pipeline_input_is_refused_before_any_collective(config: dict[str, Any], world: int, match: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    _refused(config, world, match, monkeypatch)
+
+
+def test_engine_trio_is_refused_under_a_pipeline() -> None:
+    ranks = run_ranks(_trio_error, 2, timeout=60)
+    assert all("use engine.train_batch" in message for message in ranks)
+
+
+def _trio_error() -> str:
+    from tests.parallel.scenarios import cases
+
+    case = cases()["gpt_tied"]
+    engine = ht.initialize(case.build(), {"device": "cpu", **_pp("gpipe", 2)}, loss_fn=case.loss_fn)
+    try:
+        engine(case.batches(1)[0][0])
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"

@@ -94,7 +94,6 @@ class _Shared(torch.nn.Module):
     (_Shared(), {}, "shared with streamed block 1"),
     (GPT(CFG), {"resident": ["blocks.9"]}, "not blocks"),
     (torch.nn.Module(), {}, "model.blocks"),
-    (GPT(CFG), {"layer_major": True}, "layer_streaming.layer_major"),
 ])
 def test_bad_settings_are_refused(model: torch.nn.Module, streaming: dict, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
