@@ -256,6 +256,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"device={args.device} torch={torch.__version__} threads={torch.get_num_threads()} size=gpt-{args.size} "
           f"n_layer={setup.model.n_layer} seq_len={setup.model.seq_len} micro_batch={args.batch} "
           f"accumulation={args.accumulation}")
+    # The process's first training run pays one-off costs (kernel and allocator warm-up,
+    # thread pools) that would land on whichever configuration happens to be measured first.
+    measure(replace(setup, steps=1), MODES["plain"])
     results = {name: measure(setup, MODES[name]) for name in modes}
     print(f"{'configuration':24s} {'step s':>8s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'MFU':>6s} {'peak GiB':>8s} ratio")
     base = results["plain"]

@@ -12,7 +12,6 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from hybridtrain.hpo.errors import HPOError
@@ -30,11 +29,6 @@ def _errors_to_exit(func: Callable[[argparse.Namespace], int]) -> Callable[..., 
 
     wrapper.__doc__ = func.__doc__
     return wrapper
-
-
-def _sigterm_as_interrupt(_signum: int, _frame: FrameType | None) -> None:
-    # A service manager's SIGTERM gets the same clean stop as Ctrl-C.
-    raise KeyboardInterrupt
 
 
 def _load_spec_arg(args: argparse.Namespace) -> Any:
@@ -63,14 +57,13 @@ def _run_controller(args: argparse.Namespace, live: bool) -> int:
 
         table = LiveTable(store, spec.name)
         table.start()
-    previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
-        record = controller.run()
+        # A service manager's SIGTERM gets the same clean stop as Ctrl-C.
+        record = controller.run(stop_signals=(signal.SIGINT, signal.SIGTERM))
     except KeyboardInterrupt:
         print(f"interrupted; resume with: hybridtrain hpo run {args.spec}", file=sys.stderr)
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
         if table is not None:
             table.stop()
     status = store.status(spec.name)

@@ -16,11 +16,13 @@ work without running a slot twice. One loop iteration:
 from __future__ import annotations
 
 import logging
+import signal
 import socket
-import time
+import threading
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import optuna
@@ -80,39 +82,45 @@ class Controller:
         self.heartbeat = Heartbeat(self.leases, spec.durability.heartbeat_interval)
         self.running: dict[int, RunningTrial] = {}
         self._free_gpus = list(spec.resources.gpus)
+        self._interrupted = threading.Event()
 
     # -- main loop ---------------------------------------------------------------------
-    def run(self) -> ExperimentRecord:
+    def run(self, stop_signals: tuple[signal.Signals, ...] = (signal.SIGINT,)
+            ) -> ExperimentRecord:
         """Work on the experiment until it is over (or stopped) for this controller.
 
-        Ctrl-C (KeyboardInterrupt) stops this controller's trials, returns their slots
-        to ``pending`` with the same parameters, and re-raises.
+        Ctrl-C stops this controller's trials, returns their slots to ``pending`` with
+        the same parameters, and raises :class:`KeyboardInterrupt`.
+
+        Args:
+            stop_signals: signals that mean Ctrl-C (the CLI adds SIGTERM). Caught only
+                when ``run`` is called in the main thread; a signal then sets a flag the
+                loop checks between database operations, because a KeyboardInterrupt
+                raised inside a commit leaves the connection broken and the stop unclean.
 
         Returns:
             The experiment record at the end.
+
+        Raises:
+            KeyboardInterrupt: after a clean stop on Ctrl-C (or ``stop_signals``).
         """
         self.heartbeat.start()
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            previous = {sig: signal.signal(sig, self._on_stop_signal) for sig in stop_signals}
         try:
-            while True:
-                record = self.records.get(self.spec.name)
-                if record.state != "running" and self.running:
-                    # Stopped: the slots wait for a resume. Over: they will never run.
-                    after = "pending" if record.state == "stopping" else "cancelled"
-                    self._stop_all(f"experiment {record.state}: {record.reason}", after)
-                self._settle_abandoned()
-                self._poll_running()
-                self._start_trials()
-                if not self.running:
-                    self.records.settle(self.spec.name)
-                    record = self.records.get(self.spec.name)
-                    if record.state != "running":
-                        return record
-                time.sleep(self.spec.durability.poll_interval)
-        except KeyboardInterrupt:
+            try:
+                record = self._loop()
+            except KeyboardInterrupt:
+                record = None  # raised directly (signals not caught here): same clean stop
+            if record is not None:
+                return record
             self._stop_all("interrupted (Ctrl-C); rerun to resume", "pending")
             if not self.records.running_slots(self.spec.name):
                 self.records.set_state(self.spec.name, "interrupted", "Ctrl-C",
                                        only_from=("running",))
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
             raise
         except BaseException:
             # The database was gone past its timeout, or a bug: nothing can be recorded,
@@ -122,14 +130,40 @@ class Controller:
                 rt.process.stop(self.spec.trial.kill_grace)
             raise
         finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             self.heartbeat.stop()
+
+    def _on_stop_signal(self, _signum: int, _frame: FrameType | None) -> None:
+        # A second Ctrl-C changes nothing: the stop in progress takes at most kill_grace.
+        self._interrupted.set()
+
+    def _loop(self) -> ExperimentRecord | None:
+        """The loop of the module docstring; ``None`` once a stop signal arrived."""
+        while not self._interrupted.is_set():
+            record = self.records.get(self.spec.name)
+            if record.state != "running" and self.running:
+                # Stopped: the slots wait for a resume. Over: they will never run.
+                after = "pending" if record.state == "stopping" else "cancelled"
+                self._stop_all(f"experiment {record.state}: {record.reason}", after)
+            self._settle_abandoned()
+            self._poll_running()
+            self._start_trials()
+            if not self.running:
+                self.records.settle(self.spec.name)
+                record = self.records.get(self.spec.name)
+                if record.state != "running":
+                    return record
+            self._interrupted.wait(self.spec.durability.poll_interval)
+        return None
 
     def _settle_abandoned(self) -> None:
         while (claim := self.leases.claim(allow_pending=False)) is not None:
             self._settle(claim)
 
     def _start_trials(self) -> None:
-        while len(self.running) < self.spec.parallel_trials and self._gpus_free():
+        while (len(self.running) < self.spec.parallel_trials and self._gpus_free()
+               and not self._interrupted.is_set()):
             if self.records.get(self.spec.name).state != "running":
                 return
             claim = self.leases.claim(allow_pending=True)

@@ -132,6 +132,7 @@ def test_sigint_stops_trials_and_rerun_resumes(make_spec: Any, sqlite_url: str,
     assert store.status("branin")["state"] == "interrupted"
     _assert_interrupted(store, "branin", "interrupted (Ctrl-C)")
 
+    (tmp_path / "hold").unlink()
     resumed, log = _spawn("run", spec, sqlite_url, tmp_path, "second")
     assert resumed.wait(120) == 0, log.read_text()
     _assert_exactly_finished(store, "branin", 5)
@@ -149,27 +150,29 @@ def test_stop_request_reaches_the_controller(make_spec: Any, sqlite_url: str,
     _assert_interrupted(store, "branin", "stop requested")
 
 
-def _two_workers(spec: dict[str, Any], storage: str, tmp_path: Path) -> None:
+def _two_workers(make_spec: Any, storage: str, tmp_path: Path, name: str = "branin") -> None:
+    hold = tmp_path / "hold"
+    hold.touch()
+    spec = _held_spec(make_spec, hold, name=name, max_trials=8)
     store = ExperimentStore(storage)
     workers = [_spawn("worker", spec, storage, tmp_path, f"w{i}") for i in range(2)]
+    # Both workers hold two trials each before any trial may end: each takes part.
+    wait_for(lambda: len({r.owner for r in store.records.running_slots(name) if r.pgid}) == 2
+             and len(_slot_groups(store, name)) == 4, 90, "both workers running two trials")
+    hold.unlink()
     for proc, log in workers:
         assert proc.wait(150) == 0, log.read_text()
-    _assert_exactly_finished(store, spec["name"], spec["max_trials"])
-    for _, log in workers:
-        assert "started" in log.read_text(), "each worker should have run trials"
+    _assert_exactly_finished(store, name, 8)
+    with store.records.engine.connect() as conn:
+        rows = conn.execute(SLOTS.select().where(SLOTS.c.experiment == name)).all()
+    assert [r.state for r in rows] == ["done"] * 8
 
 
 def test_two_workers_share_sqlite(make_spec: Any, sqlite_url: str, tmp_path: Path) -> None:
-    _two_workers(make_spec(max_trials=12, trial={"command": branin_command(steps=2,
-                                                                           sleep=0.1)}),
-                 sqlite_url, tmp_path)
+    _two_workers(make_spec, sqlite_url, tmp_path)
 
 
 def test_two_workers_share_postgresql(make_spec: Any, postgres_url: str,
                                       tmp_path: Path) -> None:
-    spec = make_spec(name=f"pg-{os.getpid()}-{time.time_ns() % 10**6}", max_trials=12,
-                     trial={"command": branin_command(steps=2, sleep=0.1)})
-    _two_workers(spec, postgres_url, tmp_path)
-    with ExperimentStore(postgres_url).records.engine.connect() as conn:
-        rows = conn.execute(SLOTS.select().where(SLOTS.c.experiment == spec["name"])).all()
-    assert [r.state for r in rows] == ["done"] * 12
+    _two_workers(make_spec, postgres_url, tmp_path,
+                 name=f"pg-{os.getpid()}-{time.time_ns() % 10**6}")
