@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils._pytree import tree_map_only
 
 from hybridtrain.parallel.mesh import Topology
 from hybridtrain.parallel.runtime import ParallelRuntime
@@ -185,10 +186,32 @@ class SplitRuntime(ParallelRuntime):
                 local(value).copy_(full)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The optimizer state keyed by parameter name, TP shards gathered (this stage's)."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_optimizer_state_dict(self.model, optimizer, options=options)
+        """The whole model's optimizer state keyed by parameter name: TP shards gathered,
+        and every pipeline stage's entries merged (each stage only holds its own)."""
+        # cpu_offload=True would keep the result on global rank 0 only, which holds just
+        # the first stage: every rank gathers its stage's full state instead.
+        options = StateDictOptions(full_state_dict=True, cpu_offload=self.topology.pp == 1)
+        state = get_optimizer_state_dict(self.model, optimizer, options=options)
+        if self.topology.pp == 1:
+            return state
+        state = tree_map_only(torch.Tensor, lambda t: t.detach().to("cpu", copy=True), state)
+        owned = {n: v for n, v in state["state"].items() if self.owner(n) == self.topology.pp_rank}
+        parts: list[Any] = [None] * self.topology.pp
+        dist.all_gather_object(parts, (owned, state["param_groups"]), group=self.topology.group("pp"))
+        merged_groups = [{**group, "params": []} for group in state["param_groups"]]
+        merged_state: dict[str, Any] = {}
+        for part_state, part_groups in parts:
+            merged_state.update(part_state)
+            for target, group in zip(merged_groups, part_groups, strict=True):
+                target["params"] += [n for n in group["params"] if n not in target["params"]]
+        return {"state": merged_state, "param_groups": merged_groups}
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        """Restore :meth:`optimizer_state_dict`'s result (re-sharded for TP)."""
+        """Restore :meth:`optimizer_state_dict`'s result: each stage takes the entries of
+        the parameters it holds (TP shards re-sharded)."""
+        if self.topology.pp > 1:
+            held = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
+            state = {"state": {n: v for n, v in state["state"].items() if n in held},
+                     "param_groups": [{**g, "params": [n for n in g["params"] if n in held]}
+                                      for g in state["param_groups"]]}
         set_optimizer_state_dict(self.model, optimizer, state, options=StateDictOptions(full_state_dict=True))
