@@ -131,7 +131,8 @@ class Controller:
             raise
         finally:
             for sig, handler in previous.items():
-                signal.signal(sig, handler)
+                if handler is not None:  # None: installed outside Python, cannot restore
+                    signal.signal(sig, handler)
             self.heartbeat.stop()
 
     def _on_stop_signal(self, _signum: int, _frame: FrameType | None) -> None:

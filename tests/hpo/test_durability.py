@@ -122,15 +122,18 @@ def _assert_interrupted(store: ExperimentStore, name: str, reason: str) -> None:
                                 "waiting": status["max_trials"]}
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_sigint_stops_trials_and_rerun_resumes(make_spec: Any, sqlite_url: str,
-                                               tmp_path: Path) -> None:
+                                               tmp_path: Path, sig: signal.Signals) -> None:
     spec = _held_spec(make_spec, tmp_path / "hold", max_trials=5)
     proc, log, store, groups = _run_until_two_running(spec, sqlite_url, tmp_path)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     assert proc.wait(60) == 130, log.read_text()
     assert not any(_group_alive(g) for g in groups)
     assert store.status("branin")["state"] == "interrupted"
     _assert_interrupted(store, "branin", "interrupted (Ctrl-C)")
+    if sig == signal.SIGTERM:
+        return  # the same clean stop; resuming is the same as after SIGINT
 
     (tmp_path / "hold").unlink()
     resumed, log = _spawn("run", spec, sqlite_url, tmp_path, "second")
