@@ -21,15 +21,13 @@ _EXPORTS = {
     "load_config": "hybridtrain.config",
     "Engine": "hybridtrain.engine",
     "NonFiniteLossError": "hybridtrain.engine",
+    "initialize": "hybridtrain.compose",
 }
 
 if TYPE_CHECKING:
+    from hybridtrain.compose import initialize
     from hybridtrain.config import Config, ConfigError, load_config
     from hybridtrain.engine import Engine, NonFiniteLossError
-
-# Imported eagerly: the submodule has the function's name, and importing the submodule
-# anywhere would otherwise bind `hybridtrain.initialize` to the module.
-from hybridtrain.initialize import initialize  # noqa: E402
 
 
 def __getattr__(name: str) -> Any:

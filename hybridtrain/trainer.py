@@ -20,10 +20,10 @@ from typing import Any
 
 from tqdm import tqdm
 
+from hybridtrain.compose import initialize
 from hybridtrain.config import Config
 from hybridtrain.data import TokenBatches, load_tokens
 from hybridtrain.engine import Engine
-from hybridtrain.initialize import initialize
 from hybridtrain.metrics import MetricsLog
 from hybridtrain.models.factory import build_model
 from hybridtrain.models.gpt import causal_lm_loss

@@ -25,6 +25,8 @@ DEFAULT_STORAGE = "sqlite:///hpo.db"
 # SQLite writers queue on a file lock; several controllers plus their heartbeat threads
 # need far more patience than pysqlite's default 5 s.
 _SQLITE_TIMEOUT_S = 60
+# How long a controller keeps retrying table creation that raced with another's.
+_CREATE_RACE_S = 30
 
 
 def resolve_url(url: str | None) -> str:
@@ -127,8 +129,11 @@ def create_tables_racing(create: Callable[[], T]) -> T:
     """
     import sqlalchemy
 
-    attempts = 6
-    for attempt in range(attempts):
+    # The winner may still be creating the rest of its tables when we retry (on a loaded
+    # machine for a while), so retries go on for a time rather than a count.
+    deadline = time.monotonic() + _CREATE_RACE_S
+    delay = 0.05
+    while True:
         try:
             return create()
         except sqlalchemy.exc.DatabaseError as exc:
@@ -136,10 +141,10 @@ def create_tables_racing(create: Callable[[], T]) -> T:
                                          sqlalchemy.exc.ProgrammingError)) or (
                 isinstance(exc, sqlalchemy.exc.OperationalError)
                 and "already exists" in str(exc.orig))
-            if not lost_race or attempt == attempts - 1:
+            if not lost_race or time.monotonic() > deadline:
                 raise
-            time.sleep(0.1 * (attempt + 1))
-    raise AssertionError("unreachable")
+            time.sleep(delay)
+            delay = min(2 * delay, 1.0)
 
 
 def open_optuna_storage(url: str) -> optuna.storages.RDBStorage:

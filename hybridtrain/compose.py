@@ -1,6 +1,7 @@
-"""``initialize``: validate everything, then apply the techniques in a fixed order and
-return an :class:`Engine`. This is the one place that reads the config; modules below it
-get explicit arguments."""
+"""Composition: ``initialize`` validates everything, then applies the techniques in a
+fixed order and returns an :class:`Engine`. This is the one place that reads the config;
+modules below it get explicit arguments. (Named ``compose`` so that the submodule does not
+shadow the ``hybridtrain.initialize`` function.)"""
 
 from __future__ import annotations
 
