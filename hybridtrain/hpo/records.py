@@ -24,7 +24,7 @@ import sqlalchemy as sa
 
 from hybridtrain.hpo.errors import ExperimentConflictError, ExperimentNotFoundError, StorageError
 from hybridtrain.hpo.spec import ExperimentSpec
-from hybridtrain.hpo.storage import create_tables_racing, first_line, safe_url
+from hybridtrain.hpo.storage import create_tables_racing, first_line, safe_url, setup_lock
 
 METADATA = sa.MetaData()
 
@@ -114,8 +114,9 @@ class Records:
     def __init__(self, engine: sa.engine.Engine) -> None:
         self.engine = engine
         try:
-            create_tables_racing(lambda: METADATA.create_all(engine, checkfirst=True))
-        except sa.exc.SQLAlchemyError as exc:
+            with setup_lock(engine.url.render_as_string(hide_password=False)):
+                create_tables_racing(lambda: METADATA.create_all(engine, checkfirst=True))
+        except (sa.exc.SQLAlchemyError, OSError) as exc:
             raise StorageError(f"cannot create the HPO tables in {safe_url(str(engine.url))!r}: "
                                f"{first_line(exc)}") from None
 

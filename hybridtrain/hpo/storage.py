@@ -8,9 +8,11 @@ start); a PostgreSQL URL lets controllers on many machines share an experiment.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from hybridtrain.hpo.errors import StorageError
@@ -27,6 +29,8 @@ DEFAULT_STORAGE = "sqlite:///hpo.db"
 _SQLITE_TIMEOUT_S = 60
 # How long a controller keeps retrying table creation that raced with another's.
 _CREATE_RACE_S = 30
+# Advisory-lock key of storage set-up on PostgreSQL (any constant unique to this use).
+_PG_LOCK = 0x687470_6F5F7375  # "htpo_su"
 
 
 def resolve_url(url: str | None) -> str:
@@ -97,22 +101,21 @@ def open_engine(url: str) -> sqlalchemy.engine.Engine:
         StorageError: the database cannot be reached (one line, password masked).
     """
     import sqlalchemy
-    from sqlalchemy import event
 
     try:
         engine = sqlalchemy.create_engine(url, **_engine_kwargs(url))
     except ImportError as exc:
         raise StorageError(f"storage {safe_url(url)!r}: database driver missing ({exc})") from None
-    if url.startswith("sqlite"):
-        @event.listens_for(engine, "connect")
-        def _wal(dbapi_conn: Any, _record: Any) -> None:
-            # WAL lets readers (status, dashboard) proceed while a controller writes.
-            dbapi_conn.execute("PRAGMA journal_mode=WAL")
-
     try:
-        with engine.connect():
-            pass
-    except sqlalchemy.exc.SQLAlchemyError as exc:
+        with setup_lock(url), engine.connect() as conn:
+            # WAL lets readers (status, dashboard) proceed while a controller writes. The
+            # mode is stored in the file, so this is done once, under the set-up lock:
+            # switching needs the database to itself and fails at once (busy timeout or
+            # not) while another connection has it open.
+            if url.startswith("sqlite") and conn.exec_driver_sql(
+                    "PRAGMA journal_mode").scalar() != "wal":
+                conn.exec_driver_sql("PRAGMA journal_mode=WAL")
+    except (sqlalchemy.exc.SQLAlchemyError, OSError) as exc:
         engine.dispose()
         raise StorageError(f"cannot open storage {safe_url(url)!r}: {first_line(exc)}") from None
     return engine
@@ -157,7 +160,44 @@ def open_optuna_storage(url: str) -> optuna.storages.RDBStorage:
     import sqlalchemy
 
     try:
-        return create_tables_racing(
-            lambda: optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url)))
-    except (sqlalchemy.exc.SQLAlchemyError, RuntimeError) as exc:
+        # Optuna sets a new database up in several steps (tables, version row, alembic
+        # stamp); a second worker starting in between would find a half-made schema.
+        with setup_lock(url):
+            return create_tables_racing(
+                lambda: optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url)))
+    except (sqlalchemy.exc.SQLAlchemyError, RuntimeError, OSError) as exc:
         raise StorageError(f"cannot open storage {safe_url(url)!r}: {first_line(exc)}") from None
+
+
+@contextlib.contextmanager
+def setup_lock(url: str) -> Iterator[None]:
+    """Hold a lock that serializes storage set-up among all processes on ``url``.
+
+    Workers starting together on a fresh database would otherwise race to switch it to
+    WAL and to create the tables, and some steps of that fail at once instead of waiting.
+
+    SQLite: ``flock`` on a file next to the database (``hpo.db.lock``), not on the
+    database itself, whose locks SQLite manages. PostgreSQL: an advisory lock.
+    """
+    import sqlalchemy
+
+    parsed = sqlalchemy.engine.make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        if not parsed.database or parsed.database == ":memory:":
+            yield
+            return
+        with open(f"{parsed.database}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield  # closing the file releases the lock
+        return
+    engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            conn.execute(sqlalchemy.text("SELECT pg_advisory_lock(:key)"), {"key": _PG_LOCK})
+            try:
+                yield
+            finally:
+                conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:key)"),
+                             {"key": _PG_LOCK})
+    finally:
+        engine.dispose()

@@ -122,7 +122,7 @@ def _assert_interrupted(store: ExperimentStore, name: str, reason: str) -> None:
                                 "waiting": status["max_trials"]}
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_sigint_stops_trials_and_rerun_resumes(make_spec: Any, sqlite_url: str,
                                                tmp_path: Path, sig: signal.Signals) -> None:
     spec = _held_spec(make_spec, tmp_path / "hold", max_trials=5)
