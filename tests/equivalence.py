@@ -265,3 +265,26 @@ def assert_same_training(expected: tuple[list[float], dict[str, torch.Tensor]],
     assert actual[1].keys() == expected[1].keys()
     for name, value in expected[1].items():
         torch.testing.assert_close(actual[1][name], value, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def assert_resume_exact(make_engine: Callable[[], ht.Engine], batches: list[Any], path: Any,
+                        stop_at: int = 2) -> tuple[ht.Engine, ht.Engine]:
+    """Train ``batches`` straight through; then train ``stop_at`` of them, save, load into a
+    fresh engine and train the rest. Losses and parameters must be bit-identical.
+
+    Returns:
+        ``(interrupted_engine, resumed_engine)`` for further checks.
+    """
+    straight = make_engine()
+    expected = [straight.train_batch(b) for b in batches]
+    first = make_engine()
+    losses = [first.train_batch(b) for b in batches[:stop_at]]
+    first.save_checkpoint(path)
+    resumed = make_engine()
+    resumed.load_checkpoint(path)
+    losses += [resumed.train_batch(b) for b in batches[stop_at:]]
+    assert losses == expected
+    final = resumed.model_state_dict()
+    for name, value in straight.model_state_dict().items():
+        torch.testing.assert_close(final[name], value, rtol=0, atol=0)
+    return first, resumed

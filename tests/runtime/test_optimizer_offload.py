@@ -12,7 +12,7 @@ from hybridtrain.config import ConfigError
 from hybridtrain.engine import NonFiniteLossError
 from hybridtrain.runtime import transfer
 from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
-from tests.equivalence import MODES, engine_config, gpt_case
+from tests.equivalence import MODES, assert_resume_exact, engine_config, gpt_case
 
 CASE = gpt_case()
 OFFLOAD = {"zero_optimization": {"stage": 1, "reduce_bucket_size": 2000, "offload_optimizer": {"device": "cpu"}}}
@@ -81,24 +81,11 @@ def test_nonfinite_loss_leaves_weights_untouched_on_the_eager_path() -> None:
 
 
 def test_state_dict_has_the_plain_layout_and_resume_is_exact(tmp_path) -> None:
-    batches = CASE.batches(4)
-    ref = _engine()
-    for b in batches:
-        ref.train_batch(b)
-    first = _engine()
-    for b in batches[:2]:
-        first.train_batch(b)
+    first, _ = assert_resume_exact(_engine, CASE.batches(4), tmp_path / "ckpt")
     plain = torch.optim.AdamW(CASE.build().parameters())
     sd = first.optimizer.state_dict()
     assert len(sd["state"]) == len(list(plain.param_groups[0]["params"]))
     assert set(sd["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
-    first.save_checkpoint(tmp_path / "ckpt")
-    resumed = _engine()
-    resumed.load_checkpoint(tmp_path / "ckpt")
-    for b in batches[2:]:
-        resumed.train_batch(b)
-    for k, v in ref.model_state_dict().items():
-        torch.testing.assert_close(resumed.model_state_dict()[k], v, rtol=0, atol=0)
 
 
 def test_twin_flow_keeps_the_last_parameters_on_the_device() -> None:

@@ -11,6 +11,7 @@ import hybridtrain as ht
 from hybridtrain.config import ConfigError
 from hybridtrain.models.gpt import GPT, GPTConfig, causal_lm_loss
 from hybridtrain.runtime.streaming import LayerStreamer
+from tests.equivalence import assert_resume_exact
 
 CFG = GPTConfig(n_layer=6, n_head=2, d_model=32, seq_len=16, vocab_size=64)
 
@@ -66,20 +67,7 @@ def test_resident_blocks_stay_and_are_not_streamed() -> None:
 
 
 def test_resume_is_exact(tmp_path) -> None:
-    batches = [_batch() for _ in range(4)]
-    ref = _engine()
-    for b in batches:
-        ref.train_batch(b)
-    first = _engine()
-    for b in batches[:2]:
-        first.train_batch(b)
-    first.save_checkpoint(tmp_path / "ckpt")
-    resumed = _engine()
-    resumed.load_checkpoint(tmp_path / "ckpt")
-    for b in batches[2:]:
-        resumed.train_batch(b)
-    for k, v in ref.model_state_dict().items():
-        torch.testing.assert_close(resumed.model_state_dict()[k], v, rtol=0, atol=0)
+    assert_resume_exact(_engine, [_batch() for _ in range(4)], tmp_path / "ckpt")
 
 
 class _Shared(torch.nn.Module):
