@@ -192,6 +192,7 @@ class Engine:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Forward pass under the engine's precision (inputs are moved to the device).
+        The module's train/eval mode is the caller's, as with a plain ``nn.Module``.
 
         Raises:
             RuntimeError: under pipeline parallel, whose schedule runs whole steps.
@@ -199,7 +200,6 @@ class Engine:
         if self.parallel.pipeline is not None:
             raise RuntimeError("pipeline parallel runs forward and backward of all micro-batches in its "
                                "schedule; use engine.train_batch(batch) instead of engine(...)/backward/step")
-        self.module.train()
         args, kwargs = to_device((args, kwargs), self.device)
         self.parallel.set_grad_sync(self.is_gradient_accumulation_boundary())
         with autocast(self.device, self.options.compute_dtype):

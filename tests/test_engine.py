@@ -104,3 +104,14 @@ def test_cuda_matches_plain_loop() -> None:
     losses = [engine.train_batch(b) for b in case.batches(4)]
     expected = plain_run(case, MODES["accum2"])
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected[0]), rtol=1e-4, atol=1e-5)
+
+
+def test_forward_keeps_the_callers_mode() -> None:
+    torch.manual_seed(0)
+    model = MLPStack(dropout=0.5)
+    engine = ht.initialize(model, {"device": "cpu"}, loss_fn=mse)
+    x = _regression_batches(1)[0][0]
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(engine(x), engine(x)), "eval mode: dropout off, deterministic"
+    assert model.training is False
