@@ -6,6 +6,7 @@ shadow the ``hybridtrain.initialize`` function.)"""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -104,13 +105,19 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
         raise ConfigError(str(exc)) from None
     apply_device_map(model, device_map, device)
     parallel = _parallelize(model, cfg, device, sizes, shard_units, compute_dtype)
-    if isinstance(parallel, SplitRuntime) and tensor_plan:
-        parallel.reordered = set(apply_tensor_parallel(model, parallel.topology.submesh("tp"), tensor_plan))
-    if isinstance(parallel, SplitRuntime) and pipeline_blocks is not None:
-        spec = PipelineSpec(cfg.pipeline.schedule, batch.accumulation_steps, cfg.pipeline.virtual_stages,
-                            cfg.pipeline.partition, pipeline_blocks[0])
-        parallel.pipeline = PipelineRunner(model, pipeline_blocks[1], spec, parallel, loss_fn, device,
-                                           compute_dtype)
+    if isinstance(parallel, SplitRuntime):
+        # torchtitan's order: tensor parallel on the tp mesh first, then ZeRO (FSDP2) over
+        # the dp mesh on top of those DTensors; a pipeline shards each stage at its split.
+        if tensor_plan:
+            parallel.reordered = set(apply_tensor_parallel(model, parallel.topology.submesh("tp"), tensor_plan))
+        shard = _zero_sharder(cfg, parallel.topology, compute_dtype) if parallel.zero_stage else None
+        if pipeline_blocks is not None:
+            spec = PipelineSpec(cfg.pipeline.schedule, batch.accumulation_steps, cfg.pipeline.virtual_stages,
+                                cfg.pipeline.partition, pipeline_blocks[0])
+            parallel.pipeline = PipelineRunner(model, pipeline_blocks[1], spec, parallel, loss_fn, device,
+                                               compute_dtype, shard)
+        elif shard is not None:
+            shard(model, shard_units)
     try:
         if optimizer is None:
             optimizer = build_optimizer(model.parameters(), cfg.optimizer.type, cfg.optimizer.params)
@@ -158,19 +165,31 @@ def _parallelize(model: nn.Module, cfg: Config, device: torch.device, sizes: tup
         return ParallelRuntime(model)
     mesh.init_process_group(device)
     topology = mesh.build_topology(device, *sizes)
+    zero_stage = cfg.zero_optimization.stage if topology.dp > 1 else 0
     if topology.tp > 1 or topology.pp > 1:
-        return SplitRuntime(model, topology)
+        return SplitRuntime(model, topology, zero_stage)  # split and sharded by initialize
     if topology.dp == 1:
         return ParallelRuntime(model, topology)
-    zero = cfg.zero_optimization
-    if zero.stage > 0:
-        offload = "cpu" in (zero.offload_param.device, zero.offload_optimizer.device)
-        apply_zero(model, shard_units, topology.submesh("dp"), zero.stage, compute_dtype, offload)
-        return ZeroRuntime(model, topology, zero.stage)
+    shard = _zero_sharder(cfg, topology, compute_dtype) if zero_stage else None
+    if shard is not None:
+        shard(model, shard_units)
+        return ZeroRuntime(model, topology, zero_stage)
     dp = cfg.data_parallel
     ddp = apply_data_parallel(model, topology.group("dp"), device, dp.gradient_compression,
                               dp.powersgd_rank, dp.powersgd_start_iter, dp.bucket_cap_mb)
     return ParallelRuntime(model, topology, ddp)
+
+
+def _zero_sharder(cfg: Config, topology: mesh.Topology,
+                  compute_dtype: torch.dtype | None) -> Callable[[nn.Module, list[nn.Module]], None]:
+    """``shard(model, blocks)``: ZeRO over the data-parallel mesh dimension, as configured."""
+    zero = cfg.zero_optimization
+    offload = "cpu" in (zero.offload_param.device, zero.offload_optimizer.device)
+    dp_mesh = topology.submesh("dp")
+
+    def shard(model: nn.Module, blocks: list[nn.Module]) -> None:
+        apply_zero(model, blocks, dp_mesh, zero.stage, compute_dtype, offload)
+    return shard
 
 
 def _pipeline_blocks(model: nn.Module, cfg: Config,
@@ -194,8 +213,10 @@ def _pipeline_blocks(model: nn.Module, cfg: Config,
 
 
 def _replica_sync(parallel: ParallelRuntime) -> GradientSync | None:
-    # Tensor parallel without a pipeline: replicas average gradients after the last backward.
-    if isinstance(parallel, SplitRuntime) and parallel.pipeline is None and parallel.topology.dp > 1:
+    # Tensor parallel without a pipeline: replicas average gradients after the last backward
+    # (under ZeRO, FSDP2 reduce-scatters them in backward instead).
+    if (isinstance(parallel, SplitRuntime) and parallel.pipeline is None and parallel.topology.dp > 1
+            and not parallel.zero_stage):
         return GradientSync(parallel.model, parallel.topology)
     return None
 

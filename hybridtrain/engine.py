@@ -33,6 +33,7 @@ from hybridtrain.runtime.batch import (
     Batch,
     LossFn,
     batch_size,
+    chunk_batch,
     compute_loss,
     run_model,
     split_batch,
@@ -170,17 +171,15 @@ class Engine:
         was_training = self.module.training
         self.module.eval()
         size = batch_size(batch)
-        chunks = max(1, math.ceil(size / self.options.batch.micro_batch))
-        while size % chunks:
-            chunks += 1
         total = 0.0
         try:
             with torch.no_grad():
-                for micro in split_batch(batch, chunks):
+                # No gradient depends on equal sizes here, so the last chunk may be smaller.
+                for micro, samples in chunk_batch(batch, self.options.batch.micro_batch):
                     micro = to_device(micro, self.device)
                     with autocast(self.device, self.options.compute_dtype):
                         loss = compute_loss(run_model(self.parallel.module, micro), micro, self.loss_fn)
-                    total += float(self.parallel.mean_loss(loss.float())) / chunks
+                    total += float(self.parallel.mean_loss(loss.float())) * samples / size
         finally:
             self.module.train(was_training)
         return total

@@ -99,9 +99,12 @@ def _check_model_parallel(cfg: Config, dp: int, tp: int, pp: int) -> None:
     """Tensor and pipeline parallel: what they need and what they do not compose with."""
     if tp == 1 and pp == 1:
         return
-    if cfg.zero_optimization.stage > 0 and dp > 1:
-        raise ConfigError("zero_optimization.stage > 0 with tensor or pipeline parallel is not supported; "
-                          "set zero_optimization.stage: 0 (replicas then all-reduce their gradients)")
+    if cfg.zero_optimization.stage > 0 and dp > 1 and pp > 1 and cfg.pipeline.schedule == "zero_bubble":
+        # Its weight-gradient pass calls autograd.grad on the stage's parameters, which
+        # bypasses FSDP2's gradient hooks, so the reduce-scatter would never happen.
+        raise ConfigError("zero_optimization.stage > 0 does not compose with pipeline schedule zero_bubble "
+                          "(its split backward bypasses FSDP2's gradient reduce-scatter); use "
+                          "interleaved_1f1b or set zero_optimization.stage: 0")
     if cfg.data_parallel.gradient_compression != "none":
         raise ConfigError("data_parallel.gradient_compression needs DDP, which tensor/pipeline parallel "
                           "replaces; set gradient_compression: none")

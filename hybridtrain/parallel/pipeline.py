@@ -24,11 +24,14 @@ weight-gradient halves and fills the bubble with the latter.
 
 The split happens at the first step: it profiles one real micro-batch on the full model
 (every rank, times averaged so all agree), prints the chosen partition, hollows out
-other ranks' blocks and drops their parameters from the optimizer.
+other ranks' blocks, shards what is left over the data-parallel replicas when ZeRO is on
+(each stage's blocks are FSDP2 units, the modules outside the blocks the root unit) and
+drops other stages' parameters from the optimizer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +48,7 @@ from torch.distributed.pipelining import (
 
 from hybridtrain.parallel.mesh import Topology
 from hybridtrain.parallel.partition import POST, PRE, BlockProfile, choose_partition, profile_blocks
-from hybridtrain.parallel.pipeline_stage import StageModule, StageRouter
+from hybridtrain.parallel.pipeline_stage import HollowBlock, StageModule, StageRouter
 from hybridtrain.parallel.split_runtime import GradientSync, SplitRuntime
 from hybridtrain.runtime.batch import Batch, LossFn, compute_loss, run_model, split_batch, to_device
 from hybridtrain.runtime.precision import autocast
@@ -88,11 +91,14 @@ class PipelineRunner:
         runtime: the split runtime (gets ownership rules once the model is split).
         optimizer_ref: called with the kept parameters to prune the optimizer at the split.
         loss_fn / device / compute_dtype: as the engine's.
+        shard: ``shard(model, kept_blocks)`` applies ZeRO to this rank's part once the
+            model is split (None without ZeRO).
     """
 
     def __init__(self, model: nn.Module, blocks: nn.ModuleList | nn.Sequential, spec: PipelineSpec,
                  runtime: SplitRuntime, loss_fn: LossFn | None, device: torch.device,
-                 compute_dtype: torch.dtype | None) -> None:
+                 compute_dtype: torch.dtype | None,
+                 shard: Callable[[nn.Module, list[nn.Module]], None] | None = None) -> None:
         self.model = model
         self.blocks = blocks
         self.spec = spec
@@ -101,6 +107,7 @@ class PipelineRunner:
         self.loss_fn = loss_fn
         self.device = device
         self.compute_dtype = compute_dtype
+        self.shard = shard
         self.optimizer: torch.optim.Optimizer | None = None
         self.counts: list[int] = []
         self._stages: list[StageModule] = []
@@ -179,6 +186,8 @@ class PipelineRunner:
             with autocast(self.device, self.compute_dtype):
                 return compute_loss(run_model(self.model, micro), micro, self.loss_fn).float()
 
+        # Sharding replaces parameters: the optimizer is re-pointed by name at the end.
+        names = {id(p): n for n, p in self.model.named_parameters()}
         profile = profile_blocks(self.model, list(self.blocks), one_loss, timed=spec.partition == "time")
         times = torch.tensor(profile.times, dtype=torch.float64)
         dist.all_reduce(times)  # every rank must choose the same split
@@ -194,6 +203,9 @@ class PipelineRunner:
                   f"(partition by {spec.partition if isinstance(spec.partition, str) else 'config'})",
                   flush=True)
         router = StageRouter(self.blocks, bounds, local, profile.tuple_output)
+        if self.shard is not None:  # after hollowing: only this rank's blocks become units
+            self.shard(self.model, [b for b in self.blocks if not isinstance(b, HollowBlock)])
+        router.install_exits(self.blocks)
         tied = sorted(n for n, phases in profile.phases.items() if {PRE, POST} <= phases)
         self._own_rules(profile, bounds, tied)
         self._stages = [self._stage_module(s, router, bounds, profile, tied) for s in local]
@@ -205,8 +217,9 @@ class PipelineRunner:
         target = torch_stages if spec.schedule in MULTI_STAGE else torch_stages[0]
         self._schedule = cls(target, n_microbatches=spec.micro_batches,
                              loss_fn=lambda out, _target: out * self._scale, scale_grads=False)
-        self._sync = GradientSync(self.model, topo, tied, _end_stage_group(topo) if tied else None)
-        self._prune_optimizer()
+        self._sync = GradientSync(self.model, topo, tied, _end_stage_group(topo) if tied else None,
+                                  reduce_replicas=self.shard is None)
+        self._prune_optimizer(names)
 
     def _stage_module(self, index: int, router: StageRouter, bounds: list[tuple[int, int]],
                       profile: BlockProfile, tied: list[str]) -> StageModule:
@@ -249,13 +262,15 @@ class PipelineRunner:
         self.runtime.counted = lambda name: (owner(name) == self.topology.pp_rank
                                              and (name not in tied_set or self.topology.pp_rank == 0))
 
-    def _prune_optimizer(self) -> None:
-        """Drop hollowed-out blocks' parameters from the optimizer (they live on other ranks)."""
+    def _prune_optimizer(self, names: dict[int, str]) -> None:
+        """Drop hollowed-out blocks' parameters from the optimizer (they live on other ranks)
+        and point it at the sharded parameters under ZeRO (``names``: id → name before the
+        split; the optimizer has no state yet, so swapping its parameters is safe)."""
         if self.optimizer is None:
             return
-        kept = {id(p) for p in self.model.parameters()}
+        kept = dict(self.model.named_parameters())
         for group in self.optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if id(p) in kept]
+            group["params"] = [kept[names[id(p)]] for p in group["params"] if names.get(id(p)) in kept]
 
 
 def _end_stage_group(topo: Topology) -> dist.ProcessGroup | None:

@@ -105,11 +105,26 @@ class StageRouter:
                 return (hidden,) if self.tuple_output else hidden
             if index == start and self._incoming is not None:
                 args, kwargs = _with_hidden(args, kwargs, self._incoming)
-            out = original(*args, **kwargs)
-            if index == stop - 1 and self._current < self.num_stages - 1:
-                raise StageExit(out[0] if isinstance(out, tuple) else out)
-            return out
+            return original(*args, **kwargs)
         return forward
+
+    def install_exits(self, blocks: nn.ModuleList | nn.Sequential) -> None:
+        """Make a non-last stage leave the model's forward after its last block.
+
+        Installed as forward hooks after any ZeRO sharding of the blocks, so they run after
+        FSDP2's post-forward hook (which reshards and arms the block's backward) instead of
+        cutting it off.
+        """
+        for index, block in enumerate(blocks):
+            if not isinstance(block, HollowBlock):
+                block.register_forward_hook(self._exit_hook(index))
+
+    def _exit_hook(self, index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, out: Any) -> None:
+            current = self._current
+            if current is not None and current < self.num_stages - 1 and index == self.bounds[current][1] - 1:
+                raise StageExit(out[0] if isinstance(out, tuple) else out)
+        return hook
 
 
 def _with_hidden(args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -4,12 +4,16 @@
 DDP cannot wrap a model whose parameters are DTensors or whose forward is driven by a
 pipeline schedule, so replicas average their gradients here, once per step, with one
 flat all-reduce per dtype (:class:`GradientSync`). Tensor-parallel shards are averaged
-shard by shard (every replica holds the same shard layout).
+shard by shard (every replica holds the same shard layout). With ZeRO the replicas are
+FSDP2's data-parallel dimension instead (:mod:`hybridtrain.parallel.zero`): it
+reduce-scatters gradients in backward, so :class:`GradientSync` only sums tied
+end-stage gradients.
 
 Gradient norm (clipping) over a split model::
 
-    ‖g‖² = Σ_pp-stages ( Σ_tp-ranks ‖own shards‖²  +  ‖replicated params‖² )
+    ‖g‖² = Σ_pp-stages Σ_{parameters} Σ_{ranks of the mesh dims it is sharded over} ‖local part‖²
 
+(a parameter may be sharded over tp, over dp (ZeRO), over both, or over neither);
 replicated parameters (norms, embeddings outside TP) are counted once per stage, and a
 tied parameter held by the first and the last stage only on the first.
 """
@@ -49,14 +53,17 @@ class GradientSync:
         topology: where this rank sits.
         tied: names of parameters held by the first and the last pipeline stage.
         tied_group: the process group of those two stages (None without tied parameters).
+        reduce_replicas: average over the data-parallel replicas (False under ZeRO, whose
+            FSDP2 units already reduce-scattered the gradients over them).
     """
 
     def __init__(self, model: nn.Module, topology: Topology, tied: list[str] | None = None,
-                 tied_group: dist.ProcessGroup | None = None) -> None:
+                 tied_group: dist.ProcessGroup | None = None, reduce_replicas: bool = True) -> None:
         self.model = model
         self.topology = topology
         self.tied = tied or []
         self.tied_group = tied_group
+        self.reduce_replicas = reduce_replicas
 
     def sync(self) -> None:
         """Sum tied gradients across the end stages, then average over replicas."""
@@ -66,7 +73,7 @@ class GradientSync:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
             _all_reduce([local(p.grad) for p in tied if p.grad is not None], self.tied_group, 1)
-        if self.topology.dp > 1:
+        if self.topology.dp > 1 and self.reduce_replicas:
             grads = [local(p.grad) for p in self.model.parameters() if p.grad is not None]
             _all_reduce(grads, self.topology.group("dp"), self.topology.dp)
 
@@ -78,6 +85,15 @@ class GradientSync:
         """After the step's last micro-batch, synchronise the accumulated gradients."""
         if final:
             self.sync()
+
+
+def _split_dims(tensor: torch.Tensor) -> set[str]:
+    """Names of the mesh dims a DTensor is split over (``_StridedShard`` included, which is
+    what FSDP2 uses for dp on top of a tensor-parallel ``Shard`` of the same dim)."""
+    if not isinstance(tensor, DTensor):
+        return set()
+    names = tensor.device_mesh.mesh_dim_names or ()
+    return {names[i] for i, p in enumerate(tensor.placements) if not (p.is_replicate() or p.is_partial())}
 
 
 def _all_reduce(tensors: list[torch.Tensor], group: dist.ProcessGroup | None, divide: int) -> None:
@@ -100,8 +116,10 @@ class SplitRuntime(ParallelRuntime):
     """Runtime of a tensor- and/or pipeline-parallel model.
 
     Args:
-        model: the user's model (TP-sharded; hollowed by the pipeline once it is split).
+        model: the user's model (TP-sharded; hollowed by the pipeline once it is split;
+            ZeRO-sharded over dp when ``zero_stage > 0``).
         topology: where this rank sits.
+        zero_stage: the ZeRO stage sharding the data-parallel dimension (0 = replicas).
 
     Attributes:
         owner: ``owner(name) -> pipeline rank`` holding the true value of a state-dict
@@ -111,34 +129,39 @@ class SplitRuntime(ParallelRuntime):
         reordered: entries stored in tensor parallel's interleaved fused-qkv row order.
     """
 
-    def __init__(self, model: nn.Module, topology: Topology) -> None:
+    def __init__(self, model: nn.Module, topology: Topology, zero_stage: int = 0) -> None:
         super().__init__(model, topology)
+        self.zero_stage = zero_stage
         self.owner: Any = lambda name: 0
         self.counted: Any = lambda name: True
         self.reordered: set[str] = set()
 
     def set_grad_sync(self, sync: bool) -> None:
-        """Gradients are synchronised by :class:`GradientSync` after the last micro-batch."""
+        """ZeRO-1 without a pipeline reduce-scatters on the last micro-batch only (see
+        :mod:`hybridtrain.parallel.zero`); otherwise gradients are synchronised in backward
+        (ZeRO 2/3) or by :class:`GradientSync` after the last micro-batch."""
+        if self.zero_stage == 1 and self.pipeline is None:
+            self.model.set_requires_gradient_sync(sync)  # type: ignore[operator]
 
     def clip_grad_norm(self, params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
         """Clip by the norm of the whole (unsplit) model's gradient, as one process would."""
-        sharded = torch.zeros((), dtype=torch.float64)
-        replicated = torch.zeros((), dtype=torch.float64)
+        # Squares bucketed by the mesh dims their parameter is split over: (none, dp, tp, dp+tp).
+        squares = torch.zeros(4, dtype=torch.float64)
         grads = []
         for name, param in self.model.named_parameters():
             if param.grad is None:
                 continue
             grads.append(local(param.grad))
-            if not self.counted(name):
-                continue
-            square = local(param.grad).detach().double().pow(2).sum().cpu()
-            if isinstance(param.grad, DTensor) and any(p.is_shard() for p in param.grad.placements):
-                sharded += square
-            else:
-                replicated += square
-        if self.topology.tp > 1:
-            dist.all_reduce(sharded, group=self.topology.group("tp"))
-        total = sharded + replicated
+            if self.counted(name):
+                split = _split_dims(param.grad)
+                square = local(param.grad).detach().double().pow(2).sum().cpu()
+                squares[("dp" in split) + 2 * ("tp" in split)] += square
+        for dim, buckets in (("dp", [1, 3]), ("tp", [2, 3])):
+            if getattr(self.topology, dim) > 1:
+                part = squares[buckets].clone()
+                dist.all_reduce(part, group=self.topology.group(dim))
+                squares[buckets] = part
+        total = squares.sum()
         if self.topology.pp > 1:
             dist.all_reduce(total, group=self.topology.group("pp"))
         norm = total.sqrt().float()
