@@ -220,6 +220,7 @@ class PipelineRunner:
         self._sync = GradientSync(self.model, topo, tied, _end_stage_group(topo) if tied else None,
                                   reduce_replicas=self.shard is None)
         self._prune_optimizer(names)
+        self.runtime.load_pending_optimizer_state()
 
     def _stage_module(self, index: int, router: StageRouter, bounds: list[tuple[int, int]],
                       profile: BlockProfile, tied: list[str]) -> StageModule:
@@ -265,7 +266,8 @@ class PipelineRunner:
     def _prune_optimizer(self, names: dict[int, str]) -> None:
         """Drop hollowed-out blocks' parameters from the optimizer (they live on other ranks)
         and point it at the sharded parameters under ZeRO (``names``: id → name before the
-        split; the optimizer has no state yet, so swapping its parameters is safe)."""
+        split). The optimizer has not stepped yet; a state loaded from a checkpoint before
+        the split is held back by the runtime and applied after this."""
         if self.optimizer is None:
             return
         kept = dict(self.model.named_parameters())

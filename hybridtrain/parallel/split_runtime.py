@@ -135,6 +135,9 @@ class SplitRuntime(ParallelRuntime):
         self.owner: Any = lambda name: 0
         self.counted: Any = lambda name: True
         self.reordered: set[str] = set()
+        # A ZeRO pipeline replaces its parameters at the split (first step): an optimizer
+        # state loaded before that waits here, keyed by name, until the split applies it.
+        self._pending_optimizer: tuple[torch.optim.Optimizer, dict[str, Any]] | None = None
 
     def set_grad_sync(self, sync: bool) -> None:
         """ZeRO-1 without a pipeline reduce-scatters on the last micro-batch only (see
@@ -232,9 +235,20 @@ class SplitRuntime(ParallelRuntime):
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Restore :meth:`optimizer_state_dict`'s result: each stage takes the entries of
         the parameters it holds (TP shards re-sharded)."""
+        if self.zero_stage and self.pipeline is not None and not self.pipeline.is_split:
+            self._pending_optimizer = (optimizer, state)
+            return
         if self.topology.pp > 1:
             held = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
             state = {"state": {n: v for n, v in state["state"].items() if n in held},
                      "param_groups": [{**g, "params": [n for n in g["params"] if n in held]}
                                       for g in state["param_groups"]]}
         set_optimizer_state_dict(self.model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+    def load_pending_optimizer_state(self) -> None:
+        """Apply an optimizer state loaded before a ZeRO pipeline's split (see
+        :meth:`load_optimizer_state_dict`); called by the pipeline once it is split."""
+        if self._pending_optimizer is not None:
+            optimizer, state = self._pending_optimizer
+            self._pending_optimizer = None
+            self.load_optimizer_state_dict(optimizer, state)

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
@@ -47,7 +48,10 @@ class LossScaler:
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         for p in params:
             if p.grad is not None:
-                groups[(p.grad.device, p.grad.dtype)].append(p.grad)
+                # Sharded (DTensor) gradients are checked and unscaled shard by shard; the
+                # parallel runtime then agrees on the verdict across ranks (``all_finite``).
+                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                groups[(grad.device, grad.dtype)].append(grad)
         found_inf = False
         for (device, _), grads in groups.items():
             flag = torch.zeros(1, device=device)

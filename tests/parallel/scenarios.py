@@ -19,6 +19,7 @@ import torch
 import hybridtrain as ht
 from hybridtrain.models.gpt import GPT, GPTConfig
 from tests.equivalence import (
+    MODES,
     SEED,
     Mode,
     ModelCase,
@@ -88,21 +89,24 @@ class GroupRunner:
         raise KeyError(name)
 
 
-_REFERENCE: dict[str, Result] = {}
+_REFERENCE: dict[tuple[str, str], Result] = {}
 
 
-def reference(case_name: str) -> Result:
-    """The single-process plain loop for a model case (fp32, full batch), cached."""
-    if case_name not in _REFERENCE:
-        _REFERENCE[case_name] = plain_run(cases()[case_name], Mode("plain", {}), steps=STEPS)
-    return _REFERENCE[case_name]
+def reference(case_name: str, mode: str = "plain") -> Result:
+    """The single-process plain loop for a model case (full batch), cached; ``mode`` names
+    its precision settings in ``tests.equivalence.MODES`` (``plain`` = fp32, ``bf16``,
+    ``fp16`` with torch's GradScaler)."""
+    if (case_name, mode) not in _REFERENCE:
+        _REFERENCE[case_name, mode] = plain_run(cases()[case_name], MODES[mode], steps=STEPS)
+    return _REFERENCE[case_name, mode]
 
 
 def assert_equivalent(per_rank: list[Any], case_name: str, rtol: float = RTOL, atol: float = ATOL,
-                      check: Callable[[Result, Result], None] | None = None) -> None:
-    """Every rank reports the same losses, and rank 0 trained like the plain loop."""
+                      check: Callable[[Result, Result], None] | None = None, mode: str = "plain") -> None:
+    """Every rank reports the same losses, and rank 0 trained like the plain loop (in the
+    precision ``mode``)."""
     losses = [r[0] for r in per_rank]
     assert all(rank_losses == losses[0] for rank_losses in losses), f"ranks disagree on the loss: {losses}"
-    expected = reference(case_name)
+    expected = reference(case_name, mode)
     actual = (per_rank[0][0], per_rank[0][1])
     (check or (lambda e, a: assert_same_training(e, a, rtol=rtol, atol=atol)))(expected, actual)

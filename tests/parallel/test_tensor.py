@@ -48,8 +48,9 @@ def test_tensor_parallel_matches_single_process(name: str, case: str) -> None:
     ("sequential", _tp(2, tensor_parallel={"size": 2, "plan": {"1": "colwise"}}), "shards nn.Linear layers"),
     ("gpt_tied", {"tensor_model_parallel_size": 2, "data_parallel": {"gradient_compression": "fp16"}},
      "gradient_compression needs DDP"),
-    ("gpt_tied", {**_tp(2), "zero_optimization": {"stage": 2}, "data_parallel": {"size": 2}},
-     "zero_optimization.stage > 0 with tensor or pipeline parallel"),
+    ("gpt_deep", {"pipeline": {"stages": 2, "schedule": "zero_bubble", "micro_batches": 2},
+                  "zero_optimization": {"stage": 2}, "data_parallel": {"size": 2}},
+     "does not compose with pipeline schedule zero_bubble"),
 ])
 def test_bad_tensor_parallel_input_is_refused_before_any_collective(
         build: str, config: dict[str, Any], match: str, monkeypatch: pytest.MonkeyPatch) -> None:
