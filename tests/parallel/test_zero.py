@@ -29,6 +29,10 @@ GROUPS = {
         "stage3_checkpointing": ("gpt_tied", {**_zero(3), "activation_checkpointing": {"enabled": True},
                                               "gradient_clipping": 10.0}),
         "stage3_llama": ("hf_llama", {**_zero(3), "gradient_accumulation_steps": 2}),
+        "stage3_swap": ("gpt_tied", {**_zero(3), "activation_offload": {"enabled": True},
+                                     "gradient_accumulation_steps": 2}),
+        "stage2_swap_checkpointing": ("gpt_tied", {**_zero(2), "activation_checkpointing": {
+            "enabled": True, "cpu_checkpointing": True}}),
     }),
     "zero4ranks": (4, {"stage3_4": ("gpt_tied", _zero(3))}),
 }
@@ -38,6 +42,7 @@ RUNNER = GroupRunner(GROUPS)
 @pytest.mark.parametrize(("name", "case"), [
     ("stage1", "gpt_tied"), ("stage2", "gpt_tied"), ("stage3", "gpt_tied"), ("stage3_offload", "gpt_tied"),
     ("stage3_checkpointing", "gpt_tied"), ("stage3_llama", "hf_llama"), ("stage3_4", "gpt_tied"),
+    ("stage3_swap", "gpt_tied"), ("stage2_swap_checkpointing", "gpt_tied"),
 ])
 def test_zero_matches_single_process(name: str, case: str) -> None:
     if case.startswith("hf_"):
