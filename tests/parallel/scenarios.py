@@ -110,3 +110,39 @@ def assert_equivalent(per_rank: list[Any], case_name: str, rtol: float = RTOL, a
     expected = reference(case_name, mode)
     actual = (per_rank[0][0], per_rank[0][1])
     (check or (lambda e, a: assert_same_training(e, a, rtol=rtol, atol=atol)))(expected, actual)
+
+
+def resume_round_trip(case_name: str, config: dict[str, Any], ckpt_dir: str,
+                      inspect: Callable[[ht.Engine], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """On one rank: 4 steps straight; then 2 steps, save, a fresh engine loads, 2 more.
+
+    Args:
+        inspect: called with the interrupted engine right after it saved; its entries are
+            added to the result (e.g. a shard-local view of the optimizer state).
+    """
+    case = cases()[case_name]
+    batches = case.batches(4)
+
+    def engine() -> ht.Engine:
+        torch.manual_seed(SEED)
+        return ht.initialize(case.build(), engine_config(Mode("resume", config)), loss_fn=case.loss_fn)
+
+    straight = engine()
+    expected = [straight.train_batch(straight.local_batch(b)) for b in batches]
+    first = engine()
+    losses = [first.train_batch(first.local_batch(b)) for b in batches[:2]]
+    first.save_checkpoint(f"{ckpt_dir}/ckpt", client_state={"step": 2})
+    extra = inspect(first) if inspect else {}
+    resumed = engine()
+    client = resumed.load_checkpoint(f"{ckpt_dir}/ckpt")
+    losses += [resumed.train_batch(resumed.local_batch(b)) for b in batches[2:]]
+    return {"expected": expected, "resumed": losses, "client": client,
+            "final": resumed.model_state_dict(), "straight": straight.model_state_dict(), **extra}
+
+
+def assert_resumed_exactly(out: dict[str, Any]) -> None:
+    """A :func:`resume_round_trip` result: same losses and parameters as the straight run."""
+    assert out["client"] == {"step": 2}
+    torch.testing.assert_close(torch.tensor(out["resumed"]), torch.tensor(out["expected"]), rtol=1e-6, atol=0)
+    for key, value in out["straight"].items():
+        torch.testing.assert_close(out["final"][key], value, rtol=1e-6, atol=1e-7)

@@ -4,15 +4,17 @@ tensor-parallel DTensors (2D), and per pipeline stage; same training as one proc
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-import hybridtrain as ht
-from tests.equivalence import SEED, Mode, engine_config
-from tests.parallel.scenarios import Scenario, assert_equivalent, cases, train_scenarios
+from tests.parallel.scenarios import (
+    Scenario,
+    assert_equivalent,
+    assert_resumed_exactly,
+    resume_round_trip,
+    train_scenarios,
+)
 from tests.parallel.spawn import run_ranks
 
 
@@ -40,28 +42,8 @@ _RESULTS: dict[str, list[dict[str, Any]]] = {}
 def _all_runs(ckpt_dir: str) -> dict[str, Any]:
     """On one rank: the equivalence scenarios, then the checkpoint round trips."""
     return {"train": train_scenarios(SCENARIOS),
-            "resume": {name: _resume_run(config, f"{ckpt_dir}/{name}") for name, config in RESUMED.items()}}
-
-
-def _resume_run(config: dict[str, Any], ckpt_dir: str) -> dict[str, Any]:
-    """4 steps straight; 2 steps, save, a fresh engine loads, 2 more steps."""
-    case = cases()["gpt_deep"]
-    batches = case.batches(4)
-
-    def engine() -> ht.Engine:
-        torch.manual_seed(SEED)
-        return ht.initialize(case.build(), engine_config(Mode("zero_split", config)), loss_fn=case.loss_fn)
-
-    straight = engine()
-    expected = [straight.train_batch(straight.local_batch(b)) for b in batches]
-    first = engine()
-    losses = [first.train_batch(first.local_batch(b)) for b in batches[:2]]
-    first.save_checkpoint(Path(ckpt_dir) / "ckpt", client_state={"step": 2})
-    resumed = engine()
-    client = resumed.load_checkpoint(Path(ckpt_dir) / "ckpt")
-    losses += [resumed.train_batch(resumed.local_batch(b)) for b in batches[2:]]
-    return {"expected": expected, "resumed": losses, "client": client,
-            "final": resumed.model_state_dict(), "straight": straight.model_state_dict()}
+            "resume": {name: resume_round_trip("gpt_deep", config, f"{ckpt_dir}/{name}")
+                       for name, config in RESUMED.items()}}
 
 
 def _results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
@@ -78,8 +60,4 @@ def test_zero_on_split_model_matches_single_process(name: str, tmp_path_factory:
 @pytest.mark.parametrize("name", list(RESUMED))
 def test_zero_on_split_model_resumes_exactly(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     for rank in _results(tmp_path_factory):
-        out = rank["resume"][name]
-        assert out["client"] == {"step": 2}
-        torch.testing.assert_close(torch.tensor(out["resumed"]), torch.tensor(out["expected"]), rtol=1e-6, atol=0)
-        for key, value in out["straight"].items():
-            torch.testing.assert_close(out["final"][key], value, rtol=1e-6, atol=1e-7)
+        assert_resumed_exactly(rank["resume"][name])
