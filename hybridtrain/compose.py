@@ -122,7 +122,7 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
         if optimizer is None:
             optimizer = build_optimizer(model.parameters(), cfg.optimizer.type, cfg.optimizer.params)
         setup = _resume_fingerprint(cfg, optimizer)
-        offload = _offload_optimizer(optimizer, cfg, device, sizes, streamed)
+        offload = _offload_optimizer(optimizer, cfg, device, sizes, streamed, batch.accumulation_steps)
         optimizer = offload or optimizer
         scheduler = build_scheduler(optimizer, cfg.scheduler.type, cfg.scheduler.params) if cfg.scheduler else None
         if parallel.pipeline is not None:
@@ -268,7 +268,8 @@ def _swap_targets(model: nn.Module, cfg: Config, checkpoint_targets: list[nn.Mod
 
 
 def _offload_optimizer(optimizer: torch.optim.Optimizer, cfg: Config, device: torch.device,
-                       sizes: tuple[int, int, int], streamed: list[nn.Module]) -> OffloadOptimizer | None:
+                       sizes: tuple[int, int, int], streamed: list[nn.Module],
+                       accumulation: int) -> OffloadOptimizer | None:
     """ZeRO-Offload on one process (several processes offload inside ZeRO sharding); layer
     streaming always updates on the host, each streamed block being one bucket."""
     section = cfg.zero_optimization.offload_optimizer
@@ -277,9 +278,13 @@ def _offload_optimizer(optimizer: torch.optim.Optimizer, cfg: Config, device: to
     # These need every gradient before any update, so the host step waits for backward.
     defer = cfg.gradient_clipping > 0 or cfg.fp16.enabled or cfg.nonfinite_loss == "skip"
     pin = cfg.layer_streaming.pin_memory if streamed else section.pin_memory
+    # Gradients wait in host memory when micro-batches land one by one and are summed there
+    # (layer-major streaming sums them on the device and lands each block once).
+    summed_on_host = accumulation > 1 and not (streamed and cfg.layer_streaming.layer_major)
     return OffloadOptimizer(optimizer, device, pin, 1.0 if streamed else section.ratio,
                             cfg.zero_optimization.reduce_bucket_size, defer,
-                            streamed=[list(block.parameters()) for block in streamed])
+                            streamed=[list(block.parameters()) for block in streamed],
+                            lasting_grads=defer or summed_on_host)
 
 
 def _streamed_blocks(model: nn.Module, cfg: Config) -> list[nn.Module]:

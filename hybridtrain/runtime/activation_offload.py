@@ -24,6 +24,14 @@ With activation checkpointing on a swapped block, only the block's inputs are sa
 rest is recomputed in backward), so only they travel: :class:`_SwappedRecompute` is a
 checkpoint whose inputs are saved with ``save_for_backward`` and therefore pass through
 the pack hook. Parameters, buffers and small tensors are never swapped.
+
+A device tensor's memory is reusable only once its copy has *run*, and the host enqueues
+kernels far ahead of the device: on a fast GPU the copies would fall behind and the
+device would end up holding nearly every activation anyway. So before a block's forward
+starts, the host waits until the copies of the block ``copies_in_flight`` blocks back
+have finished (vDNN's synchronisation): at most that many blocks' activations are on the
+device at once, and the device still has the block in between queued, so it never
+idles waiting for the host.
 """
 
 from __future__ import annotations
@@ -77,10 +85,12 @@ class ActivationSwapper:
         prefetch_blocks: blocks copied back ahead of the one whose backward starts.
         pin_memory: page-locked host buffers.
         min_bytes: smaller saved tensors stay where they are.
+        copies_in_flight: blocks whose copies to the host may still be running when the
+            next block's forward starts.
     """
 
     def __init__(self, device: torch.device, prefetch_blocks: int = 1, pin_memory: bool = True,
-                 min_bytes: int = 1024) -> None:
+                 min_bytes: int = 1024, copies_in_flight: int = 2) -> None:
         self.device = device
         self.prefetch_blocks = prefetch_blocks
         self.pin_memory = pin_memory
@@ -92,6 +102,8 @@ class ActivationSwapper:
         self._pending: dict[int, list[weakref.ref[_Swapped]]] = {}
         self._prefetched: set[int] = set()
         self._current = 0
+        self.copies_in_flight = copies_in_flight
+        self._copied_out: dict[int, torch.cuda.Event | None] = {}
 
     # ------------------------------------------------------------------ wrapping
     def wrap(self, module: nn.Module, recompute: bool = False) -> None:
@@ -146,9 +158,14 @@ class ActivationSwapper:
         # Keyed by tensor identity and holding the tensor until the block's forward ends:
         # an address could be reused by a new tensor once the swapped one is freed.
         seen: dict[int, tuple[torch.Tensor, _Swapped]] = {}
+        # Bound the device memory held by copies not yet run (see the module docstring).
+        for old in [s for s in self._copied_out if s <= seq - self.copies_in_flight]:
+            transfer.host_waits(self._copied_out.pop(old))
         with torch.autograd.graph.saved_tensors_hooks(
                 functools.partial(self._pack, seq, skip, seen), self._unpack):
             yield
+        if seen:
+            self._copied_out[seq] = self._d2h.record()
 
     def _pack(self, seq: int, skip: set[int], seen: dict[int, tuple[torch.Tensor, _Swapped]],
               tensor: torch.Tensor) -> Any:

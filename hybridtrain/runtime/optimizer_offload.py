@@ -11,7 +11,11 @@ optimizer state in host memory; the update runs on the host while backward conti
 
 Parameters are grouped in *buckets* (backward order, ``reduce_bucket_size`` elements).
 When the last gradient of a bucket has accumulated, the bucket's gradients are copied to
-host buffers and the device gradients released. On the last micro-batch of a step the
+host buffers and the device gradients released. A gradient that is stepped with as soon
+as it lands (one landing per step, eager step) only passes through one of a few pooled
+host buffers; only gradients that must wait — summed over micro-batches, or kept for a
+deferred step — get a lasting host buffer per bucket. The host thus holds 12 bytes per
+offloaded Adam parameter in the first case and 16 in the second, plus the pool. On the last micro-batch of a step the
 host step of the bucket starts at once (the *eager* step) — unless something needs all
 gradients first: gradient clipping (global norm), fp16 loss scaling (global overflow
 check) or ``nonfinite_loss: skip``. Then the step is *deferred*: the engine unscales and
@@ -48,22 +52,27 @@ class Bucket:
 
     ``params`` are the tensors autograd fills; ``masters`` the host tensors the optimizer
     updates. For a streamed block they are the same objects (the parameter's data *is*
-    the host master between uses), otherwise separate host copies.
+    the host master between uses), otherwise separate host copies. ``flat_grad`` exists
+    once gradients had to wait in host memory (see the module docstring).
     """
 
     index: int
     params: list[nn.Parameter]
     masters: list[nn.Parameter]
     flat_master: torch.Tensor
-    flat_grad: torch.Tensor
     streamed: bool
+    flat_grad: torch.Tensor | None = None
     optimizer: torch.optim.Optimizer | None = None
     group_of: list[int] = field(default_factory=list)
-    staging: torch.Tensor | None = None
     has_grad: list[bool] = field(default_factory=list)
     arrived: int = 0
     stepped: bool = False
     uploaded: torch.cuda.Event | None = None
+
+    @property
+    def numel(self) -> int:
+        """Elements of the bucket's parameters together."""
+        return self.flat_master.numel()
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """``flat`` cut into tensors shaped like the bucket's parameters."""
@@ -88,6 +97,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         defer: always defer the host step to :meth:`step` (clipping, fp16, skip-on-inf).
         streamed: parameter lists (blocks) that become their own host masters and whose
             gradients the caller lands with :meth:`land`.
+        lasting_grads: whether gradients will wait in host memory (accumulation over
+            micro-batches landing one by one, or a deferred step); only sizes the host
+            memory check — buffers follow what actually happens.
 
     Raises:
         ValueError: the optimizer already has state.
@@ -96,7 +108,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, pin_memory: bool = True,
                  host_ratio: float = 1.0, bucket_numel: int = 500_000_000, defer: bool = False,
-                 streamed: Sequence[Sequence[nn.Parameter]] = ()) -> None:
+                 streamed: Sequence[Sequence[nn.Parameter]] = (), lasting_grads: bool = True) -> None:
         if any(optimizer.state.values()):
             raise ValueError("optimizer offload takes over a fresh optimizer; this one has already stepped")
         self.device = device
@@ -116,7 +128,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         params = [p for g in optimizer.param_groups for p in g["params"]]
         on_device = _device_kept(params, host_ratio, streamed_ids)
         group_index = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
-        _check_host_memory(params, on_device, optimizer)
+        bucket_sizes = [sum(p.numel() for p in block) for block in streamed] + [bucket_numel]
+        _check_host_memory(params, on_device, optimizer, lasting_grads or defer,
+                           _POOLED_BUFFERS * max(bucket_sizes))
 
         self.buckets: list[Bucket] = []
         for block in streamed:
@@ -125,6 +139,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for chunk in _chunks(list(reversed(auto)), bucket_numel):
             self.buckets.append(self._make_bucket(chunk, False, group_index))
         master_of = {id(p): m for b in self.buckets for p, m in zip(b.params, b.masters, strict=True)}
+        self._pool = transfer.HostBufferPool(max((b.numel for b in self.buckets), default=0), torch.float32,
+                                             pin_memory, device, _POOLED_BUFFERS)
 
         groups = []
         for g in optimizer.param_groups:
@@ -149,9 +165,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ construction
     def _make_bucket(self, params: list[nn.Parameter], streamed: bool, group_index: dict[int, int]) -> Bucket:
         numel = sum(p.numel() for p in params)
-        flat_master = transfer.host_empty(numel, torch.float32, self.pin_memory, self.device)
-        flat_grad = transfer.host_empty(numel, torch.float32, self.pin_memory, self.device)
-        bucket = Bucket(len(self.buckets), params, [], flat_master, flat_grad, streamed,
+        flat_master = transfer.host_buffer(numel, torch.float32, self.pin_memory, self.device)
+        bucket = Bucket(len(self.buckets), params, [], flat_master, streamed,
                         group_of=[group_index[id(p)] for p in params], has_grad=[False] * len(params))
         for p, view in zip(params, bucket.views(flat_master), strict=True):
             view.copy_(p.detach())
@@ -221,6 +236,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 the bucket (layer streaming points the parameters back at the masters).
         """
         bucket = self.buckets[index]
+        # Gradients stepped with as soon as they land pass through a pooled buffer; any
+        # that must wait (summed later, or a deferred step) get the bucket's lasting one.
+        lasting = bucket.flat_grad is not None or not self._eager
+        if lasting and bucket.flat_grad is None:
+            bucket.flat_grad = transfer.host_buffer(bucket.numel, torch.float32, self.pin_memory, self.device)
+        through: torch.Tensor | None = None
         landed: list[tuple[int, bool]] = []
         with self._d2h.after_compute():
             for j, p in enumerate(bucket.params):
@@ -228,10 +249,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 if grad is None:
                     continue
                 first = not bucket.has_grad[j]
-                if not first and bucket.staging is None:
-                    bucket.staging = transfer.host_empty(bucket.flat_grad.numel(), torch.float32,
-                                                         self.pin_memory, self.device)
-                target = bucket.views(bucket.flat_grad if first else bucket.staging)[j]  # type: ignore[arg-type]
+                if not first and not lasting:
+                    raise RuntimeError(f"gradients of bucket {index} arrived after its host step in this step; "
+                                       "call step() (or train_batch) between backward passes, or raise "
+                                       "gradient_accumulation_steps")
+                if through is None and not (first and lasting):
+                    through = self._pool.acquire(bucket.numel)
+                target = bucket.views(bucket.flat_grad if first and lasting else through)[j]  # type: ignore[arg-type]
                 target.copy_(grad, non_blocking=True)
                 self._d2h.keep_alive(grad)
                 p.grad = None
@@ -240,7 +264,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             copied = self._d2h.record()
         if then is not None:
             then()
-        self._jobs.append(self._worker.submit(self._accumulate, bucket, landed, copied, self._eager))
+        if landed:
+            self._jobs.append(self._worker.submit(self._accumulate, bucket, landed, copied, through,
+                                                  self._eager))
 
     def _arrived(self, bucket: Bucket) -> None:
         if self.manual_landing:
@@ -250,26 +276,38 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self.land(bucket.index)
 
     # ------------------------------------------------------------------ host side (worker)
-    def _accumulate(self, bucket: Bucket, landed: list[tuple[int, bool]],
-                    copied: torch.cuda.Event | None, step: bool) -> None:
+    def _accumulate(self, bucket: Bucket, landed: list[tuple[int, bool]], copied: torch.cuda.Event | None,
+                    through: torch.Tensor | None, step: bool) -> None:
         transfer.host_waits(copied)
-        grads = bucket.views(bucket.flat_grad)
-        staging = bucket.views(bucket.staging) if bucket.staging is not None else []
-        for j, first in landed:
-            if not first:  # the first micro-batch's gradient was copied straight in
-                # Same order as the plain loop's accumulation: earlier micro-batches + this one.
-                grads[j].add_(staging[j])
+        try:
+            if bucket.flat_grad is None:
+                # The step's only gradients, in a pooled buffer: step with them at once.
+                assert through is not None and step
+                self._step_bucket(bucket, bucket.views(through))
+                return
+            if through is not None:
+                grads, staged = bucket.views(bucket.flat_grad), bucket.views(through)
+                for j, first in landed:
+                    if not first:  # the first micro-batch's gradient was copied straight in
+                        # Same order as the plain loop's accumulation: earlier micro-batches + this one.
+                        grads[j].add_(staged[j])
+        finally:
+            if through is not None:  # even after a failure: a lost buffer would block backward
+                self._pool.release(through)
         if step:
             self._step_bucket(bucket)
 
-    def _step_bucket(self, bucket: Bucket) -> None:
+    def _step_bucket(self, bucket: Bucket, grads: list[torch.Tensor] | None = None) -> None:
         if bucket.stepped or not any(bucket.has_grad):
             return
         assert bucket.optimizer is not None
-        self._expose_grads(bucket)
+        self._expose_grads(bucket, grads)
         _sync_hyperparams(bucket.optimizer, self)
         bucket.optimizer.step()
         bucket.stepped = True
+        if grads is not None:  # borrowed from the pool: nothing may keep reading them
+            for master in bucket.masters:
+                master.grad = None
         if not bucket.streamed:
             with self._h2d.after(None):
                 for p, m in zip(bucket.params, bucket.masters, strict=True):
@@ -277,10 +315,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 bucket.uploaded = self._h2d.record()
 
     @staticmethod
-    def _expose_grads(bucket: Bucket) -> None:
+    def _expose_grads(bucket: Bucket, grads: list[torch.Tensor] | None = None) -> None:
         # Only once the step's gradients are complete: a streamed block's master *is* its
         # parameter, which holds device gradients again in the next micro-batch.
-        for master, grad, has in zip(bucket.masters, bucket.views(bucket.flat_grad), bucket.has_grad, strict=True):
+        if grads is None:
+            if bucket.flat_grad is None:
+                return
+            grads = bucket.views(bucket.flat_grad)
+        for master, grad, has in zip(bucket.masters, grads, bucket.has_grad, strict=True):
             if has:
                 master.grad = grad
 
@@ -377,16 +419,23 @@ def _chunks(params: list[nn.Parameter], numel: int) -> Iterable[list[nn.Paramete
         yield chunk
 
 
-def host_state_bytes(numel: int, optimizer: torch.optim.Optimizer) -> int:
-    """Host bytes for ``numel`` offloaded elements: fp32 master + gradient + staging +
-    the optimizer's per-element state (two fp32 moments for the Adam family)."""
+_POOLED_BUFFERS = 3
+"""Host buffers gradients pass through: one being copied down, one stepped with, one spare."""
+
+
+def host_state_bytes(numel: int, optimizer: torch.optim.Optimizer, lasting_grads: bool = True) -> int:
+    """Host bytes for ``numel`` offloaded elements: the fp32 master, the fp32 gradient when
+    gradients wait in host memory, and the optimizer's per-element state (two fp32 moments
+    for the Adam family)."""
     name = type(optimizer).__name__.lower()
     state = 8 if "adam" in name else 4
-    return numel * (4 + 4 + 4 + state)
+    return numel * (4 + (4 if lasting_grads else 0) + state)
 
 
-def _check_host_memory(params: list[nn.Parameter], on_device: set[int], optimizer: torch.optim.Optimizer) -> None:
+def _check_host_memory(params: list[nn.Parameter], on_device: set[int], optimizer: torch.optim.Optimizer,
+                       lasting_grads: bool, pool_numel: int) -> None:
     numel = sum(p.numel() for p in params if id(p) not in on_device)
     cpu_resident = sum(p.numel() * p.element_size() for p in params if p.device.type == "cpu")
     # Parameters already in host memory (CPU device, streamed blocks) are replaced, not added to.
-    transfer.check_host_memory(host_state_bytes(numel, optimizer) - cpu_resident, "optimizer offload")
+    needed = host_state_bytes(numel, optimizer, lasting_grads) + 4 * min(pool_numel, numel) - cpu_resident
+    transfer.check_host_memory(needed, "optimizer offload")

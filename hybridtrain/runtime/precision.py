@@ -18,10 +18,17 @@ from torch.distributed.tensor import DTensor
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
-    """Autocast context for ``dtype`` (``None`` = full precision, no context)."""
+    """Autocast context for ``dtype`` (``None`` = full precision, no context).
+
+    The weight-cast cache is off: it keeps the half-precision copy of every weight until
+    the forward ends, so checkpointed, swapped or streamed blocks — whose saved tensors are
+    meant to leave the device — would still hold two bytes per parameter of the whole model
+    on it. Each weight is used once per forward, so the cache saves no casts; the casts
+    (and therefore the results) are the same without it.
+    """
     if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    return torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=False)
 
 
 class LossScaler:

@@ -122,6 +122,10 @@ class LayerStreamer:
     def _free(self, block: _StreamedBlock) -> None:
         if not block.loaded:
             return
+        # A prefetched block may be freed unused (a forward that skips it): its memory goes
+        # back to the compute stream's pool, so that stream must not run past the upload.
+        transfer.compute_waits(block.ready, self.device)
+        block.ready = None
         block.point_at(block.host_views)
         block.active = False
         block.device_flat.untyped_storage().resize_(0)

@@ -19,7 +19,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
+import threading
 import warnings
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -104,23 +107,104 @@ def compute_event(device: torch.device) -> torch.cuda.Event | None:
 _pin_warned = False
 
 
-def host_empty(numel: int, dtype: torch.dtype, pin: bool, device: torch.device) -> torch.Tensor:
-    """A flat host buffer, page-locked when ``pin`` and the device is CUDA.
-
-    Page-locked memory is what makes a ``non_blocking`` copy asynchronous. When it cannot
-    be had (locked-memory limits, no driver) the buffer falls back to pageable memory with
-    one warning: the math is the same, the copies are slower.
-    """
+def _warn_pageable(exc: BaseException) -> None:
     global _pin_warned
+    if not _pin_warned:
+        warnings.warn(f"pinned host memory unavailable ({exc}); using pageable memory, "
+                      "host⇄device copies will be slower", stacklevel=3)
+        _pin_warned = True
+
+
+def host_empty(numel: int, dtype: torch.dtype, pin: bool, device: torch.device) -> torch.Tensor:
+    """A short-lived flat host buffer, page-locked when ``pin`` and the device is CUDA.
+
+    Page-locked memory is what makes a ``non_blocking`` copy asynchronous. These come from
+    torch's caching pinned allocator (cheap to get again, but sizes round up to a power of
+    two), which suits buffers that are allocated every step. When pinned memory cannot be
+    had (locked-memory limits, no driver) the buffer is pageable, with one warning: the math
+    is the same, the copies are slower.
+    """
     if pin and device.type == "cuda":
         try:
             return torch.empty(numel, dtype=dtype, pin_memory=True)
         except RuntimeError as exc:
-            if not _pin_warned:
-                warnings.warn(f"pinned host memory unavailable ({exc}); using pageable memory, "
-                              "host⇄device copies will be slower", stacklevel=2)
-                _pin_warned = True
+            _warn_pageable(exc)
     return torch.empty(numel, dtype=dtype)
+
+
+def _unregister(ptr: int) -> None:
+    with contextlib.suppress(Exception):  # at interpreter exit CUDA may already be gone
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def host_buffer(numel: int, dtype: torch.dtype, pin: bool, device: torch.device) -> torch.Tensor:
+    """A long-lived flat host buffer (master weights, gradients): page-locked at its exact size.
+
+    The caching pinned allocator rounds every allocation up to a power of two — up to twice
+    the host memory for the offloaded state, which is what limits the model size. So lasting
+    buffers are ordinary allocations page-locked in place with ``cudaHostRegister`` (and
+    unregistered when their storage dies); if that fails, :func:`host_empty` decides.
+    """
+    if not (pin and device.type == "cuda") or numel == 0:
+        return host_empty(numel, dtype, pin, device)
+    buffer = torch.empty(numel, dtype=dtype)
+    storage = buffer.untyped_storage()
+    try:
+        status = int(torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes(), 0))
+    except (RuntimeError, AttributeError) as exc:
+        status, error = -1, exc
+    else:
+        error = RuntimeError(f"cudaHostRegister returned cudaError {status}")
+    if status != 0:
+        log.debug("page-locking %d bytes in place failed (%s); using the caching pinned allocator",
+                  storage.nbytes(), error)
+        return host_empty(numel, dtype, pin, device)
+    weakref.finalize(storage, _unregister, storage.data_ptr())
+    return buffer
+
+
+class HostBufferPool:
+    """A few reusable host buffers for data that only passes through the host on its way
+    somewhere else (a gradient copied down and then summed or stepped with at once).
+
+    One pool instead of one buffer per bucket keeps that traffic's host memory at
+    ``count`` buffers, independent of the model size. :meth:`acquire` blocks while every
+    buffer is in use: the producer (backward) then waits for the consumer (the host step),
+    which bounds the memory without changing any result.
+
+    Args:
+        numel: elements of the largest request.
+        dtype: element type.
+        pin: page-locked buffers (on CUDA).
+        device: the compute device.
+        count: buffers at most.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype, pin: bool, device: torch.device, count: int = 3) -> None:
+        self.numel = numel
+        self._make = lambda: host_buffer(numel, dtype, pin, device)
+        self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        self._left = count
+        self._lock = threading.Lock()
+        self.allocated = 0
+
+    def acquire(self, numel: int) -> torch.Tensor:
+        """A buffer of at least ``numel`` elements (its first ``numel``), to :meth:`release` later."""
+        if numel > self.numel:
+            raise ValueError(f"pool buffers hold {self.numel} elements, {numel} were asked for")
+        with self._lock:
+            grow = self._free.empty() and self._left > 0
+            if grow:
+                self._left -= 1
+                self.allocated += 1
+        if grow:
+            self._free.put(self._make())
+        return self._free.get()[:numel]
+
+    def release(self, buffer: torch.Tensor) -> None:
+        """Give back what :meth:`acquire` returned (once its contents have been used)."""
+        base = buffer._base if buffer._base is not None else buffer
+        self._free.put(base)
 
 
 def available_host_bytes() -> int:

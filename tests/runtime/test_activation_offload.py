@@ -4,6 +4,8 @@ wrapped, refusals; on CUDA the peak-memory cut. Equivalence is in the shared sui
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -76,17 +78,23 @@ def test_bad_settings_are_refused(model: torch.nn.Module, raw: dict, needle: str
 
 
 def _peak_activation_bytes(swap: bool) -> int:
+    gc.collect()
+    torch.cuda.empty_cache()
     torch.manual_seed(0)
-    cfg = GPTConfig(n_layer=8, n_head=8, d_model=512, seq_len=512, vocab_size=256)
+    cfg = GPTConfig(n_layer=16, n_head=8, d_model=512, seq_len=512, vocab_size=256)
     model = GPT(cfg).cuda()
     if swap:
         apply_activation_offload(list(model.blocks), torch.device("cuda"))
     tokens = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len + 1), device="cuda")
+
+    def forward_backward() -> None:
+        causal_lm_loss(model(tokens[:, :-1]), (tokens[:, :-1], tokens[:, 1:])).backward()
+
+    forward_backward()  # the gradients now exist and accumulate in place: not counted below
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     static = torch.cuda.memory_allocated()
-    loss = causal_lm_loss(model(tokens[:, :-1]), (tokens[:, :-1], tokens[:, 1:]))
-    loss.backward()
+    forward_backward()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - static
 

@@ -126,3 +126,37 @@ def test_cuda_result_equals_cpu_result() -> None:
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-4, atol=1e-5)
     for k, v in results[0][1].items():
         torch.testing.assert_close(results[1][1][k], v, rtol=1e-4, atol=1e-5)
+
+
+def test_gradients_stepped_on_landing_only_pass_through_the_pool() -> None:
+    # One landing per step and an eager step: no bucket keeps a host gradient buffer
+    # (12 instead of 16 host bytes per parameter); the pool holds at most 3 buffers.
+    engine = _engine()
+    opt = engine.optimizer
+    assert isinstance(opt, OffloadOptimizer)
+    for batch in CASE.batches(2):
+        engine.train_batch(batch)
+    assert all(b.flat_grad is None for b in opt.buckets)
+    assert 1 <= opt._pool.allocated <= 3 < len(opt.buckets)
+
+
+def test_gradients_summed_over_micro_batches_wait_in_lasting_buffers() -> None:
+    engine = _engine(gradient_accumulation_steps=2)
+    opt = engine.optimizer
+    assert isinstance(opt, OffloadOptimizer)
+    engine.train_batch(CASE.batches(1)[0])
+    assert all(b.flat_grad is not None for b in opt.buckets)
+    assert 1 <= opt._pool.allocated <= 3  # the second micro-batch's gradients pass through it
+
+
+def test_host_memory_check_counts_gradient_buffers_only_when_they_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = torch.nn.Linear(1024, 1024, bias=False, device="meta").to_empty(device="cpu")
+    needed: list[int] = []
+    monkeypatch.setattr(transfer, "check_host_memory", lambda n, what: needed.append(n))
+    for lasting in (False, True):
+        OffloadOptimizer(torch.optim.AdamW(model.parameters()), torch.device("cpu"), bucket_numel=1024,
+                         lasting_grads=lasting).close()
+    numel = 1024 * 1024
+    # fp32 master + two Adam moments (+ fp32 gradient) + 3 pooled bucket buffers, less the
+    # parameters' own host memory, which the masters replace.
+    assert needed == [12 * numel + 4 * 3 * 1024 - 4 * numel, 16 * numel + 4 * 3 * 1024 - 4 * numel]

@@ -4,6 +4,8 @@ resume; on CUDA depth-independent device memory. Equivalence is in the shared su
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -88,11 +90,16 @@ def test_bad_settings_are_refused(model: torch.nn.Module, streaming: dict, needl
         ht.initialize(model, {"device": "cpu", "layer_streaming": {"enabled": True, **streaming}})
 
 
-def _peak_bytes(n_layer: int) -> int:
+def _peak_bytes(n_layer: int, precision: str) -> int:
+    gc.collect()  # the previous engine's device memory must not count
+    torch.cuda.empty_cache()
     cfg = GPTConfig(n_layer=n_layer, n_head=8, d_model=1024, seq_len=256, vocab_size=512)
     torch.manual_seed(0)
-    engine = ht.initialize(GPT(cfg), {"device": "cuda", "layer_streaming": {
-        "enabled": True, "boundary_activations": "host", "pin_memory": True}}, loss_fn=causal_lm_loss)
+    config = {"device": "cuda", "layer_streaming": {"enabled": True, "boundary_activations": "host",
+                                                    "pin_memory": True}}
+    if precision != "fp32":
+        config[precision] = {"enabled": True}
+    engine = ht.initialize(GPT(cfg), config, loss_fn=causal_lm_loss)
     engine.train_batch(_batch(cfg))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -102,8 +109,11 @@ def _peak_bytes(n_layer: int) -> int:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_device_memory_is_independent_of_depth() -> None:
-    shallow, deep = _peak_bytes(12), _peak_bytes(48)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_cuda_device_memory_is_independent_of_depth(precision: str) -> None:
+    # bf16 also checks that no half-precision weight copy outlives its block (autocast's
+    # weight cache would keep one per block for the whole forward).
+    shallow, deep = _peak_bytes(12, precision), _peak_bytes(48, precision)
     assert deep <= 1.10 * shallow, (shallow, deep)
 
 

@@ -63,6 +63,8 @@ def test_weights_cross_once_per_step_and_residency_stays_bounded(accumulation: i
         assert residency.uploads == 2 * CFG.n_layer - 1
         assert residency.peak == prefetch + 1
         assert residency.on_device == set()
+    # Gradients also cross once, summed on the device: no host gradient buffer is kept.
+    assert all(bucket.flat_grad is None for bucket in _streamer(engine).optimizer.buckets)
 
 
 @pytest.mark.parametrize("streaming", [{}, {"boundary_activations": "host", "prefetch_blocks": 2}])
