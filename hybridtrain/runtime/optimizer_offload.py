@@ -67,6 +67,8 @@ class Bucket:
     has_grad: list[bool] = field(default_factory=list)
     arrived: int = 0
     stepped: bool = False
+    copied: torch.cuda.Event | None = None
+    """The last gradient copy to the host; it ran after every kernel that read the bucket."""
     uploaded: torch.cuda.Event | None = None
 
     @property
@@ -262,6 +264,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 bucket.has_grad[j] = True
                 landed.append((j, first))
             copied = self._d2h.record()
+        bucket.copied = copied
         if then is not None:
             then()
         if landed:
@@ -309,7 +312,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             for master in bucket.masters:
                 master.grad = None
         if not bucket.streamed:
-            with self._h2d.after(None):
+            # Overwrite the device weights only after the kernels that read them: those ran
+            # before the gradient copy (the host also waited for it; this says so to CUDA).
+            with self._h2d.after(bucket.copied):
                 for p, m in zip(bucket.params, bucket.masters, strict=True):
                     p.data.copy_(m.detach(), non_blocking=True)
                 bucket.uploaded = self._h2d.record()

@@ -23,8 +23,8 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abst
     The weight-cast cache is off: it keeps the half-precision copy of every weight until
     the forward ends, so checkpointed, swapped or streamed blocks — whose saved tensors are
     meant to leave the device — would still hold two bytes per parameter of the whole model
-    on it. Each weight is used once per forward, so the cache saves no casts; the casts
-    (and therefore the results) are the same without it.
+    on it. A weight is rarely used twice in one forward, so the cache saves few casts; the
+    casts (and therefore the results) are the same without it.
     """
     if dtype is None:
         return contextlib.nullcontext()
