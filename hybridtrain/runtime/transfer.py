@@ -132,6 +132,10 @@ def host_empty(numel: int, dtype: torch.dtype, pin: bool, device: torch.device) 
     return torch.empty(numel, dtype=dtype)
 
 
+_PORTABLE = 1
+"""``cudaHostRegisterPortable``: page-locked for every CUDA context of the process (as torch's own pinning)."""
+
+
 def _unregister(ptr: int) -> None:
     with contextlib.suppress(Exception):  # at interpreter exit CUDA may already be gone
         torch.cuda.cudart().cudaHostUnregister(ptr)
@@ -150,7 +154,7 @@ def host_buffer(numel: int, dtype: torch.dtype, pin: bool, device: torch.device)
     buffer = torch.empty(numel, dtype=dtype)
     storage = buffer.untyped_storage()
     try:
-        status = int(torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes(), 0))
+        status = int(torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes(), _PORTABLE))
     except (RuntimeError, AttributeError) as exc:
         status, error = -1, exc
     else:

@@ -35,7 +35,7 @@ def test_lasting_buffers_are_page_locked_at_their_exact_size_and_released(monkey
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     buffer = transfer.host_buffer(1000, torch.float32, True, CUDA)
     ptr = buffer.untyped_storage().data_ptr()
-    assert fake.registered == [(ptr, 4000, 0)]  # not rounded up to 4096
+    assert fake.registered == [(ptr, 4000, 1)]  # not rounded up to 4096
     view = buffer[10:20]
     del buffer
     gc.collect()
