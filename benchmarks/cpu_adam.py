@@ -7,13 +7,17 @@ for-loop AdamW, all in the same run, printed as ratios.
     python benchmarks/cpu_adam.py --numel 200_000_000 --tensors 32
 
 Every implementation starts from the same weights and gradients; the first step's result
-is compared with the for-loop AdamW (the reference) so a fast-but-wrong kernel shows.
+is compared with the for-loop AdamW (the reference) so a fast-but-wrong kernel shows. One
+that fails (DeepSpeed's op build needs ninja and a compiler) is printed with the reason; the
+last line is ``RESULTS {json}``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import math
 import time
 from collections.abc import Callable
 
@@ -77,19 +81,30 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch={torch.__version__} threads={torch.get_num_threads()} numel={args.numel:,} "
           f"tensors={args.tensors} steps={args.steps}")
     results: dict[str, tuple[float, list[torch.Tensor]]] = {}
+    failed: dict[str, str] = {}
     for name, factory in implementations().items():
         try:
             results[name] = measure(factory, args.numel, args.tensors, args.steps)
-        except (RuntimeError, ImportError) as exc:  # a DeepSpeed op that fails to build
-            print(f"{name:20s} failed: {str(exc).splitlines()[0]}")
-    reference = results["torch_for_loop"][1]
-    fused = results["torch_fused"][0]
+        except Exception as exc:  # e.g. DeepSpeed's JIT build: ImportError, OSError, CalledProcessError
+            failed[name] = f"failed: {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:160]}"
+    reference = results.get("torch_for_loop", (math.nan, []))[1]
+    fused = results.get("torch_fused", (math.nan, []))[0]
     print(f"{'implementation':20s} {'params/s':>14s} {'max |Δ| vs for-loop':>20s} torch_fused ratio")
+    rows = []
     for name, (rate, weights) in results.items():
-        diff = max(float((w - r).abs().max()) for w, r in zip(weights, reference, strict=True))
+        diff = max((float((w - r).abs().max()) for w, r in zip(weights, reference, strict=True)),
+                   default=math.nan)
         print(f"{name:20s} {rate:14,.0f} {diff:20.2e} {fused / rate:8.2f}x")
-    if "deepspeed_cpu_adam" not in results:
-        print("DeepSpeedCPUAdam: DeepSpeed not installed or its op failed to build; compared with torch only")
+        rows.append({"name": name, "status": "ok", "params_s": rate, "max_abs_diff": diff})
+    for name, why in failed.items():
+        print(f"{name:20s} {why}")
+        rows.append({"name": name, "status": why, "params_s": None, "max_abs_diff": None})
+    if "deepspeed_cpu_adam" not in implementations():
+        print("DeepSpeedCPUAdam: DeepSpeed not installed; compared with torch only")
+    summary = {"numel": args.numel, "tensors": args.tensors, "steps": args.steps, "torch": torch.__version__,
+               "threads": torch.get_num_threads(), "rows": rows}
+    # Strict JSON: NaN (nothing to compare with) becomes null.
+    print("RESULTS " + json.dumps(json.loads(json.dumps(summary), parse_constant=lambda _: None)), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,74 +1,116 @@
-"""Offload benchmark: each mode's throughput (and, on CUDA, the largest trainable model)
-against plain training through the engine, and the incumbents — DeepSpeed ZeRO-Offload,
-DeepSpeed ZeRO-3 offload and FSDP2 with ``CPUOffloadPolicy`` — on the same model, batch and
-optimizer, all measured in the same run and printed as ratios to ours.
+"""Offload benchmark: each mode's throughput (and, with ``--search``, the deepest trainable
+model) against plain training through the engine, and the incumbents — FSDP2 with
+``CPUOffloadPolicy``, DeepSpeed ZeRO-Offload and ZeRO-3 offload — on the same model, batch
+and optimizer (one settings dict in DeepSpeed keys), in the same run, printed as ratios.
 
     python benchmarks/offload.py                          # small reference GPT, whatever device
-    python benchmarks/offload.py --size 6.7b --batch 4 --accumulation 8 --seq-len 1024
-    python benchmarks/offload.py --search                 # CUDA: largest depth per mode (up to OOM)
+    python benchmarks/offload.py --size 6.7b --batch 4 --accumulation 8 --modes plain layer_major \\
+        --baselines deepspeed_zero3_offload               # a subset: one call of a few minutes
+    python benchmarks/offload.py --size 6.7b --search --search-only --modes plain layer_major
 
-Modes: plain, activation swapping, optimizer offload, layer streaming (micro-batch-major
-and layer-major). On CUDA it also reports MFU against ``--peak-tflops`` and peak device
-memory. FSDP2 runs everywhere (on CPU over a one-process gloo group); DeepSpeed when it is
-installed and the device is CUDA (its offload optimizer is a JIT-compiled CPU op). Every
-configuration comes from one settings dict in DeepSpeed keys, which is what DeepSpeed is
-given too. On a CPU device the offload modes move nothing useful (host = device): the
-ratios then measure bookkeeping overhead only.
+Each configuration runs isolated: a failure (``OOM (device)``, ``host memory: …``,
+``failed: …``) is its row and the run goes on; afterwards its memory is released. One whose
+host-memory lower bound exceeds 90 % of the available memory is not started (the Linux OOM
+killer would end the whole run). Progress goes to stderr; the tables follow, then
+``RESULTS {json}`` with every row. On a CPU device the ratios measure bookkeeping only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import ctypes
+import functools
+import gc
 import importlib.util
+import json
 import math
 import os
 import socket
 import statistics
+import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
-from torch import nn
 
 import hybridtrain as ht
-from hybridtrain.models.gpt import GPT, GPTConfig, causal_lm_loss, gpt_config
+from hybridtrain.models.gpt import GPT, GPTConfig, causal_lm_loss, gpt_config, gpt_param_count
+from hybridtrain.runtime.transfer import available_host_bytes
 
+GIB = 2**30
 OPTIMIZER = {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}}
 OFFLOAD_OPTIMIZER = {"device": "cpu", "pin_memory": True}
-
 MODES: dict[str, dict[str, Any]] = {
     "plain": {},
+    "checkpointing": {"activation_checkpointing": {"enabled": True}},
+    # Swapping with checkpointing (DeepSpeed's cpu_checkpointing): only block inputs travel;
+    # its cost is the swap's, so it is compared with checkpointing (same recomputation).
     "activation_swap": {"activation_checkpointing": {"enabled": True, "cpu_checkpointing": True}},
+    # vDNN proper: every saved activation of every block travels (no recomputation).
+    "activation_swap_all": {"activation_offload": {"enabled": True}},
     "optimizer_offload": {"zero_optimization": {"stage": 2, "reduce_bucket_size": 20_000_000,
                                                 "offload_optimizer": OFFLOAD_OPTIMIZER}},
     "layer_streaming": {"layer_streaming": {"enabled": True, "boundary_activations": "host"}},
     "layer_major": {"layer_streaming": {"enabled": True, "boundary_activations": "host", "layer_major": True}},
 }
-
-# Each incumbent, the zero_optimization it is given, and our mode doing the same job.
+# Each incumbent, the zero_optimization DeepSpeed is given, and our mode doing the same job.
 DEEPSPEED: dict[str, tuple[dict[str, Any], str]] = {
     "deepspeed_zero_offload": ({"stage": 2, "offload_optimizer": OFFLOAD_OPTIMIZER}, "optimizer_offload"),
     "deepspeed_zero3_offload": ({"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
                                  "offload_optimizer": OFFLOAD_OPTIMIZER}, "layer_major"),
 }
-FSDP2_PEER = "layer_major"
+PEERS = {"fsdp2_cpu_offload": "layer_major", **{name: peer for name, (_, peer) in DEEPSPEED.items()}}
+BASELINES = list(PEERS)
+# Host bytes per parameter an offload cannot do without: the fp32 master and AdamW's two
+# moments; FSDP2 and DeepSpeed also keep an fp32 gradient there (ZeRO-3 bf16 weights too).
+# Lower bounds: our engine checks its exact need itself (HostMemoryError; +4 B of gradient
+# where micro-batches are summed on the host); this only keeps a configuration that cannot
+# fit from being built at all.
+HOST_PER_PARAM = {"optimizer_offload": 12, "layer_streaming": 12, "layer_major": 12,
+                  "fsdp2_cpu_offload": 16, "deepspeed_zero_offload": 16, "deepspeed_zero3_offload": 18}
+# A mode doing the same computation as another but moving data: its cost is shown against it.
+SAME_WORK = {"activation_swap": "checkpointing", "activation_swap_all": "plain"}
+HOST_MARGIN = 0.9
+REFUSED = "host memory: needs >="
 
 
 @dataclass
 class Result:
-    """One configuration's measured step."""
+    """One configuration's outcome: measurements when ``status`` is ``ok``, else why not."""
 
-    step_s: float
-    tokens_s: float
-    tflops: float
-    params: int
-    peak_gib: float
+    name: str
+    status: str = "ok"
+    step_s: float = math.nan
+    tokens_s: float = math.nan
+    tflops: float = math.nan
+    mfu: float = math.nan
+    peak_gib: float = math.nan
+    host_gib: float = math.nan
+    params: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
 
 
 @dataclass
+class Depth:
+    """The deepest ``n_layer`` that trained a step and what stopped the search: ``device OOM``,
+    ``host memory``, ``depth limit``, ``failed`` or ``time budget`` (then a lower bound)."""
+
+    name: str
+    n_layer: int
+    params: int
+    limit: str
+    detail: str = ""
+    lower_bound: bool = False
+
+
+@dataclass(frozen=True)
 class Setup:
     """The workload every configuration trains."""
 
@@ -77,14 +119,27 @@ class Setup:
     accumulation: int
     steps: int
     device: str
+    peak_tflops: float = 989.0
+
+    def flops_per_token(self) -> int:
+        """Model FLOPs per trained token: 6·N (the matmuls forward and backward; the tied
+        embedding counted once, as the head) + 12·n_layer·seq_len·d_model (attention scores
+        and values): PaLM's MFU definition. Recomputation is not counted."""
+        cfg = self.model
+        return 6 * gpt_param_count(cfg) + 12 * cfg.n_layer * cfg.seq_len * cfg.d_model
+
+    def depth(self, n_layer: int, steps: int | None = None) -> Setup:
+        return replace(self, model=replace(self.model, n_layer=n_layer), steps=self.steps if steps is None else steps)
 
     def settings(self, **extra: Any) -> dict[str, Any]:
-        """The shared settings in DeepSpeed keys (what DeepSpeed is given, plus ``extra``)."""
-        return {"train_micro_batch_size_per_gpu": self.batch, "gradient_accumulation_steps": self.accumulation,
-                "bf16": {"enabled": self.device == "cuda"}, "optimizer": copy.deepcopy(OPTIMIZER), **extra}
+        """The shared settings in DeepSpeed keys (its batch check: total = micro × accumulation × 1)."""
+        return {"train_batch_size": self.batch * self.accumulation, "train_micro_batch_size_per_gpu": self.batch,
+                "gradient_accumulation_steps": self.accumulation, "bf16": {"enabled": self.device == "cuda"},
+                "optimizer": copy.deepcopy(OPTIMIZER), **extra}
 
     def data(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One global batch (``batch × accumulation`` sequences)."""
+        torch.manual_seed(0)
         tokens = torch.randint(0, self.model.vocab_size, (self.batch * self.accumulation, self.model.seq_len + 1),
                                device=self.device)
         return tokens[:, :-1], tokens[:, 1:]
@@ -94,54 +149,153 @@ class Setup:
         inputs, targets = self.data()
         return list(zip(inputs.split(self.batch), targets.split(self.batch), strict=True))
 
-    def new_model(self) -> GPT:
-        torch.manual_seed(0)
-        return GPT(self.model)
+
+def build_model(cfg: GPTConfig) -> GPT:
+    """The reference GPT in host memory, built on the meta device and filled cheaply: torch's
+    random init takes minutes for billions of parameters, a tiled random pattern (std 0.02,
+    GPT-2's depth-scaled residual projections) is a memory copy. Values change neither a
+    step's speed nor its memory; they only have to keep the loss finite."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    model.to_empty(device="cpu")  # GPT re-ties its head to the embedding
+    pattern = torch.randn(1_000_003, generator=torch.Generator().manual_seed(0)) * 0.02
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() < 2:  # LayerNorm gains (the only 1-D weights) 1, biases 0
+                p.fill_(1.0 if name.endswith("weight") else 0.0)
+                continue
+            flat, size = p.view(-1), pattern.numel()
+            rows, rest = divmod(flat.numel(), size)
+            flat[:rows * size].view(rows, size).copy_(pattern.expand(rows, size))
+            flat[rows * size:].copy_(pattern[:rest])
+            if name.endswith("proj.weight"):
+                p.mul_(1 / math.sqrt(2 * cfg.n_layer))
+    return model
 
 
-def _time(setup: Setup, model: nn.Module, step: Callable[[], object]) -> Result:
-    """Median seconds per step (after one warm-up step; the median shrugs off a step that
-    another process on the machine slowed down) and what follows from them."""
-    step()
-    _sync(setup.device)
+def host_bytes(setup: Setup, name: str) -> int:
+    """A lower bound of the host memory configuration ``name`` needs: the fp32 model it is
+    built from (4 B/param) or the offloaded state (:data:`HOST_PER_PARAM`; all of it when the
+    device is the CPU), plus swapped block inputs (fp32 residual stream) of one micro-batch,
+    of every micro-batch at once in layer-major order."""
+    cfg = setup.model
+    per_param = HOST_PER_PARAM.get(name, 16 if setup.device == "cpu" else 4)
+    inputs = cfg.n_layer * setup.batch * cfg.seq_len * cfg.d_model * 4
+    # Every saved activation: about 34 residual-stream-sized tensors per block (Korthikanti et al.), in bf16.
+    swapped = {"activation_swap": inputs, "activation_swap_all": inputs * 34 // 2, "layer_streaming": inputs,
+               "layer_major": inputs * setup.accumulation}
+    return per_param * gpt_param_count(cfg) + swapped.get(name, 0)
+
+
+def release_memory(device: str) -> None:
+    """Give back what the last configuration held: its cycles (hooks, engines) need a collection;
+    torch caches freed device and pinned host blocks where the next configuration cannot use them."""
+    gc.collect()
+    if device == "cuda" and torch.cuda.is_available():
+        with contextlib.suppress(RuntimeError):  # a broken CUDA context fails every later row anyway
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            if hasattr(torch._C, "_host_emptyCache"):
+                torch._C._host_emptyCache()
+    with contextlib.suppress(OSError, AttributeError):  # glibc: return freed heap pages to the OS
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _rss(key: str, reset: bool = False) -> int:
+    """``VmRSS``/``VmHWM`` in bytes (-1 without /proc); ``reset`` first sets VmHWM to the
+    current RSS (writing 5 to clear_refs, Linux ≥ 4.0) and gives -1 where that is refused."""
+    try:
+        if reset:
+            with open("/proc/self/clear_refs", "w") as fh:
+                fh.write("5")
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith(key + ":"))
+    except (OSError, StopIteration):
+        return -1
+
+
+def _why(exc: Exception) -> str:
+    """A failure as a row's status."""
+    first = (str(exc).strip().splitlines() or [""])[0][:160]
+    if isinstance(exc, torch.OutOfMemoryError) or "CUDA out of memory" in first or "ALLOC_FAILED" in first:
+        return "OOM (device)"
+    if isinstance(exc, MemoryError) or "can't allocate memory" in first:  # HostMemoryError included
+        return f"host memory: {first or type(exc).__name__}"
+    return f"failed: {type(exc).__name__}: {first}"
+
+
+def run_isolated(name: str, setup: Setup, run: Callable[[], Result], needs_host: int) -> Result:
+    """``run()`` isolated: refused if its host lower bound does not fit, a failure turned into its
+    status, peaks filled in, memory released. Nothing ``run`` built may be reachable from the Result."""
+    have = available_host_bytes()
+    if needs_host > HOST_MARGIN * have:
+        return Result(name, f"{REFUSED} {needs_host / GIB:.1f} GiB (estimate); limit {HOST_MARGIN:.0%} of "
+                            f"{have / GIB:.1f} GiB available", params=gpt_param_count(setup.model))
     if setup.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    rss = _rss("VmRSS", reset=True)
+    try:
+        result = run()
+        peak = torch.cuda.max_memory_allocated() / GIB if setup.device == "cuda" else math.nan
+        result = replace(result, peak_gib=peak, host_gib=(_rss("VmHWM") - rss) / GIB if rss >= 0 else math.nan)
+    except Exception as exc:  # torch.OutOfMemoryError, HostMemoryError, an op that failed to build, …
+        result = Result(name, _why(exc), params=gpt_param_count(setup.model))
+        # The exception can outlive this block (layer-major streaming keeps a failed worker's),
+        # and its traceback's frames reach the engine through a cycle gc cannot collect.
+        error: BaseException | None = exc
+        while error is not None and error.__traceback__ is not None:
+            error.__traceback__, error = None, error.__cause__ or error.__context__
+    # Here, outside the except block, the traceback and the frames holding the engine are gone.
+    release_memory(setup.device)
+    return result
+
+
+def _time(setup: Setup, name: str, step: Callable[[], object]) -> Result:
+    """Median seconds of ``setup.steps`` steps after a warm-up step (the only one with ``steps=0``);
+    the median shrugs off a step that another process slowed down."""
     times = []
-    for _ in range(setup.steps):
+    for index in range(setup.steps + 1):
         start = time.perf_counter()
         step()
-        _sync(setup.device)
-        times.append(time.perf_counter() - start)
-    seconds = statistics.median(times)
-    params = sum(p.numel() for p in model.parameters())
-    tokens = setup.batch * setup.accumulation * setup.model.seq_len
-    peak = torch.cuda.max_memory_allocated() / 2**30 if setup.device == "cuda" else math.nan
-    return Result(seconds, tokens / seconds, 6 * params * tokens / seconds / 1e12, params, peak)
+        if setup.device == "cuda":
+            torch.cuda.synchronize()
+        if index:
+            times.append(time.perf_counter() - start)
+    seconds = statistics.median(times) if times else math.nan
+    tokens_s = setup.batch * setup.accumulation * setup.model.seq_len / seconds
+    tflops = setup.flops_per_token() * tokens_s / 1e12
+    mfu = tflops / setup.peak_tflops if setup.device == "cuda" else math.nan
+    return Result(name, "ok", seconds, tokens_s, tflops, mfu, params=gpt_param_count(setup.model))
 
 
-def measure(setup: Setup, mode: dict[str, Any]) -> Result:
-    """Our engine in ``mode``."""
-    model = setup.new_model()
-    engine = ht.initialize(model, {"device": setup.device, **setup.settings(**mode)}, loss_fn=causal_lm_loss)
+def measure(setup: Setup, name: str) -> Result:
+    """Our engine in mode ``name``; the engine lives in this frame only. ``model.blocks``
+    is named because a 1-layer model has no repetition to find its blocks by."""
+    config = {"device": setup.device, "model": {"blocks": "blocks"}, **setup.settings(**copy.deepcopy(MODES[name]))}
+    engine = ht.initialize(build_model(setup.model), config, loss_fn=causal_lm_loss)
     data = setup.data()
-    return _time(setup, model, lambda: engine.train_batch(data))
+    return _time(setup, name, lambda: engine.train_batch(data))
 
 
 def measure_fsdp2(setup: Setup) -> Result:
     """FSDP2 (``fully_shard`` per block and at the root) with ``CPUOffloadPolicy``: fp32
-    parameters, gradients and AdamW state in host memory, the optimizer step on the host."""
+    parameters, gradients and AdamW state in host memory, the optimizer step on the host.
+    The model is given in host memory: each ``fully_shard`` moves one unit to the device and
+    its shards back, so the whole fp32 model is never on the device."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     _single_process_group(setup.device)
     mesh = init_device_mesh(setup.device, (1,))
-    model = setup.new_model().to(setup.device)
+    model = build_model(setup.model)
     precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if setup.device == "cuda" else None)
     policy = CPUOffloadPolicy(pin_memory=setup.device == "cuda")
     for block in model.blocks:
         fully_shard(block, mesh=mesh, offload_policy=policy, mp_policy=precision)
     fully_shard(model, mesh=mesh, offload_policy=policy, mp_policy=precision)
-    optimizer = torch.optim.AdamW(model.parameters(), **OPTIMIZER["params"])  # type: ignore[arg-type]
+    # fused: the host step runs torch's fused CPU kernel, as ours does (the default on CPU
+    # parameters is the for-loop AdamW, ~8x slower: that would measure the optimizer choice).
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True, **OPTIMIZER["params"])  # type: ignore[arg-type]
     micro_batches = setup.micro_batches()
 
     def step() -> None:
@@ -151,68 +305,78 @@ def measure_fsdp2(setup: Setup) -> Result:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return _time(setup, model, step)
+    return _time(setup, "fsdp2_cpu_offload", step)
 
 
-def measure_deepspeed(setup: Setup, zero: dict[str, Any]) -> Result:
-    """DeepSpeed with ``zero_optimization = zero`` and otherwise the shared settings."""
+def measure_deepspeed(setup: Setup, name: str) -> Result:
+    """DeepSpeed with the shared settings and ``zero_optimization`` of :data:`DEEPSPEED`.
+    Its "AdamW" with offload is DeepSpeedCPUAdam, an op built just in time (ninja,
+    ``CUDA_HOME``): a failed build is this row's status."""
     import deepspeed
 
     _single_process_group(setup.device)
-    model = setup.new_model()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=setup.settings(zero_optimization=copy.deepcopy(zero)))
-    micro_batches = setup.micro_batches()
-
-    def step() -> None:
-        for micro in micro_batches:  # DeepSpeed scales by 1/accumulation and steps at the boundary
-            engine.backward(causal_lm_loss(engine(micro[0]), micro))
-            engine.step()
-
-    return _time(setup, model, step)
-
-
-def baselines(setup: Setup) -> dict[str, tuple[Result | str, str]]:
-    """Each incumbent's result (or why it did not run) and the mode it is compared with."""
-    out: dict[str, tuple[Result | str, str]] = {}
+    model = build_model(setup.model)
+    config = setup.settings(zero_optimization=copy.deepcopy(DEEPSPEED[name][0]))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    del model
     try:
-        out["fsdp2_cpu_offload"] = (measure_fsdp2(setup), FSDP2_PEER)
-    except (RuntimeError, ValueError) as exc:
-        out["fsdp2_cpu_offload"] = (f"failed: {exc}".splitlines()[0], FSDP2_PEER)
-    for name, (zero, peer) in DEEPSPEED.items():
-        if importlib.util.find_spec("deepspeed") is None:
-            out[name] = ("not installed (pip install deepspeed)", peer)
-        elif setup.device != "cuda":
-            out[name] = ("needs CUDA (its offload optimizer is a compiled CPU op for GPU training)", peer)
-        else:
-            try:
-                out[name] = (measure_deepspeed(setup, zero), peer)
-            except (RuntimeError, ValueError, ImportError) as exc:
-                out[name] = (f"failed: {exc}".splitlines()[0], peer)
-    return out
+        micro_batches = setup.micro_batches()
+
+        def step() -> None:
+            # engine.backward scales each loss by 1/gradient_accumulation_steps and engine.step
+            # steps only at the boundary: the batch's mean loss, as in our engine.
+            for micro in micro_batches:
+                engine.backward(causal_lm_loss(engine(micro[0]), micro))
+                engine.step()
+
+        return _time(setup, name, step)
+    finally:
+        with contextlib.suppress(Exception):  # older versions lack it; never hide the step's error
+            engine.destroy()  # ZeRO-3 keeps hooks on the module and parameters in coordinators
 
 
-def largest_depth(setup: Setup, mode: dict[str, Any], limit: int = 512) -> int:
-    """Largest ``n_layer`` of the model's width that trains one step (doubling, then bisect)."""
-    def fits(n: int) -> bool:
-        try:
-            measure(Setup(replace(setup.model, n_layer=n), setup.batch, setup.accumulation, 1, setup.device), mode)
-            return True
-        except torch.OutOfMemoryError:
-            return False
-        finally:
-            torch.cuda.empty_cache()
-    low, high = 0, 1
-    while high <= limit and fits(high):
-        low, high = high, high * 2
+def baseline_run(setup: Setup, name: str) -> Callable[[], Result] | str:
+    """How to measure incumbent ``name``, or why it cannot run here."""
+    if name == "fsdp2_cpu_offload":
+        return functools.partial(measure_fsdp2, setup)
+    if importlib.util.find_spec("deepspeed") is None:
+        return "not installed (pip install deepspeed)"
+    if setup.device != "cuda":
+        return "needs CUDA (its offload optimizer is a compiled CPU op for GPU training)"
+    return functools.partial(measure_deepspeed, setup, name)
+
+
+def largest_depth(setup: Setup, name: str, limit: int = 512, budget_s: float = math.inf) -> Depth:
+    """Largest ``n_layer`` of the model's width that trains one step in mode ``name``
+    (doubling, then bisection); a depth whose host lower bound does not fit is not built.
+    It stops before a probe predicted (from the last two probes' times) to end past
+    ``budget_s``, answering the deepest depth so far as a lower bound."""
+    deadline = time.perf_counter() + budget_s
+    low, high, failed = 0, limit + 1, False  # low trains (0 trivially), high does not
+    why, detail, lower_bound = "depth limit", f"n_layer <= {limit}", False
+    timed: list[tuple[int, float]] = []
     while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low
+        n = (low + high) // 2 if failed else min(max(2 * low, 1), high - 1)
+        (n0, t0), (n1, t1) = timed[-2] if len(timed) > 1 else (0, 0.0), timed[-1] if timed else (1, 0.0)
+        if time.perf_counter() + max(t1 + (t1 - t0) / (n1 - n0) * (n - n1), 0.0) >= deadline:
+            why, detail, lower_bound = "time budget", f"{budget_s:.0f} s spent", True
+            break
+        probe, start = setup.depth(n, steps=0), time.perf_counter()
+        result = run_isolated(name, probe, functools.partial(measure, probe, name), host_bytes(probe, name))
+        if not result.status.startswith(REFUSED):  # a refused depth took no time
+            timed.append((n, time.perf_counter() - start))
+        if result.ok:
+            low = n
+        else:
+            high, failed, detail = n, True, result.status
+            why = ("device OOM" if result.status == "OOM (device)" else
+                   "host memory" if result.status.startswith("host memory") else "failed")
+    return Depth(name, low, gpt_param_count(setup.depth(low).model) if low else 0, why, detail, lower_bound)
 
 
 def _single_process_group(device: str) -> None:
-    """A one-process group for FSDP2 and DeepSpeed (they need one even for a single rank)."""
+    """The one-process group FSDP2 and DeepSpeed need even for one rank, made once per process and
+    reused: CPU collectives over gloo, CUDA ones over NCCL."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -225,56 +389,108 @@ def _single_process_group(device: str) -> None:
     dist.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+def _told(run: Callable[[], Result]) -> Result:
+    """``run()``, told on stderr at once: a call cut off by its time limit still shows results."""
+    start = time.perf_counter()
+    r = run()
+    done = f"{r.tokens_s:.0f} tokens/s" if r.ok else r.status
+    print(f"[offload] {r.name}: {done} ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+    return r
 
 
-def _row(name: str, r: Result, peak_tflops: float, device: str, ratio: str) -> str:
-    mfu = f"{r.tflops / peak_tflops:6.1%}" if device == "cuda" else f"{'-':>6s}"
-    return (f"{name:24s} {r.step_s:8.3f} {r.tokens_s:10.0f} {r.tflops:8.3f} {mfu} {r.peak_gib:8.2f} {ratio}")
+def _row(r: Result, ratio: str = "") -> str:
+    if not r.ok:
+        return f"{r.name:24s} {r.status}"
+    mfu, peak, host = (f"{v:{f}}" if math.isfinite(v) else "-" for v, f in
+                       ((r.mfu, ".1%"), (r.peak_gib, ".2f"), (r.host_gib, ".2f")))  # "-": not measurable here
+    return (f"{r.name:24s} {r.step_s:8.3f} {r.tokens_s:10.0f} {r.tflops:8.3f} {mfu:>6s} {peak:>8s} {host:>8s} "
+            f"{ratio}").rstrip()
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Print one line per mode (ratio to ``plain``) and per incumbent (our peer's ratio to it)."""
+def report(modes: list[Result], baselines: list[Result], depths: list[Depth]) -> None:
+    """Modes (ratio to plain, else to layer_major), incumbents (our peer's ratio to them), depths."""
+    ok = {r.name: r for r in modes if r.ok}
+    ref = next((ok[n] for n in ("plain", "layer_major") if n in ok), None)
+    against = ("ratio: no reference ran" if ref is None else "ratio to plain" if ref.name == "plain"
+               else "ratio to layer_major (plain did not run)")
+    if modes or baselines:
+        print(f"{'configuration':24s} {'step s':>8s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'MFU':>6s} "
+              f"{'peak GiB':>8s} {'host GiB':>8s} {against if modes else ''}".rstrip())
+    for r in modes:
+        ratio = f"{r.tokens_s / ref.tokens_s:.2f}x {ref.name}" if ref else ""
+        same = ok.get(SAME_WORK.get(r.name, ""))
+        if r.ok and same is not None and same is not ref:
+            ratio += f", {r.tokens_s / same.tokens_s:.2f}x {same.name}"
+        print(_row(r, ratio))
+    for r in baselines:
+        peer = PEERS[r.name]
+        ours = next((m for m in modes if m.name == peer), None)
+        print(_row(r, f"ours ({peer}) {ours.tokens_s / r.tokens_s:.2f}x it" if ours and ours.ok
+                   else f"ours ({peer}): {ours.status if ours else 'not measured'}"))
+    plain = next((d for d in depths if d.name == "plain" and d.params), None)
+    for d in depths:
+        ratio = f"{d.params / plain.params:5.2f}x plain" if plain else ""
+        print(f"largest {d.name:18s} n_layer {'>=' if d.lower_bound else '  '}{d.n_layer:4d} "
+              f"{d.params / 1e9:7.3f}B params {ratio} limit: {d.limit} ({d.detail})")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Measure the chosen modes, incumbents and depths; print the tables and ``RESULTS``."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--size", default="mini")
     parser.add_argument("--n-layer", type=int, default=None, help="override the size's depth")
     parser.add_argument("--seq-len", type=int, default=None, help="override the size's sequence length")
     parser.add_argument("--batch", type=int, default=4, help="micro-batch size")
     parser.add_argument("--accumulation", type=int, default=2, help="micro-batches per step")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
-    parser.add_argument("--no-baselines", action="store_true", help="skip DeepSpeed and FSDP2")
-    parser.add_argument("--search", action="store_true", help="CUDA: largest depth per mode")
+    parser.add_argument("--baselines", nargs="*", default=BASELINES, choices=BASELINES)
+    parser.add_argument("--no-baselines", action="store_true", help="skip FSDP2 and DeepSpeed")
+    parser.add_argument("--search", action="store_true", help="largest depth per mode (meant for CUDA)")
+    parser.add_argument("--search-only", action="store_true", help="no throughput rows, no baselines")
+    parser.add_argument("--search-budget-s", type=float, default=480.0, help="time for the whole search")
+    parser.add_argument("--search-max-layers", type=int, default=512)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="device bf16 peak (H100 SXM: 989)")
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in (("n_layer", args.n_layer), ("seq_len", args.seq_len)) if v is not None}
-    setup = Setup(gpt_config(args.size, **overrides), args.batch, args.accumulation, args.steps, args.device)
-    modes = ["plain", *[m for m in args.modes if m != "plain"]]
+    setup = Setup(gpt_config(args.size, **overrides), args.batch, args.accumulation, args.steps, args.device,
+                  args.peak_tflops)
+    cfg = setup.model
     print(f"device={args.device} torch={torch.__version__} threads={torch.get_num_threads()} size=gpt-{args.size} "
-          f"n_layer={setup.model.n_layer} seq_len={setup.model.seq_len} micro_batch={args.batch} "
-          f"accumulation={args.accumulation}")
-    # The process's first training run pays one-off costs (kernel and allocator warm-up,
-    # thread pools) that would land on whichever configuration happens to be measured first.
-    measure(replace(setup, steps=1), MODES["plain"])
-    results = {name: measure(setup, MODES[name]) for name in modes}
-    print(f"{'configuration':24s} {'step s':>8s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'MFU':>6s} {'peak GiB':>8s} ratio")
-    base = results["plain"]
-    for name, r in results.items():
-        print(_row(name, r, args.peak_tflops, args.device, f"{r.tokens_s / base.tokens_s:.2f}x plain"))
-    if not args.no_baselines:
-        for name, (outcome, peer) in baselines(setup).items():
-            if isinstance(outcome, str):
-                print(f"{name:24s} {outcome}")
-            else:
-                ratio = f"ours ({peer}) {results[peer].tokens_s / outcome.tokens_s:.2f}x it" if peer in results else ""
-                print(_row(name, outcome, args.peak_tflops, args.device, ratio))
-    if args.search and args.device == "cuda":
-        depths = {name: largest_depth(setup, MODES[name]) for name in modes}
-        for name, depth in depths.items():
-            print(f"largest n_layer {name:20s} {depth:5d}  ({depth / max(depths['plain'], 1):.2f}x plain)")
+          f"n_layer={cfg.n_layer} d_model={cfg.d_model} seq_len={cfg.seq_len} micro_batch={args.batch} "
+          f"accumulation={args.accumulation} params={gpt_param_count(cfg):,} "
+          f"host_available={available_host_bytes() / GIB:.1f}GiB", flush=True)
+    print(f"TFLOP/s, MFU: model FLOPs 6·N + 12·n_layer·seq_len·d_model per token (PaLM; recomputation not "
+          f"counted) against {args.peak_tflops:g} TFLOP/s; peak GiB: device max allocated; host GiB: RSS growth")
+    modes: list[Result] = []
+    baselines: list[Result] = []
+    depths: list[Depth] = []
+    if not args.search_only:
+        # The process's first run pays one-off costs (CUDA context, kernels, allocator, thread
+        # pools) that would land on whichever configuration came first: a 1-layer plain step.
+        warm = setup.depth(1, steps=0)
+        run_isolated("warm-up", warm, functools.partial(measure, warm, "plain"), host_bytes(warm, "plain"))
+        modes = [_told(functools.partial(run_isolated, name, setup, functools.partial(measure, setup, name),
+                                         host_bytes(setup, name))) for name in args.modes]
+    if args.search:  # before DeepSpeed, whose global state must not touch our probes
+        deadline = time.perf_counter() + args.search_budget_s
+        for index, name in enumerate(args.modes):  # each mode gets an equal share of what is left
+            share = max(deadline - time.perf_counter(), 0.0) / (len(args.modes) - index)
+            depths.append(largest_depth(setup, name, args.search_max_layers, share))
+    for name in [] if args.no_baselines or args.search_only else args.baselines:
+        run = baseline_run(setup, name)
+        baselines.append(Result(name, run, params=gpt_param_count(cfg)) if isinstance(run, str) else
+                         _told(functools.partial(run_isolated, name, setup, run, host_bytes(setup, name))))
+    report(modes, baselines, depths)
+    summary = {"setup": {"size": args.size, **asdict(cfg), "micro_batch": args.batch, "accumulation": args.accumulation,
+                         "steps": args.steps, "device": args.device, "torch": torch.__version__},
+               "rows": [{"kind": "mode", **asdict(r)} for r in modes]
+               + [{"kind": "baseline", "peer": PEERS[r.name], **asdict(r)} for r in baselines],
+               "search": [asdict(d) for d in depths]}
+    summary = json.loads(json.dumps(summary), parse_constant=lambda _: None)  # strict JSON: NaN → null
+    print("RESULTS " + json.dumps(summary, allow_nan=False), flush=True)
+    return summary
 
 
 if __name__ == "__main__":

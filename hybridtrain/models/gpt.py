@@ -141,6 +141,14 @@ class GPT(nn.Module):
                 if name.endswith("proj.weight"):
                     nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
+    def _apply(self, fn: Any, recurse: bool = True) -> GPT:
+        # ``to_empty`` (materialising a meta-device build) makes a new parameter per module,
+        # which would untie the head from the embedding: tie them again.
+        super()._apply(fn, recurse)
+        if self.config.tie_embeddings and self.head.weight is not self.tok_emb.weight:
+            self.head.weight = self.tok_emb.weight
+        return self
+
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, nn.Linear):

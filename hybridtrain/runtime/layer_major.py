@@ -161,6 +161,9 @@ class LayerMajorRunner:
             return total
         finally:
             self._boundaries = []
+            # A failed worker's exception holds its frames (the model, device tensors): drop
+            # it, or a caller that catches an OOM and carries on never gets the memory back.
+            self._turns = _Turns(0)
             for index in range(len(streamer.blocks)):  # after a failure nothing stays loaded
                 streamer.release(index)
             streamer.driven = False

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridtrain.models.gpt import GPT_SIZES, build_gpt, gpt_config, gpt_param_count
+from hybridtrain.models.gpt import GPT, GPT_SIZES, GPTConfig, build_gpt, gpt_config, gpt_param_count
 
 
 def test_tiny_forward_shapes_and_tied_head() -> None:
@@ -37,3 +37,12 @@ def test_bad_names_and_overrides() -> None:
         gpt_config("tiny", d_model=30, n_head=4)
     with pytest.raises(ValueError, match="exceeds"):
         build_gpt("gpt-tiny", seq_len=8)(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_materialising_a_meta_build_keeps_the_head_tied() -> None:
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=2, n_head=2, d_model=32, seq_len=16, vocab_size=64))
+    model.to_empty(device="cpu")
+    assert model.head.weight is model.tok_emb.weight
+    untied = GPT(GPTConfig(n_layer=1, n_head=2, d_model=32, seq_len=16, vocab_size=64, tie_embeddings=False))
+    assert untied.to_empty(device="cpu").head.weight is not untied.tok_emb.weight
