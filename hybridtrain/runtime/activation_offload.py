@@ -48,6 +48,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hybridtrain.runtime import transfer
+from hybridtrain.runtime.forward_wrap import wrap_forward
 
 _ORIGINAL_FORWARD = "_hybridtrain_swap_original_forward"
 
@@ -109,12 +110,8 @@ class ActivationSwapper:
     def wrap(self, module: nn.Module, recompute: bool = False) -> None:
         """Swap ``module``'s saved activations (``recompute``: checkpoint it and swap only
         its inputs). The forward is wrapped in place, so parameter names stay."""
-        if hasattr(module, _ORIGINAL_FORWARD):
-            return
-        original = module.forward
-        setattr(module, _ORIGINAL_FORWARD, original)
         run = self._recomputed_forward if recompute else self._swapped_forward
-        module.forward = functools.partial(run, module, original)
+        wrap_forward(module, _ORIGINAL_FORWARD, functools.partial(run, module))
 
     def _swapped_forward(self, module: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():

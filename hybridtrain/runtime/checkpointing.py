@@ -1,7 +1,7 @@
 """Activation checkpointing: a checkpointed module keeps only its inputs during forward
 and recomputes its activations in backward.
 
-The module's ``forward`` is wrapped in place rather than the module in a wrapper, so
+The module's ``forward`` is wrapped in place (:mod:`~hybridtrain.runtime.forward_wrap`), so
 parameter names (and therefore state dicts and Hugging Face weights) stay unchanged.
 The RNG state is saved and restored around the recomputation, so dropout draws the same
 masks as the un-checkpointed run.
@@ -9,13 +9,14 @@ masks as the un-checkpointed run.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from hybridtrain.runtime.forward_wrap import unwrap_forward, wrap_forward
 
 _ORIGINAL_FORWARD = "_hybridtrain_original_forward"
 
@@ -46,19 +47,13 @@ def select_checkpoint_targets(model: nn.Module, blocks: Sequence[nn.Module] | No
 def apply_activation_checkpointing(modules: Sequence[nn.Module]) -> None:
     """Make each module's forward checkpointed (idempotent)."""
     for module in modules:
-        if hasattr(module, _ORIGINAL_FORWARD):
-            continue
-        original = module.forward
-        setattr(module, _ORIGINAL_FORWARD, original)
-        module.forward = functools.partial(_checkpointed_forward, original)
+        wrap_forward(module, _ORIGINAL_FORWARD, _checkpointed_forward)
 
 
 def remove_activation_checkpointing(modules: Sequence[nn.Module]) -> None:
     """Undo :func:`apply_activation_checkpointing`."""
     for module in modules:
-        if hasattr(module, _ORIGINAL_FORWARD):
-            del module.forward
-            delattr(module, _ORIGINAL_FORWARD)
+        unwrap_forward(module, _ORIGINAL_FORWARD)
 
 
 def is_checkpointed(module: nn.Module) -> bool:
