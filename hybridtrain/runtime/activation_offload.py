@@ -257,6 +257,23 @@ class _SwappedRecompute(torch.autograd.Function):
         return (None, None, None, *[x.grad if x.requires_grad else None for x in inputs])
 
 
+def params_in_several_backwards(model: nn.Module, recomputed: Sequence[nn.Module]) -> frozenset[int]:
+    """Ids of parameters whose gradient arrives in more than one backward pass of a
+    micro-batch: each block in ``recomputed`` runs a backward of its own (in
+    :class:`_SwappedRecompute`), so a parameter shared by two of them, or by one of them and
+    the rest of the model, accumulates twice — a gradient hook sees it complete too early."""
+    contexts: dict[int, set[int]] = {}
+    for k, block in enumerate(recomputed):
+        for p in block.parameters():
+            contexts.setdefault(id(p), set()).add(k)
+    inside = {id(m) for block in recomputed for m in block.modules()}
+    for module in model.modules():
+        if id(module) not in inside:
+            for p in module.parameters(recurse=False):
+                contexts.setdefault(id(p), set()).add(-1)
+    return frozenset(i for i, seen in contexts.items() if len(seen) > 1)
+
+
 def apply_activation_offload(blocks: Sequence[nn.Module], device: torch.device, recompute: Sequence[nn.Module] = (),
                              prefetch_blocks: int = 1, pin_memory: bool = True,
                              min_bytes: int = 1024) -> ActivationSwapper:

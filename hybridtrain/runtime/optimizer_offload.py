@@ -102,6 +102,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         lasting_grads: whether gradients will wait in host memory (accumulation over
             micro-batches landing one by one, or a deferred step); only sizes the host
             memory check — buffers follow what actually happens.
+        late: ids of parameters whose gradient may arrive in several backward passes of
+            one micro-batch (shared by blocks that recompute in a backward of their own):
+            their buckets land after the whole backward instead of on arrival.
 
     Raises:
         ValueError: the optimizer already has state.
@@ -110,7 +113,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, pin_memory: bool = True,
                  host_ratio: float = 1.0, bucket_numel: int = 500_000_000, defer: bool = False,
-                 streamed: Sequence[Sequence[nn.Parameter]] = (), lasting_grads: bool = True) -> None:
+                 streamed: Sequence[Sequence[nn.Parameter]] = (), lasting_grads: bool = True,
+                 late: frozenset[int] = frozenset()) -> None:
         if any(optimizer.state.values()):
             raise ValueError("optimizer offload takes over a fresh optimizer; this one has already stepped")
         self.device = device
@@ -130,19 +134,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
         params = [p for g in optimizer.param_groups for p in g["params"]]
         on_device = _device_kept(params, host_ratio, streamed_ids)
         group_index = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
-        bucket_sizes = [sum(p.numel() for p in block) for block in streamed] + [bucket_numel]
-        _check_host_memory(params, on_device, optimizer, lasting_grads or defer,
-                           _POOLED_BUFFERS * max(bucket_sizes))
+        auto = [p for p in params if id(p) not in streamed_ids and id(p) not in on_device]
+        plan = [(list(block), True) for block in streamed] + \
+            [(chunk, False) for chunk in _chunks(list(reversed(auto)), bucket_numel)]
+        largest = max((sum(p.numel() for p in ps) for ps, _ in plan), default=0)
+        _check_host_memory(params, on_device, optimizer, lasting_grads or defer, _POOLED_BUFFERS * largest)
 
         self.buckets: list[Bucket] = []
-        for block in streamed:
-            self.buckets.append(self._make_bucket(list(block), True, group_index))
-        auto = [p for p in params if id(p) not in streamed_ids and id(p) not in on_device]
-        for chunk in _chunks(list(reversed(auto)), bucket_numel):
-            self.buckets.append(self._make_bucket(chunk, False, group_index))
+        for bucket_params, is_streamed in plan:
+            self.buckets.append(self._make_bucket(bucket_params, is_streamed, group_index))
         master_of = {id(p): m for b in self.buckets for p, m in zip(b.params, b.masters, strict=True)}
-        self._pool = transfer.HostBufferPool(max((b.numel for b in self.buckets), default=0), torch.float32,
-                                             pin_memory, device, _POOLED_BUFFERS)
+        self._pool = transfer.HostBufferPool(largest, torch.float32, pin_memory, device, _POOLED_BUFFERS)
 
         groups = []
         for g in optimizer.param_groups:
@@ -156,8 +158,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._device_optimizer = (self._inner([device_params], [[group_index[id(p)] for p in device_params]],
                                               fused=False) if device_params else None)
         self._device_groups = [group_index[id(p)] for p in device_params]
-        for p, bucket in ((p, b) for b in self.buckets if not b.streamed for p in b.params):
-            p.register_post_accumulate_grad_hook(lambda _p, b=bucket: self._arrived(b))
+        for bucket in self.buckets:
+            if not bucket.streamed and not any(id(p) in late for p in bucket.params):
+                for p in bucket.params:
+                    p.register_post_accumulate_grad_hook(lambda _p, b=bucket: self._arrived(b))
         self._final = False
         self._eager = False
         self._finite = True
@@ -245,31 +249,37 @@ class OffloadOptimizer(torch.optim.Optimizer):
             bucket.flat_grad = transfer.host_buffer(bucket.numel, torch.float32, self.pin_memory, self.device)
         through: torch.Tensor | None = None
         landed: list[tuple[int, bool]] = []
-        with self._d2h.after_compute():
-            for j, p in enumerate(bucket.params):
-                grad = p.grad
-                if grad is None:
-                    continue
-                first = not bucket.has_grad[j]
-                if not first and not lasting:
-                    raise RuntimeError(f"gradients of bucket {index} arrived after its host step in this step; "
-                                       "call step() (or train_batch) between backward passes, or raise "
-                                       "gradient_accumulation_steps")
-                if through is None and not (first and lasting):
-                    through = self._pool.acquire(bucket.numel)
-                target = bucket.views(bucket.flat_grad if first and lasting else through)[j]  # type: ignore[arg-type]
-                target.copy_(grad, non_blocking=True)
-                self._d2h.keep_alive(grad)
-                p.grad = None
-                bucket.has_grad[j] = True
-                landed.append((j, first))
-            copied = self._d2h.record()
-        bucket.copied = copied
-        if then is not None:
-            then()
-        if landed:
-            self._jobs.append(self._worker.submit(self._accumulate, bucket, landed, copied, through,
-                                                  self._eager))
+        try:
+            with self._d2h.after_compute():
+                for j, p in enumerate(bucket.params):
+                    grad = p.grad
+                    if grad is None:
+                        continue
+                    first = not bucket.has_grad[j]
+                    if not first and not lasting:
+                        raise RuntimeError(f"gradients of bucket {index} arrived after its host step in this step; "
+                                           "call step() (or train_batch) between backward passes, or raise "
+                                           "gradient_accumulation_steps")
+                    if through is None and not (first and lasting):
+                        through = self._pool.acquire(bucket.numel)
+                    target = bucket.views(bucket.flat_grad if first and lasting else through)[j]  # type: ignore[arg-type]
+                    target.copy_(grad, non_blocking=True)
+                    self._d2h.keep_alive(grad)
+                    p.grad = None
+                    bucket.has_grad[j] = True
+                    landed.append((j, first))
+                copied = self._d2h.record()
+            bucket.copied = copied
+            if then is not None:
+                then()
+            if landed:
+                self._jobs.append(self._worker.submit(self._accumulate, bucket, landed, copied, through,
+                                                      self._eager))
+        except BaseException:
+            if through is not None:  # a lost pool buffer would block every later landing
+                transfer.host_waits(self._d2h.record())  # copies into it may be queued
+                self._pool.release(through)
+            raise
 
     def _arrived(self, bucket: Bucket) -> None:
         if self.manual_landing:
@@ -281,8 +291,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ host side (worker)
     def _accumulate(self, bucket: Bucket, landed: list[tuple[int, bool]], copied: torch.cuda.Event | None,
                     through: torch.Tensor | None, step: bool) -> None:
-        transfer.host_waits(copied)
         try:
+            transfer.host_waits(copied)
             if bucket.flat_grad is None:
                 # The step's only gradients, in a pooled buffer: step with them at once.
                 assert through is not None and step
@@ -332,9 +342,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 master.grad = grad
 
     def _wait(self) -> None:
+        # Every job finishes before the first error is raised: none may still run unseen
+        # while the caller resets the buckets.
         jobs, self._jobs = self._jobs, []
-        for job in jobs:
-            job.result()
+        errors = [job.exception() for job in jobs]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
 
     # ------------------------------------------------------------------ optimizer API
     @torch.no_grad()

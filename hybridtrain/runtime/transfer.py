@@ -17,7 +17,9 @@ code paths run (and are tested for exact math) on machines without a GPU.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
+import mmap
 import os
 import queue
 import threading
@@ -141,30 +143,53 @@ def _unregister(ptr: int) -> None:
         torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
+_REGISTER_MIN_BYTES = 1 << 20
+"""Smaller lasting buffers come from the caching allocator: page-locking in place costs a
+driver call per buffer, and their rounding wastes little."""
+
+
 def host_buffer(numel: int, dtype: torch.dtype, pin: bool, device: torch.device) -> torch.Tensor:
     """A long-lived flat host buffer (master weights, gradients): page-locked at its exact size.
 
     The caching pinned allocator rounds every allocation up to a power of two — up to twice
-    the host memory for the offloaded state, which is what limits the model size. So lasting
-    buffers are ordinary allocations page-locked in place with ``cudaHostRegister`` (and
-    unregistered when their storage dies); if that fails, :func:`host_empty` decides.
+    the host memory for the offloaded state, which is what limits the model size. So large
+    lasting buffers are ordinary allocations page-locked in place with ``cudaHostRegister``
+    (and unregistered when their storage dies). The locked range is whole pages inside this
+    allocation, so no other buffer shares a locked page (locking a page twice fails). If
+    locking fails anyway, :func:`host_empty` decides.
     """
-    if not (pin and device.type == "cuda") or numel == 0:
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if not (pin and device.type == "cuda") or nbytes < _REGISTER_MIN_BYTES:
         return host_empty(numel, dtype, pin, device)
-    buffer = torch.empty(numel, dtype=dtype)
-    storage = buffer.untyped_storage()
+    page = mmap.PAGESIZE
+    raw = torch.empty(nbytes + 2 * page, dtype=torch.uint8)
+    offset = -raw.data_ptr() % page
+    start, length = raw.data_ptr() + offset, -(-nbytes // page) * page
     try:
-        status = int(torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes(), _PORTABLE))
+        status = int(torch.cuda.cudart().cudaHostRegister(start, length, _PORTABLE))
     except (RuntimeError, AttributeError) as exc:
-        status, error = -1, exc
+        status, reason = -1, str(exc)
     else:
-        error = RuntimeError(f"cudaHostRegister returned cudaError {status}")
+        reason = f"cudaError {status}"
     if status != 0:
-        log.debug("page-locking %d bytes in place failed (%s); using the caching pinned allocator",
-                  storage.nbytes(), error)
+        _clear_cuda_error()
+        log.debug("page-locking %d bytes in place failed (%s); using the caching pinned allocator", length, reason)
         return host_empty(numel, dtype, pin, device)
-    weakref.finalize(storage, _unregister, storage.data_ptr())
-    return buffer
+    weakref.finalize(raw.untyped_storage(), _unregister, start)
+    return raw[offset:offset + nbytes].view(dtype)
+
+
+def _clear_cuda_error() -> None:
+    # A failed runtime call stays the thread's "last error", which the next kernel launch
+    # check would report as its own failure; reading it resets it. Best effort: the CUDA
+    # runtime torch loaded is found by its soname.
+    major = (torch.version.cuda or "").split(".")[0]
+    for name in (f"libcudart.so.{major}", "libcudart.so"):
+        try:
+            ctypes.CDLL(name).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
 
 
 class HostBufferPool:

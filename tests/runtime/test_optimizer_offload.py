@@ -150,13 +150,58 @@ def test_gradients_summed_over_micro_batches_wait_in_lasting_buffers() -> None:
 
 
 def test_host_memory_check_counts_gradient_buffers_only_when_they_wait(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = torch.nn.Linear(1024, 1024, bias=False, device="meta").to_empty(device="cpu")
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
     needed: list[int] = []
     monkeypatch.setattr(transfer, "check_host_memory", lambda n, what: needed.append(n))
     for lasting in (False, True):
-        OffloadOptimizer(torch.optim.AdamW(model.parameters()), torch.device("cpu"), bucket_numel=1024,
+        OffloadOptimizer(torch.optim.AdamW(model.parameters()), torch.device("cpu"), bucket_numel=256 * 256,
                          lasting_grads=lasting).close()
-    numel = 1024 * 1024
-    # fp32 master + two Adam moments (+ fp32 gradient) + 3 pooled bucket buffers, less the
-    # parameters' own host memory, which the masters replace.
-    assert needed == [12 * numel + 4 * 3 * 1024 - 4 * numel, 16 * numel + 4 * 3 * 1024 - 4 * numel]
+    numel = sum(p.numel() for p in model.parameters())
+    # fp32 master + two Adam moments (+ fp32 gradient) + 3 pooled buffers of the largest
+    # bucket (one weight), less the parameters' own host memory, which the masters replace.
+    pool = 4 * 3 * 256 * 256
+    assert needed == [12 * numel + pool - 4 * numel, 16 * numel + pool - 4 * numel]
+
+
+class _SharedAcrossBlocks(torch.nn.Module):
+    """Two blocks sharing one Linear: with swapped checkpoints each block runs its own
+    backward, so the shared weight's gradient arrives twice per micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shared = torch.nn.Linear(8, 8)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(shared, torch.nn.Tanh()) for _ in range(2))
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_weight_shared_by_swapped_checkpointed_blocks_gets_its_whole_gradient() -> None:
+    def loss_fn(out: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(out, batch[1])
+
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen)) for _ in range(3)]
+    torch.manual_seed(0)
+    plain = _SharedAcrossBlocks()
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, eps=1e-6)
+    expected = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = loss_fn(plain(x), (x, y))
+        loss.backward()
+        opt.step()
+        expected.append(loss.item())
+    torch.manual_seed(0)
+    engine = ht.initialize(_SharedAcrossBlocks(), {
+        "device": "cpu", "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-6}},
+        "activation_checkpointing": {"enabled": True, "cpu_checkpointing": True},
+        "zero_optimization": {"stage": 1, "reduce_bucket_size": 8, "offload_optimizer": {"device": "cpu"}}},
+        loss_fn=loss_fn)
+    losses = [engine.train_batch(b) for b in batches]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(engine.model_state_dict()[name], value, rtol=1e-5, atol=1e-6)

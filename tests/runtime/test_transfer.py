@@ -4,6 +4,7 @@ a stand-in for the CUDA runtime (the real one runs in the CUDA tests of the offl
 from __future__ import annotations
 
 import gc
+import mmap
 import threading
 import time
 
@@ -33,11 +34,18 @@ class _FakeCudart:
 def test_lasting_buffers_are_page_locked_at_their_exact_size_and_released(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = _FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
-    buffer = transfer.host_buffer(1000, torch.float32, True, CUDA)
-    ptr = buffer.untyped_storage().data_ptr()
-    assert fake.registered == [(ptr, 4000, 1)]  # not rounded up to 4096
+    numel = 300_000  # 1.2 MB: above the size below which the caching allocator is used
+    buffer = transfer.host_buffer(numel, torch.float32, True, CUDA)
+    assert buffer.numel() == numel and buffer.dtype == torch.float32
+    ((ptr, size, flags),) = fake.registered
+    page = mmap.PAGESIZE
+    # Whole pages, starting at the buffer, ending within its allocation: not rounded up to
+    # a power of two (2 MiB here), and no page shared with another allocation.
+    assert ptr == buffer.data_ptr() and ptr % page == 0 and size == -(-4 * numel // page) * page and flags == 1
+    storage = buffer.untyped_storage()
+    assert storage.data_ptr() <= ptr and ptr + size <= storage.data_ptr() + storage.nbytes()
     view = buffer[10:20]
-    del buffer
+    del buffer, storage
     gc.collect()
     assert fake.unregistered == []  # a view still reads it
     del view
@@ -45,14 +53,27 @@ def test_lasting_buffers_are_page_locked_at_their_exact_size_and_released(monkey
     assert fake.unregistered == [ptr]
 
 
+def test_small_lasting_buffers_use_the_caching_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(torch, "empty", _no_pinned(torch.empty))
+    monkeypatch.setattr(transfer, "_pin_warned", False)
+    with pytest.warns(UserWarning, match="pinned host memory unavailable"):
+        transfer.host_buffer(1000, torch.float32, True, CUDA)
+    assert fake.registered == []
+
+
 def test_failed_registration_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "cudart", lambda: _FakeCudart(status=712))
     monkeypatch.setattr(transfer, "_pin_warned", False)
+    cleared: list[bool] = []
+    monkeypatch.setattr(transfer, "_clear_cuda_error", lambda: cleared.append(True))
     # The fallback asks the caching pinned allocator, which has no driver here either.
     monkeypatch.setattr(torch, "empty", _no_pinned(torch.empty))
     with pytest.warns(UserWarning, match="pinned host memory unavailable"):
-        buffer = transfer.host_buffer(10, torch.float32, True, CUDA)
-    assert buffer.numel() == 10 and not buffer.is_pinned()
+        buffer = transfer.host_buffer(300_000, torch.float32, True, CUDA)
+    assert buffer.numel() == 300_000 and not buffer.is_pinned()
+    assert cleared == [True]  # CUDA's last error is read back, or the next launch check reports it
 
 
 def _no_pinned(empty):  # type: ignore[no-untyped-def]
