@@ -80,6 +80,21 @@ class OffloadOptimizerConfig(Section):
     """Use page-locked host buffers for faster device↔host copies."""
     ratio: float = Field(default=1.0, ge=0.0, le=1.0)
     """Fraction of the update done on the host (DeepSpeed's twin-flow ``ratio``)."""
+    gpu_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
+    """Fraction of the update kept on the device (twin-flow); the same as ``ratio = 1 - gpu_ratio``."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_ratio(cls, raw: Any) -> Any:
+        if not isinstance(raw, dict) or raw.get("gpu_ratio") is None:
+            return raw
+        gpu = raw["gpu_ratio"]
+        if not isinstance(gpu, int | float) or not 0.0 <= gpu <= 1.0:
+            return raw  # the field's own validation names the problem
+        if "ratio" in raw and abs(float(raw["ratio"]) + gpu - 1.0) > 1e-9:
+            raise ValueError(f"offload_optimizer.ratio = {raw['ratio']} and gpu_ratio = {gpu} disagree; "
+                             "give one of them (ratio = 1 - gpu_ratio)")
+        return {**raw, "ratio": 1.0 - gpu}
 
 
 class OffloadParamConfig(Section):

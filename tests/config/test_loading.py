@@ -114,3 +114,15 @@ def test_config_reference_documents_every_field() -> None:
         assert f"`{name}`" in text
         assert info.description, f"{name} has no docstring"
     assert "`fp16.loss_scale_window`" in text
+
+
+def test_twin_flow_share_can_be_given_as_gpu_ratio() -> None:
+    def offload(**keys: float) -> dict:
+        return {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", **keys}}}
+
+    assert load_config(offload(gpu_ratio=0.25)).zero_optimization.offload_optimizer.ratio == 0.75
+    assert load_config(offload(gpu_ratio=0.25, ratio=0.75)).zero_optimization.offload_optimizer.ratio == 0.75
+    with pytest.raises(ConfigError, match=r"ratio = 0.5 and gpu_ratio = 0.25 disagree"):
+        load_config(offload(gpu_ratio=0.25, ratio=0.5))
+    with pytest.raises(ConfigError, match=r"gpu_ratio = 1.5 is not allowed"):
+        load_config(offload(gpu_ratio=1.5))
