@@ -97,9 +97,10 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
         _disable_hf_cache(model)
         # Blocks that are also swapped get a checkpoint that swaps their inputs instead.
         apply_activation_checkpointing([m for m in checkpoint_targets if m not in swap_recompute])
+    swapper = None
     if swap_targets:
         swap = cfg.activation_offload
-        apply_activation_offload(swap_targets, device, swap_recompute, swap.prefetch_blocks, swap.pin_memory,
+        swapper = apply_activation_offload(swap_targets, device, swap_recompute, swap.prefetch_blocks, swap.pin_memory,
                                  swap.min_bytes)
     pipeline_blocks = _pipeline_blocks(model, cfg, sizes[2])
     try:
@@ -149,7 +150,7 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
         setup=setup,
         parallel=parallel,
         backward_observer=streamer or offload or _replica_sync(parallel),
-        step_runner=LayerMajorRunner(streamer) if streamer and cfg.layer_streaming.layer_major else None,
+        step_runner=LayerMajorRunner(streamer, swapper) if streamer and cfg.layer_streaming.layer_major else None,
     )
     return Engine(model, optimizer, scheduler, scaler, loss_fn, options, cfg)
 

@@ -63,6 +63,8 @@ class SwapStats:
     kept_on_device: int = 0
     prefetch_ahead: list[int] = field(default_factory=list)
     """For every block whose backward began: blocks already on their way back beyond it."""
+    fetched_late: int = 0
+    """Blocks whose backward began before any of their tensors was on its way back."""
 
 
 class _Swapped:
@@ -103,6 +105,8 @@ class ActivationSwapper:
         self._pending: dict[int, list[weakref.ref[_Swapped]]] = {}
         self._prefetched: set[int] = set()
         self._current = 0
+        self._order: dict[int, int] = {}
+        self._last_scope: tuple[int, int] = (0, 0)
         self.copies_in_flight = copies_in_flight
         self._copied_out: dict[int, torch.cuda.Event | None] = {}
 
@@ -151,6 +155,7 @@ class ActivationSwapper:
         seq = self._seq
         self._pending = {k: v for k, v in self._pending.items() if any(r() is not None for r in v)}
         self._pending[seq] = []
+        self._last_scope = (id(module), seq)
         skip = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
         # Keyed by tensor identity and holding the tensor until the block's forward ends:
         # an address could be reused by a new tensor once the swapped one is freed.
@@ -202,13 +207,31 @@ class ActivationSwapper:
             tensor.record_stream(torch.cuda.current_stream(self.device))
         return tensor
 
+    def last_scope(self, module: nn.Module) -> int | None:
+        """The swap scope of ``module``'s forward that just ran (None if another ran since)."""
+        owner, seq = self._last_scope
+        return seq if owner == id(module) else None
+
+    def expect_backward_order(self, scopes: Sequence[int]) -> None:
+        """The order in which the coming backward visits the swap ``scopes`` (from
+        :meth:`last_scope`); without it, the reverse of forward order is assumed. A
+        layer-major step runs every micro-batch through one block before the next, which
+        is not that order, and prefetching must follow what actually comes next."""
+        self._order = {seq: k for k, seq in enumerate(scopes)}
+
     def _begin_block(self, seq: int) -> None:
-        """Backward reached block ``seq``: bring it and the blocks before it back."""
+        """Backward reached block ``seq``: bring it and the ``prefetch_blocks`` next ones back."""
         self._current = seq
-        self._prefetched = {s for s in self._prefetched if s < seq}
-        earlier = sorted(s for s in {*self._pending, *self._prefetched} if s < seq)
-        ahead = earlier[len(earlier) - self.prefetch_blocks:] if self.prefetch_blocks else []
-        for s in [seq, *reversed(ahead)]:
+        live = {*self._pending, *self._prefetched} - {seq}
+        if seq in self._order:
+            here = self._order[seq]
+            upcoming = sorted((s for s in live if self._order.get(s, -1) > here), key=self._order.__getitem__)
+        else:
+            upcoming = sorted((s for s in live if s < seq), reverse=True)
+        if self._pending.get(seq) and seq not in self._prefetched:
+            self.stats.fetched_late += 1
+        self._prefetched = {s for s in self._prefetched if s in upcoming}
+        for s in [seq, *upcoming[:self.prefetch_blocks]]:
             for ref in self._pending.pop(s, []):
                 handle = ref()
                 if handle is not None:

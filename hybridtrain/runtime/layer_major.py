@@ -43,6 +43,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
+from hybridtrain.runtime.activation_offload import ActivationSwapper
 from hybridtrain.runtime.batch import Batch
 from hybridtrain.runtime.streaming import LayerStreamer
 
@@ -111,10 +112,14 @@ class LayerMajorRunner:
         streamer: the layer streamer of the model's streamed blocks. Outside
             :meth:`forward_backward` (evaluation, the forward/backward/step trio) its own
             hooks stream the blocks one micro-batch at a time, with the same math.
+        swapper: the activation swapper of the blocks (``boundary_activations: host``),
+            told the block-major backward order so that it prefetches what comes next.
     """
 
-    def __init__(self, streamer: LayerStreamer) -> None:
+    def __init__(self, streamer: LayerStreamer, swapper: ActivationSwapper | None = None) -> None:
         self.streamer = streamer
+        self.swapper = swapper
+        self._scopes: list[list[int | None]] = []
         self._local = threading.local()
         self._turns = _Turns(0)
         self._boundaries: list[list[_Boundary | None]] = []
@@ -151,6 +156,9 @@ class LayerMajorRunner:
             for loss in losses:
                 total += loss.detach().float() * weight
             streamer.before_backward(True, torch.stack([loss.detach().float() for loss in losses]))
+            if self.swapper is not None:  # backward: block N-1 for every micro-batch, then N-2, …
+                self.swapper.expect_backward_order(
+                    [seq for scopes in reversed(self._scopes) for seq in scopes if seq is not None])
             for loss in losses:
                 scaled = loss * weight
                 (scaled * scale if scale != 1.0 else scaled).backward()
@@ -160,7 +168,9 @@ class LayerMajorRunner:
             streamer.after_backward(True)
             return total
         finally:
-            self._boundaries = []
+            self._boundaries, self._scopes = [], []
+            if self.swapper is not None:
+                self.swapper.expect_backward_order(())
             # A failed worker's exception holds its frames (the model, device tensors): drop
             # it, or a caller that catches an OOM and carries on never gets the memory back.
             self._turns = _Turns(0)
@@ -173,6 +183,7 @@ class LayerMajorRunner:
         count = len(micro_batches)
         self._turns = _Turns(count)
         self._boundaries = [[None] * count for _ in self.streamer.blocks]
+        self._scopes = [[None] * count for _ in self.streamer.blocks]
         losses: list[torch.Tensor | None] = [None] * count
         device = self.streamer.device
 
@@ -244,6 +255,8 @@ class LayerMajorRunner:
         for j in cut:
             replaced[j] = leaves[j].detach().requires_grad_()
         self._boundaries[index][worker] = ([leaves[j] for j in cut], [replaced[j] for j in cut])
+        if self.swapper is not None:
+            self._scopes[index][worker] = self.swapper.last_scope(self.streamer.blocks[index].module)
         # The last micro-batch is through: the device copy can go — except the last block's,
         # which backward needs first.
         if worker == len(self._boundaries[index]) - 1 and not last:

@@ -159,3 +159,16 @@ def test_a_block_run_twice_per_forward_is_refused_not_miscomputed() -> None:
                                        "layer_streaming": {"enabled": True, "layer_major": True}})
     with pytest.raises(RuntimeError, match="ran twice"):
         engine.train_batch(torch.randn(4, 4))
+
+
+def test_swapped_block_inputs_are_prefetched_in_block_major_backward_order() -> None:
+    engine = _engine(accumulation=4, boundary_activations="host")
+    runner = engine.options.step_runner
+    assert isinstance(runner, LayerMajorRunner) and runner.swapper is not None
+    stats = runner.swapper.stats
+    engine.train_batch(_batch())
+    # Only the first scope backward meets (last block, first micro-batch) is fetched on
+    # demand; each later one was already on its way (activation_offload.prefetch_blocks: 1).
+    assert stats.tensors_out == CFG.n_layer * 4
+    assert stats.fetched_late == 1
+    assert max(stats.prefetch_ahead) == 1
