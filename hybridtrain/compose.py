@@ -100,8 +100,8 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
     swapper = None
     if swap_targets:
         swap = cfg.activation_offload
-        swapper = apply_activation_offload(swap_targets, device, swap_recompute, swap.prefetch_blocks, swap.pin_memory,
-                                 swap.min_bytes)
+        swapper = apply_activation_offload(swap_targets, device, swap_recompute, swap.prefetch_blocks,
+                                           swap.pin_memory, swap.min_bytes)
     pipeline_blocks = _pipeline_blocks(model, cfg, sizes[2])
     try:
         tensor_plan = resolve_plan(model, cfg.tensor_parallel.plan, sizes[1]) if sizes[1] > 1 else {}
