@@ -127,7 +127,7 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
             optimizer = build_optimizer(model.parameters(), cfg.optimizer.type, cfg.optimizer.params)
         setup = _resume_fingerprint(cfg, optimizer)
         offload = _offload_optimizer(optimizer, cfg, device, sizes, streamed, batch.accumulation_steps,
-                                     params_in_several_backwards(model, swap_recompute))
+                                     lambda: params_in_several_backwards(model, swap_recompute))
         optimizer = offload or optimizer
         scheduler = build_scheduler(optimizer, cfg.scheduler.type, cfg.scheduler.params) if cfg.scheduler else None
         if parallel.pipeline is not None:
@@ -274,7 +274,7 @@ def _swap_targets(model: nn.Module, cfg: Config, checkpoint_targets: list[nn.Mod
 
 def _offload_optimizer(optimizer: torch.optim.Optimizer, cfg: Config, device: torch.device,
                        sizes: tuple[int, int, int], streamed: list[nn.Module], accumulation: int,
-                       late: frozenset[int]) -> OffloadOptimizer | None:
+                       late: Callable[[], frozenset[int]]) -> OffloadOptimizer | None:
     """ZeRO-Offload on one process (several processes offload inside ZeRO sharding); layer
     streaming always updates on the host, each streamed block being one bucket."""
     section = cfg.zero_optimization.offload_optimizer
@@ -289,7 +289,7 @@ def _offload_optimizer(optimizer: torch.optim.Optimizer, cfg: Config, device: to
     return OffloadOptimizer(optimizer, device, pin, 1.0 if streamed else section.ratio,
                             cfg.zero_optimization.reduce_bucket_size, defer,
                             streamed=[list(block.parameters()) for block in streamed],
-                            lasting_grads=defer or summed_on_host, late=late)
+                            lasting_grads=defer or summed_on_host, late=late())
 
 
 def _streamed_blocks(model: nn.Module, cfg: Config) -> list[nn.Module]:
