@@ -15,19 +15,19 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
 from hybridtrain import checkpoint as ckpt
-from hybridtrain.config import BatchSizes, Config
+from hybridtrain.config import BatchSizes
 from hybridtrain.parallel.mesh import Topology
-from hybridtrain.parallel.runtime import ParallelRuntime
+from hybridtrain.parallel.replicated import ParallelRuntime
 from hybridtrain.runtime import device as dev
 from hybridtrain.runtime.batch import (
     Batch,
@@ -40,39 +40,19 @@ from hybridtrain.runtime.batch import (
     to_device,
 )
 from hybridtrain.runtime.precision import LossScaler, autocast
-
-
-class BackwardObserver(Protocol):
-    """Told about every micro-batch's backward (optimizer offload and layer streaming move
-    gradients to the host as they complete). ``final``: the last micro-batch of the step."""
-
-    def before_backward(self, final: bool, loss: torch.Tensor) -> None: ...
-
-    def after_backward(self, final: bool) -> None: ...
-
-
-class StepRunner(Protocol):
-    """Runs a whole step's forwards and backwards in its own order (layer-major streaming
-    runs every micro-batch through one block before the next). Each micro-batch's backward
-    is of ``loss_of(micro) × weight × scale``; gradients end where the ordinary loop leaves
-    them; returns the weighted sum of the losses (detached)."""
-
-    def forward_backward(self, micro_batches: Sequence[Batch], loss_of: Callable[[Batch], torch.Tensor],
-                         weight: float, scale: float) -> torch.Tensor: ...
+from hybridtrain.runtime.step_runner import (
+    BackwardObserver,
+    MicroBatchRunner,
+    StepContext,
+    StepRunner,
+    StepTimings,
+    notify_after,
+    notify_before,
+)
 
 
 class NonFiniteLossError(FloatingPointError):
     """The loss became inf/NaN and ``nonfinite_loss`` is ``error``."""
-
-
-@dataclass
-class StepTimings:
-    """Wall-clock seconds of the parts of the last step (``wall_clock_breakdown``)."""
-
-    forward: float = 0.0
-    backward: float = 0.0
-    step: float = 0.0
-    total: float = 0.0
 
 
 @dataclass
@@ -87,8 +67,11 @@ class EngineOptions:
     wall_clock_breakdown: bool = False
     setup: dict[str, Any] = field(default_factory=dict)
     parallel: ParallelRuntime | None = None
-    backward_observer: BackwardObserver | None = None
-    step_runner: StepRunner | None = None
+    """Everything that differs when several processes cooperate (one process: None)."""
+    runner: StepRunner | None = None
+    """Runs each step's forwards and backwards (None: the plain micro-batch loop)."""
+    observers: Sequence[BackwardObserver] = ()
+    """Told about every backward of the micro-batch loop and the trio, in this order."""
 
 
 class Engine:
@@ -102,20 +85,19 @@ class Engine:
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-                 scaler: LossScaler | None, loss_fn: LossFn | None, options: EngineOptions,
-                 config: Config) -> None:
+                 scaler: LossScaler | None, loss_fn: LossFn | None, options: EngineOptions) -> None:
         self.module = module
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.scaler = scaler
         self.loss_fn = loss_fn
         self.options = options
-        self.config = config
         self.device = options.device
         self.global_step = 0
         self.last_timings = StepTimings()
         # Everything that differs when several processes cooperate goes through this object.
         self.parallel = options.parallel or ParallelRuntime(module)
+        self.runner: StepRunner = options.runner or MicroBatchRunner(self.parallel.set_grad_sync)
         self._nonfinite_skips = 0
         self._manual_micro_steps = 0
         self._manual_loss: torch.Tensor | None = None
@@ -137,27 +119,10 @@ class Engine:
         self.module.train()
         self.last_timings = StepTimings()
         micro_batches = split_batch(batch, self.options.batch.accumulation_steps)
-        weight = 1.0 / len(micro_batches)
-        total = torch.zeros((), device=self.device)
         self.optimizer.zero_grad(set_to_none=True)
-        pipeline = self.parallel.pipeline
-        if pipeline is not None:
-            # The schedule interleaves the micro-batches' forwards and backwards across stages.
-            with self._timed("forward"):
-                total += pipeline.train_step(micro_batches, self.loss_scale)
-        runner = self.options.step_runner
-        if runner is not None:
-            with self._timed("forward"):
-                total += runner.forward_backward(micro_batches, self._micro_loss, weight, self.loss_scale)
-        for index, micro in enumerate(micro_batches if pipeline is None and runner is None else []):
-            final = index == len(micro_batches) - 1
-            # Gradients cross processes once per step: after the last micro-batch.
-            self.parallel.set_grad_sync(final)
-            with self._timed("forward"):
-                loss = self._micro_loss(micro)
-            total += loss.detach().float() * weight
-            with self._timed("backward"):
-                self._scaled_backward(loss * weight, final)
+        step = StepContext(self._micro_loss, self._scaled_backward, 1.0 / len(micro_batches), self.loss_scale,
+                           self._timed)
+        total = self.runner.forward_backward(micro_batches, step)
         value = float(self.parallel.mean_loss(total).item())
         with self._timed("step"):
             self._optimizer_step(value)
@@ -166,8 +131,8 @@ class Engine:
 
     def eval_batch(self, batch: Batch) -> float:
         """Mean loss of ``batch`` without gradients (in micro-batches of the training size)."""
-        if self.parallel.pipeline is not None:
-            return float(self.parallel.mean_loss(self.parallel.pipeline.eval_loss(to_device(batch, self.device))))
+        if self.runner.whole_steps_only:
+            return float(self.parallel.mean_loss(self.runner.evaluate(to_device(batch, self.device))))
         was_training = self.module.training
         self.module.eval()
         size = batch_size(batch)
@@ -196,7 +161,7 @@ class Engine:
         Raises:
             RuntimeError: under pipeline parallel, whose schedule runs whole steps.
         """
-        if self.parallel.pipeline is not None:
+        if self.runner.whole_steps_only:
             raise RuntimeError("pipeline parallel runs forward and backward of all micro-batches in its "
                                "schedule; use engine.train_batch(batch) instead of engine(...)/backward/step")
         args, kwargs = to_device((args, kwargs), self.device)
@@ -243,12 +208,9 @@ class Engine:
             return compute_loss(run_model(self.parallel.module, micro), micro, self.loss_fn)
 
     def _scaled_backward(self, loss: torch.Tensor, final: bool) -> None:
-        observer = self.options.backward_observer
-        if observer is not None:
-            observer.before_backward(final, loss)
+        notify_before(self.options.observers, final, loss)
         (loss * self.scaler.scale if self.scaler else loss).backward()
-        if observer is not None:
-            observer.after_backward(final)
+        notify_after(self.options.observers, final)
 
     def _optimizer_step(self, loss_value: float) -> bool:
         """Unscale, check, clip, step, schedule; returns False when the step was skipped."""

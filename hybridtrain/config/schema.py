@@ -257,9 +257,10 @@ class ModelConfig(Section):
     name: str = "gpt-tiny"
     """``gpt-<size>`` for the reference GPT (``gpt-tiny`` … ``gpt-13b``), or ``hf:<model_type>``
     (e.g. ``hf:gpt2``, ``hf:llama``) for a randomly initialised Hugging Face model."""
-    blocks: str | None = None
-    """Dotted path to the ModuleList of repeated blocks (e.g. ``transformer.h``); found
-    automatically when absent."""
+    blocks: str | list[str] | None = None
+    """Dotted path to the ModuleList of repeated blocks (e.g. ``transformer.h``), or a list
+    of paths for models with several (``["encoder.block", "decoder.block"]`` of T5); found
+    automatically when absent, every block list of an encoder–decoder model included."""
     overrides: dict[str, Any] = Field(default_factory=dict)
     """Fields that override the named size (reference GPT) or the Hugging Face config
     (e.g. ``{"n_layer": 4}``)."""

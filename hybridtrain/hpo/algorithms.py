@@ -12,7 +12,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from hybridtrain.hpo.errors import SpecError
-from hybridtrain.hpo.spec import CategoricalParam, ExperimentSpec, FloatParam, IntParam
+from hybridtrain.hpo.schema import CategoricalParam, ExperimentSpec, FloatParam, IntParam
 
 if TYPE_CHECKING:
     import optuna

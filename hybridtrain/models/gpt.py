@@ -158,6 +158,31 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
+    # Tensor parallel: the plan lives with the model (as in torchtitan) and
+    # hybridtrain.parallel.tensor discovers these methods by name, so parallel code never
+    # imports this module.
+
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        """Megatron-style tensor-parallel plan: module-path pattern → ``colwise``/``rowwise``.
+
+        In each block the fused ``qkv`` and ``mlp.fc`` are split by output columns and the
+        projections after them by input rows, so each pair needs one all-reduce.
+        """
+        return {"blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise",
+                "blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"}
+
+    def tensor_parallel_heads(self) -> dict[str, int]:
+        """Head counts a tensor-parallel size must divide (heads are never split)."""
+        return {"n_head": self.config.n_head}
+
+    def tensor_parallel_fused_qkv(self) -> list[str]:
+        """Patterns of the Linear layers whose output rows are a fused ``[Q; K; V]``.
+
+        A plain column split would hand one rank all of Q, so tensor parallel interleaves
+        these rows per rank first.
+        """
+        return ["blocks.*.attn.qkv"]
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         _, t = idx.shape  # (B, T)
         if t > self.config.seq_len:

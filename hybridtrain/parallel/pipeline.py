@@ -1,5 +1,6 @@
-"""Pipeline parallel on ``torch.distributed.pipelining``: a :class:`PipelineRunner` the
-engine hands each step's micro-batches to.
+"""Pipeline parallel on ``torch.distributed.pipelining``: the model is split into stages at
+build (:func:`split_pipeline`) and a :class:`PipelineRunner` runs each step's
+micro-batches through torch's public schedule API.
 
 The schedules are torch's (``ScheduleGPipe``, ``Schedule1F1B``,
 ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``); stages are built from
@@ -22,16 +23,16 @@ Both idle for the same bubble fraction (K-1)/(M+K-1); 1F1B keeps fewer activatio
 shrinking the bubble by that factor; ``zero_bubble`` also splits backward into input- and
 weight-gradient halves and fills the bubble with the latter.
 
-The split happens at the first step: it profiles one real micro-batch on the full model
-(every rank, times averaged so all agree), prints the chosen partition, hollows out
-other ranks' blocks, shards what is left over the data-parallel replicas when ZeRO is on
-(each stage's blocks are FSDP2 units, the modules outside the blocks the root unit) and
-drops other stages' parameters from the optimizer.
+Parameters outside the blocks live on every rank, but only the stages whose code uses
+them (found by the traced forward of :mod:`hybridtrain.models.usage`: embeddings before
+the blocks → first stage; final norm and head after them → last stage; a tied head, even
+one written as ``h @ self.emb.weight.T`` in ``forward`` → both) train them; a parameter
+used by stages on several ranks has its gradient summed over those ranks after backward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,12 +47,24 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 
+from hybridtrain.models.blocks import BlockList
+from hybridtrain.models.usage import POST, PRE, ModelUsage
+from hybridtrain.parallel.gradient_sync import GradientSync
 from hybridtrain.parallel.mesh import Topology
-from hybridtrain.parallel.partition import POST, PRE, BlockProfile, choose_partition, profile_blocks
+from hybridtrain.parallel.partition import choose_partition, time_blocks
 from hybridtrain.parallel.pipeline_stage import HollowBlock, StageModule, StageRouter
-from hybridtrain.parallel.split_runtime import GradientSync, SplitRuntime
-from hybridtrain.runtime.batch import Batch, LossFn, compute_loss, run_model, split_batch, to_device
+from hybridtrain.plan.types import PipelinePlan
+from hybridtrain.runtime.batch import (
+    Batch,
+    LossFn,
+    batch_size,
+    compute_loss,
+    run_model,
+    split_batch,
+    to_device,
+)
 from hybridtrain.runtime.precision import autocast
+from hybridtrain.runtime.step_runner import StepContext
 
 SCHEDULES: dict[str, Any] = {
     "gpipe": ScheduleGPipe,
@@ -63,226 +76,248 @@ MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
 
 
 @dataclass(frozen=True)
-class PipelineSpec:
-    """The pipeline settings, resolved by :func:`hybridtrain.initialize`.
+class StageLayout:
+    """Which stage holds which blocks and which stages use each parameter outside them.
 
     Attributes:
-        schedule: ``gpipe`` | ``1f1b`` | ``interleaved_1f1b`` | ``zero_bubble``.
-        micro_batches: micro-batches per step.
-        virtual_stages: stages per rank.
-        partition: ``time`` | ``params`` | ``uniform`` | block counts per stage.
-        blocks_path: dotted path of the block container in the model.
+        bounds: ``(start, stop)`` block range of every stage, in pipeline order.
+        users: name of each parameter outside the blocks → the stages whose code uses it
+            (a parameter the forward never used: the first stage).
+        blocks_prefix: ``"<blocks path>."`` (block parameters are named under it).
     """
 
-    schedule: str
-    micro_batches: int
-    virtual_stages: int
-    partition: str | list[int]
-    blocks_path: str
+    bounds: tuple[tuple[int, int], ...]
+    users: dict[str, frozenset[int]]
+    blocks_prefix: str
+
+    @classmethod
+    def decide(cls, counts: Sequence[int], usage: ModelUsage, blocks_path: str,
+               outside: Sequence[str]) -> StageLayout:
+        """The layout of ``counts`` blocks per stage (``outside``: names of the
+        parameters outside the blocks)."""
+        bounds, start = [], 0
+        for count in counts:
+            bounds.append((start, start + count))
+            start += count
+        stage_of = {i: s for s, (a, b) in enumerate(bounds) for i in range(a, b)}
+        last = len(bounds) - 1
+        users: dict[str, frozenset[int]] = {}
+        for name in outside:
+            stages = set()
+            for place in usage.places.get(name, frozenset()):
+                kind, _, index = place.partition(":")
+                stages.add(0 if kind == PRE else last if kind == POST else stage_of[int(index)])
+            users[name] = frozenset(stages or {0})
+        return cls(tuple(bounds), users, f"{blocks_path}." if blocks_path else "")
+
+    def stage_of_entry(self, name: str) -> int:
+        """The stage that holds the true value of a state entry (the first user)."""
+        if name.startswith(self.blocks_prefix):
+            head = name[len(self.blocks_prefix):].split(".", 1)[0]
+            if head.isdigit():
+                block = int(head)
+                return next(s for s, (a, b) in enumerate(self.bounds) if a <= block < b)
+        return min(self.users.get(name, frozenset({0})))
+
+    def shared_rank_sets(self, pp: int) -> dict[frozenset[int], list[str]]:
+        """Pipeline-rank sets (of two or more ranks) → the parameters they share."""
+        sets: dict[frozenset[int], list[str]] = {}
+        for name, stages in sorted(self.users.items()):
+            ranks = frozenset(s % pp for s in stages)
+            if len(ranks) > 1:
+                sets.setdefault(ranks, []).append(name)
+        return sets
+
+
+@dataclass
+class PipelineSplit:
+    """The model after :func:`split_pipeline`: this rank's stages and the ownership rules
+    the split runtime needs for norms and state dicts."""
+
+    layout: StageLayout
+    stages: list[StageModule]
+    owner: Callable[[str], int]
+    counted: Callable[[str], bool]
+    sync: GradientSync
+
+
+def split_pipeline(model: nn.Module, blocks: BlockList, settings: PipelinePlan, topology: Topology,
+                   example: Batch, loss_fn: LossFn | None, device: torch.device,
+                   compute_dtype: torch.dtype | None,
+                   shard: Callable[[nn.Module, list[nn.Module]], None] | None) -> PipelineSplit:
+    """Split ``model`` into this rank's stages: measure the partition if it is by time,
+    hollow out other ranks' blocks, shard what is left (ZeRO), and build the stages.
+
+    Args:
+        example: one micro-batch on ``device`` (timed for ``partition: time``).
+        shard: ``shard(model, kept_blocks)`` applies ZeRO to this rank's part (or None).
+    """
+    pp = topology.pp
+    num_stages = pp * settings.virtual_stages
+    counts = settings.counts or _counts_by_time(model, blocks, settings, num_stages, topology, example,
+                                                loss_fn, device, compute_dtype)
+    block_params = {id(p) for b in blocks for p in b.parameters()}
+    outside = [n for n, p in model.named_parameters() if id(p) not in block_params]
+    layout = StageLayout.decide(counts, settings.usage, settings.blocks_path, outside)
+    local = [s for s in range(num_stages) if s % pp == topology.pp_rank]
+    if topology.rank == 0:
+        print(f"pipeline: {num_stages} stages ({settings.schedule}), blocks per stage {list(counts)} "
+              f"(partition by {settings.partition if isinstance(settings.partition, str) else 'config'})",
+              flush=True)
+    router = StageRouter(blocks, list(layout.bounds), local, settings.usage.tuple_output)
+    if shard is not None:  # after hollowing: only this rank's blocks become units
+        shard(model, [b for b in blocks if not isinstance(b, HollowBlock)])
+    router.install_exits(blocks)
+    stages = [StageModule(model, router, s, _owned(model, blocks, layout, s), loss_fn,
+                          1.0 / settings.micro_batches) for s in local]
+    shared = layout.shared_rank_sets(pp)
+    # Sorted, so that every rank creates the groups in the same order (new_group is collective).
+    groups = [(names, _rank_set_group(topology, ranks)) for ranks, names in sorted(shared.items(), key=_ranks)]
+    sync = GradientSync(model, topology, groups, reduce_replicas=shard is None)
+
+    def owner(name: str) -> int:
+        return layout.stage_of_entry(name) % pp
+
+    def counted(name: str) -> bool:
+        return owner(name) == topology.pp_rank
+    return PipelineSplit(layout, stages, owner, counted, sync)
+
+
+def _counts_by_time(model: nn.Module, blocks: BlockList, settings: PipelinePlan, num_stages: int,
+                    topology: Topology, example: Batch, loss_fn: LossFn | None, device: torch.device,
+                    compute_dtype: torch.dtype | None) -> tuple[int, ...]:
+    def one_loss() -> torch.Tensor:
+        with autocast(device, compute_dtype):
+            return compute_loss(run_model(model, example), example, loss_fn).float()
+    times = torch.tensor(time_blocks(list(blocks), one_loss), dtype=torch.float64)
+    dist.all_reduce(times)  # every rank must choose the same split
+    params = [float(sum(p.numel() for p in b.parameters())) for b in blocks]
+    return tuple(choose_partition("time", num_stages, params, (times / topology.world_size).tolist()))
+
+
+def _owned(model: nn.Module, blocks: BlockList, layout: StageLayout, stage: int) -> list[nn.Parameter]:
+    start, stop = layout.bounds[stage]
+    params = [p for i in range(start, stop) for p in blocks[i].parameters()]
+    params += [model.get_parameter(n) for n, users in layout.users.items() if stage in users]
+    return params
+
+
+def _ranks(item: tuple[frozenset[int], list[str]]) -> list[int]:
+    return sorted(item[0])
+
+
+def _rank_set_group(topology: Topology, pp_ranks: frozenset[int]) -> dist.ProcessGroup | None:
+    """The group of the given pipeline ranks at this rank's (dp, tp) coordinate. Every rank
+    creates every such group (``new_group`` is collective) and keeps its own."""
+    mine = None
+    for dp_rank in range(topology.dp):
+        for tp_rank in range(topology.tp):
+            ranks = [pp * topology.dp * topology.tp + dp_rank * topology.tp + tp_rank for pp in sorted(pp_ranks)]
+            group = dist.new_group(ranks)
+            if topology.rank in ranks:
+                mine = group
+    return mine
 
 
 class PipelineRunner:
-    """Runs whole steps of a pipelined model (``train_step``) and pipelined evaluation.
+    """Runs whole steps of a split model through torch's public schedule API; the engine's
+    :class:`~hybridtrain.runtime.step_runner.StepRunner` under a pipeline.
+
+    torch's stages are built for one micro-batch size (they exchange activations of static
+    shape), so one stage set and schedule is made per micro-batch size seen (training and
+    evaluation may differ); the split itself never changes.
 
     Args:
-        model: the whole model (tensor-parallel already applied), on every rank.
-        blocks: its block container.
-        spec: pipeline settings.
-        runtime: the split runtime (gets ownership rules once the model is split).
-        optimizer_ref: called with the kept parameters to prune the optimizer at the split.
-        loss_fn / device / compute_dtype: as the engine's.
-        shard: ``shard(model, kept_blocks)`` applies ZeRO to this rank's part once the
-            model is split (None without ZeRO).
+        split: the model's stages on this rank.
+        settings: the pipeline settings.
+        topology: where this rank sits.
+        device / compute_dtype: as the engine's.
     """
 
-    def __init__(self, model: nn.Module, blocks: nn.ModuleList | nn.Sequential, spec: PipelineSpec,
-                 runtime: SplitRuntime, loss_fn: LossFn | None, device: torch.device,
-                 compute_dtype: torch.dtype | None,
-                 shard: Callable[[nn.Module, list[nn.Module]], None] | None = None) -> None:
-        self.model = model
-        self.blocks = blocks
-        self.spec = spec
-        self.runtime = runtime
-        self.topology: Topology = runtime.topology
-        self.loss_fn = loss_fn
+    whole_steps_only = True
+
+    def __init__(self, split: PipelineSplit, settings: PipelinePlan, topology: Topology,
+                 device: torch.device, compute_dtype: torch.dtype | None) -> None:
+        self.split = split
+        self.settings = settings
+        self.topology = topology
         self.device = device
         self.compute_dtype = compute_dtype
-        self.shard = shard
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.counts: list[int] = []
-        self._stages: list[StageModule] = []
-        self._schedule: Any = None
-        self._sync: GradientSync | None = None
+        self._schedules: dict[int, Any] = {}
         self._scale = 1.0
 
-    @property
-    def is_split(self) -> bool:
-        """Whether the first step has split the model."""
-        return self._schedule is not None
-
-    def train_step(self, micro_batches: list[Batch], scale: float) -> torch.Tensor:
+    def forward_backward(self, micro_batches: Sequence[Batch], step: StepContext) -> torch.Tensor:
         """Forward and backward of every micro-batch through the schedule, then the
-        gradient synchronisation (tied end stages, replicas).
-
-        Args:
-            micro_batches: the step's micro-batches (this replica's share).
-            scale: the fp16 loss scale (1.0 otherwise).
+        gradient synchronisation (shared parameters, replicas). Timed as ``interleaved``.
 
         Returns:
-            The step's mean loss on the last stage, 0 elsewhere (``holds_loss`` decides).
+            The step's mean loss on the last stage, 0 elsewhere.
         """
-        micro_batches = [to_device(m, self.device) for m in micro_batches]
-        if not self.is_split:
-            self._split(micro_batches[0])
-        self._scale = scale
-        total = self._run(micro_batches, backward=True)
-        assert self._sync is not None
-        self._sync.sync()
+        with step.timed("interleaved"):
+            self._scale = step.scale
+            total = self._run(list(micro_batches), backward=True)
+            self.split.sync.sync()
         return total
 
-    def eval_loss(self, batch: Batch) -> torch.Tensor:
+    def evaluate(self, batch: Batch) -> torch.Tensor:
         """Mean loss of ``batch`` (split into the step's micro-batch count), forward only;
         0 on stages before the last."""
-        micro_batches = split_batch(to_device(batch, self.device), self.spec.micro_batches)
-        if not self.is_split:
-            self._split(micro_batches[0])
-        was_training = self.model.training
-        self.model.eval()
+        micro_batches = split_batch(batch, self.settings.micro_batches)
+        model = self.split.stages[0]._model
+        was_training = model.training
+        model.eval()
         try:
             with torch.no_grad():
                 return self._run(micro_batches, backward=False)
         finally:
-            self.model.train(was_training)
+            model.train(was_training)
 
     def _run(self, micro_batches: list[Batch], backward: bool) -> torch.Tensor:
-        schedule = self._schedule
-        for stage in self._stages:
+        micro_batches = [to_device(m, self.device) for m in micro_batches]
+        schedule = self._schedule(batch_size(micro_batches[0]))
+        for stage in self.split.stages:
+            stage.batches = micro_batches
             stage.losses.clear()
-        # Mirrors schedule.step()/eval(), which would re-split the batch we already split
-        # (the micro-batches are nested structures the engine split its own way).
-        for pipeline_stage in schedule._stages if hasattr(schedule, "_stages") else [schedule._stage]:
-            pipeline_stage.has_backward = backward
-            pipeline_stage.clear_runtime_states()
-        was = schedule._has_backward
-        schedule._has_backward = backward
+        # Each stage reads its micro-batch by index from the engine's own split.
+        index = torch.arange(len(micro_batches))
         try:
             with autocast(self.device, self.compute_dtype):
-                schedule._step_microbatches(arg_mbs=None, kwarg_mbs=[{"batch": m} for m in micro_batches],
-                                            target_mbs=[None] * len(micro_batches), losses=None,
-                                            return_outputs=False)
+                if backward:
+                    schedule.step(index=index, target=index, return_outputs=False)
+                else:
+                    schedule.eval(index=index, target=index)
         finally:
-            schedule._has_backward = was
-        losses = [loss for stage in self._stages if stage.is_last for loss in stage.losses]
+            for stage in self.split.stages:
+                stage.batches = []
+        losses = [loss for stage in self.split.stages if stage.is_last for loss in stage.losses]
         if not losses:
             return torch.zeros((), device=self.device)
         return torch.stack(losses).mean()
 
-    def _split(self, micro: Batch) -> None:
-        """Profile, partition, hollow, build the torch stages and schedule."""
-        spec, topo = self.spec, self.topology
-        num_stages = topo.pp * spec.virtual_stages
-
-        def one_loss() -> torch.Tensor:
-            with autocast(self.device, self.compute_dtype):
-                return compute_loss(run_model(self.model, micro), micro, self.loss_fn).float()
-
-        # Sharding replaces parameters: the optimizer is re-pointed by name at the end.
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        profile = profile_blocks(self.model, list(self.blocks), one_loss, timed=spec.partition == "time")
-        times = torch.tensor(profile.times, dtype=torch.float64)
-        dist.all_reduce(times)  # every rank must choose the same split
-        profile.times = (times / topo.world_size).tolist()
-        self.counts = choose_partition(spec.partition, num_stages, profile)
-        bounds, start = [], 0
-        for count in self.counts:
-            bounds.append((start, start + count))
-            start += count
-        local = [s for s in range(num_stages) if s % topo.pp == topo.pp_rank]
-        if topo.rank == 0:
-            print(f"pipeline: {num_stages} stages ({spec.schedule}), blocks per stage {self.counts} "
-                  f"(partition by {spec.partition if isinstance(spec.partition, str) else 'config'})",
-                  flush=True)
-        router = StageRouter(self.blocks, bounds, local, profile.tuple_output)
-        if self.shard is not None:  # after hollowing: only this rank's blocks become units
-            self.shard(self.model, [b for b in self.blocks if not isinstance(b, HollowBlock)])
-        router.install_exits(self.blocks)
-        tied = sorted(n for n, phases in profile.phases.items() if {PRE, POST} <= phases)
-        self._own_rules(profile, bounds, tied)
-        self._stages = [self._stage_module(s, router, bounds, profile, tied) for s in local]
-        group = topo.group("pp")
-        torch_stages = [PipelineStage(m, m.index, num_stages, self.device, group=group,
-                                      **self._metadata(m.index, bounds, profile, len(self.counts)))
-                        for m in self._stages]
-        cls = SCHEDULES[spec.schedule]
-        target = torch_stages if spec.schedule in MULTI_STAGE else torch_stages[0]
-        self._schedule = cls(target, n_microbatches=spec.micro_batches,
-                             loss_fn=lambda out, _target: out * self._scale, scale_grads=False)
-        self._sync = GradientSync(self.model, topo, tied, _end_stage_group(topo) if tied else None,
-                                  reduce_replicas=self.shard is None)
-        self._prune_optimizer(names)
-        self.runtime.load_pending_optimizer_state()
-
-    def _stage_module(self, index: int, router: StageRouter, bounds: list[tuple[int, int]],
-                      profile: BlockProfile, tied: list[str]) -> StageModule:
-        start, stop = bounds[index]
-        params = [p for i in range(start, stop) for p in self.blocks[i].parameters()]
-        last = index == len(bounds) - 1
-        for name, phases in profile.phases.items():
-            if (index == 0 and (PRE in phases or not phases)) or (last and POST in phases):
-                params.append(self.model.get_parameter(name))
-        return StageModule(self.model, router, index, params, self.loss_fn, 1.0 / self.spec.micro_batches)
-
-    def _metadata(self, index: int, bounds: list[tuple[int, int]], profile: BlockProfile,
-                  num_stages: int) -> dict[str, Any]:
-        """Static shapes of what a stage receives and sends (no shape-inference pass)."""
-        def example(block: int) -> torch.Tensor:
-            shape, dtype = profile.boundary_shapes[block]
-            # requires_grad marks the activation as one whose gradient travels back.
-            return torch.empty(shape, dtype=dtype, device=self.device, requires_grad=True)
-        start, stop = bounds[index]
-        inputs = () if index == 0 else (example(start),)
-        output = torch.empty((), device=self.device) if index == num_stages - 1 else example(stop)
-        return {"input_args": inputs, "output_args": output}
-
-    def _own_rules(self, profile: BlockProfile, bounds: list[tuple[int, int]], tied: list[str]) -> None:
-        """Tell the runtime which pipeline rank holds the true value of each state entry."""
-        prefix = f"{self.spec.blocks_path}." if self.spec.blocks_path else ""
-        stage_of_block = {i: s for s, (a, b) in enumerate(bounds) for i in range(a, b)}
-        pp, last = self.topology.pp, len(bounds) - 1
-        post_only = {n for n, phases in profile.phases.items() if phases == {POST}}
-
-        def owner(name: str) -> int:
-            if name.startswith(prefix):
-                head = name[len(prefix):].split(".", 1)[0]
-                if head.isdigit():
-                    return stage_of_block[int(head)] % pp
-            return last % pp if name in post_only else 0
-
-        tied_set = set(tied)
-        self.runtime.owner = owner
-        self.runtime.counted = lambda name: (owner(name) == self.topology.pp_rank
-                                             and (name not in tied_set or self.topology.pp_rank == 0))
-
-    def _prune_optimizer(self, names: dict[int, str]) -> None:
-        """Drop hollowed-out blocks' parameters from the optimizer (they live on other ranks)
-        and point it at the sharded parameters under ZeRO (``names``: id → name before the
-        split). The optimizer has not stepped yet; a state loaded from a checkpoint before
-        the split is held back by the runtime and applied after this."""
-        if self.optimizer is None:
-            return
-        kept = dict(self.model.named_parameters())
-        for group in self.optimizer.param_groups:
-            group["params"] = [kept[names[id(p)]] for p in group["params"] if names.get(id(p)) in kept]
+    def _schedule(self, micro: int) -> Any:
+        if micro not in self._schedules:
+            layout, usage = self.split.layout, self.settings.usage
+            group = self.topology.group("pp")
+            num_stages = len(layout.bounds)
+            stages = [PipelineStage(m, m.index, num_stages, self.device, group=group,
+                                    **_metadata(m.index, layout, usage, micro, self.device))
+                      for m in self.split.stages]
+            cls = SCHEDULES[self.settings.schedule]
+            target = stages if self.settings.schedule in MULTI_STAGE else stages[0]
+            self._schedules[micro] = cls(target, n_microbatches=self.settings.micro_batches,
+                                         loss_fn=lambda out, _target: out * self._scale, scale_grads=False)
+        return self._schedules[micro]
 
 
-def _end_stage_group(topo: Topology) -> dist.ProcessGroup | None:
-    """The group {first stage, last stage} of this rank's (dp, tp) coordinate. Every rank
-    creates every such group (``new_group`` is collective), keeps its own."""
-    mine = None
-    for dp_rank in range(topo.dp):
-        for tp_rank in range(topo.tp):
-            ranks = [pp * topo.dp * topo.tp + dp_rank * topo.tp + tp_rank for pp in (0, topo.pp - 1)]
-            group = dist.new_group(ranks)
-            if topo.rank in ranks:
-                mine = group
-    return mine
+def _metadata(index: int, layout: StageLayout, usage: ModelUsage, micro: int,
+              device: torch.device) -> dict[str, Any]:
+    """Static shapes of what a stage receives and sends (no shape-inference pass)."""
+    def example(block: int) -> torch.Tensor:
+        shape, dtype = usage.boundary[block]
+        # requires_grad marks the activation as one whose gradient travels back.
+        return torch.empty((micro, *shape), dtype=dtype, device=device, requires_grad=True)
+    start, stop = layout.bounds[index]
+    inputs = () if index == 0 else (example(start),)
+    output = torch.empty((), device=device) if index == len(layout.bounds) - 1 else example(stop)
+    return {"input_args": inputs, "output_args": output}
+

@@ -19,8 +19,10 @@ only the stage's part::
 
 Blocks of other ranks are replaced by :class:`HollowBlock` (their weights freed), so a
 rank holds its own blocks plus the modules outside the blocks. Side inputs the blocks get
-from the pre-work (attention masks, rotary tables) are recomputed from the micro-batch,
-which every stage receives as a keyword argument of the schedule.
+from the pre-work (attention masks, rotary tables) are recomputed from the micro-batch:
+the schedule hands every stage the micro-batch's index, and the stage reads the
+micro-batch from the step's list (the engine's own split, which non-tensor leaves and
+tensors without a batch dimension survive unchanged).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridtrain.parallel.partition import hidden_of
+from hybridtrain.models.usage import hidden_of
 from hybridtrain.runtime.batch import Batch, LossFn, compute_loss, run_model
 
 
@@ -136,12 +138,12 @@ def _with_hidden(args: tuple[Any, ...], kwargs: dict[str, Any],
 
 class StageModule(nn.Module):
     """One pipeline stage as ``torch.distributed.pipelining.PipelineStage`` wants it:
-    ``forward(*activations, batch=micro_batch)``.
+    ``forward(*activations, index=micro_batch_index)``.
 
-    Its registered parameters are only the stage's own (its blocks, plus the modules
-    outside the blocks on the end stages), so the schedule's per-stage gradient handling
-    (zero bubble's weight-gradient pass) touches nothing of other stages; the whole model
-    is held unregistered.
+    Its registered parameters are only the stage's own (its blocks, plus the parameters
+    outside the blocks that this stage's code uses), so the schedule's per-stage gradient
+    handling (zero bubble's weight-gradient pass) touches nothing of other stages; the
+    whole model is held unregistered.
 
     Args:
         model: the whole (hollowed) model.
@@ -150,6 +152,10 @@ class StageModule(nn.Module):
         owned: the parameters this stage trains.
         loss_fn: the engine's loss function (last stage).
         weight: factor on each micro-batch's loss (1 / micro-batches).
+
+    Attributes:
+        batches: the micro-batches of the step being run (set before each schedule call).
+        losses: the last stage's unweighted micro-batch losses of that step.
     """
 
     _model: nn.Module
@@ -164,10 +170,12 @@ class StageModule(nn.Module):
         self.loss_fn = loss_fn
         self.weight = weight
         self.is_last = index == router.num_stages - 1
+        self.batches: list[Batch] = []
         self.losses: list[torch.Tensor] = []
 
-    def forward(self, *activations: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def forward(self, *activations: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """The stage's output activation, or ``loss × weight`` on the last stage."""
+        batch = self.batches[int(index.item())]
         incoming = activations[0] if activations else None
         out: torch.Tensor = self.router.run(self.index, incoming, lambda: run_model(self._model, batch))
         if not self.is_last:

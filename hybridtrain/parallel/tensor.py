@@ -7,34 +7,56 @@ block needs one all-reduce in forward and one in backward per pair::
                     ─► local attention over this rank's heads / local activation
                     ─► [W_o | W_proj] sharded by input rows ─► partial sums ─► all-reduce
 
-Plans: the reference GPT (fused ``qkv``), Hugging Face models that publish a
-``base_model_tp_plan`` (Llama family), or the user's ``tensor_parallel.plan``. The GPT's
-fused ``qkv`` weight is stored as ``[Q; K; V]``; a plain column split would hand rank 0
-all of Q, so its rows are interleaved per rank (``[Q_0; K_0; V_0; Q_1; …]``) before
+Plans live with their models (as in torchtitan): this module knows no model class. A
+model brings its own by defining any of these methods, found by name:
+
+- ``tensor_parallel_plan() -> Mapping[str, str]``: its built-in plan, module-path pattern
+  (``*`` stands for one path component, ``blocks.*.attn.qkv``) → ``colwise``/``rowwise``.
+- ``tensor_parallel_heads() -> Mapping[str, int]``: head counts the tensor-parallel size
+  must divide, keyed by the name users know them by (``n_head``).
+- ``tensor_parallel_fused_qkv() -> Sequence[str]``: patterns of the Linear layers whose
+  output rows are a fused ``[Q; K; V]``.
+
+The reference GPT defines all three. A model without them gets the plan its Hugging Face
+config publishes (``base_model_tp_plan``, Llama family) and the config's
+``num_attention_heads``/``num_key_value_heads``; the user's ``tensor_parallel.plan``
+overrides any built-in plan. A fused ``[Q; K; V]`` weight split by plain columns would hand
+rank 0 all of Q, so its rows are interleaved per rank (``[Q_0; K_0; V_0; Q_1; …]``) before
 sharding, and :func:`qkv_to_user` undoes that for state dicts.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from hybridtrain.models.gpt import GPT
-
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
+def _declared(model: nn.Module, method: str) -> Any | None:
+    """What the model's own ``method`` (see the module docstring) returns; ``None`` when the
+    model does not define it."""
+    hook = getattr(model, method, None)
+    return hook() if callable(hook) else None
+
+
+def _pattern(pattern: str) -> re.Pattern[str]:
+    # ``*`` matches one component of a module path, never a dot.
+    return re.compile("^" + r"[^.]+".join(re.escape(part) for part in pattern.split("*")) + "$")
+
+
 def builtin_plan(model: nn.Module) -> dict[str, str]:
-    """The plan hybridtrain knows for ``model`` (empty when it knows none)."""
-    if isinstance(model, GPT):
-        return {"blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise",
-                "blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"}
+    """The plan ``model`` brings (its ``tensor_parallel_plan()``, else its Hugging Face
+    config's ``base_model_tp_plan``); empty when it brings none."""
+    plan = _declared(model, "tensor_parallel_plan")
+    if plan is not None:
+        return dict(cast(Mapping[str, str], plan))
     hf_config: Any = getattr(model, "config", None)
     hf_plan = getattr(hf_config, "base_model_tp_plan", None) or {}
     prefix = getattr(model, "base_model_prefix", "")
@@ -69,7 +91,7 @@ def resolve_plan(model: nn.Module, user_plan: Mapping[str, str], size: int) -> d
         if style not in STYLES:
             raise ValueError(f"tensor parallel style {style!r} for {pattern!r} is not supported; use colwise "
                              "or rowwise in tensor_parallel.plan")
-        regex = re.compile("^" + r"[^.]+".join(re.escape(part) for part in pattern.split("*")) + "$")
+        regex = _pattern(pattern)
         matched = [name for name in modules if regex.match(name)]
         if not matched:
             raise ValueError(f"tensor_parallel.plan pattern {pattern!r} matches no module of "
@@ -87,8 +109,9 @@ def resolve_plan(model: nn.Module, user_plan: Mapping[str, str], size: int) -> d
 
 
 def _check_heads(model: nn.Module, size: int) -> None:
-    if isinstance(model, GPT):
-        heads = {"n_head": model.config.n_head}
+    declared = _declared(model, "tensor_parallel_heads")
+    if declared is not None:
+        heads = dict(cast(Mapping[str, int], declared))
     else:
         hf_config: Any = getattr(model, "config", None)
         heads = {k: getattr(hf_config, k) for k in ("num_attention_heads", "num_key_value_heads")
@@ -101,8 +124,11 @@ def _check_heads(model: nn.Module, size: int) -> None:
 
 
 def fused_qkv(model: nn.Module, plan: dict[str, str]) -> list[str]:
-    """Module paths of the GPT's fused ``qkv`` layers in the plan."""
-    return [name for name in plan if isinstance(model, GPT) and name.endswith("attn.qkv")]
+    """Module paths in the plan of the layers the model declares as fused ``[Q; K; V]``
+    (its ``tensor_parallel_fused_qkv()``)."""
+    declared = _declared(model, "tensor_parallel_fused_qkv")
+    patterns = [_pattern(p) for p in cast(Sequence[str], declared or ())]
+    return [name for name in plan if any(p.match(name) for p in patterns)]
 
 
 def _interleave(tensor: torch.Tensor, size: int, inverse: bool) -> torch.Tensor:

@@ -41,10 +41,10 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.tensor import DTensor
 
+from hybridtrain.parallel.gradient_sync import full_tensor
 from hybridtrain.parallel.mesh import Topology
-from hybridtrain.parallel.runtime import ParallelRuntime
+from hybridtrain.parallel.replicated import ParallelRuntime
 
 
 def apply_zero(model: nn.Module, blocks: Sequence[nn.Module], mesh: DeviceMesh | None, stage: int,
@@ -91,11 +91,11 @@ class ZeroRuntime(ParallelRuntime):
     def set_grad_sync(self, sync: bool) -> None:
         """Stage 1 keeps full local gradients until the last micro-batch; 2/3 always reduce."""
         if self.stage == 1:
-            self.model.set_requires_gradient_sync(sync)  # type: ignore[operator]
+            set_fsdp_grad_sync(self.model, sync)
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The full, unsharded state dict on every rank (an all-gather per tensor)."""
-        return {k: _full(v).detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        return {k: full_tensor(v).detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
     def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load a full state dict; every rank keeps only its shards."""
@@ -112,5 +112,7 @@ class ZeroRuntime(ParallelRuntime):
         set_optimizer_state_dict(self.model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
-def _full(value: torch.Tensor) -> torch.Tensor:
-    return value.full_tensor() if isinstance(value, DTensor) else value
+def set_fsdp_grad_sync(model: nn.Module, sync: bool) -> None:
+    """Whether an FSDP2-sharded model reduce-scatters gradients in the next backward (ZeRO-1
+    keeps full local gradients until the last micro-batch)."""
+    model.set_requires_gradient_sync(sync)  # type: ignore[operator]

@@ -45,6 +45,7 @@ from torch.utils.hooks import RemovableHandle
 
 from hybridtrain.runtime.activation_offload import ActivationSwapper
 from hybridtrain.runtime.batch import Batch
+from hybridtrain.runtime.step_runner import StepContext
 from hybridtrain.runtime.streaming import LayerStreamer
 
 
@@ -106,7 +107,7 @@ _Boundary = tuple[list[torch.Tensor], list[torch.Tensor]]
 
 class LayerMajorRunner:
     """Runs a training step's forwards and backwards block-major (see the module docstring);
-    the engine's :class:`~hybridtrain.engine.StepRunner`.
+    a :class:`~hybridtrain.runtime.step_runner.StepRunner`.
 
     Args:
         streamer: the layer streamer of the model's streamed blocks. Outside
@@ -133,20 +134,25 @@ class LayerMajorRunner:
                 lambda _m, _a, out, i=block.index: self._after_block(i, out, i == last)))
 
     # ------------------------------------------------------------------ the step
-    def forward_backward(self, micro_batches: Sequence[Batch], loss_of: Callable[[Batch], torch.Tensor],
-                         weight: float, scale: float) -> torch.Tensor:
-        """Forward and backward of every micro-batch, block-major; gradients end on the host
-        (and eagerly updated blocks) as after the engine's micro-batch loop.
+    whole_steps_only = False
 
-        Args:
-            micro_batches: the step's micro-batches.
-            loss_of: one micro-batch's loss under the engine's precision.
-            weight: each micro-batch's share of the batch (its loss is scaled by it).
-            scale: the fp16 loss scale (1.0 without fp16).
+    def forward_backward(self, micro_batches: Sequence[Batch], step: StepContext) -> torch.Tensor:
+        """Forward and backward of every micro-batch, block-major; gradients end on the host
+        (and eagerly updated blocks) as after the engine's micro-batch loop. Timed as
+        ``interleaved``.
 
         Returns:
             The weighted sum of the micro-batches' losses (detached, fp32).
         """
+        with step.timed("interleaved"):
+            return self._step(micro_batches, step.loss_of, step.weight, step.scale)
+
+    def evaluate(self, batch: Batch) -> torch.Tensor:
+        """Not used: outside a step the streamer's own hooks stream the blocks."""
+        raise NotImplementedError
+
+    def _step(self, micro_batches: Sequence[Batch], loss_of: Callable[[Batch], torch.Tensor],
+              weight: float, scale: float) -> torch.Tensor:
         streamer = self.streamer
         streamer.driven = True
         streamer.optimizer.manual_landing = True

@@ -74,3 +74,32 @@ def test_user_plan_expands_patterns_to_linear_layers() -> None:
     interleaved = qkv_from_user(weight, 2)
     assert interleaved[:, 0].tolist() == [0.0, 4.0, 8.0, 2.0, 6.0, 10.0]  # rank 0: Q0 K0 V0
     assert torch.equal(qkv_to_user(interleaved, 2), weight)
+
+
+class _OwnPlan(torch.nn.Module):
+    """A model outside hybridtrain bringing its plan through the discovery methods."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(4, 12), torch.nn.Linear(4, 4)
+
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        return {"qkv": "colwise", "out": "rowwise"}
+
+    def tensor_parallel_heads(self) -> dict[str, int]:
+        return {"heads": 2}
+
+    def tensor_parallel_fused_qkv(self) -> list[str]:
+        return ["qkv"]
+
+
+def test_any_model_brings_its_plan_heads_and_fused_qkv() -> None:
+    from hybridtrain.parallel.tensor import fused_qkv, resolve_plan
+
+    model = _OwnPlan()
+    plan = resolve_plan(model, {}, 2)
+    assert plan == {"qkv": "colwise", "out": "rowwise"}
+    assert fused_qkv(model, plan) == ["qkv"]
+    assert fused_qkv(torch.nn.Sequential(torch.nn.Linear(4, 12)), {"0": "colwise"}) == []
+    with pytest.raises(ValueError, match="heads=2 not divisible by tensor parallel size 4"):
+        resolve_plan(model, {}, 4)

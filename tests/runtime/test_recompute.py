@@ -7,7 +7,7 @@ import torch
 
 from hybridtrain.models.gpt import GPT, GPTConfig
 from hybridtrain.profiling import SavedTensorMeter
-from hybridtrain.runtime.checkpointing import (
+from hybridtrain.runtime.recompute import (
     apply_activation_checkpointing,
     is_checkpointed,
     remove_activation_checkpointing,

@@ -1,13 +1,8 @@
-"""The :class:`~hybridtrain.parallel.runtime.ParallelRuntime` of a model split across ranks
-(tensor and/or pipeline parallel), with plain data parallel over its replicas.
-
-DDP cannot wrap a model whose parameters are DTensors or whose forward is driven by a
-pipeline schedule, so replicas average their gradients here, once per step, with one
-flat all-reduce per dtype (:class:`GradientSync`). Tensor-parallel shards are averaged
-shard by shard (every replica holds the same shard layout). With ZeRO the replicas are
-FSDP2's data-parallel dimension instead (:mod:`hybridtrain.parallel.zero`): it
-reduce-scatters gradients in backward, so :class:`GradientSync` only sums tied
-end-stage gradients.
+"""The :class:`~hybridtrain.parallel.replicated.ParallelRuntime` of a model split across ranks
+(tensor and/or pipeline parallel), with data parallel over its replicas: plain replicas
+averaged by :class:`~hybridtrain.parallel.gradient_sync.GradientSync`, or ZeRO (FSDP2
+over the data-parallel dimension, :mod:`hybridtrain.parallel.zero`), which reduce-scatters
+gradients in backward itself.
 
 Gradient norm (clipping) over a split model::
 
@@ -15,12 +10,12 @@ Gradient norm (clipping) over a split model::
 
 (a parameter may be sharded over tp, over dp (ZeRO), over both, or over neither);
 replicated parameters (norms, embeddings outside TP) are counted once per stage, and a
-tied parameter held by the first and the last stage only on the first.
+parameter several stages use only on the stage that owns it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -34,57 +29,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_map_only
 
+from hybridtrain.parallel.gradient_sync import full_tensor, local
 from hybridtrain.parallel.mesh import Topology
-from hybridtrain.parallel.runtime import ParallelRuntime
+from hybridtrain.parallel.replicated import ParallelRuntime
 from hybridtrain.parallel.tensor import qkv_from_user, qkv_to_user
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """The rank-local part of a (D)Tensor."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-class GradientSync:
-    """Averages gradients over the data-parallel replicas (and sums tied end-stage
-    gradients first when a pipeline holds a tied parameter on two stages).
-
-    Args:
-        model: the (split) model whose parameters' gradients are synchronised.
-        topology: where this rank sits.
-        tied: names of parameters held by the first and the last pipeline stage.
-        tied_group: the process group of those two stages (None without tied parameters).
-        reduce_replicas: average over the data-parallel replicas (False under ZeRO, whose
-            FSDP2 units already reduce-scattered the gradients over them).
-    """
-
-    def __init__(self, model: nn.Module, topology: Topology, tied: list[str] | None = None,
-                 tied_group: dist.ProcessGroup | None = None, reduce_replicas: bool = True) -> None:
-        self.model = model
-        self.topology = topology
-        self.tied = tied or []
-        self.tied_group = tied_group
-        self.reduce_replicas = reduce_replicas
-
-    def sync(self) -> None:
-        """Sum tied gradients across the end stages, then average over replicas."""
-        if self.tied_group is not None:
-            tied = [self.model.get_parameter(name) for name in self.tied]
-            for param in tied:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-            _all_reduce([local(p.grad) for p in tied if p.grad is not None], self.tied_group, 1)
-        if self.topology.dp > 1 and self.reduce_replicas:
-            grads = [local(p.grad) for p in self.model.parameters() if p.grad is not None]
-            _all_reduce(grads, self.topology.group("dp"), self.topology.dp)
-
-    # The engine's backward observer protocol (tensor parallel without a pipeline).
-    def before_backward(self, final: bool, loss: torch.Tensor) -> None:
-        """Nothing to do before backward."""
-
-    def after_backward(self, final: bool) -> None:
-        """After the step's last micro-batch, synchronise the accumulated gradients."""
-        if final:
-            self.sync()
+from hybridtrain.parallel.zero import set_fsdp_grad_sync
 
 
 def _split_dims(tensor: torch.Tensor) -> set[str]:
@@ -96,55 +45,39 @@ def _split_dims(tensor: torch.Tensor) -> set[str]:
     return {names[i] for i, p in enumerate(tensor.placements) if not (p.is_replicate() or p.is_partial())}
 
 
-def _all_reduce(tensors: list[torch.Tensor], group: dist.ProcessGroup | None, divide: int) -> None:
-    # One flat buffer per dtype: a handful of collectives instead of one per parameter.
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        by_dtype.setdefault(tensor.dtype, []).append(tensor)
-    for same in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in same])
-        dist.all_reduce(flat, group=group)
-        if divide > 1:
-            flat /= divide
-        offset = 0
-        for tensor in same:
-            tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
-            offset += tensor.numel()
-
-
 class SplitRuntime(ParallelRuntime):
     """Runtime of a tensor- and/or pipeline-parallel model.
 
     Args:
-        model: the user's model (TP-sharded; hollowed by the pipeline once it is split;
-            ZeRO-sharded over dp when ``zero_stage > 0``).
+        model: the user's model (TP-sharded; hollowed by the pipeline split; ZeRO-sharded
+            over dp when ``zero_stage > 0``).
         topology: where this rank sits.
         zero_stage: the ZeRO stage sharding the data-parallel dimension (0 = replicas).
-
-    Attributes:
         owner: ``owner(name) -> pipeline rank`` holding the true value of a state-dict
-            entry (set by the pipeline at its split; rank 0 without a pipeline).
+            entry (rank 0 without a pipeline).
         counted: ``counted(name)``: whether this rank counts a parameter in the gradient
-            norm (False for another stage's entry or the second copy of a tied one).
+            norm (False for another stage's entry or a non-owner's copy of a shared one).
         reordered: entries stored in tensor parallel's interleaved fused-qkv row order.
+        pipelined: a pipeline split the model (its schedule synchronises gradients).
     """
 
-    def __init__(self, model: nn.Module, topology: Topology, zero_stage: int = 0) -> None:
+    def __init__(self, model: nn.Module, topology: Topology, zero_stage: int = 0,
+                 owner: Callable[[str], int] = lambda name: 0,
+                 counted: Callable[[str], bool] = lambda name: True,
+                 reordered: frozenset[str] = frozenset(), pipelined: bool = False) -> None:
         super().__init__(model, topology)
         self.zero_stage = zero_stage
-        self.owner: Any = lambda name: 0
-        self.counted: Any = lambda name: True
-        self.reordered: set[str] = set()
-        # A ZeRO pipeline replaces its parameters at the split (first step): an optimizer
-        # state loaded before that waits here, keyed by name, until the split applies it.
-        self._pending_optimizer: tuple[torch.optim.Optimizer, dict[str, Any]] | None = None
+        self.owner = owner
+        self.counted = counted
+        self.reordered = reordered
+        self.pipelined = pipelined
 
     def set_grad_sync(self, sync: bool) -> None:
         """ZeRO-1 without a pipeline reduce-scatters on the last micro-batch only (see
         :mod:`hybridtrain.parallel.zero`); otherwise gradients are synchronised in backward
         (ZeRO 2/3) or by :class:`GradientSync` after the last micro-batch."""
-        if self.zero_stage == 1 and self.pipeline is None:
-            self.model.set_requires_gradient_sync(sync)  # type: ignore[operator]
+        if self.zero_stage == 1 and not self.pipelined:
+            set_fsdp_grad_sync(self.model, sync)
 
     def clip_grad_norm(self, params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
         """Clip by the norm of the whole (unsplit) model's gradient, as one process would."""
@@ -177,7 +110,7 @@ class SplitRuntime(ParallelRuntime):
         # Every TP peer takes part in each gather; only the owning stage keeps the entry.
         mine = {}
         for name, value in self.model.state_dict().items():
-            full = value.full_tensor() if isinstance(value, DTensor) else value
+            full = full_tensor(value)
             if name in self.reordered:
                 full = qkv_to_user(full, self.topology.tp)
             if self.owner(name) == self.topology.pp_rank:
@@ -235,20 +168,9 @@ class SplitRuntime(ParallelRuntime):
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Restore :meth:`optimizer_state_dict`'s result: each stage takes the entries of
         the parameters it holds (TP shards re-sharded)."""
-        if self.zero_stage and self.pipeline is not None and not self.pipeline.is_split:
-            self._pending_optimizer = (optimizer, state)
-            return
         if self.topology.pp > 1:
             held = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
             state = {"state": {n: v for n, v in state["state"].items() if n in held},
                      "param_groups": [{**g, "params": [n for n in g["params"] if n in held]}
                                       for g in state["param_groups"]]}
         set_optimizer_state_dict(self.model, optimizer, state, options=StateDictOptions(full_state_dict=True))
-
-    def load_pending_optimizer_state(self) -> None:
-        """Apply an optimizer state loaded before a ZeRO pipeline's split (see
-        :meth:`load_optimizer_state_dict`); called by the pipeline once it is split."""
-        if self._pending_optimizer is not None:
-            optimizer, state = self._pending_optimizer
-            self._pending_optimizer = None
-            self.load_optimizer_state_dict(optimizer, state)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridtrain.config import ConfigError, load_config
-from hybridtrain.config.capabilities import check_supported
+from hybridtrain.plan.checks import check_supported
 
 
 @pytest.mark.parametrize(

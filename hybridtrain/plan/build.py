@@ -1,0 +1,196 @@
+"""``build(plan, model) -> Engine``: apply a :class:`~hybridtrain.plan.types.TrainingPlan`.
+
+Everything was decided and validated by :func:`~hybridtrain.plan.resolve.resolve`; this
+module only changes things, in a fixed order (commented where it matters): the model is
+placed, its blocks wrapped (checkpointing, swapping), processes joined and the model
+replicated, sharded or split, then the optimizer is built over the final parameters and
+the step runner and backward observers chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridtrain.engine import Engine, EngineOptions
+from hybridtrain.parallel import mesh
+from hybridtrain.parallel.data import apply_data_parallel
+from hybridtrain.parallel.gradient_sync import GradientSync
+from hybridtrain.parallel.model_parallel import apply_device_map
+from hybridtrain.parallel.pipeline import PipelineRunner, split_pipeline
+from hybridtrain.parallel.replicated import ParallelRuntime
+from hybridtrain.parallel.split import SplitRuntime
+from hybridtrain.parallel.tensor import apply_tensor_parallel
+from hybridtrain.parallel.zero import ZeroRuntime, apply_zero
+from hybridtrain.plan.types import TrainingPlan
+from hybridtrain.runtime.activation_offload import apply_activation_offload, params_in_several_backwards
+from hybridtrain.runtime.batch import Batch, LossFn, split_batch, to_device
+from hybridtrain.runtime.layer_major import LayerMajorRunner
+from hybridtrain.runtime.optim import build_optimizer, build_scheduler
+from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
+from hybridtrain.runtime.precision import LossScaler
+from hybridtrain.runtime.recompute import apply_activation_checkpointing
+from hybridtrain.runtime.step_runner import BackwardObserver, StepRunner
+from hybridtrain.runtime.streaming import LayerStreamer, place_for_streaming
+
+Sharder = Callable[[nn.Module, list[nn.Module]], None]
+
+
+def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
+          optimizer: torch.optim.Optimizer | None = None, example_batch: Batch | None = None) -> Engine:
+    """Apply ``plan`` to ``model`` and return the engine that trains it.
+
+    Args:
+        plan: from :func:`~hybridtrain.plan.resolve.resolve` for this model.
+        model: the model the plan was resolved for (changed in place).
+        loss_fn / optimizer: as :func:`hybridtrain.initialize`.
+        example_batch: the batch the plan was resolved with (a pipeline partitioned by
+            time measures its blocks on it).
+    """
+    cfg, device = plan.config, plan.device
+    streamed = _modules(model, plan.blocks_where("stream"))
+    swapped = _modules(model, plan.blocks_where("swap"))
+    checkpointed = _modules(model, list(plan.checkpoint_modules))
+    # Blocks both checkpointed and swapped get a checkpoint that swaps their inputs instead.
+    swap_recompute = [m for m in swapped if any(m is c for c in checkpointed)]
+    # Order matters: parameters must be on their final device before the optimizer sees
+    # them, and the forward is wrapped before the parallel wrappers see the modules.
+    if streamed:
+        place_for_streaming(model, streamed, device)  # the blocks stay in host memory
+    else:
+        model.to(device)
+    if checkpointed:
+        disable_caches(model)
+        apply_activation_checkpointing([m for m in checkpointed if not any(m is s for s in swap_recompute)])
+    swapper = None
+    if swapped:
+        swap = cfg.activation_offload
+        swapper = apply_activation_offload(swapped, device, swap_recompute, swap.prefetch_blocks,
+                                           swap.pin_memory, swap.min_bytes)
+    apply_device_map(model, dict(plan.device_map), device)
+    parallel, runner, observers = _parallelize(plan, model, loss_fn, example_batch)
+    if optimizer is None:
+        optimizer = build_optimizer(model.parameters(), cfg.optimizer.type, cfg.optimizer.params)
+    elif plan.pipeline is not None:
+        _keep_held(optimizer, model)
+    setup = _resume_fingerprint(plan, optimizer)
+    offload = None
+    if plan.optimizer.placement != "device":
+        placement = plan.optimizer
+        offload = OffloadOptimizer(optimizer, device, placement.pin_memory, placement.host_ratio,
+                                   placement.bucket_size, placement.defer_step,
+                                   streamed=[list(block.parameters()) for block in streamed],
+                                   lasting_grads=placement.lasting_grads,
+                                   late=params_in_several_backwards(model, swap_recompute))
+        optimizer = offload
+    scheduler = build_scheduler(optimizer, cfg.scheduler.type, cfg.scheduler.params) if cfg.scheduler else None
+    scaler = None
+    if plan.loss_scaling:
+        fp16 = cfg.fp16
+        scaler = LossScaler(fp16.loss_scale, fp16.initial_scale_power, fp16.loss_scale_window,
+                            fp16.hysteresis, fp16.min_loss_scale)
+    if streamed and offload is not None:
+        streamer = LayerStreamer(streamed, offload, device, cfg.layer_streaming.prefetch_blocks)
+        observers = [streamer]
+        if plan.step_runner == "layer_major":
+            runner = LayerMajorRunner(streamer, swapper)
+    elif offload is not None:
+        observers = [offload]
+    options = EngineOptions(
+        batch=plan.batch, device=device, compute_dtype=plan.compute_dtype,
+        gradient_clipping=cfg.gradient_clipping, nonfinite_loss=cfg.nonfinite_loss,
+        wall_clock_breakdown=cfg.wall_clock_breakdown, setup=setup, parallel=parallel,
+        runner=runner, observers=observers,
+    )
+    return Engine(model, optimizer, scheduler, scaler, loss_fn, options)
+
+
+def _modules(model: nn.Module, names: list[str]) -> list[nn.Module]:
+    return [model.get_submodule(name) for name in names]
+
+
+def _parallelize(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None,
+                 example_batch: Batch | None) -> tuple[ParallelRuntime, StepRunner | None, list[BackwardObserver]]:
+    """Join the process group, then replicate (DDP), shard (ZeRO) or split (tensor and
+    pipeline parallel) the model. The first collectives of the run happen here."""
+    sizes, device = plan.sizes, plan.device
+    if plan.sizes.world == 1:
+        return ParallelRuntime(model), None, []
+    mesh.init_process_group(device)
+    topology = mesh.build_topology(device, sizes.dp, sizes.tp, sizes.pp)
+    shard = _zero_sharder(plan, topology) if plan.zero_stage else None
+    blocks = _modules(model, [b.name for b in plan.blocks])
+    if plan.replication == "ddp":
+        dp = plan.config.data_parallel
+        ddp = apply_data_parallel(model, topology.group("dp"), device, dp.gradient_compression,
+                                  dp.powersgd_rank, dp.powersgd_start_iter, dp.bucket_cap_mb)
+        return ParallelRuntime(model, topology, ddp), None, []
+    if plan.replication == "zero":
+        assert shard is not None
+        shard(model, blocks)
+        return ZeroRuntime(model, topology, plan.zero_stage), None, []
+    if plan.replication == "none":
+        return ParallelRuntime(model, topology), None, []
+    # torchtitan's order: tensor parallel on the tp mesh first, then ZeRO (FSDP2) over the
+    # dp mesh on top of those DTensors; a pipeline shards each stage at its split.
+    reordered = frozenset(apply_tensor_parallel(model, topology.submesh("tp"), dict(plan.tensor_plan))) \
+        if plan.tensor_plan else frozenset()
+    if plan.pipeline is None:
+        if shard is not None:
+            shard(model, blocks)
+        runtime = SplitRuntime(model, topology, plan.zero_stage, reordered=reordered)
+        # Replicas average gradients after the last backward (ZeRO reduce-scatters in it).
+        sync: list[BackwardObserver] = [GradientSync(model, topology)] if topology.dp > 1 and not shard else []
+        return runtime, None, sync
+    assert example_batch is not None  # resolve refuses a pipeline without one
+    example = split_batch(to_device(example_batch, device), plan.batch.accumulation_steps)[0]
+    container = model.get_submodule(plan.pipeline.blocks_path) if plan.pipeline.blocks_path else model
+    split = split_pipeline(model, container, plan.pipeline, topology, example, loss_fn, device,  # type: ignore[arg-type]
+                           plan.compute_dtype, shard)
+    runtime = SplitRuntime(model, topology, plan.zero_stage, split.owner, split.counted, reordered, pipelined=True)
+    return runtime, PipelineRunner(split, plan.pipeline, topology, device, plan.compute_dtype), []
+
+
+def _zero_sharder(plan: TrainingPlan, topology: mesh.Topology) -> Sharder:
+    """``shard(model, blocks)``: ZeRO over the data-parallel mesh dimension, as planned."""
+    zero = plan.config.zero_optimization
+    offload = "cpu" in (zero.offload_param.device, zero.offload_optimizer.device)
+    dp_mesh = topology.submesh("dp")
+
+    def shard(model: nn.Module, blocks: list[nn.Module]) -> None:
+        apply_zero(model, blocks, dp_mesh, plan.zero_stage, plan.compute_dtype, offload)
+    return shard
+
+
+def _keep_held(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """A caller's optimizer under a pipeline: drop the parameters of blocks this rank no
+    longer holds (before any step, so there is no state to lose)."""
+    held = {id(p) for p in model.parameters()}
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) in held]
+
+
+def disable_caches(model: nn.Module) -> None:
+    """Turn off every Hugging Face KV cache in the model: it is filled as a side effect of
+    the forward, so recomputation would fill it twice, and training never reads it. An
+    encoder–decoder's decoder keeps its own config (T5), so every submodule's is set."""
+    for module in model.modules():
+        config: Any = getattr(module, "config", None)
+        if config is not None and getattr(config, "use_cache", None):
+            config.use_cache = False
+
+
+def _resume_fingerprint(plan: TrainingPlan, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Settings a checkpoint must share with the run that resumes it."""
+    cfg = plan.config
+    precision = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[plan.compute_dtype]
+    return {
+        "optimizer": type(optimizer).__name__,
+        "precision": precision,
+        "scheduler": cfg.scheduler.type if cfg.scheduler else None,
+        # Sharded runs save the optimizer state keyed by parameter name, others by index.
+        **({"optimizer_state": "by-name"} if cfg.zero_optimization.stage > 0 else {}),
+    }

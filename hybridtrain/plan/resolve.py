@@ -1,0 +1,327 @@
+"""``resolve(config, model, world_size) -> TrainingPlan``: every decision and every
+``ConfigError``, before the model is changed or any process group exists.
+
+It reads the config and the model (its module structure and, for pipelines and
+streaming when an example batch is given, one traced forward without gradients) and
+touches neither. Every rank resolves the same plan from the same inputs, so bad input
+fails identically everywhere and no rank waits in a collective.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from hybridtrain.config import Config, ConfigError, ConfigSource, load_config, resolve_batch_sizes
+from hybridtrain.models.blocks import BlockList, BlocksNotFoundError, block_names, find_block_lists
+from hybridtrain.models.usage import ModelUsage, trace_usage
+from hybridtrain.parallel import mesh
+from hybridtrain.parallel.model_parallel import resolve_device_map
+from hybridtrain.parallel.partition import choose_partition
+from hybridtrain.parallel.tensor import resolve_plan
+from hybridtrain.plan.checks import check_supported, parallel_sizes
+from hybridtrain.plan.types import (
+    BlockPlan,
+    OptimizerPlan,
+    ParallelSizes,
+    PipelinePlan,
+    Replication,
+    StepRunnerKind,
+    TrainingPlan,
+)
+from hybridtrain.runtime.batch import Batch, run_model, split_batch, to_device
+from hybridtrain.runtime.device import resolve_device
+from hybridtrain.runtime.optim import build_optimizer, build_scheduler
+
+
+def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | None = None,
+            example_batch: Batch | None = None, user_optimizer: bool = False) -> TrainingPlan:
+    """Decide how ``model`` trains under ``config`` on ``world_size`` processes.
+
+    Args:
+        config: a ``Config``, a dict, or a JSON/YAML path.
+        model: the model (read, never changed).
+        world_size: number of processes (default: ``WORLD_SIZE`` from the environment).
+        example_batch: one batch as ``train_batch`` receives it; needed by pipelines (which
+            are split at build) and used by streaming to find parameters used outside
+            their block.
+        user_optimizer: the caller brings its own optimizer.
+
+    Raises:
+        ConfigError: any invalid, unsupported or inapplicable setting (one line each).
+    """
+    cfg = load_config(config)
+    world = world_size if world_size is not None else mesh.env_world_size()
+    check_supported(cfg, world)
+    dp, tp, pp = parallel_sizes(cfg, world)
+    sizes = ParallelSizes(dp, tp, pp)
+    if pp > 1 and cfg.pipeline.micro_batches and cfg.gradient_accumulation_steps is None:
+        # Under a pipeline, micro-batches per step and accumulation steps are one setting.
+        cfg = cfg.model_copy(update={"gradient_accumulation_steps": cfg.pipeline.micro_batches})
+    batch = resolve_batch_sizes(cfg, dp)
+    try:
+        device = _rank_device(resolve_device(cfg.device), world)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    blocks = _Blocks(model, cfg)
+    streamed = _streamed(cfg, blocks)
+    checkpointed, checkpoint_modules = _checkpointed(model, cfg, blocks, streamed)
+    swapped = _swapped(cfg, blocks, checkpointed, streamed)
+    zero_stage = cfg.zero_optimization.stage if dp > 1 else 0
+    if zero_stage and user_optimizer:
+        raise ConfigError("zero_optimization.stage > 0 shards the parameters, so the optimizer must be "
+                          "built after sharding: pass optimizer=None and set config optimizer instead")
+    try:
+        device_map = resolve_device_map(model, cfg.device_map)
+        tensor_plan = resolve_plan(model, cfg.tensor_parallel.plan, tp) if tp > 1 else {}
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    _check_optimizer(cfg, user_optimizer)
+    usage = _usage(model, cfg, blocks, batch.accumulation_steps, example_batch) \
+        if example_batch is not None and (pp > 1 or streamed) else None
+    if streamed and usage is not None:
+        _refuse_foreign_uses(usage, {i for i, name in enumerate(blocks.names) if name in streamed},
+                             "layer_streaming", "list that block in layer_streaming.resident")
+    pipeline = _pipeline(cfg, pp, blocks, usage, batch.accumulation_steps) if pp > 1 else None
+    return TrainingPlan(
+        config=cfg, sizes=sizes, batch=batch, device=device,
+        compute_dtype=torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None,
+        loss_scaling=cfg.fp16.enabled,
+        block_lists=tuple(path for path, _ in blocks.lists) if blocks.found else (),
+        blocks=tuple(BlockPlan(name, name in checkpointed, name in swapped, name in streamed)
+                     for name in (blocks.names if blocks.found else [])),
+        checkpoint_modules=tuple(checkpoint_modules),
+        step_runner=_runner_kind(cfg, pp, streamed),
+        replication=_replication(sizes, zero_stage),
+        zero_stage=zero_stage,
+        tensor_plan=tuple(tensor_plan.items()),
+        device_map=tuple(device_map.items()),
+        pipeline=pipeline,
+        optimizer=_optimizer(cfg, sizes, bool(streamed), batch.accumulation_steps),
+    )
+
+
+class _Blocks:
+    """The model's block lists, found once; a technique that needs them and finds none
+    raises a ``ConfigError`` prefixed by its config section."""
+
+    def __init__(self, model: nn.Module, cfg: Config) -> None:
+        self.lists: list[tuple[str, BlockList]] = []
+        self.error: str | None = None
+        try:
+            self.lists = find_block_lists(model, cfg.model.blocks)
+        except BlocksNotFoundError as exc:
+            self.error = str(exc)
+        self.names = block_names(self.lists)
+        self.modules = [block for _, container in self.lists for block in container]
+
+    @property
+    def found(self) -> bool:
+        return self.error is None
+
+    def need(self, section: str) -> list[str]:
+        """Every block's name, or a ConfigError naming ``section`` when there are none."""
+        if self.error is not None:
+            raise ConfigError(f"{section}: {self.error}")
+        return self.names
+
+    def single(self, section: str) -> tuple[str, BlockList]:
+        """The one block list a technique needs (pipelines, layer-major streaming)."""
+        self.need(section)
+        if len(self.lists) > 1:
+            paths = " and ".join(p for p, _ in self.lists)
+            raise ConfigError(f"{section} needs one list of blocks, but the model has {paths} (an encoder–"
+                              f"decoder): its decoder reads the encoder's output from outside its blocks; "
+                              f"{_single_hint(section)}")
+        return self.lists[0]
+
+
+def _single_hint(section: str) -> str:
+    if section == "layer_streaming.layer_major":
+        return "set layer_streaming.layer_major: false (streaming without it works)"
+    return "set model.blocks to one list, or use a technique that keeps the model whole"
+
+
+def _rank_device(device: torch.device, world_size: int) -> torch.device:
+    # Several ranks on one node each take the GPU of their local rank.
+    if world_size > 1 and device.type == "cuda" and device.index in (None, 0):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
+
+
+def _streamed(cfg: Config, blocks: _Blocks) -> list[str]:
+    """The blocks layer streaming moves through the device (all but ``resident``)."""
+    section = cfg.layer_streaming
+    if not section.enabled:
+        return []
+    names = blocks.need("layer_streaming")
+    if section.layer_major:
+        blocks.single("layer_streaming.layer_major")
+    unknown = [r for r in section.resident if r not in names]
+    if unknown:
+        raise ConfigError(f"layer_streaming.resident {unknown} are not blocks; blocks are "
+                          f"{', '.join(names[:4])}, …")
+    streamed = [name for name in names if name not in section.resident]
+    _refuse_shared_modules(blocks, streamed)
+    return streamed
+
+
+def _refuse_shared_modules(blocks: _Blocks, streamed: list[str]) -> None:
+    """A streamed block's parameter held by a second module (weight sharing by object)."""
+    owner: dict[int, str] = {}
+    for name, block in zip(blocks.names, blocks.modules, strict=True):
+        if name not in streamed:
+            continue
+        for pname, p in block.named_parameters():
+            if id(p) in owner:
+                raise ConfigError(f"layer_streaming: parameter {name}.{pname} is shared with {owner[id(p)]}; "
+                                  "list the sharing blocks in layer_streaming.resident")
+            owner[id(p)] = name
+
+
+def _checkpointed(model: nn.Module, cfg: Config, blocks: _Blocks,
+                  streamed: list[str]) -> tuple[set[str], list[str]]:
+    """Checkpointed blocks, and module paths checkpointed by class (``module_classes``)."""
+    if streamed:  # streaming chooses its own recomputation
+        chosen = streamed if cfg.layer_streaming.boundary_activations != "device" else []
+        return set(chosen), list(chosen)
+    section = cfg.activation_checkpointing
+    if not section.enabled:
+        return set(), []
+    if section.module_classes:
+        wanted = set(section.module_classes)
+        chosen = [name for name, m in model.named_modules() if type(m).__name__ in wanted]
+        if not chosen:
+            present = sorted({type(m).__name__ for m in model.modules()})
+            raise ConfigError(f"activation_checkpointing.module_classes = {sorted(wanted)} matches no module; "
+                              f"classes in this model: {', '.join(present[:20])}")
+        return {n for n in chosen if n in set(blocks.names)}, chosen
+    blocks.need("activation_checkpointing")
+    # every_n_blocks counts within each block list (an encoder's and a decoder's first block).
+    chosen = [f"{path}.{i}" if path else str(i) for path, container in blocks.lists
+              for i in range(0, len(container), section.every_n_blocks)]
+    return set(chosen), chosen
+
+
+def _swapped(cfg: Config, blocks: _Blocks, checkpointed: set[str], streamed: list[str]) -> set[str]:
+    """Blocks whose saved activations are swapped. DeepSpeed's ``cpu_checkpointing`` and
+    streaming with host boundary activations swap the checkpoints."""
+    section = cfg.activation_offload
+    if streamed and cfg.layer_streaming.boundary_activations == "host":
+        return set(streamed)
+    if not section.enabled:
+        return set(checkpointed) if cfg.activation_checkpointing.cpu_checkpointing else set()
+    names = blocks.need("activation_offload")
+    wrong = [i for i in section.blocks if not 0 <= i < len(names)]
+    if wrong:
+        raise ConfigError(f"activation_offload.blocks {wrong} out of range; the model has "
+                          f"{len(names)} blocks (0..{len(names) - 1})")
+    return {names[i] for i in section.blocks} if section.blocks else set(names)
+
+
+def _usage(model: nn.Module, cfg: Config, blocks: _Blocks, accumulation: int, example: Batch) -> ModelUsage:
+    """Trace one forward of the example's first micro-batch (where the model lives now)."""
+    try:
+        micro = split_batch(example, accumulation)[0]
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"example_batch: {exc}") from None
+    where = next((p.device for p in model.parameters()), torch.device("cpu"))
+    micro = to_device(micro, where)
+    try:
+        return trace_usage(model, blocks.modules, lambda: run_model(model, micro))
+    except TypeError as exc:
+        raise ConfigError(f"model.blocks: {exc}") from None
+
+
+def _refuse_foreign_uses(usage: ModelUsage, indices: set[int], section: str, hint: str) -> None:
+    """A block parameter that code outside its block reads cannot live with the block only."""
+    for name, places in sorted(usage.used_outside_own_block().items()):
+        if usage.owner[name] in indices:
+            where = ", ".join(sorted(_place_words(p) for p in places))
+            raise ConfigError(f"{section}: parameter {name} belongs to block {usage.owner[name]} but the "
+                              f"model's code also uses it {where}; {hint}")
+
+
+def _place_words(place: str) -> str:
+    kind, _, index = place.partition(":")
+    return {"pre": "before the blocks", "post": "after the blocks", "block": f"in block {index}",
+            "between": f"between blocks {index} and {int(index or 0) + 1}"}[kind]
+
+
+def _pipeline(cfg: Config, pp: int, blocks: _Blocks, usage: ModelUsage | None, micro_batches: int) -> PipelinePlan:
+    """The pipeline split, checked against the blocks and what the code uses."""
+    path, container = blocks.single("pipeline")
+    section = cfg.pipeline
+    total = pp * section.virtual_stages
+    if total > len(container):
+        raise ConfigError(f"pipeline of {total} stages (stages × virtual_stages) but the model has "
+                          f"{len(container)} blocks; use at most {len(container)} stages")
+    counts = section.partition
+    if isinstance(counts, list) and (sum(counts) != len(container) or min(counts) < 1):
+        raise ConfigError(f"pipeline.partition {counts} must be positive block counts adding up to the "
+                          f"model's {len(container)} blocks")
+    if usage is None:
+        raise ConfigError("pipeline: the model is split into stages at initialize and needs one example batch "
+                          "(the shape train_batch receives): initialize(model, config, example_batch=batch)")
+    _refuse_foreign_uses(usage, set(range(len(container))), "pipeline",
+                         "a pipeline holds each block on one stage only; move the parameter out of the "
+                         "blocks or use tensor/data parallel")
+    between = sorted(n for n, places in usage.places.items() if n not in usage.owner
+                     and any(p.startswith("between:") for p in places))
+    if between:
+        raise ConfigError(f"pipeline: parameter {between[0]} is used between two blocks, outside any block; "
+                          "a stage boundary there would skip it; make that code part of a block")
+    params = [float(sum(p.numel() for p in block.parameters())) for block in container]
+    rule: str | list[int] = section.partition
+    resolved = None if rule == "time" else tuple(choose_partition(rule, total, params, None))
+    return PipelinePlan(section.schedule, micro_batches, section.virtual_stages,
+                        tuple(rule) if isinstance(rule, list) else rule, resolved, path, usage)
+
+
+def _check_optimizer(cfg: Config, user_optimizer: bool) -> None:
+    """Build the configured optimizer and scheduler over a stand-in parameter: their names
+    and parameters fail here, not after the model was changed."""
+    try:
+        stand_in = build_optimizer([nn.Parameter(torch.zeros(1))], cfg.optimizer.type, cfg.optimizer.params) \
+            if not user_optimizer else torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0)
+        if cfg.scheduler:
+            build_scheduler(stand_in, cfg.scheduler.type, cfg.scheduler.params)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _runner_kind(cfg: Config, pp: int, streamed: list[str]) -> StepRunnerKind:
+    if pp > 1:
+        return "pipeline"
+    return "layer_major" if streamed and cfg.layer_streaming.layer_major else "micro_batches"
+
+
+def _replication(sizes: ParallelSizes, zero_stage: int) -> Replication:
+    if sizes.tp > 1 or sizes.pp > 1:
+        return "split"
+    if sizes.dp == 1:
+        return "none"
+    return "zero" if zero_stage else "ddp"
+
+
+def _optimizer(cfg: Config, sizes: ParallelSizes, streaming: bool, accumulation: int) -> OptimizerPlan:
+    """ZeRO-Offload on one process (several processes offload inside ZeRO sharding); layer
+    streaming always updates on the host, each streamed block being one bucket."""
+    section = cfg.zero_optimization.offload_optimizer
+    if not streaming and (section.device != "cpu" or sizes.world != 1):
+        return OptimizerPlan()
+    # These need every gradient before any update, so the host step waits for backward.
+    defer = cfg.gradient_clipping > 0 or cfg.fp16.enabled or cfg.nonfinite_loss == "skip"
+    # Gradients wait in host memory when micro-batches land one by one and are summed there
+    # (layer-major streaming sums them on the device and lands each block once).
+    summed_on_host = accumulation > 1 and not (streaming and cfg.layer_streaming.layer_major)
+    return OptimizerPlan(
+        placement="host_streamed" if streaming else "host",
+        host_ratio=1.0 if streaming else section.ratio,
+        defer_step=defer, lasting_grads=defer or summed_on_host,
+        pin_memory=cfg.layer_streaming.pin_memory if streaming else section.pin_memory,
+        bucket_size=cfg.zero_optimization.reduce_bucket_size,
+    )
+

@@ -1,0 +1,206 @@
+"""The decision of how to train a model, as a frozen value.
+
+A :class:`TrainingPlan` says everything :func:`hybridtrain.plan.build` will do — sizes,
+blocks and what happens to each, who runs a step, where the optimizer lives, precision —
+without having done any of it. :func:`hybridtrain.plan.resolve` makes one (and raises every
+``ConfigError``); the planner compares candidates; ``hybridtrain config --plan`` prints one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+import torch
+
+from hybridtrain.config import BatchSizes, Config
+from hybridtrain.models.usage import ModelUsage
+
+StepRunnerKind = Literal["micro_batches", "layer_major", "pipeline"]
+OptimizerPlacement = Literal["device", "host", "host_streamed"]
+Replication = Literal["none", "ddp", "zero", "split"]
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    """Data-, tensor- and pipeline-parallel sizes (their product is the world size)."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def world(self) -> int:
+        """Number of processes."""
+        return self.dp * self.tp * self.pp
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """What happens to one block.
+
+    Attributes:
+        name: its dotted module path.
+        checkpoint: its activations are recomputed in backward (only its inputs kept).
+        swap: its saved activations (its inputs, when checkpointed) go to host memory.
+        stream: its weights live in host memory and pass through the device (L2L).
+    """
+
+    name: str
+    checkpoint: bool = False
+    swap: bool = False
+    stream: bool = False
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """How the blocks are split into pipeline stages.
+
+    Attributes:
+        schedule: ``gpipe`` | ``1f1b`` | ``interleaved_1f1b`` | ``zero_bubble``.
+        micro_batches: micro-batches per step.
+        virtual_stages: stages per rank.
+        partition: the rule (``time`` | ``params`` | ``uniform``) or block counts.
+        counts: blocks per stage, or None when ``partition: time`` measures them at build.
+        blocks_path: dotted path of the block container.
+        usage: where the example micro-batch's forward used each parameter.
+    """
+
+    schedule: str
+    micro_batches: int
+    virtual_stages: int
+    partition: str | tuple[int, ...]
+    counts: tuple[int, ...] | None
+    blocks_path: str
+    usage: ModelUsage
+
+    @property
+    def stages(self) -> int:
+        """Number of stages (ranks × virtual stages)."""
+        return len(self.counts) if self.counts else 0
+
+
+@dataclass(frozen=True)
+class OptimizerPlan:
+    """Where the optimizer step runs.
+
+    Attributes:
+        placement: ``device``; ``host`` (ZeRO-Offload: fp32 masters and the step in host
+            memory); ``host_streamed`` (layer streaming: every streamed block is a bucket).
+        host_ratio: share of the parameters updated on the host (below 1: twin-flow, the
+            rest on the device).
+        defer_step: the host step waits until every gradient has landed (clipping, fp16,
+            ``nonfinite_loss: skip``), instead of running as each bucket lands.
+        lasting_grads: gradients wait in host memory (summed there, or deferred).
+        pin_memory: host buffers page-locked.
+        bucket_size: elements per gradient bucket (optimizer offload).
+    """
+
+    placement: OptimizerPlacement = "device"
+    host_ratio: float = 0.0
+    defer_step: bool = False
+    lasting_grads: bool = False
+    pin_memory: bool = False
+    bucket_size: int = 0
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    """How :func:`hybridtrain.plan.build` will train a model (see the module docstring).
+
+    Attributes:
+        config: the validated configuration (the techniques' own knobs are read from it).
+        sizes: named parallel sizes.
+        batch: the batch arithmetic.
+        device: this process's compute device.
+        compute_dtype: autocast dtype (None = fp32).
+        loss_scaling: fp16 dynamic/static loss scaling.
+        block_lists: dotted paths of the block containers, in execution order.
+        blocks: every block and what happens to it.
+        checkpoint_modules: paths of every module activation checkpointing wraps (the
+            checkpointed blocks, or modules chosen by ``module_classes``).
+        step_runner: who runs a step's forwards and backwards.
+        replication: how data-parallel replicas keep in step: ``none`` (one replica),
+            ``ddp``, ``zero`` (FSDP2 sharding) or ``split`` (a tensor/pipeline split model
+            whose replicas average gradients after backward, or shard under ZeRO).
+        zero_stage: the ZeRO stage in effect (0 on one replica).
+        tensor_plan: module path → ``colwise``/``rowwise`` (tensor parallel).
+        device_map: module path → device (naive model parallel inside one process).
+        pipeline: the pipeline split, or None.
+        optimizer: where the optimizer step runs.
+    """
+
+    config: Config
+    sizes: ParallelSizes
+    batch: BatchSizes
+    device: torch.device
+    compute_dtype: torch.dtype | None
+    loss_scaling: bool
+    block_lists: tuple[str, ...]
+    blocks: tuple[BlockPlan, ...]
+    checkpoint_modules: tuple[str, ...]
+    step_runner: StepRunnerKind
+    replication: Replication
+    zero_stage: int
+    tensor_plan: tuple[tuple[str, str], ...]
+    device_map: tuple[tuple[str, torch.device], ...]
+    pipeline: PipelinePlan | None
+    optimizer: OptimizerPlan
+
+    def blocks_where(self, flag: str) -> list[str]:
+        """Names of the blocks whose ``flag`` (``checkpoint``/``swap``/``stream``) is set."""
+        return [b.name for b in self.blocks if getattr(b, flag)]
+
+    def summary(self) -> dict[str, object]:
+        """The decisions as plain values (what ``hybridtrain config --plan`` prints)."""
+        dtype = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.compute_dtype]
+        out: dict[str, object] = {
+            "world": {"dp": self.sizes.dp, "tp": self.sizes.tp, "pp": self.sizes.pp},
+            "batch": {"global": self.batch.global_batch, "micro": self.batch.micro_batch,
+                      "accumulation": self.batch.accumulation_steps},
+            "device": str(self.device),
+            "precision": dtype + (" + loss scaling" if self.loss_scaling else ""),
+            "block_lists": list(self.block_lists),
+            "blocks": len(self.blocks),
+            "checkpointed": _ranges(self, "checkpoint"),
+            "swapped": _ranges(self, "swap"),
+            "streamed": _ranges(self, "stream"),
+            "step_runner": self.step_runner,
+            "replication": self.replication,
+            "zero_stage": self.zero_stage,
+            "optimizer": {f.name: getattr(self.optimizer, f.name) for f in fields(self.optimizer)},
+        }
+        if self.tensor_plan:
+            out["tensor_parallel"] = dict(self.tensor_plan)
+        if self.device_map:
+            out["device_map"] = {k: str(v) for k, v in self.device_map}
+        if self.pipeline is not None:
+            p = self.pipeline
+            out["pipeline"] = {"schedule": p.schedule, "micro_batches": p.micro_batches,
+                               "virtual_stages": p.virtual_stages,
+                               "partition": list(p.partition) if isinstance(p.partition, tuple) else p.partition,
+                               "blocks_per_stage": list(p.counts) if p.counts else "measured at build"}
+        return out
+
+    def differences(self, other: TrainingPlan) -> dict[str, tuple[object, object]]:
+        """Decisions that differ from ``other``: key → (this plan's, the other's)."""
+        mine, theirs = self.summary(), other.summary()
+        return {k: (mine.get(k), theirs.get(k)) for k in sorted(set(mine) | set(theirs))
+                if mine.get(k) != theirs.get(k)}
+
+
+def _ranges(plan: TrainingPlan, flag: str) -> str:
+    """``"all"``, ``"none"`` or the block indices with ``flag`` set, e.g. ``"0-3, 6"``."""
+    chosen = [i for i, b in enumerate(plan.blocks) if getattr(b, flag)]
+    if not chosen:
+        return "none"
+    if len(chosen) == len(plan.blocks):
+        return "all"
+    runs: list[str] = []
+    start = prev = chosen[0]
+    for i in [*chosen[1:], -2]:
+        if i != prev + 1:
+            runs.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = i
+        prev = i
+    return ", ".join(runs)
