@@ -37,12 +37,15 @@ class ModelUsage:
         boundary: per-sample shape and dtype of the hidden state entering block ``i`` for
             ``i < n`` and leaving the last block at ``n`` (dim 0 is the batch).
         tuple_output: whether blocks return tuples (hidden state first).
+        unchained: indices ``i`` of blocks whose hidden state input is not block ``i - 1``'s
+            output (code between them changed it, e.g. a residual added outside the blocks).
     """
 
     places: dict[str, frozenset[str]]
     owner: dict[str, int]
     boundary: tuple[tuple[tuple[int, ...], torch.dtype], ...]
     tuple_output: bool
+    unchained: tuple[int, ...] = ()
 
     def used_outside_own_block(self) -> dict[str, frozenset[str]]:
         """Block parameters some code outside their own block uses: name → those places."""
@@ -105,7 +108,8 @@ def trace_usage(model: nn.Module, blocks: Sequence[nn.Module], forward: Callable
     index = {id(b): i for i, b in enumerate(blocks)}
     owner = {names[id(p)]: i for i, b in enumerate(blocks) for p in b.parameters()}
     n = len(blocks)
-    state: dict[str, Any] = {"place": PRE, "tuple": False}
+    state: dict[str, Any] = {"place": PRE, "tuple": False, "previous": None}
+    unchained: list[int] = []
     boundary: list[tuple[tuple[int, ...], torch.dtype]] = [((), torch.float32)] * (n + 1)
     seen: dict[str, set[str]] = {}
 
@@ -113,14 +117,17 @@ def trace_usage(model: nn.Module, blocks: Sequence[nn.Module], forward: Callable
         i = index[id(module)]
         hidden = hidden_of(args, kwargs)
         boundary[i] = (tuple(hidden.shape[1:]), hidden.dtype)
+        if i > 0 and hidden is not state["previous"]:
+            unchained.append(i)
         state["place"] = f"block:{i}"
 
     def after(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         i = index[id(module)]
         state["place"] = POST if i == n - 1 else f"between:{i}"
+        hidden = out[0] if isinstance(out, tuple) else out
+        state["previous"] = hidden
         if i == n - 1:
             state["tuple"] = isinstance(out, tuple)
-            hidden = out[0] if isinstance(out, tuple) else out
             boundary[n] = (tuple(hidden.shape[1:]), hidden.dtype)
 
     handles = [h for b in blocks for h in (b.register_forward_pre_hook(before, with_kwargs=True),
@@ -131,4 +138,5 @@ def trace_usage(model: nn.Module, blocks: Sequence[nn.Module], forward: Callable
     finally:
         for handle in handles:
             handle.remove()
-    return ModelUsage({k: frozenset(v) for k, v in seen.items()}, owner, tuple(boundary), bool(state["tuple"]))
+    return ModelUsage({k: frozenset(v) for k, v in seen.items()}, owner, tuple(boundary), bool(state["tuple"]),
+                      tuple(unchained))

@@ -34,6 +34,7 @@ from hybridtrain.plan.types import (
 from hybridtrain.runtime.batch import Batch, run_model, split_batch, to_device
 from hybridtrain.runtime.device import resolve_device
 from hybridtrain.runtime.optim import build_optimizer, build_scheduler
+from hybridtrain.runtime.streaming import check_not_shared
 
 
 def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | None = None,
@@ -66,7 +67,7 @@ def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | Non
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     blocks = _Blocks(model, cfg)
-    streamed = _streamed(cfg, blocks)
+    streamed = _streamed(model, cfg, blocks)
     checkpointed, checkpoint_modules = _checkpointed(model, cfg, blocks, streamed)
     swapped = _swapped(cfg, blocks, checkpointed, streamed)
     zero_stage = cfg.zero_optimization.stage if dp > 1 else 0
@@ -151,7 +152,7 @@ def _rank_device(device: torch.device, world_size: int) -> torch.device:
     return device
 
 
-def _streamed(cfg: Config, blocks: _Blocks) -> list[str]:
+def _streamed(model: nn.Module, cfg: Config, blocks: _Blocks) -> list[str]:
     """The blocks layer streaming moves through the device (all but ``resident``)."""
     section = cfg.layer_streaming
     if not section.enabled:
@@ -164,21 +165,11 @@ def _streamed(cfg: Config, blocks: _Blocks) -> list[str]:
         raise ConfigError(f"layer_streaming.resident {unknown} are not blocks; blocks are "
                           f"{', '.join(names[:4])}, …")
     streamed = [name for name in names if name not in section.resident]
-    _refuse_shared_modules(blocks, streamed)
+    try:
+        check_not_shared(model, [m for n, m in zip(names, blocks.modules, strict=True) if n in streamed])
+    except ValueError as exc:
+        raise ConfigError(f"layer_streaming: {exc}") from None
     return streamed
-
-
-def _refuse_shared_modules(blocks: _Blocks, streamed: list[str]) -> None:
-    """A streamed block's parameter held by a second module (weight sharing by object)."""
-    owner: dict[int, str] = {}
-    for name, block in zip(blocks.names, blocks.modules, strict=True):
-        if name not in streamed:
-            continue
-        for pname, p in block.named_parameters():
-            if id(p) in owner:
-                raise ConfigError(f"layer_streaming: parameter {name}.{pname} is shared with {owner[id(p)]}; "
-                                  "list the sharing blocks in layer_streaming.resident")
-            owner[id(p)] = name
 
 
 def _checkpointed(model: nn.Module, cfg: Config, blocks: _Blocks,
@@ -273,6 +264,11 @@ def _pipeline(cfg: Config, pp: int, blocks: _Blocks, usage: ModelUsage | None, m
     if between:
         raise ConfigError(f"pipeline: parameter {between[0]} is used between two blocks, outside any block; "
                           "a stage boundary there would skip it; make that code part of a block")
+    if usage.unchained:
+        i = usage.unchained[0]
+        raise ConfigError(f"pipeline: block {i} of {path or 'the model'} does not receive block {i - 1}'s output "
+                          "(the model's code changes the hidden state between blocks, e.g. a residual added "
+                          "outside them); a pipeline sends each block's output on; put that code inside the blocks")
     params = [float(sum(p.numel() for p in block.parameters())) for block in container]
     rule: str | list[int] = section.partition
     resolved = None if rule == "time" else tuple(choose_partition(rule, total, params, None))

@@ -113,6 +113,29 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("mamba", "MambaForCausalLM", "MambaConfig", {
         "vocab_size": VOCAB, "hidden_size": HIDDEN, "state_size": 8, "num_hidden_layers": LAYERS,
         "expand": 2, "conv_kernel": 4}),
+    # Newer generations and relatives of the above (cheap: a few seconds each).
+    Family("gemma2", "Gemma2ForCausalLM", "Gemma2Config", {**_DECODER_LLAMA_LIKE, "head_dim": 8, "sliding_window": 8}),
+    Family("gemma3", "Gemma3ForCausalLM", "Gemma3TextConfig", {
+        **_DECODER_LLAMA_LIKE, "head_dim": 8, "sliding_window": 8}),
+    Family("phi3", "Phi3ForCausalLM", "Phi3Config", {
+        **_DECODER_LLAMA_LIKE, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "pad_token_id": 0, "bos_token_id": 1,
+        "eos_token_id": 2}),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", {
+        **_DECODER_LLAMA_LIKE, "head_dim": 8, "moe_intermediate_size": 32, "num_experts": 4,
+        "num_experts_per_tok": 2}),
+    Family("olmo2", "Olmo2ForCausalLM", "Olmo2Config", dict(_DECODER_LLAMA_LIKE)),
+    Family("gpt_neo", "GPTNeoForCausalLM", "GPTNeoConfig", {
+        "hidden_size": HIDDEN, "num_layers": LAYERS, "num_heads": 4, "vocab_size": VOCAB,
+        "max_position_embeddings": 32, "attention_types": [[["global", "local"], 1]], "window_size": 8,
+        "embed_dropout": 0.0, "attention_dropout": 0.0, "resid_dropout": 0.0, "bos_token_id": 0,
+        "eos_token_id": 0}),
+    Family("roberta", "RobertaForMaskedLM", "RobertaConfig", {
+        "hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": LAYERS, "num_attention_heads": 4,
+        "vocab_size": VOCAB, "max_position_embeddings": 40, "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0}, batches="masked"),
+    Family("mamba2", "Mamba2ForCausalLM", "Mamba2Config", {
+        "vocab_size": VOCAB, "hidden_size": HIDDEN, "state_size": 8, "num_hidden_layers": LAYERS, "expand": 2,
+        "head_dim": 8, "num_heads": 8, "n_groups": 1, "conv_kernel": 4, "chunk_size": 8}),
 ]}
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 import hybridtrain as ht
 from hybridtrain.models.gpt import GPT, GPTConfig
@@ -38,11 +39,43 @@ Result = tuple[list[float], dict[str, torch.Tensor]]
 Scenario = tuple[str, dict[str, Any]]
 
 
+class ResidualMLP(nn.Module):
+    """``x + mlp(norm(x))``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.GELU(),
+                                 nn.Linear(2 * width, width))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + self.mlp(hidden)
+
+
+class InlineTiedLM(nn.Module):
+    """A language model whose forward code reuses the embedding as the output head
+    (``h @ self.emb.weight.T``) instead of a head module sharing the weight: under a
+    pipeline the first and the last stage both use it, which only the code shows."""
+
+    def __init__(self, vocab: int = 64, width: int = 32, depth: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(ResidualMLP(width) for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.emb(tokens)
+        for block in self.blocks:
+            hidden = block(hidden)
+        return self.norm(hidden) @ self.emb.weight.T
+
+
 def cases() -> dict[str, ModelCase]:
-    """The suite's model cases plus ``gpt_deep``: the tied-embedding GPT with 4 blocks and
-    4 heads, enough for 4 pipeline stages or 2 ranks × 2 virtual stages and TP of 4."""
+    """The suite's model cases plus ``gpt_deep`` (the tied-embedding GPT with 4 blocks and
+    4 heads, enough for 4 pipeline stages or 2 ranks × 2 virtual stages and TP of 4) and
+    ``inline_tied`` (:class:`InlineTiedLM`)."""
     deep = GPTConfig(n_layer=4, n_head=4, d_model=32, seq_len=16, vocab_size=64)
-    return {**model_cases(), "gpt_deep": dataclasses.replace(gpt_case(), name="gpt_deep", build=lambda: GPT(deep))}
+    return {**model_cases(), "gpt_deep": dataclasses.replace(gpt_case(), name="gpt_deep", build=lambda: GPT(deep)),
+            "inline_tied": dataclasses.replace(gpt_case(), name="inline_tied", build=InlineTiedLM)}
 
 
 def train_scenarios(scenarios: dict[str, Scenario], steps: int = STEPS) -> dict[str, Any]:
@@ -53,9 +86,11 @@ def train_scenarios(scenarios: dict[str, Scenario], steps: int = STEPS) -> dict[
         case = known[case_name]
         torch.manual_seed(SEED)
         model = case.build()
-        engine = ht.initialize(model, engine_config(Mode(name, config)), loss_fn=case.loss_fn)
+        batches = case.batches(steps)
+        engine = ht.initialize(model, engine_config(Mode(name, config)), loss_fn=case.loss_fn,
+                               example_batch=batches[0])
         torch.manual_seed(SEED + 1)
-        losses = [engine.train_batch(engine.local_batch(batch)) for batch in case.batches(steps)]
+        losses = [engine.train_batch(engine.local_batch(batch)) for batch in batches]
         out[name] = (losses, engine.model_state_dict(), engine.topology.describe())
     return out
 
@@ -125,7 +160,8 @@ def resume_round_trip(case_name: str, config: dict[str, Any], ckpt_dir: str,
 
     def engine() -> ht.Engine:
         torch.manual_seed(SEED)
-        return ht.initialize(case.build(), engine_config(Mode("resume", config)), loss_fn=case.loss_fn)
+        return ht.initialize(case.build(), engine_config(Mode("resume", config)), loss_fn=case.loss_fn,
+                             example_batch=batches[0])
 
     straight = engine()
     expected = [straight.train_batch(straight.local_batch(b)) for b in batches]

@@ -24,10 +24,14 @@ GROUPS = {
         "interleaved": ("gpt_deep", _pp("interleaved_1f1b", 4, virtual_stages=2, partition="uniform")),
         "zero_bubble": ("gpt_deep", _pp("zero_bubble", 4, virtual_stages=2, partition=[1, 1, 1, 1])),
         "1f1b_llama": ("hf_llama", _pp("1f1b", 2)),
+        # The head is `h @ self.emb.weight.T` in forward: both end stages use the embedding.
+        "inline_tied": ("inline_tied", _pp("1f1b", 2)),
+        "inline_tied_interleaved": ("inline_tied", _pp("interleaved_1f1b", 4, virtual_stages=2)),
     }),
     "pipeline4ranks": (4, {
         "dp2_pp2": ("gpt_tied", {"data_parallel": {"size": 2}, **_pp("1f1b", 2)}),
         "pp4_gpipe_time": ("gpt_deep", _pp("gpipe", 4, stages=4)),
+        "dp2_pp2_inline_tied": ("inline_tied", {"data_parallel": {"size": 2}, **_pp("gpipe", 2)}),
     }),
 }
 RUNNER = GroupRunner(GROUPS)
@@ -47,7 +51,8 @@ def _refused(config: dict[str, Any], world: int, match: str, monkeypatch: pytest
 
     monkeypatch.setenv("WORLD_SIZE", str(world))
     with pytest.raises(ht.ConfigError, match=match):
-        ht.initialize(cases()["gpt_tied"].build(), {"device": "cpu", **config})
+        case = cases()["gpt_tied"]
+        ht.initialize(case.build(), {"device": "cpu", **config}, example_batch=case.batches(1)[0])
 
 
 @pytest.mark.parametrize(("config", "world", "match"), [
@@ -75,7 +80,8 @@ def _trio_error() -> str:
     from tests.parallel.scenarios import cases
 
     case = cases()["gpt_tied"]
-    engine = ht.initialize(case.build(), {"device": "cpu", **_pp("gpipe", 2)}, loss_fn=case.loss_fn)
+    engine = ht.initialize(case.build(), {"device": "cpu", **_pp("gpipe", 2)}, loss_fn=case.loss_fn,
+                           example_batch=case.batches(1)[0])
     try:
         engine(case.batches(1)[0][0])
     except RuntimeError as exc:

@@ -57,8 +57,9 @@ def _overflow_run(config: dict[str, Any]) -> dict[str, Any]:
     """Three fp16 steps; at the second, rank 0 alone turns one of its gradients to inf."""
     case = cases()["gpt_tied"]
     torch.manual_seed(SEED)
-    engine = ht.initialize(case.build(), engine_config(Mode("fp16", {**config, **FP16})), loss_fn=case.loss_fn)
     batches = case.batches(3)
+    engine = ht.initialize(case.build(), engine_config(Mode("fp16", {**config, **FP16})), loss_fn=case.loss_fn,
+                           example_batch=batches[0])
     engine.train_batch(engine.local_batch(batches[0]))
     scale = engine.loss_scale * 2  # after the skip it may not shrink yet (hysteresis), never grow
     rank = torch.distributed.get_rank()

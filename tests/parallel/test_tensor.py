@@ -59,7 +59,8 @@ def test_bad_tensor_parallel_input_is_refused_before_any_collective(
     world = config.get("tensor_parallel", {}).get("size", 2) * config.get("data_parallel", {}).get("size", 1)
     monkeypatch.setenv("WORLD_SIZE", str(world))
     with pytest.raises(ht.ConfigError, match=match):
-        ht.initialize(cases()[build].build(), {"device": "cpu", **config})
+        case = cases()[build]
+        ht.initialize(case.build(), {"device": "cpu", **config}, example_batch=case.batches(1)[0])
 
 
 def test_user_plan_expands_patterns_to_linear_layers() -> None:

@@ -30,7 +30,7 @@ def _batch(cfg: GPTConfig = CFG, device: str = "cpu") -> tuple[torch.Tensor, tor
 
 
 def _streamer(engine: ht.Engine) -> LayerStreamer:
-    streamer = engine.options.backward_observer
+    streamer = engine.options.observers[0]
     assert isinstance(streamer, LayerStreamer)
     return streamer
 

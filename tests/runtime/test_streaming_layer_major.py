@@ -33,7 +33,7 @@ def _batch(size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _streamer(engine: ht.Engine) -> LayerStreamer:
-    streamer = engine.options.backward_observer
+    streamer = engine.options.observers[0]
     assert isinstance(streamer, LayerStreamer)
     return streamer
 
@@ -113,7 +113,7 @@ def test_eval_and_the_manual_trio_stream_per_micro_batch() -> None:
         engine.step()
     assert engine.global_step == 1
     assert engine.eval_batch(_batch()) > 0
-    assert isinstance(engine.options.step_runner, LayerMajorRunner)
+    assert isinstance(engine.runner, LayerMajorRunner)
 
 
 def test_layer_major_without_streaming_is_refused() -> None:
@@ -163,7 +163,7 @@ def test_a_block_run_twice_per_forward_is_refused_not_miscomputed() -> None:
 
 def test_swapped_block_inputs_are_prefetched_in_block_major_backward_order() -> None:
     engine = _engine(accumulation=4, boundary_activations="host")
-    runner = engine.options.step_runner
+    runner = engine.runner
     assert isinstance(runner, LayerMajorRunner) and runner.swapper is not None
     stats = runner.swapper.stats
     engine.train_batch(_batch())
