@@ -39,6 +39,11 @@ def add_train_command(sub: Any) -> None:
     config.add_argument("config", nargs="?", help="JSON/YAML config to resolve")
     _add_overrides(config)
     config.add_argument("--reference", action="store_true", help="print the config reference (Markdown)")
+    config.add_argument("--plan", action="store_true",
+                        help="print the training plan instead: blocks, what each technique does to them, who "
+                        "runs a step, where the optimizer lives (the model is built on the meta device)")
+    config.add_argument("--world-size", type=int, default=None, metavar="N",
+                        help="with --plan: plan for N processes (default: WORLD_SIZE, else 1)")
     config.set_defaults(func=_config)
 
 
@@ -111,7 +116,12 @@ def _config(args: argparse.Namespace) -> int:
         return 0
     try:
         cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
+        if args.plan:
+            from hybridtrain.trainer import plan_training
+
+            print(json.dumps(plan_training(cfg, args.world_size).summary(), indent=2))
+            return 0
+    except (ConfigError, ValueError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(cfg.model_dump(), indent=2))

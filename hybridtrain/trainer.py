@@ -18,6 +18,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import torch
+from torch import nn
 from tqdm import tqdm
 
 from hybridtrain.compose import initialize
@@ -27,6 +29,7 @@ from hybridtrain.engine import Engine
 from hybridtrain.metrics import MetricsLog
 from hybridtrain.models.factory import build_model
 from hybridtrain.models.gpt import causal_lm_loss
+from hybridtrain.plan import TrainingPlan, resolve
 from hybridtrain.runtime.device import peak_memory_bytes, reset_peak_memory
 
 CHECKPOINTS = "checkpoints"
@@ -88,13 +91,8 @@ def run_training(cfg: Config, resume: bool | str = False, progress: bool = True)
         progress: show a progress bar on a terminal.
     """
     out = Path(cfg.train.output_dir)
-    tokens = load_tokens(cfg.data.path)
-    data = TokenBatches(tokens, cfg.data.seq_len, cfg.data.val_fraction, cfg.seed)
-    vocab = int(cfg.model.overrides.get("vocab_size", max(256, data.max_token + 1)))
-    if data.max_token >= vocab:
-        raise ValueError(f"data tokens go up to {data.max_token} but model.overrides.vocab_size = {vocab}")
-    model = build_model(cfg.model.name, cfg.model.overrides, vocab, cfg.data.seq_len, cfg.seed)
-    engine = initialize(model, cfg, loss_fn=causal_lm_loss)
+    data, model = _data_and_model(cfg)
+    engine = initialize(model, cfg, loss_fn=causal_lm_loss, example_batch=_example(cfg, data))
     # With several processes every rank trains, but only rank 0 writes files and prints.
     metrics = MetricsLog(out / "metrics.jsonl") if engine.parallel.is_writer else None
     start = _resume(engine, out, resume, metrics)
@@ -102,6 +100,32 @@ def run_training(cfg: Config, resume: bool | str = False, progress: bool = True)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(cfg.model_dump_json(indent=1))
     return _loop(engine, cfg, data, metrics, start, progress)
+
+
+def plan_training(cfg: Config, world_size: int | None = None) -> TrainingPlan:
+    """The plan ``hybridtrain train`` would follow, for a model built on the meta device
+    (no memory, no initialisation: any size can be planned on a laptop).
+
+    Raises:
+        ConfigError / ValueError: as :func:`run_training` would, before training.
+    """
+    with torch.device("meta"):
+        data, model = _data_and_model(cfg)
+    return resolve(cfg, model, world_size, example_batch=_example(cfg, data))
+
+
+def _data_and_model(cfg: Config) -> tuple[TokenBatches, nn.Module]:
+    tokens = load_tokens(cfg.data.path)
+    data = TokenBatches(tokens, cfg.data.seq_len, cfg.data.val_fraction, cfg.seed)
+    vocab = int(cfg.model.overrides.get("vocab_size", max(256, data.max_token + 1)))
+    if data.max_token >= vocab:
+        raise ValueError(f"data tokens go up to {data.max_token} but model.overrides.vocab_size = {vocab}")
+    return data, build_model(cfg.model.name, cfg.model.overrides, vocab, cfg.data.seq_len, cfg.seed)
+
+
+def _example(cfg: Config, data: TokenBatches) -> tuple[torch.Tensor, torch.Tensor]:
+    # Pipelines are split at initialize from one traced forward of an example batch.
+    return data.train_batch(0, cfg.train_micro_batch_size_per_gpu or 1)
 
 
 def _resume(engine: Engine, out: Path, resume: bool | str, metrics: MetricsLog | None) -> int:

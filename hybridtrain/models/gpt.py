@@ -204,9 +204,12 @@ def causal_lm_loss(outputs: Any, batch: Any) -> torch.Tensor:
 
 def build_gpt(name: str = "gpt-tiny", device: str | torch.device | None = None,
               **overrides: Any) -> GPT:
-    """Build a reference GPT by size name; ``device="meta"`` allocates nothing."""
+    """Build a reference GPT by size name; ``device="meta"`` allocates nothing. Without
+    ``device`` the default device applies (an enclosing ``with torch.device(...)``)."""
     cfg = gpt_config(name, **overrides)
-    with torch.device(device or "cpu"):
+    if device is None:
+        return GPT(cfg)
+    with torch.device(device):
         return GPT(cfg)
 
 

@@ -149,7 +149,7 @@ def split_pipeline(model: nn.Module, blocks: BlockList, settings: PipelinePlan, 
     hollow out other ranks' blocks, shard what is left (ZeRO), and build the stages.
 
     Args:
-        example: one micro-batch on ``device`` (timed for ``partition: time``).
+        example: a batch on ``device`` (timed for ``partition: time``).
         shard: ``shard(model, kept_blocks)`` applies ZeRO to this rank's part (or None).
     """
     pp = topology.pp

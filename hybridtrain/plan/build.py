@@ -27,7 +27,7 @@ from hybridtrain.parallel.tensor import apply_tensor_parallel
 from hybridtrain.parallel.zero import ZeroRuntime, apply_zero
 from hybridtrain.plan.types import TrainingPlan
 from hybridtrain.runtime.activation_offload import apply_activation_offload, params_in_several_backwards
-from hybridtrain.runtime.batch import Batch, LossFn, split_batch, to_device
+from hybridtrain.runtime.batch import Batch, LossFn, to_device
 from hybridtrain.runtime.layer_major import LayerMajorRunner
 from hybridtrain.runtime.optim import build_optimizer, build_scheduler
 from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
@@ -48,7 +48,7 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
         model: the model the plan was resolved for (changed in place).
         loss_fn / optimizer: as :func:`hybridtrain.initialize`.
         example_batch: the batch the plan was resolved with (a pipeline partitioned by
-            time measures its blocks on it).
+            time measures its blocks' forward and backward on it).
     """
     cfg, device = plan.config, plan.device
     streamed = _modules(model, plan.blocks_where("stream"))
@@ -146,7 +146,7 @@ def _parallelize(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None,
         sync: list[BackwardObserver] = [GradientSync(model, topology)] if topology.dp > 1 and not shard else []
         return runtime, None, sync
     assert example_batch is not None  # resolve refuses a pipeline without one
-    example = split_batch(to_device(example_batch, device), plan.batch.accumulation_steps)[0]
+    example = to_device(example_batch, device)
     container = model.get_submodule(plan.pipeline.blocks_path) if plan.pipeline.blocks_path else model
     split = split_pipeline(model, container, plan.pipeline, topology, example, loss_fn, device,  # type: ignore[arg-type]
                            plan.compute_dtype, shard)

@@ -31,7 +31,7 @@ from hybridtrain.plan.types import (
     StepRunnerKind,
     TrainingPlan,
 )
-from hybridtrain.runtime.batch import Batch, run_model, split_batch, to_device
+from hybridtrain.runtime.batch import Batch, run_model, to_device
 from hybridtrain.runtime.device import resolve_device
 from hybridtrain.runtime.optim import build_optimizer, build_scheduler
 from hybridtrain.runtime.streaming import check_not_shared
@@ -80,8 +80,7 @@ def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | Non
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     _check_optimizer(cfg, user_optimizer)
-    usage = _usage(model, cfg, blocks, batch.accumulation_steps, example_batch) \
-        if example_batch is not None and (pp > 1 or streamed) else None
+    usage = _usage(model, blocks, example_batch) if example_batch is not None and (pp > 1 or streamed) else None
     if streamed and usage is not None:
         _refuse_foreign_uses(usage, {i for i, name in enumerate(blocks.names) if name in streamed},
                              "layer_streaming", "list that block in layer_streaming.resident")
@@ -212,16 +211,13 @@ def _swapped(cfg: Config, blocks: _Blocks, checkpointed: set[str], streamed: lis
     return {names[i] for i in section.blocks} if section.blocks else set(names)
 
 
-def _usage(model: nn.Module, cfg: Config, blocks: _Blocks, accumulation: int, example: Batch) -> ModelUsage:
-    """Trace one forward of the example's first micro-batch (where the model lives now)."""
-    try:
-        micro = split_batch(example, accumulation)[0]
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"example_batch: {exc}") from None
+def _usage(model: nn.Module, blocks: _Blocks, example: Batch) -> ModelUsage:
+    """Trace one forward of the example batch (where the model lives now); per-sample
+    shapes do not depend on its size."""
     where = next((p.device for p in model.parameters()), torch.device("cpu"))
-    micro = to_device(micro, where)
+    example = to_device(example, where)
     try:
-        return trace_usage(model, blocks.modules, lambda: run_model(model, micro))
+        return trace_usage(model, blocks.modules, lambda: run_model(model, example))
     except TypeError as exc:
         raise ConfigError(f"model.blocks: {exc}") from None
 
