@@ -46,6 +46,8 @@ class ModelUsage:
     boundary: tuple[tuple[tuple[int, ...], torch.dtype], ...]
     tuple_output: bool
     unchained: tuple[int, ...] = ()
+    hidden_error: str | None = None
+    """Why a block's hidden state could not be found (then ``boundary`` is incomplete)."""
 
     def used_outside_own_block(self) -> dict[str, frozenset[str]]:
         """Block parameters some code outside their own block uses: name → those places."""
@@ -57,16 +59,20 @@ class ModelUsage:
         return out
 
 
+class BlockInputError(TypeError):
+    """A block was called without a tensor hidden state where blocks take it."""
+
+
 def hidden_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
     """The hidden state a block is called with: its first positional argument, or the
     ``hidden_states`` keyword (Hugging Face layers).
 
     Raises:
-        TypeError: the block was called without a tensor in either place.
+        BlockInputError: the block was called without a tensor in either place.
     """
     value = args[0] if args else kwargs.get("hidden_states")
     if not isinstance(value, torch.Tensor):
-        raise TypeError("a block must take its hidden state as the first argument or as "
+        raise BlockInputError("a block must take its hidden state as the first argument or as "
                         f"hidden_states=, got {type(value).__name__}; set model.blocks to the right list")
     return value
 
@@ -115,11 +121,15 @@ def trace_usage(model: nn.Module, blocks: Sequence[nn.Module], forward: Callable
 
     def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         i = index[id(module)]
-        hidden = hidden_of(args, kwargs)
+        state["place"] = f"block:{i}"
+        try:
+            hidden = hidden_of(args, kwargs)
+        except BlockInputError as exc:
+            state["error"] = state.get("error") or str(exc)
+            return
         boundary[i] = (tuple(hidden.shape[1:]), hidden.dtype)
         if i > 0 and hidden is not state["previous"]:
             unchained.append(i)
-        state["place"] = f"block:{i}"
 
     def after(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         i = index[id(module)]
@@ -139,4 +149,4 @@ def trace_usage(model: nn.Module, blocks: Sequence[nn.Module], forward: Callable
         for handle in handles:
             handle.remove()
     return ModelUsage({k: frozenset(v) for k, v in seen.items()}, owner, tuple(boundary), bool(state["tuple"]),
-                      tuple(unchained))
+                      tuple(unchained), state.get("error"))

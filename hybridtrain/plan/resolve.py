@@ -80,6 +80,8 @@ def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | Non
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     _check_optimizer(cfg, user_optimizer)
+    if pp > 1:
+        blocks.single("pipeline")  # before tracing: an encoder–decoder is refused as such
     usage = _usage(model, blocks, example_batch) if example_batch is not None and (pp > 1 or streamed) else None
     if streamed and usage is not None:
         _refuse_foreign_uses(usage, {i for i, name in enumerate(blocks.names) if name in streamed},
@@ -218,8 +220,10 @@ def _usage(model: nn.Module, blocks: _Blocks, example: Batch) -> ModelUsage:
     example = to_device(example, where)
     try:
         return trace_usage(model, blocks.modules, lambda: run_model(model, example))
-    except TypeError as exc:
-        raise ConfigError(f"model.blocks: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - any failure of the user's forward, in one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ConfigError(f"example_batch: the model's forward failed on it ({type(exc).__name__}: {first}); "
+                          "pass a batch like those train_batch receives") from None
 
 
 def _refuse_foreign_uses(usage: ModelUsage, indices: set[int], section: str, hint: str) -> None:
@@ -260,6 +264,8 @@ def _pipeline(cfg: Config, pp: int, blocks: _Blocks, usage: ModelUsage | None, m
     if between:
         raise ConfigError(f"pipeline: parameter {between[0]} is used between two blocks, outside any block; "
                           "a stage boundary there would skip it; make that code part of a block")
+    if usage.hidden_error:
+        raise ConfigError(f"pipeline: {usage.hidden_error}")
     if usage.unchained:
         i = usage.unchained[0]
         raise ConfigError(f"pipeline: block {i} of {path or 'the model'} does not receive block {i - 1}'s output "

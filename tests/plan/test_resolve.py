@@ -1,0 +1,140 @@
+"""``resolve``: the plan is a pure value made without processes, and bad input is refused
+there, before the model changes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybridtrain.config import ConfigError
+from hybridtrain.models.gpt import build_gpt
+from hybridtrain.plan import resolve
+from tests.equivalence import gpt_case
+from tests.parallel.scenarios import InlineTiedLM, ResidualMLP
+
+BATCH = gpt_case().batches(1)[0]
+
+
+def _pp(**extra: Any) -> dict[str, Any]:
+    return {"device": "cpu", "pipeline": {"stages": 2, "schedule": "gpipe", "micro_batches": 2, **extra}}
+
+
+class EncoderDecoder(nn.Module):
+    """Two block lists; decoder blocks read the encoder's output (T5/BART shape)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, width)
+        self.encoder = nn.ModuleList(ResidualMLP(width) for _ in range(2))
+        self.decoder = nn.ModuleList(CrossBlock(width) for _ in range(3))
+        self.head = nn.Linear(width, 16)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        memory = self.emb(tokens)
+        for block in self.encoder:
+            memory = block(memory)
+        hidden = self.emb(tokens)
+        for block in self.decoder:
+            hidden = block(hidden, memory)
+        return self.head(hidden)
+
+
+class CrossBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.mix = nn.Linear(2 * width, width)
+
+    def forward(self, hidden: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        return hidden + self.mix(torch.cat([hidden, memory], dim=-1))
+
+
+class BlockWeightOutside(InlineTiedLM):
+    """Reads block 0's weight after the blocks: a pipeline cannot hold it on one stage."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = super().forward(tokens)
+        return hidden + self.blocks[0].mlp[1].bias.sum()
+
+
+class ResidualOutside(InlineTiedLM):
+    """Adds a residual between blocks, outside them: the stage boundary would drop it."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.emb(tokens)
+        for block in self.blocks:
+            hidden = hidden + block(hidden)
+        return self.norm(hidden) @ self.emb.weight.T
+
+
+def test_plan_is_a_value_and_touches_nothing() -> None:
+    model = build_gpt("gpt-tiny")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = resolve({"device": "cpu", "gradient_accumulation_steps": 2,
+                    "activation_checkpointing": {"enabled": True, "every_n_blocks": 2}}, model, world_size=1)
+    assert (plan.sizes.dp, plan.sizes.tp, plan.sizes.pp) == (1, 1, 1)
+    assert plan.block_lists == ("blocks",) and [b.name for b in plan.blocks] == ["blocks.0", "blocks.1"]
+    assert plan.blocks_where("checkpoint") == ["blocks.0"] and plan.step_runner == "micro_batches"
+    assert plan.batch.accumulation_steps == 2 and plan.optimizer.placement == "device"
+    assert plan == resolve({"device": "cpu", "gradient_accumulation_steps": 2,
+                            "activation_checkpointing": {"enabled": True, "every_n_blocks": 2}}, model, world_size=1)
+    assert all(not hasattr(m, "_hybridtrain_original_forward") for m in model.modules())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_plans_compare() -> None:
+    model = build_gpt("gpt-tiny")
+    plain = resolve({"device": "cpu"}, model, world_size=1)
+    streamed = resolve({"device": "cpu", "gradient_accumulation_steps": 2,
+                        "layer_streaming": {"enabled": True, "layer_major": True}}, model, world_size=1)
+    assert streamed.step_runner == "layer_major" and streamed.optimizer.placement == "host_streamed"
+    assert streamed.blocks_where("stream") == ["blocks.0", "blocks.1"]
+    changed = plain.differences(streamed)
+    assert changed["streamed"] == ("none", "all") and changed["step_runner"] == ("micro_batches", "layer_major")
+    assert "world" not in changed
+
+
+def test_pipeline_plan_without_processes() -> None:
+    model = InlineTiedLM()
+    plan = resolve({**_pp(partition="params")}, model, world_size=2, example_batch=BATCH)
+    assert not dist.is_initialized()
+    assert plan.pipeline is not None and plan.pipeline.counts == (2, 2) and plan.step_runner == "pipeline"
+    # The head `h @ self.emb.weight.T` is code, not a module: the trace still sees both uses.
+    assert plan.pipeline.usage.places["emb.weight"] == {"pre", "post"}
+    assert plan.pipeline.usage.places["norm.weight"] == {"post"}
+    assert plan.summary()["pipeline"]["blocks_per_stage"] == [2, 2]  # type: ignore[index]
+
+
+def test_block_lists_of_an_encoder_decoder() -> None:
+    model = EncoderDecoder()
+    plan = resolve({"device": "cpu", "activation_checkpointing": {"enabled": True}}, model, world_size=1)
+    assert plan.block_lists == ("encoder", "decoder")
+    assert plan.blocks_where("checkpoint") == ["encoder.0", "encoder.1", "decoder.0", "decoder.1", "decoder.2"]
+    one = resolve({"device": "cpu", "model": {"blocks": "decoder"}, "layer_streaming": {"enabled": True}},
+                  model, world_size=1)
+    assert one.blocks_where("stream") == ["decoder.0", "decoder.1", "decoder.2"]
+
+
+@pytest.mark.parametrize(("model", "config", "world", "example", "needle"), [
+    (InlineTiedLM(), _pp(), 2, None, "needs one example batch"),
+    (BlockWeightOutside(), _pp(), 2, BATCH, r"parameter blocks\.0\.mlp\.1\.bias belongs to block 0 .* after the"),
+    (ResidualOutside(), _pp(), 2, BATCH, "block 1 of blocks does not receive block 0's output"),
+    (EncoderDecoder(), _pp(), 2, BATCH, "pipeline needs one list of blocks, but the model has encoder and decoder"),
+    (EncoderDecoder(), {"device": "cpu", "layer_streaming": {"enabled": True, "layer_major": True}}, 1, None,
+     "layer_major: false"),
+    (BlockWeightOutside(), {"device": "cpu", "layer_streaming": {"enabled": True}}, 1, BATCH,
+     r"layer_streaming: parameter blocks\.0\.mlp\.1\.bias .* layer_streaming.resident"),
+    (nn.Linear(2, 2), {"device": "cpu", "activation_checkpointing": {"enabled": True}}, 1, None,
+     "activation_checkpointing: could not find the repeated blocks"),
+    (nn.Linear(2, 2), {"device": "cpu", "model": {"blocks": ["weight"]}, "layer_streaming": {"enabled": True}}, 1,
+     None, "is a Parameter|does not exist"),
+    (nn.Linear(2, 2), {"device": "cpu", "optimizer": {"type": "Sgdd"}}, 1, None, "Sgdd"),
+])
+def test_bad_input_is_one_config_error(model: nn.Module, config: dict[str, Any], world: int, example: Any,
+                                       needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        resolve(config, model, world_size=world, example_batch=example)
+    assert not dist.is_initialized()
