@@ -259,8 +259,11 @@ class _SwappedRecompute(torch.autograd.Function):
         ctx.autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
         ctx.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
         ctx.save_for_backward(*inputs)
-        with torch.no_grad():
-            return run(*inputs)
+        # Run as backward will recompute it: with grad, so that every kernel choice (SDPA
+        # picks by whether its mask requires grad) and rounding match; nothing is kept.
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_discard, _nothing):
+            outs = run(*[x.detach().requires_grad_(x.requires_grad) for x in inputs])
+        return tuple(o.detach() for o in outs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -272,12 +275,22 @@ class _SwappedRecompute(torch.autograd.Function):
             torch.set_rng_state(ctx.rng[0])
             if ctx.rng[1] is not None:
                 torch.cuda.set_rng_state(ctx.rng[1], device)
-            with torch.enable_grad(), torch.autocast(device.type, dtype=dtype, enabled=enabled):
+            # The weight-cast cache is off, as in the engine's forward (runtime/precision.py):
+            # one cached cast shared by several ops would sum their gradients in low precision.
+            with torch.enable_grad(), torch.autocast(device.type, dtype=dtype, enabled=enabled, cache_enabled=False):
                 outs = ctx.run(*inputs)
         pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad and g is not None]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         return (None, None, None, *[x.grad if x.requires_grad else None for x in inputs])
+
+
+def _discard(_tensor: torch.Tensor) -> None:
+    return None
+
+
+def _nothing(_packed: None) -> None:
+    raise RuntimeError("a swapped checkpoint's forward graph is never backwarded")
 
 
 def params_in_several_backwards(model: nn.Module, recomputed: Sequence[nn.Module]) -> frozenset[int]:
