@@ -130,8 +130,14 @@ class SplitRuntime(ParallelRuntime):
         return merged
 
     def model_state_shapes(self) -> dict[str, torch.Size]:
-        """Full shapes of the entries this rank holds (TP shapes are the unsharded ones)."""
-        return {k: v.shape for k, v in self.model.state_dict().items()}
+        """Full shapes of every entry of the whole model (TP shapes are the unsharded ones;
+        a pipeline's stages are merged: a collective over the pipeline ranks)."""
+        mine = {k: v.shape for k, v in self.model.state_dict().items() if self.owner(k) == self.topology.pp_rank}
+        if self.topology.pp == 1:
+            return mine
+        parts: list[Any] = [None] * self.topology.pp
+        dist.all_gather_object(parts, mine, group=self.topology.group("pp"))
+        return {k: v for part in parts for k, v in part.items()}
 
     def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load a full state dict: each rank copies in the entries (shards) it holds."""
