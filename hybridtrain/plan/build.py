@@ -26,7 +26,10 @@ from hybridtrain.parallel.split import SplitRuntime
 from hybridtrain.parallel.tensor import apply_tensor_parallel
 from hybridtrain.parallel.zero import ZeroRuntime, apply_zero
 from hybridtrain.plan.types import TrainingPlan
-from hybridtrain.runtime.activation_offload import apply_activation_offload, params_in_several_backwards
+from hybridtrain.runtime.activation_offload import (
+    apply_activation_offload,
+    params_in_several_backwards,
+)
 from hybridtrain.runtime.batch import Batch, LossFn, to_device
 from hybridtrain.runtime.layer_major import LayerMajorRunner
 from hybridtrain.runtime.optim import build_optimizer, build_scheduler

@@ -289,7 +289,7 @@ def _discard(_tensor: torch.Tensor) -> None:
     return None
 
 
-def _nothing(_packed: None) -> None:
+def _nothing(_packed: None) -> torch.Tensor:
     raise RuntimeError("a swapped checkpoint's forward graph is never backwarded")
 
 
