@@ -165,7 +165,9 @@ MODES: dict[str, Mode] = {
         "scheduler": {"type": "cosine", "params": {"warmup_num_steps": 2, "total_num_steps": 6, "cos_min_ratio": 0.1}},
     }, clip=0.05, lr_lambda=_warmup_cosine),
     "bf16": Mode("bf16", {"bf16": {"enabled": True}}, autocast_dtype=torch.bfloat16),
-    "fp16": Mode("fp16", {"fp16": {"enabled": True}}, autocast_dtype=torch.float16, extra={"grad_scaler": True}),
+    # hysteresis 1: torch's GradScaler (the plain loop) halves the scale at every overflow.
+    "fp16": Mode("fp16", {"fp16": {"enabled": True, "hysteresis": 1}}, autocast_dtype=torch.float16,
+                 extra={"grad_scaler": True}),
     # Optimizer offload: small buckets so several host steps overlap backward (eager path);
     # clipping and fp16 defer the host step until every gradient has landed.
     "offload_opt": Mode("offload_opt", {"zero_optimization": {
@@ -174,7 +176,7 @@ MODES: dict[str, Mode] = {
         "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}, clip=0.05),
     "offload_opt_twinflow_fp16": Mode("offload_opt_twinflow_fp16", {
-        "fp16": {"enabled": True}, "zero_optimization": {"stage": 1, "offload_optimizer": {
+        "fp16": {"enabled": True, "hysteresis": 1}, "zero_optimization": {"stage": 1, "offload_optimizer": {
             "device": "cpu", "ratio": 0.5}}}, autocast_dtype=torch.float16, extra={"grad_scaler": True},
         # The fused CPU AdamW rounds some updates 1 ulp differently from the plain loop's
         # unfused AdamW (unfused is bit-identical here); fp16 forwards amplify that.

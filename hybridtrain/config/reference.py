@@ -1,4 +1,4 @@
-"""The config reference, generated from the schema's field docstrings (README, docs/config.md)."""
+"""The config reference, generated from the schema's field docstrings (the README's config reference)."""
 
 from __future__ import annotations
 

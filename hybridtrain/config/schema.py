@@ -1,7 +1,7 @@
 """The one typed configuration schema (pydantic v2), with DeepSpeed key names.
 
-Every field's docstring is its documentation: ``docs/config.md`` and the README's config
-reference are generated from this module (``python -m hybridtrain.config.reference``).
+Every field's docstring is its documentation: the README's config
+reference is generated from this module (``python -m hybridtrain.config.reference``).
 Sections that DeepSpeed also has use DeepSpeed's key names, so an existing
 ``ds_config.json`` loads; our own sections (``model``, ``data``, ``train``) say what
 DeepSpeed leaves to the user's script.

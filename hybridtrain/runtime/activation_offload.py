@@ -263,7 +263,11 @@ class _SwappedRecompute(torch.autograd.Function):
         # picks by whether its mask requires grad) and rounding match; nothing is kept.
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_discard, _nothing):
             outs = run(*[x.detach().requires_grad_(x.requires_grad) for x in inputs])
-        return tuple(o.detach() for o in outs)
+        results = tuple(o.detach() for o in outs)
+        # Outputs that need no gradient in the plain run (T5's position bias) must not
+        # require one here either: the next block's kernels choose by it.
+        ctx.mark_non_differentiable(*[r for r, o in zip(results, outs, strict=True) if not o.requires_grad])
+        return results
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:

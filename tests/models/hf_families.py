@@ -6,7 +6,7 @@ tiny random config (2 layers, hidden 32, vocab 64, 2-4 heads, every dropout 0, s
 and that make it return ``.loss``:
 
 * causal LMs: ``input_ids`` and ``labels`` (= ``input_ids``; the model shifts them);
-* BERT: ``BertForMaskedLM`` with the same number of masked positions in every row;
+* BERT / RoBERTa: ``*ForMaskedLM`` with the same number of masked positions in every row;
 * T5 / BART: ``input_ids`` and ``labels`` (the model builds the decoder inputs from them).
 
 Every row has the same number of labelled tokens, so the mean of equal micro-batches' mean
