@@ -207,6 +207,8 @@ def _step_record(engine: Engine, step: int, loss: float, tokens_per_s: float) ->
     if engine.options.wall_clock_breakdown:
         t = engine.last_timings
         record.update(forward_s=t.forward, backward_s=t.backward, step_s=t.step)
+        if t.interleaved:  # pipeline schedules and layer-major streaming cannot split the two
+            record["forward_backward_interleaved_s"] = t.interleaved
     return record
 
 
