@@ -218,13 +218,18 @@ class DataParallelConfig(Section):
     """DDP gradient bucket size in MiB."""
 
 
+
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
+"""Schedules that run several (virtual) stages per rank."""
+
 class PipelineConfig(Section):
     """Pipeline parallel: the blocks split into consecutive stages, one rank per stage (or
     ``virtual_stages`` per rank), micro-batches flowing through them on a schedule."""
 
     stages: int = Field(default=1, ge=1)
     """Number of pipeline ranks (``pipeline_model_parallel_size`` is the same setting)."""
-    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
+    schedule: PipelineSchedule = "1f1b"
     """``gpipe``: all forwards, then all backwards; ``1f1b``: one forward, one backward
     (at most ``stages`` micro-batches' activations in flight); ``interleaved_1f1b``: 1F1B
     over ``virtual_stages`` chunks per rank (smaller bubble); ``zero_bubble``: interleaved

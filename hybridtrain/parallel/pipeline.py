@@ -47,6 +47,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 
+from hybridtrain.config.schema import MULTI_STAGE_SCHEDULES
 from hybridtrain.models.blocks import BlockList
 from hybridtrain.models.usage import POST, PRE, ModelUsage
 from hybridtrain.parallel.gradient_sync import GradientSync
@@ -72,7 +73,6 @@ SCHEDULES: dict[str, Any] = {
     "interleaved_1f1b": ScheduleInterleaved1F1B,
     "zero_bubble": ScheduleInterleavedZeroBubble,
 }
-MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
 
 
 @dataclass(frozen=True)
@@ -303,7 +303,7 @@ class PipelineRunner:
                                     **_metadata(m.index, layout, usage, micro, self.device))
                       for m in self.split.stages]
             cls = SCHEDULES[self.settings.schedule]
-            target = stages if self.settings.schedule in MULTI_STAGE else stages[0]
+            target = stages if self.settings.schedule in MULTI_STAGE_SCHEDULES else stages[0]
             self._schedules[micro] = cls(target, n_microbatches=self.settings.micro_batches,
                                          loss_fn=lambda out, _target: out * self._scale, scale_grads=False)
         return self._schedules[micro]

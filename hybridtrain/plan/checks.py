@@ -5,7 +5,7 @@ with a message naming the setting and what it needs."""
 from __future__ import annotations
 
 from hybridtrain.config.loading import ConfigError
-from hybridtrain.config.schema import Config
+from hybridtrain.config.schema import MULTI_STAGE_SCHEDULES, Config
 from hybridtrain.parallel.mesh import resolve_sizes
 
 
@@ -116,7 +116,7 @@ def _check_model_parallel(cfg: Config, dp: int, tp: int, pp: int) -> None:
         raise ConfigError(f"pipeline.micro_batches={section.micro_batches} but gradient_accumulation_steps="
                           f"{accum}; under a pipeline they are the same setting, set only one")
     micro = section.micro_batches or accum or 1
-    interleaved = section.schedule in ("interleaved_1f1b", "zero_bubble")
+    interleaved = section.schedule in MULTI_STAGE_SCHEDULES
     if section.virtual_stages > 1 and not interleaved:
         raise ConfigError(f"pipeline.virtual_stages={section.virtual_stages} needs schedule interleaved_1f1b "
                           f"or zero_bubble (schedule={section.schedule!r}); set virtual_stages: 1")

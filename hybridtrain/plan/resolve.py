@@ -87,13 +87,15 @@ def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | Non
         _refuse_foreign_uses(usage, {i for i, name in enumerate(blocks.names) if name in streamed},
                              "layer_streaming", "list that block in layer_streaming.resident")
     pipeline = _pipeline(cfg, pp, blocks, usage, batch.accumulation_steps) if pp > 1 else None
+    counts = pipeline.counts if pipeline is not None and pipeline.counts else ()
+    stage_of = {b: s for s, first in enumerate(_starts(counts)) for b in range(first, first + counts[s])}
     return TrainingPlan(
         config=cfg, sizes=sizes, batch=batch, device=device,
         compute_dtype=torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None,
         loss_scaling=cfg.fp16.enabled,
         block_lists=tuple(path for path, _ in blocks.lists) if blocks.found else (),
-        blocks=tuple(BlockPlan(name, name in checkpointed, name in swapped, name in streamed)
-                     for name in (blocks.names if blocks.found else [])),
+        blocks=tuple(BlockPlan(name, name in checkpointed, name in swapped, name in streamed, stage_of.get(i))
+                     for i, name in enumerate(blocks.names if blocks.found else [])),
         checkpoint_modules=tuple(checkpoint_modules),
         step_runner=_runner_kind(cfg, pp, streamed),
         replication=_replication(sizes, zero_stage),
@@ -288,6 +290,11 @@ def _check_optimizer(cfg: Config, user_optimizer: bool) -> None:
             build_scheduler(stand_in, cfg.scheduler.type, cfg.scheduler.params)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _starts(counts: tuple[int, ...]) -> list[int]:
+    """Index of the first block of each stage."""
+    return [sum(counts[:s]) for s in range(len(counts))]
 
 
 def _runner_kind(cfg: Config, pp: int, streamed: list[str]) -> StepRunnerKind:

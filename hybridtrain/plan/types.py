@@ -44,12 +44,15 @@ class BlockPlan:
         checkpoint: its activations are recomputed in backward (only its inputs kept).
         swap: its saved activations (its inputs, when checkpointed) go to host memory.
         stream: its weights live in host memory and pass through the device (L2L).
+        stage: its pipeline stage (None without a pipeline, or before a partition by time
+            is measured at build).
     """
 
     name: str
     checkpoint: bool = False
     swap: bool = False
     stream: bool = False
+    stage: int | None = None
 
 
 @dataclass(frozen=True)

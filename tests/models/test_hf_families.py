@@ -14,7 +14,6 @@ from __future__ import annotations
 import pytest
 
 import hybridtrain as ht
-
 from tests.equivalence import MODES, STEPS, assert_same_training, engine_run, plain_run
 from tests.models.hf_families import FAMILIES, available, family_case
 

@@ -106,6 +106,7 @@ def test_pipeline_plan_without_processes() -> None:
     assert plan.pipeline.usage.places["emb.weight"] == {"pre", "post"}
     assert plan.pipeline.usage.places["norm.weight"] == {"post"}
     assert plan.summary()["pipeline"]["blocks_per_stage"] == [2, 2]  # type: ignore[index]
+    assert [b.stage for b in plan.blocks] == [0, 0, 1, 1]
 
 
 def test_block_lists_of_an_encoder_decoder() -> None:

@@ -8,7 +8,12 @@ from contextlib import nullcontext
 import torch
 
 import hybridtrain as ht
-from hybridtrain.runtime.step_runner import MicroBatchRunner, StepContext, notify_after, notify_before
+from hybridtrain.runtime.step_runner import (
+    MicroBatchRunner,
+    StepContext,
+    notify_after,
+    notify_before,
+)
 from tests.equivalence import gpt_case
 
 
