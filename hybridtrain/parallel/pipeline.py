@@ -49,7 +49,7 @@ from torch.distributed.pipelining import (
 
 from hybridtrain.config.schema import MULTI_STAGE_SCHEDULES
 from hybridtrain.models.blocks import BlockList
-from hybridtrain.models.usage import POST, PRE, ModelUsage
+from hybridtrain.models.usage import POST, PRE, ModelUsage, first_names
 from hybridtrain.parallel.gradient_sync import GradientSync
 from hybridtrain.parallel.mesh import Topology
 from hybridtrain.parallel.partition import choose_partition, time_blocks
@@ -84,17 +84,20 @@ class StageLayout:
         users: name of each parameter outside the blocks → the stages whose code uses it
             (a parameter the forward never used: the first stage).
         blocks_prefix: ``"<blocks path>."`` (block parameters are named under it).
+        aliases: second names of shared parameters → their first name (BERT's
+            ``cls.predictions.decoder.bias`` is ``cls.predictions.bias``).
     """
 
     bounds: tuple[tuple[int, int], ...]
     users: dict[str, frozenset[int]]
     blocks_prefix: str
+    aliases: dict[str, str]
 
     @classmethod
     def decide(cls, counts: Sequence[int], usage: ModelUsage, blocks_path: str,
-               outside: Sequence[str]) -> StageLayout:
-        """The layout of ``counts`` blocks per stage (``outside``: names of the
-        parameters outside the blocks)."""
+               outside: Sequence[str], aliases: dict[str, str]) -> StageLayout:
+        """The layout of ``counts`` blocks per stage (``outside``: first names of the
+        parameters outside the blocks; ``aliases``: other name → first name)."""
         bounds, start = [], 0
         for count in counts:
             bounds.append((start, start + count))
@@ -108,10 +111,11 @@ class StageLayout:
                 kind, _, index = place.partition(":")
                 stages.add(0 if kind == PRE else last if kind == POST else stage_of[int(index)])
             users[name] = frozenset(stages or {0})
-        return cls(tuple(bounds), users, f"{blocks_path}." if blocks_path else "")
+        return cls(tuple(bounds), users, f"{blocks_path}." if blocks_path else "", aliases)
 
     def stage_of_entry(self, name: str) -> int:
         """The stage that holds the true value of a state entry (the first user)."""
+        name = self.aliases.get(name, name)
         if name.startswith(self.blocks_prefix):
             head = name[len(self.blocks_prefix):].split(".", 1)[0]
             if head.isdigit():
@@ -157,8 +161,10 @@ def split_pipeline(model: nn.Module, blocks: BlockList, settings: PipelinePlan, 
     counts = settings.counts or _counts_by_time(model, blocks, settings, num_stages, topology, example,
                                                 loss_fn, device, compute_dtype)
     block_params = {id(p) for b in blocks for p in b.parameters()}
+    first = first_names(model)
     outside = [n for n, p in model.named_parameters() if id(p) not in block_params]
-    layout = StageLayout.decide(counts, settings.usage, settings.blocks_path, outside)
+    aliases = {n: first[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if n != first[id(p)]}
+    layout = StageLayout.decide(counts, settings.usage, settings.blocks_path, outside, aliases)
     local = [s for s in range(num_stages) if s % pp == topology.pp_rank]
     if topology.rank == 0:
         print(f"pipeline: {num_stages} stages ({settings.schedule}), blocks per stage {list(counts)} "

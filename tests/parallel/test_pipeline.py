@@ -27,6 +27,8 @@ GROUPS = {
         # The head is `h @ self.emb.weight.T` in forward: both end stages use the embedding.
         "inline_tied": ("inline_tied", _pp("1f1b", 2)),
         "inline_tied_interleaved": ("inline_tied", _pp("interleaved_1f1b", 4, virtual_stages=2)),
+        # A parameter with two names: the state dict takes both from the stage that trains it.
+        "1f1b_bert": ("hf_bert", _pp("1f1b", 2)),
     }),
     "pipeline4ranks": (4, {
         "dp2_pp2": ("gpt_tied", {"data_parallel": {"size": 2}, **_pp("1f1b", 2)}),
