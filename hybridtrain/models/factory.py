@@ -47,5 +47,10 @@ def _build_hf(model_type: str, overrides: dict[str, Any], vocab_size: int, seq_l
         raise ValueError(f"model.overrides {unknown} are not fields of the {model_type} config")
     for key, value in settings.items():
         setattr(config, key, value)
-    model: nn.Module = AutoModelForCausalLM.from_config(config)
+    try:
+        model: nn.Module = AutoModelForCausalLM.from_config(config)
+    except ValueError:
+        raise ValueError(f"model.name = 'hf:{model_type}' has no causal language-model class in transformers; "
+                         "the CLI trains causal LMs on token windows, so train encoder–decoder models such as "
+                         "T5 through the Python API (hybridtrain.initialize)") from None
     return model

@@ -21,6 +21,8 @@ def test_hugging_face_by_type_without_download() -> None:
         build_model("hf:gpt2", {"n_layers": 1}, 256, 64, 0)
     with pytest.raises(ValueError, match="not a Hugging Face model type"):
         build_model("hf:nonexistent", {}, 256, 64, 0)
+    with pytest.raises(ValueError, match="'hf:t5' has no causal language-model class"):
+        build_model("hf:t5", {"num_layers": 1, "d_model": 8, "d_kv": 4, "d_ff": 8, "num_heads": 2}, 256, 64, 0)
 
 
 def test_unknown_name() -> None:
