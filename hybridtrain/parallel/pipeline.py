@@ -289,7 +289,7 @@ class PipelineRunner:
         try:
             with autocast(self.device, self.compute_dtype):
                 if backward:
-                    schedule.step(index=index, target=index, return_outputs=False)
+                    schedule.step(index=index, target=index)
                 else:
                     schedule.eval(index=index, target=index)
         finally:
@@ -311,7 +311,7 @@ class PipelineRunner:
             cls = SCHEDULES[self.settings.schedule]
             target = stages if self.settings.schedule in MULTI_STAGE_SCHEDULES else stages[0]
             self._schedules[micro] = cls(target, n_microbatches=self.settings.micro_batches,
-                                         loss_fn=lambda out, _target: out * self._scale, scale_grads=False)
+                                         loss_fn=lambda out, _target: out.sum() * self._scale, scale_grads=False)
         return self._schedules[micro]
 
 
@@ -324,6 +324,6 @@ def _metadata(index: int, layout: StageLayout, usage: ModelUsage, micro: int,
         return torch.empty((micro, *shape), dtype=dtype, device=device, requires_grad=True)
     start, stop = layout.bounds[index]
     inputs = () if index == 0 else (example(start),)
-    output = torch.empty((), device=device) if index == len(layout.bounds) - 1 else example(stop)
+    output = torch.empty((1,), device=device) if index == len(layout.bounds) - 1 else example(stop)
     return {"input_args": inputs, "output_args": output}
 

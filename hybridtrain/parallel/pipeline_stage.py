@@ -174,7 +174,7 @@ class StageModule(nn.Module):
         self.losses: list[torch.Tensor] = []
 
     def forward(self, *activations: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """The stage's output activation, or ``loss × weight`` on the last stage."""
+        """The stage's output activation, or ``[loss × weight]`` on the last stage."""
         batch = self.batches[int(index.item())]
         incoming = activations[0] if activations else None
         out: torch.Tensor = self.router.run(self.index, incoming, lambda: run_model(self._model, batch))
@@ -182,4 +182,6 @@ class StageModule(nn.Module):
             return out
         loss = compute_loss(out, batch, self.loss_fn).float()
         self.losses.append(loss.detach())
-        return loss * self.weight
+        # One element rather than a scalar: the schedule concatenates the last stage's
+        # outputs (evaluation), which 0-d tensors do not allow.
+        return (loss * self.weight).reshape(1)

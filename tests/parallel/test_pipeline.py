@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 import hybridtrain as ht
 from tests.parallel.scenarios import GroupRunner, assert_equivalent
@@ -89,3 +90,28 @@ def _trio_error() -> str:
     except RuntimeError as exc:
         return str(exc)
     return "no error"
+
+
+def test_pipelined_evaluation_matches_one_process() -> None:
+    from tests.parallel.scenarios import cases
+
+    case = cases()["gpt_tied"]
+    batch = case.batches(1)[0]
+    torch.manual_seed(1234)
+    model = case.build()
+    with torch.no_grad():
+        expected = float(case.plain_loss(model.eval(), batch))
+    losses = run_ranks(_pipelined_eval, 2, timeout=60)
+    assert losses[0] == losses[1]
+    assert abs(losses[0] - expected) <= 1e-5 * abs(expected)
+
+
+def _pipelined_eval() -> float:
+    from tests.parallel.scenarios import cases
+
+    case = cases()["gpt_tied"]
+    batch = case.batches(1)[0]
+    torch.manual_seed(1234)
+    engine = ht.initialize(case.build(), {"device": "cpu", **_pp("1f1b", 2)}, loss_fn=case.loss_fn,
+                           example_batch=batch)
+    return engine.eval_batch(batch)
