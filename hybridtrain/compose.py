@@ -33,7 +33,9 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
         The engine; ``engine.train_batch(batch)`` runs one optimizer step.
 
     Raises:
-        ConfigError: any invalid or unsupported setting, before the model is touched.
+        ConfigError: any invalid or unsupported setting, before the model is changed (a
+            pipeline's or streaming's example forward runs, leaving parameters, buffers and
+            random generators as they were).
     """
-    plan = resolve(config, model, example_batch=example_batch, user_optimizer=optimizer is not None)
+    plan = resolve(config, model, example_batch=example_batch, optimizer=optimizer)
     return build(plan, model, loss_fn, optimizer, example_batch)

@@ -71,7 +71,7 @@ class EngineOptions:
     runner: StepRunner | None = None
     """Runs each step's forwards and backwards (None: the plain micro-batch loop)."""
     observers: Sequence[BackwardObserver] = ()
-    """Told about every backward of the micro-batch loop and the trio, in this order."""
+    """Told about every backward of the micro-batch loop and of ``engine.backward``, in this order."""
 
 
 class Engine:

@@ -12,14 +12,14 @@ block, inside block ``i``, between two blocks, or after the last block.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
 PRE = "pre"
 POST = "post"
@@ -39,6 +39,7 @@ class ModelUsage:
         tuple_output: whether blocks return tuples (hidden state first).
         unchained: indices ``i`` of blocks whose hidden state input is not block ``i - 1``'s
             output (code between them changed it, e.g. a residual added outside the blocks).
+        batch_major: every block's hidden state has the batch as its dim 0.
     """
 
     places: dict[str, frozenset[str]]
@@ -46,6 +47,7 @@ class ModelUsage:
     boundary: tuple[tuple[tuple[int, ...], torch.dtype], ...]
     tuple_output: bool
     unchained: tuple[int, ...] = ()
+    batch_major: bool = True
     hidden_error: str | None = None
     """Why a block's hidden state could not be found (then ``boundary`` is incomplete)."""
 
@@ -85,6 +87,18 @@ def first_names(model: nn.Module) -> dict[int, str]:
     return names
 
 
+def _parameters_in(value: Any) -> Iterator[nn.Parameter]:
+    """Every parameter inside an operation's arguments (tuples, lists and dicts walked)."""
+    if isinstance(value, nn.Parameter):
+        yield value
+    elif isinstance(value, tuple | list):
+        for item in value:
+            yield from _parameters_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _parameters_in(item)
+
+
 class _Recorder(TorchFunctionMode):
     def __init__(self, params: dict[int, str], seen: dict[str, set[str]], place: Callable[[], str]) -> None:
         super().__init__()
@@ -94,27 +108,31 @@ class _Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        for value in tree_leaves((args, kwargs)):
-            name = self.params.get(id(value)) if isinstance(value, nn.Parameter) else None
+        for param in _parameters_in((args, kwargs)):
+            name = self.params.get(id(param))
             if name is not None:
                 self.seen.setdefault(name, set()).add(self.place())
         return func(*args, **kwargs)
 
 
-def trace_usage(model: nn.Module, blocks: Sequence[nn.Module], forward: Callable[[], Any]) -> ModelUsage:
-    """Run ``forward`` (one forward of ``model`` on an example micro-batch) without
-    gradients and record where every parameter is used.
+def trace_usage(model: nn.Module, blocks: Sequence[nn.Module], forward: Callable[[], Any],
+                batch: int, precision: Callable[[], AbstractContextManager[Any]] = nullcontext) -> ModelUsage:
+    """Run ``forward`` (one forward of ``model`` on an example batch of ``batch`` samples)
+    without gradients and record where every parameter is used. The model's buffers
+    (BatchNorm statistics) and random generators are as before afterwards.
 
     Args:
-        model: the whole model, unchanged by this call.
+        model: the whole model.
         blocks: its blocks, in execution order.
-        forward: calls the model on the example micro-batch.
+        forward: calls the model on the example batch.
+        batch: the example's sample count (to tell whether dim 0 of the hidden state is it).
+        precision: the training precision's autocast context (boundary dtypes follow it).
     """
     names = first_names(model)
     index = {id(b): i for i, b in enumerate(blocks)}
     owner = {names[id(p)]: i for i, b in enumerate(blocks) for p in b.parameters()}
     n = len(blocks)
-    state: dict[str, Any] = {"place": PRE, "tuple": False, "previous": None}
+    state: dict[str, Any] = {"place": PRE, "tuple": False, "previous": None, "batch_major": True}
     unchained: list[int] = []
     boundary: list[tuple[tuple[int, ...], torch.dtype]] = [((), torch.float32)] * (n + 1)
     seen: dict[str, set[str]] = {}
@@ -128,6 +146,7 @@ def trace_usage(model: nn.Module, blocks: Sequence[nn.Module], forward: Callable
             state["error"] = state.get("error") or str(exc)
             return
         boundary[i] = (tuple(hidden.shape[1:]), hidden.dtype)
+        state["batch_major"] = state["batch_major"] and hidden.dim() > 0 and hidden.shape[0] == batch
         if i > 0 and hidden is not state["previous"]:
             unchained.append(i)
 
@@ -142,11 +161,17 @@ def trace_usage(model: nn.Module, blocks: Sequence[nn.Module], forward: Callable
 
     handles = [h for b in blocks for h in (b.register_forward_pre_hook(before, with_kwargs=True),
                                            b.register_forward_hook(after, with_kwargs=True))]
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), _Recorder(names, seen, lambda: state["place"]):
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda), precision(), \
+                _Recorder(names, seen, lambda: state["place"]):
             forward()
     finally:
         for handle in handles:
             handle.remove()
+        with torch.no_grad():
+            for name, value in model.named_buffers():
+                value.copy_(buffers[name])
     return ModelUsage({k: frozenset(v) for k, v in seen.items()}, owner, tuple(boundary), bool(state["tuple"]),
-                      tuple(unchained), state.get("error"))
+                      tuple(unchained), bool(state["batch_major"]), state.get("error"))

@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 
-def time_blocks(blocks: Sequence[nn.Module], run_step: Callable[[], torch.Tensor]) -> list[float]:
+def time_blocks(model: nn.Module, blocks: Sequence[nn.Module], run_step: Callable[[], torch.Tensor]) -> list[float]:
     """Forward + backward seconds of each block over one step of ``run_step`` (a forward
-    returning a loss) and its backward; a warm-up step first, so allocation is not timed.
-    Gradients of the blocks are cleared and the RNG state restored afterwards."""
+    of ``model`` returning a loss) and its backward; a warm-up step first, so allocation is
+    not timed. The model's gradients are cleared and the RNG state restored afterwards."""
     index = {id(b): i for i, b in enumerate(blocks)}
     seconds = [0.0] * len(blocks)
 
@@ -35,17 +35,26 @@ def time_blocks(blocks: Sequence[nn.Module], run_step: Callable[[], torch.Tensor
     handles = [h for b in blocks for h in (b.register_forward_pre_hook(start), b.register_forward_hook(stop),
                                            b.register_full_backward_pre_hook(start),
                                            b.register_full_backward_hook(stop))]
+    cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=cuda):
             for _ in range(2):
                 seconds[:] = [0.0] * len(blocks)
                 run_step().backward()
     finally:
         for handle in handles:
             handle.remove()
-        for block in blocks:
-            block.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
     return seconds
+
+
+def stage_bounds(counts: Sequence[int]) -> list[tuple[int, int]]:
+    """``(start, stop)`` block range of each stage from blocks-per-stage counts."""
+    bounds, start = [], 0
+    for count in counts:
+        bounds.append((start, start + count))
+        start += count
+    return bounds
 
 
 def balance(costs: Sequence[float], parts: int) -> list[int]:

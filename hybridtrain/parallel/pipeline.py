@@ -52,7 +52,7 @@ from hybridtrain.models.blocks import BlockList
 from hybridtrain.models.usage import POST, PRE, ModelUsage, first_names
 from hybridtrain.parallel.gradient_sync import GradientSync
 from hybridtrain.parallel.mesh import Topology
-from hybridtrain.parallel.partition import choose_partition, time_blocks
+from hybridtrain.parallel.partition import choose_partition, stage_bounds, time_blocks
 from hybridtrain.parallel.pipeline_stage import HollowBlock, StageModule, StageRouter
 from hybridtrain.plan.types import PipelinePlan
 from hybridtrain.runtime.batch import (
@@ -98,10 +98,7 @@ class StageLayout:
                outside: Sequence[str], aliases: dict[str, str]) -> StageLayout:
         """The layout of ``counts`` blocks per stage (``outside``: first names of the
         parameters outside the blocks; ``aliases``: other name → first name)."""
-        bounds, start = [], 0
-        for count in counts:
-            bounds.append((start, start + count))
-            start += count
+        bounds = stage_bounds(counts)
         stage_of = {i: s for s, (a, b) in enumerate(bounds) for i in range(a, b)}
         last = len(bounds) - 1
         users: dict[str, frozenset[int]] = {}
@@ -138,6 +135,7 @@ class PipelineSplit:
     """The model after :func:`split_pipeline`: this rank's stages and the ownership rules
     the split runtime needs for norms and state dicts."""
 
+    model: nn.Module
     layout: StageLayout
     stages: list[StageModule]
     owner: Callable[[str], int]
@@ -177,6 +175,7 @@ def split_pipeline(model: nn.Module, blocks: BlockList, settings: PipelinePlan, 
     stages = [StageModule(model, router, s, _owned(model, blocks, layout, s), loss_fn,
                           1.0 / settings.micro_batches) for s in local]
     shared = layout.shared_rank_sets(pp)
+    _agree(topology, sorted((sorted(ranks), names) for ranks, names in shared.items()))
     # Sorted, so that every rank creates the groups in the same order (new_group is collective).
     groups = [(names, _rank_set_group(topology, ranks)) for ranks, names in sorted(shared.items(), key=_ranks)]
     sync = GradientSync(model, topology, groups, reduce_replicas=shard is None)
@@ -186,7 +185,7 @@ def split_pipeline(model: nn.Module, blocks: BlockList, settings: PipelinePlan, 
 
     def counted(name: str) -> bool:
         return owner(name) == topology.pp_rank
-    return PipelineSplit(layout, stages, owner, counted, sync)
+    return PipelineSplit(model, layout, stages, owner, counted, sync)
 
 
 def _counts_by_time(model: nn.Module, blocks: BlockList, settings: PipelinePlan, num_stages: int,
@@ -195,10 +194,25 @@ def _counts_by_time(model: nn.Module, blocks: BlockList, settings: PipelinePlan,
     def one_loss() -> torch.Tensor:
         with autocast(device, compute_dtype):
             return compute_loss(run_model(model, example), example, loss_fn).float()
-    times = torch.tensor(time_blocks(list(blocks), one_loss), dtype=torch.float64)
+    # On the device: NCCL reduces device tensors only.
+    times = torch.tensor(time_blocks(model, list(blocks), one_loss), dtype=torch.float64, device=device)
     dist.all_reduce(times)  # every rank must choose the same split
     params = [float(sum(p.numel() for p in b.parameters())) for b in blocks]
     return tuple(choose_partition("time", num_stages, params, (times / topology.world_size).tolist()))
+
+
+def _agree(topology: Topology, shared: list[Any]) -> None:
+    """Every rank must create the same process groups: a forward whose control flow depends
+    on the data could make ranks trace different uses of a shared parameter.
+
+    Raises:
+        RuntimeError: the ranks disagree (naming what this rank found).
+    """
+    parts: list[Any] = [None] * topology.world_size
+    dist.all_gather_object(parts, shared)
+    if any(part != shared for part in parts):
+        raise RuntimeError(f"pipeline: ranks traced different parameter uses across stages (rank "
+                           f"{topology.rank}: {shared}); the example batch must be the same on every rank")
 
 
 def _owned(model: nn.Module, blocks: BlockList, layout: StageLayout, stage: int) -> list[nn.Parameter]:
@@ -249,7 +263,7 @@ class PipelineRunner:
         self.topology = topology
         self.device = device
         self.compute_dtype = compute_dtype
-        self._schedules: dict[int, Any] = {}
+        self._schedules: dict[tuple[int, bool], Any] = {}
         self._scale = 1.0
 
     def forward_backward(self, micro_batches: Sequence[Batch], step: StepContext) -> torch.Tensor:
@@ -269,7 +283,7 @@ class PipelineRunner:
         """Mean loss of ``batch`` (split into the step's micro-batch count), forward only;
         0 on stages before the last."""
         micro_batches = split_batch(batch, self.settings.micro_batches)
-        model = self.split.stages[0]._model
+        model = self.split.model
         was_training = model.training
         model.eval()
         try:
@@ -280,7 +294,7 @@ class PipelineRunner:
 
     def _run(self, micro_batches: list[Batch], backward: bool) -> torch.Tensor:
         micro_batches = [to_device(m, self.device) for m in micro_batches]
-        schedule = self._schedule(batch_size(micro_batches[0]))
+        schedule = self._schedule(batch_size(micro_batches[0]), backward)
         for stage in self.split.stages:
             stage.batches = micro_batches
             stage.losses.clear()
@@ -300,8 +314,11 @@ class PipelineRunner:
             return torch.zeros((), device=self.device)
         return torch.stack(losses).mean()
 
-    def _schedule(self, micro: int) -> Any:
-        if micro not in self._schedules:
+    def _schedule(self, micro: int, backward: bool) -> Any:
+        # One per micro-batch size, and evaluation apart from training (a schedule set up
+        # for forward only keeps no backward state).
+        key = (micro, backward)
+        if key not in self._schedules:
             layout, usage = self.split.layout, self.settings.usage
             group = self.topology.group("pp")
             num_stages = len(layout.bounds)
@@ -310,9 +327,9 @@ class PipelineRunner:
                       for m in self.split.stages]
             cls = SCHEDULES[self.settings.schedule]
             target = stages if self.settings.schedule in MULTI_STAGE_SCHEDULES else stages[0]
-            self._schedules[micro] = cls(target, n_microbatches=self.settings.micro_batches,
+            self._schedules[key] = cls(target, n_microbatches=self.settings.micro_batches,
                                          loss_fn=lambda out, _target: out.sum() * self._scale, scale_grads=False)
-        return self._schedules[micro]
+        return self._schedules[key]
 
 
 def _metadata(index: int, layout: StageLayout, usage: ModelUsage, micro: int,

@@ -4,8 +4,6 @@ The engine is written once for one process; everything that changes when several
 processes cooperate goes through a :class:`ParallelRuntime`:
 
 - ``module``: what the forward pass calls (the user's model, or its DDP wrapper);
-- ``pipeline``: a :class:`~hybridtrain.parallel.pipeline.PipelineRunner` that runs whole
-  steps (pipeline parallel), else None;
 - ``set_grad_sync(flag)``: called before each micro-batch's forward — False inside
   gradient accumulation, so gradients are communicated once per optimizer step;
 - ``mean_loss(value)``: turn this rank's loss into the global batch's mean loss, the same
@@ -20,7 +18,7 @@ The base class serves one process and DDP (replicated parameters and gradients).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,8 +26,12 @@ from torch import nn
 
 from hybridtrain.parallel.mesh import Topology
 
-if TYPE_CHECKING:
-    from hybridtrain.parallel.pipeline import PipelineRunner
+
+def collective_device() -> torch.device:
+    """Where small tensors for collectives live: NCCL reduces CUDA tensors only, gloo CPU ones."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class ParallelRuntime:
@@ -46,7 +48,6 @@ class ParallelRuntime:
         self.model = model
         self.topology = topology or Topology()
         self.module = module if module is not None else model
-        self.pipeline: PipelineRunner | None = None
 
     @property
     def distributed(self) -> bool:
@@ -85,7 +86,7 @@ class ParallelRuntime:
         """Whether every rank found its gradients finite (ranks may hold different shards)."""
         if not self.distributed:
             return finite
-        flag = torch.tensor([0.0 if finite else 1.0])
+        flag = torch.tensor([0.0 if finite else 1.0], device=collective_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item() == 0.0)
 

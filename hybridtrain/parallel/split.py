@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_map_only
 
 from hybridtrain.parallel.gradient_sync import full_tensor, local
 from hybridtrain.parallel.mesh import Topology
-from hybridtrain.parallel.replicated import ParallelRuntime
+from hybridtrain.parallel.replicated import ParallelRuntime, collective_device
 from hybridtrain.parallel.tensor import qkv_from_user, qkv_to_user
 from hybridtrain.parallel.zero import set_fsdp_grad_sync
 
@@ -82,7 +82,8 @@ class SplitRuntime(ParallelRuntime):
     def clip_grad_norm(self, params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
         """Clip by the norm of the whole (unsplit) model's gradient, as one process would."""
         # Squares bucketed by the mesh dims their parameter is split over: (none, dp, tp, dp+tp).
-        squares = torch.zeros(4, dtype=torch.float64)
+        device = collective_device()
+        squares = torch.zeros(4, dtype=torch.float64, device=device)
         grads = []
         for name, param in self.model.named_parameters():
             if param.grad is None:
@@ -90,7 +91,7 @@ class SplitRuntime(ParallelRuntime):
             grads.append(local(param.grad))
             if self.counted(name):
                 split = _split_dims(param.grad)
-                square = local(param.grad).detach().double().pow(2).sum().cpu()
+                square = local(param.grad).detach().double().pow(2).sum().to(device)
                 squares[("dp" in split) + 2 * ("tp" in split)] += square
         for dim, buckets in (("dp", [1, 3]), ("tp", [2, 3])):
             if getattr(self.topology, dim) > 1:

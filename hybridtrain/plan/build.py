@@ -34,7 +34,7 @@ from hybridtrain.runtime.batch import Batch, LossFn, to_device
 from hybridtrain.runtime.layer_major import LayerMajorRunner
 from hybridtrain.runtime.optim import build_optimizer, build_scheduler
 from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
-from hybridtrain.runtime.precision import LossScaler
+from hybridtrain.runtime.precision import LossScaler, precision_name
 from hybridtrain.runtime.recompute import apply_activation_checkpointing
 from hybridtrain.runtime.step_runner import BackwardObserver, StepRunner
 from hybridtrain.runtime.streaming import LayerStreamer, place_for_streaming
@@ -55,7 +55,7 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
     """
     cfg, device = plan.config, plan.device
     streamed = _modules(model, plan.blocks_where("stream"))
-    swapped = _modules(model, plan.blocks_where("swap"))
+    swapped = _modules(model, list(plan.swap_modules))
     checkpointed = _modules(model, list(plan.checkpoint_modules))
     # Blocks both checkpointed and swapped get a checkpoint that swaps their inputs instead.
     swap_recompute = [m for m in swapped if any(m is c for c in checkpointed)]
@@ -96,12 +96,13 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
         scaler = LossScaler(fp16.loss_scale, fp16.initial_scale_power, fp16.loss_scale_window,
                             fp16.hysteresis, fp16.min_loss_scale)
     if streamed and offload is not None:
+        # The streamer tells the host optimizer about each backward itself.
         streamer = LayerStreamer(streamed, offload, device, cfg.layer_streaming.prefetch_blocks)
-        observers = [streamer]
+        observers.append(streamer)
         if plan.step_runner == "layer_major":
             runner = LayerMajorRunner(streamer, swapper)
     elif offload is not None:
-        observers = [offload]
+        observers.append(offload)
     options = EngineOptions(
         batch=plan.batch, device=device, compute_dtype=plan.compute_dtype,
         gradient_clipping=cfg.gradient_clipping, nonfinite_loss=cfg.nonfinite_loss,
@@ -135,8 +136,6 @@ def _parallelize(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None,
         assert shard is not None
         shard(model, blocks)
         return ZeroRuntime(model, topology, plan.zero_stage), None, []
-    if plan.replication == "none":
-        return ParallelRuntime(model, topology), None, []
     # torchtitan's order: tensor parallel on the tp mesh first, then ZeRO (FSDP2) over the
     # dp mesh on top of those DTensors; a pipeline shards each stage at its split.
     reordered = frozenset(apply_tensor_parallel(model, topology.submesh("tp"), dict(plan.tensor_plan))) \
@@ -148,7 +147,8 @@ def _parallelize(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None,
         # Replicas average gradients after the last backward (ZeRO reduce-scatters in it).
         sync: list[BackwardObserver] = [GradientSync(model, topology)] if topology.dp > 1 and not shard else []
         return runtime, None, sync
-    assert example_batch is not None  # resolve refuses a pipeline without one
+    if example_batch is None:
+        raise ValueError("build: a pipeline plan needs the example_batch it was resolved with")
     example = to_device(example_batch, device)
     container = model.get_submodule(plan.pipeline.blocks_path) if plan.pipeline.blocks_path else model
     split = split_pipeline(model, container, plan.pipeline, topology, example, loss_fn, device,  # type: ignore[arg-type]
@@ -189,7 +189,7 @@ def disable_caches(model: nn.Module) -> None:
 def _resume_fingerprint(plan: TrainingPlan, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Settings a checkpoint must share with the run that resumes it."""
     cfg = plan.config
-    precision = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[plan.compute_dtype]
+    precision = precision_name(plan.compute_dtype)
     return {
         "optimizer": type(optimizer).__name__,
         "precision": precision,

@@ -120,8 +120,9 @@ def _check_model_parallel(cfg: Config, dp: int, tp: int, pp: int) -> None:
     if section.virtual_stages > 1 and not interleaved:
         raise ConfigError(f"pipeline.virtual_stages={section.virtual_stages} needs schedule interleaved_1f1b "
                           f"or zero_bubble (schedule={section.schedule!r}); set virtual_stages: 1")
-    if section.schedule == "1f1b" and micro < pp:
-        raise ConfigError(f"pipeline schedule 1f1b needs at least as many micro-batches as stages "
+    # torch before 2.13 refuses fewer micro-batches than stages for every one-stage-per-rank schedule.
+    if section.schedule in ("gpipe", "1f1b") and micro < pp:
+        raise ConfigError(f"pipeline schedule {section.schedule} needs at least as many micro-batches as stages "
                           f"(micro_batches={micro}, stages={pp}); set pipeline.micro_batches >= {pp}")
     rounds = max(1, micro // pp)
     if interleaved and micro % rounds:

@@ -19,7 +19,7 @@ from hybridtrain.models.blocks import BlockList, BlocksNotFoundError, block_name
 from hybridtrain.models.usage import ModelUsage, trace_usage
 from hybridtrain.parallel import mesh
 from hybridtrain.parallel.model_parallel import resolve_device_map
-from hybridtrain.parallel.partition import choose_partition
+from hybridtrain.parallel.partition import choose_partition, stage_bounds
 from hybridtrain.parallel.tensor import resolve_plan
 from hybridtrain.plan.checks import check_supported, parallel_sizes
 from hybridtrain.plan.types import (
@@ -31,14 +31,16 @@ from hybridtrain.plan.types import (
     StepRunnerKind,
     TrainingPlan,
 )
-from hybridtrain.runtime.batch import Batch, run_model, to_device
+from hybridtrain.runtime.batch import Batch, batch_size, run_model, to_device
 from hybridtrain.runtime.device import resolve_device
 from hybridtrain.runtime.optim import build_optimizer, build_scheduler
+from hybridtrain.runtime.precision import autocast
+from hybridtrain.runtime.recompute import select_checkpoint_targets
 from hybridtrain.runtime.streaming import check_not_shared
 
 
 def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | None = None,
-            example_batch: Batch | None = None, user_optimizer: bool = False) -> TrainingPlan:
+            example_batch: Batch | None = None, optimizer: torch.optim.Optimizer | None = None) -> TrainingPlan:
     """Decide how ``model`` trains under ``config`` on ``world_size`` processes.
 
     Args:
@@ -48,7 +50,7 @@ def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | Non
         example_batch: one batch as ``train_batch`` receives it; needed by pipelines (which
             are split at build) and used by streaming to find parameters used outside
             their block.
-        user_optimizer: the caller brings its own optimizer.
+        optimizer: the caller's own optimizer, if any (read, never changed).
 
     Raises:
         ConfigError: any invalid, unsupported or inapplicable setting (one line each).
@@ -68,35 +70,38 @@ def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | Non
         raise ConfigError(str(exc)) from None
     blocks = _Blocks(model, cfg)
     streamed = _streamed(model, cfg, blocks)
-    checkpointed, checkpoint_modules = _checkpointed(model, cfg, blocks, streamed)
+    checkpointed = _checkpointed(model, cfg, blocks, streamed)
     swapped = _swapped(cfg, blocks, checkpointed, streamed)
     zero_stage = cfg.zero_optimization.stage if dp > 1 else 0
-    if zero_stage and user_optimizer:
-        raise ConfigError("zero_optimization.stage > 0 shards the parameters, so the optimizer must be "
-                          "built after sharding: pass optimizer=None and set config optimizer instead")
+    if optimizer is not None:
+        _check_user_optimizer(cfg, optimizer, zero_stage, tp, bool(streamed))
     try:
         device_map = resolve_device_map(model, cfg.device_map)
         tensor_plan = resolve_plan(model, cfg.tensor_parallel.plan, tp) if tp > 1 else {}
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    _check_optimizer(cfg, user_optimizer)
+    _check_optimizer(cfg, optimizer is not None)
     if pp > 1:
         blocks.single("pipeline")  # before tracing: an encoder–decoder is refused as such
-    usage = _usage(model, blocks, example_batch) if example_batch is not None and (pp > 1 or streamed) else None
+    compute_dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None
+    usage = _usage(model, blocks, example_batch, compute_dtype) \
+        if example_batch is not None and (pp > 1 or streamed) else None
     if streamed and usage is not None:
         _refuse_foreign_uses(usage, {i for i, name in enumerate(blocks.names) if name in streamed},
                              "layer_streaming", "list that block in layer_streaming.resident")
     pipeline = _pipeline(cfg, pp, blocks, usage, batch.accumulation_steps) if pp > 1 else None
     counts = pipeline.counts if pipeline is not None and pipeline.counts else ()
-    stage_of = {b: s for s, first in enumerate(_starts(counts)) for b in range(first, first + counts[s])}
+    stage_of = {b: s for s, (start, stop) in enumerate(stage_bounds(counts)) for b in range(start, stop)}
     return TrainingPlan(
         config=cfg, sizes=sizes, batch=batch, device=device,
-        compute_dtype=torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None,
+        compute_dtype=compute_dtype,
         loss_scaling=cfg.fp16.enabled,
         block_lists=tuple(path for path, _ in blocks.lists) if blocks.found else (),
-        blocks=tuple(BlockPlan(name, name in checkpointed, name in swapped, name in streamed, stage_of.get(i))
+        blocks=tuple(BlockPlan(name, name in set(checkpointed), name in set(swapped), name in streamed,
+                               stage_of.get(i))
                      for i, name in enumerate(blocks.names if blocks.found else [])),
-        checkpoint_modules=tuple(checkpoint_modules),
+        checkpoint_modules=tuple(checkpointed),
+        swap_modules=tuple(swapped),
         step_runner=_runner_kind(cfg, pp, streamed),
         replication=_replication(sizes, zero_stage),
         zero_stage=zero_stage,
@@ -175,57 +180,59 @@ def _streamed(model: nn.Module, cfg: Config, blocks: _Blocks) -> list[str]:
     return streamed
 
 
-def _checkpointed(model: nn.Module, cfg: Config, blocks: _Blocks,
-                  streamed: list[str]) -> tuple[set[str], list[str]]:
-    """Checkpointed blocks, and module paths checkpointed by class (``module_classes``)."""
-    if streamed:  # streaming chooses its own recomputation
-        chosen = streamed if cfg.layer_streaming.boundary_activations != "device" else []
-        return set(chosen), list(chosen)
+def _checkpointed(model: nn.Module, cfg: Config, blocks: _Blocks, streamed: list[str]) -> list[str]:
+    """Paths of the modules activation checkpointing wraps: blocks, or modules chosen by
+    class (``module_classes``); streaming recomputes its blocks itself."""
+    if streamed:
+        return streamed if cfg.layer_streaming.boundary_activations != "device" else []
     section = cfg.activation_checkpointing
     if not section.enabled:
-        return set(), []
-    if section.module_classes:
-        wanted = set(section.module_classes)
-        chosen = [name for name, m in model.named_modules() if type(m).__name__ in wanted]
-        if not chosen:
-            present = sorted({type(m).__name__ for m in model.modules()})
-            raise ConfigError(f"activation_checkpointing.module_classes = {sorted(wanted)} matches no module; "
-                              f"classes in this model: {', '.join(present[:20])}")
-        return {n for n in chosen if n in set(blocks.names)}, chosen
-    blocks.need("activation_checkpointing")
-    # every_n_blocks counts within each block list (an encoder's and a decoder's first block).
-    chosen = [f"{path}.{i}" if path else str(i) for path, container in blocks.lists
-              for i in range(0, len(container), section.every_n_blocks)]
-    return set(chosen), chosen
+        return []
+    names = {id(m): name for name, m in model.named_modules()}
+    try:
+        if section.module_classes:
+            chosen = select_checkpoint_targets(model, None, module_classes=section.module_classes)
+        else:
+            blocks.need("activation_checkpointing")
+            # every_n_blocks counts within each block list (an encoder's and a decoder's first block).
+            chosen = [m for _, container in blocks.lists
+                      for m in select_checkpoint_targets(model, list(container), section.every_n_blocks)]
+    except ValueError as exc:
+        raise ConfigError(f"activation_checkpointing: {exc}") from None
+    return [names[id(m)] for m in chosen]
 
 
-def _swapped(cfg: Config, blocks: _Blocks, checkpointed: set[str], streamed: list[str]) -> set[str]:
-    """Blocks whose saved activations are swapped. DeepSpeed's ``cpu_checkpointing`` and
-    streaming with host boundary activations swap the checkpoints."""
+def _swapped(cfg: Config, blocks: _Blocks, checkpointed: list[str], streamed: list[str]) -> list[str]:
+    """Paths of the modules whose saved activations are swapped. DeepSpeed's
+    ``cpu_checkpointing`` and streaming with host boundary activations swap the checkpoints."""
     section = cfg.activation_offload
     if streamed and cfg.layer_streaming.boundary_activations == "host":
-        return set(streamed)
+        return streamed
     if not section.enabled:
-        return set(checkpointed) if cfg.activation_checkpointing.cpu_checkpointing else set()
+        return checkpointed if cfg.activation_checkpointing.cpu_checkpointing else []
     names = blocks.need("activation_offload")
     wrong = [i for i in section.blocks if not 0 <= i < len(names)]
     if wrong:
         raise ConfigError(f"activation_offload.blocks {wrong} out of range; the model has "
                           f"{len(names)} blocks (0..{len(names) - 1})")
-    return {names[i] for i in section.blocks} if section.blocks else set(names)
+    return [names[i] for i in sorted(set(section.blocks))] if section.blocks else names
 
 
-def _usage(model: nn.Module, blocks: _Blocks, example: Batch) -> ModelUsage:
+def _usage(model: nn.Module, blocks: _Blocks, example: Batch, compute_dtype: torch.dtype | None) -> ModelUsage:
     """Trace one forward of the example batch (where the model lives now); per-sample
     shapes do not depend on its size."""
     where = next((p.device for p in model.parameters()), torch.device("cpu"))
     example = to_device(example, where)
+    # Under the training precision, so that the recorded boundary dtypes are the sent ones.
+    dtype = compute_dtype if where.type in ("cpu", "cuda") else None
     try:
-        return trace_usage(model, blocks.modules, lambda: run_model(model, example))
+        return trace_usage(model, blocks.modules, lambda: run_model(model, example), batch_size(example),
+                           lambda: autocast(where, dtype))
     except Exception as exc:  # noqa: BLE001 - any failure of the user's forward, in one line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise ConfigError(f"example_batch: the model's forward failed on it ({type(exc).__name__}: {first}); "
-                          "pass a batch like those train_batch receives") from None
+                          "check that it is a batch like those train_batch receives and that the model runs "
+                          "on it") from None
 
 
 def _refuse_foreign_uses(usage: ModelUsage, indices: set[int], section: str, hint: str) -> None:
@@ -268,6 +275,9 @@ def _pipeline(cfg: Config, pp: int, blocks: _Blocks, usage: ModelUsage | None, m
                           "a stage boundary there would skip it; make that code part of a block")
     if usage.hidden_error:
         raise ConfigError(f"pipeline: {usage.hidden_error}")
+    if not usage.batch_major:
+        raise ConfigError("pipeline: the blocks' hidden state does not have the batch as its first dimension "
+                          "(a sequence-first model); stages exchange batch-first activations")
     if usage.unchained:
         i = usage.unchained[0]
         raise ConfigError(f"pipeline: block {i} of {path or 'the model'} does not receive block {i - 1}'s output "
@@ -280,6 +290,20 @@ def _pipeline(cfg: Config, pp: int, blocks: _Blocks, usage: ModelUsage | None, m
                         tuple(rule) if isinstance(rule, list) else rule, resolved, path, usage)
 
 
+def _check_user_optimizer(cfg: Config, optimizer: torch.optim.Optimizer, zero_stage: int, tp: int,
+                          streaming: bool) -> None:
+    """A caller's optimizer holds the model's parameter objects: techniques that replace
+    them need the optimizer built afterwards, and host offload takes over a fresh one."""
+    replaced = "zero_optimization.stage > 0" if zero_stage else "tensor_parallel" if tp > 1 else None
+    if replaced:
+        raise ConfigError(f"{replaced} replaces the model's parameters (shards them), so the optimizer must be "
+                          "built afterwards: pass optimizer=None and set config optimizer instead")
+    offloaded = streaming or cfg.zero_optimization.offload_optimizer.device == "cpu"
+    if offloaded and any(optimizer.state.values()):
+        raise ConfigError("the optimizer passed has already stepped, but optimizer offload (or layer streaming) "
+                          "takes over a fresh one: pass a new optimizer, or optimizer=None")
+
+
 def _check_optimizer(cfg: Config, user_optimizer: bool) -> None:
     """Build the configured optimizer and scheduler over a stand-in parameter: their names
     and parameters fail here, not after the model was changed."""
@@ -290,11 +314,6 @@ def _check_optimizer(cfg: Config, user_optimizer: bool) -> None:
             build_scheduler(stand_in, cfg.scheduler.type, cfg.scheduler.params)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-
-
-def _starts(counts: tuple[int, ...]) -> list[int]:
-    """Index of the first block of each stage."""
-    return [sum(counts[:s]) for s in range(len(counts))]
 
 
 def _runner_kind(cfg: Config, pp: int, streamed: list[str]) -> StepRunnerKind:

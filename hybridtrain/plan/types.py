@@ -15,6 +15,7 @@ import torch
 
 from hybridtrain.config import BatchSizes, Config
 from hybridtrain.models.usage import ModelUsage
+from hybridtrain.runtime.precision import precision_name
 
 StepRunnerKind = Literal["micro_batches", "layer_major", "pipeline"]
 OptimizerPlacement = Literal["device", "host", "host_streamed"]
@@ -77,11 +78,6 @@ class PipelinePlan:
     blocks_path: str
     usage: ModelUsage
 
-    @property
-    def stages(self) -> int:
-        """Number of stages (ranks × virtual stages)."""
-        return len(self.counts) if self.counts else 0
-
 
 @dataclass(frozen=True)
 class OptimizerPlan:
@@ -122,6 +118,8 @@ class TrainingPlan:
         blocks: every block and what happens to it.
         checkpoint_modules: paths of every module activation checkpointing wraps (the
             checkpointed blocks, or modules chosen by ``module_classes``).
+        swap_modules: paths of every module whose saved activations are swapped (its
+            inputs only, when it is also checkpointed).
         step_runner: who runs a step's forwards and backwards.
         replication: how data-parallel replicas keep in step: ``none`` (one replica),
             ``ddp``, ``zero`` (FSDP2 sharding) or ``split`` (a tensor/pipeline split model
@@ -142,6 +140,7 @@ class TrainingPlan:
     block_lists: tuple[str, ...]
     blocks: tuple[BlockPlan, ...]
     checkpoint_modules: tuple[str, ...]
+    swap_modules: tuple[str, ...]
     step_runner: StepRunnerKind
     replication: Replication
     zero_stage: int
@@ -156,7 +155,7 @@ class TrainingPlan:
 
     def summary(self) -> dict[str, object]:
         """The decisions as plain values (what ``hybridtrain config --plan`` prints)."""
-        dtype = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.compute_dtype]
+        dtype = precision_name(self.compute_dtype)
         out: dict[str, object] = {
             "world": {"dp": self.sizes.dp, "tp": self.sizes.tp, "pp": self.sizes.pp},
             "batch": {"global": self.batch.global_batch, "micro": self.batch.micro_batch,

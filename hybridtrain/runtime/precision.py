@@ -31,6 +31,11 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abst
     return torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=False)
 
 
+def precision_name(dtype: torch.dtype | None) -> str:
+    """``fp32`` (no autocast), ``bf16`` or ``fp16``."""
+    return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
 class LossScaler:
     """Dynamic (or static) loss scaling with DeepSpeed's semantics.
 

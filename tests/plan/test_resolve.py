@@ -139,3 +139,62 @@ def test_bad_input_is_one_config_error(model: nn.Module, config: dict[str, Any],
     with pytest.raises(ConfigError, match=needle):
         resolve(config, model, world_size=world, example_batch=example)
     assert not dist.is_initialized()
+
+
+class NormedBlocks(nn.Module):
+    """Linear blocks (bf16 under autocast: nothing promotes the hidden state back to fp32)
+    with a BatchNorm, whose running statistics a traced forward would move."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.norm = nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x.float()).sum()
+
+
+def test_trace_follows_precision_and_leaves_buffers_and_rng() -> None:
+    model, example = NormedBlocks(), torch.randn(4, 8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    plan = resolve({**_pp(), "bf16": {"enabled": True}}, model, world_size=2, example_batch=example)
+    assert plan.pipeline is not None
+    assert {dtype for _, dtype in plan.pipeline.usage.boundary[1:]} == {torch.bfloat16}
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_cpu_checkpointing_swaps_the_modules_chosen_by_class() -> None:
+    plan = resolve({"device": "cpu", "activation_checkpointing": {
+        "enabled": True, "cpu_checkpointing": True, "module_classes": ["MLP"]}}, build_gpt("gpt-tiny"), world_size=1)
+    assert plan.checkpoint_modules == plan.swap_modules == ("blocks.0.mlp", "blocks.1.mlp")
+
+
+class SequenceFirst(InlineTiedLM):
+    """Blocks see ``(seq, batch, width)``."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.emb(tokens).transpose(0, 1)
+        for block in self.blocks:
+            hidden = block(hidden)
+        return (self.norm(hidden) @ self.emb.weight.T).transpose(0, 1)
+
+
+def test_optimizers_and_models_a_technique_cannot_take() -> None:
+    model = build_gpt("gpt-tiny")
+    stepped = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
+    stepped.step()
+    with pytest.raises(ConfigError, match="already stepped, but optimizer offload"):
+        resolve({"device": "cpu", "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
+                model, world_size=1, optimizer=stepped)
+    with pytest.raises(ConfigError, match="tensor_parallel replaces the model's parameters"):
+        resolve({"device": "cpu", "tensor_parallel": {"size": 2}}, model, world_size=2,
+                optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ConfigError, match="not have the batch as its first dimension"):
+        resolve(_pp(), SequenceFirst(), world_size=2, example_batch=BATCH)
+    with pytest.raises(ConfigError, match="schedule gpipe needs at least as many micro-batches"):
+        resolve(_pp(micro_batches=1), InlineTiedLM(), world_size=2, example_batch=BATCH)
