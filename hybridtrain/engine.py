@@ -39,6 +39,7 @@ from hybridtrain.runtime.batch import (
     split_batch,
     to_device,
 )
+from hybridtrain.runtime.optim import Scheduler
 from hybridtrain.runtime.precision import LossScaler, autocast
 from hybridtrain.runtime.step_runner import (
     BackwardObserver,
@@ -84,7 +85,7 @@ class Engine:
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+                 scheduler: Scheduler | None,
                  scaler: LossScaler | None, loss_fn: LossFn | None, options: EngineOptions) -> None:
         self.module = module
         self.optimizer = optimizer

@@ -4,26 +4,48 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-from torch.optim.lr_scheduler import LambdaLR, LRScheduler
+from torch.optim.lr_scheduler import LambdaLR
+
+from hybridtrain.runtime.deepspeed_schedules import DEEPSPEED_SCHEDULES, DeepSpeedSchedule
+
+# DeepSpeed optimizers whose math torch does not have (1-bit ones also compress communication).
+_REFUSED_OPTIMIZERS = {
+    "lamb": "layer-wise adaptive rates (LAMB)", "onebitadam": "1-bit Adam", "zerooneadam": "0/1 Adam",
+    "onebitlamb": "1-bit LAMB", "muadam": "muP Adam", "muadamw": "muP AdamW", "musgd": "muP SGD",
+    "lion": "the Lion optimizer", "fusedlion": "the Lion optimizer",
+}
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], type_name: str,
                     kwargs: dict[str, Any]) -> torch.optim.Optimizer:
-    """Instantiate ``torch.optim.<type_name>(params, **kwargs)``.
-
-    DeepSpeed's ``Adam`` params ``adam_w_mode`` (true → AdamW) and ``torch_adam`` are
-    understood; names match case-insensitively.
+    """Instantiate an optimizer by name as DeepSpeed builds it: ``Adam``/``AdamW`` follow
+    DeepSpeed's rules (``adam_w_mode`` defaults to true, so ``Adam`` with weight decay is
+    decoupled AdamW; ``weight_decay`` defaults to 0 as in DeepSpeed's FusedAdam, unless
+    ``torch_adam`` asks for torch's class and its defaults); any other name is the
+    ``torch.optim`` class of that name (case-insensitive).
 
     Raises:
-        ValueError: unknown optimizer or invalid keyword (one line naming it).
+        ValueError: unknown optimizer, one whose math torch lacks, or an invalid keyword
+            (one line naming it).
     """
     kwargs = dict(kwargs)
-    if kwargs.pop("adam_w_mode", False) and type_name.lower() == "adam":
-        type_name = "AdamW"
-    kwargs.pop("torch_adam", None)
+    name = type_name.lower()
+    if name in _REFUSED_OPTIMIZERS:
+        raise ValueError(f"optimizer.type = {type_name!r} ({_REFUSED_OPTIMIZERS[name]}) is a DeepSpeed optimizer "
+                         "hybridtrain does not implement; the nearest is AdamW")
+    if name in ("adam", "adamw"):
+        decoupled = kwargs.pop("adam_w_mode", True) if name == "adam" else True
+        kwargs.pop("adam_w_mode", None)
+        torch_adam = kwargs.pop("torch_adam", False)
+        if not kwargs.pop("bias_correction", True):
+            raise ValueError("optimizer.params.bias_correction = false (Adam without bias correction) is not "
+                             "implemented; remove it")
+        if not torch_adam:
+            kwargs.setdefault("weight_decay", 0.0)  # DeepSpeed's FusedAdam/DeepSpeedCPUAdam default
+        type_name = "AdamW" if decoupled else "Adam"
     classes = {
         name.lower(): cls
         for name, cls in vars(torch.optim).items()
@@ -41,13 +63,12 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], type_name: str,
         raise ValueError(f"optimizer.params {kwargs} rejected by {cls.__name__}: {exc}") from None
 
 
+# Our short names: warm-up (linear unless warmup_type: log) then constant, linear decay or
+# cosine decay, with the rate of optimizer step n computed from n.
 _SCHEDULE_ALIASES = {
     "constant": "WarmupLR",
-    "warmuplr": "WarmupLR",
     "linear": "WarmupDecayLR",
-    "warmupdecaylr": "WarmupDecayLR",
     "cosine": "WarmupCosineLR",
-    "warmupcosinelr": "WarmupCosineLR",
 }
 _SCHEDULE_PARAMS = {
     "WarmupLR": {"warmup_num_steps", "warmup_min_ratio", "warmup_type", "warmup_min_lr", "warmup_max_lr", "last_batch_iteration"},
@@ -59,7 +80,8 @@ _SCHEDULE_PARAMS = {
 
 
 def lr_factor_fn(type_name: str, params: dict[str, Any]) -> Callable[[int], float]:
-    """The multiplier of the base learning rate at optimizer step ``n`` for a schedule.
+    """The multiplier of the base learning rate at optimizer step ``n`` for one of our
+    short-named schedules (``constant``, ``linear``, ``cosine``).
 
     Raises:
         ValueError: unknown schedule, unknown or missing parameter.
@@ -67,8 +89,8 @@ def lr_factor_fn(type_name: str, params: dict[str, Any]) -> Callable[[int], floa
     kind = _SCHEDULE_ALIASES.get(type_name.lower())
     if kind is None:
         raise ValueError(
-            f"scheduler.type = {type_name!r} is unknown; allowed: constant, linear, cosine, "
-            "WarmupLR, WarmupDecayLR, WarmupCosineLR"
+            f"scheduler.type = {type_name!r} is unknown; allowed: constant, linear, cosine (ours), "
+            f"{', '.join(DEEPSPEED_SCHEDULES)} (DeepSpeed's, exact)"
         )
     unknown = sorted(set(params) - _SCHEDULE_PARAMS[kind])
     if unknown:
@@ -99,13 +121,30 @@ def lr_factor_fn(type_name: str, params: dict[str, Any]) -> Callable[[int], floa
     return factor
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, type_name: str,
-                    params: dict[str, Any]) -> LRScheduler:
-    """A ``LambdaLR`` following the named schedule.
+class Scheduler(Protocol):
+    """What the engine asks of a learning-rate schedule (torch's and DeepSpeed's)."""
 
-    DeepSpeed's ``warmup_max_lr`` sets the optimizer's base learning rate and
-    ``warmup_min_lr`` the warm-up start, so a ``ds_config.json`` schedule means the same.
+    def step(self) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, type_name: str,
+                    params: dict[str, Any]) -> Scheduler:
+    """The named schedule: DeepSpeed's names (``WarmupLR``, ``WarmupDecayLR``,
+    ``WarmupCosineLR``, ``OneCycle``, ``LRRangeTest``) with DeepSpeed's exact formulas,
+    defaults and step indexing (:mod:`hybridtrain.runtime.deepspeed_schedules`); our
+    short names (``constant``, ``linear``, ``cosine``) as a ``LambdaLR`` over
+    :func:`lr_factor_fn`, where ``warmup_max_lr`` sets the base learning rate and
+    ``warmup_min_lr`` the warm-up start.
+
+    Raises:
+        ValueError: unknown schedule or parameter (one line naming it).
     """
+    if type_name in DEEPSPEED_SCHEDULES:
+        return DeepSpeedSchedule(optimizer, type_name, params)
     params = dict(params)
     params.pop("last_batch_iteration", None)
     max_lr = params.pop("warmup_max_lr", None)

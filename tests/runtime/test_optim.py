@@ -14,14 +14,33 @@ def _params() -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.ones(2))]
 
 
-@pytest.mark.parametrize(("name", "cls"), [("adamw", torch.optim.AdamW), ("Adam", torch.optim.Adam),
-                                           ("SGD", torch.optim.SGD), ("RMSprop", torch.optim.RMSprop)])
+@pytest.mark.parametrize(("name", "cls"), [("adamw", torch.optim.AdamW), ("SGD", torch.optim.SGD),
+                                           ("RMSprop", torch.optim.RMSprop)])
 def test_optimizers_by_name(name: str, cls: type) -> None:
     assert type(build_optimizer(_params(), name, {"lr": 0.1})) is cls
 
 
-def test_deepspeed_adam_w_mode_and_bad_input() -> None:
-    assert type(build_optimizer(_params(), "Adam", {"lr": 0.1, "adam_w_mode": True, "torch_adam": True})) is torch.optim.AdamW
+@pytest.mark.parametrize(("name", "params", "cls", "weight_decay"), [
+    # DeepSpeed (deepspeed/runtime/engine.py, _configure_basic_optimizer): Adam's adam_w_mode
+    # defaults to true, AdamW forces it; FusedAdam's weight_decay defaults to 0.
+    ("Adam", {"lr": 0.1}, torch.optim.AdamW, 0.0),
+    ("Adam", {"lr": 0.1, "weight_decay": 0.1}, torch.optim.AdamW, 0.1),
+    ("Adam", {"lr": 0.1, "weight_decay": 0.1, "adam_w_mode": False}, torch.optim.Adam, 0.1),
+    ("AdamW", {"lr": 0.1, "adam_w_mode": False}, torch.optim.AdamW, 0.0),
+    # torch_adam: torch's class with torch's defaults.
+    ("Adam", {"lr": 0.1, "torch_adam": True}, torch.optim.AdamW, 0.01),
+    ("adam", {"lr": 0.1, "torch_adam": True, "adam_w_mode": False}, torch.optim.Adam, 0.0),
+])
+def test_deepspeed_adam_rules(name: str, params: dict, cls: type, weight_decay: float) -> None:
+    opt = build_optimizer(_params(), name, params)
+    assert type(opt) is cls and opt.param_groups[0]["weight_decay"] == weight_decay
+
+
+def test_bad_optimizers() -> None:
+    with pytest.raises(ValueError, match="bias_correction = false"):
+        build_optimizer(_params(), "Adam", {"bias_correction": False})
+    with pytest.raises(ValueError, match="'OneBitAdam' .*1-bit Adam.* nearest is AdamW"):
+        build_optimizer(_params(), "OneBitAdam", {})
     with pytest.raises(ValueError, match="optimizer.type = 'Adamm'"):
         build_optimizer(_params(), "Adamm", {})
     with pytest.raises(ValueError, match="optimizer.params"):
@@ -33,15 +52,15 @@ def test_schedules() -> None:
     assert [constant(s) for s in (0, 2, 4, 100)] == [0.0, 0.5, 1.0, 1.0]
     linear = lr_factor_fn("linear", {"warmup_num_steps": 2, "total_num_steps": 6})
     assert [linear(s) for s in (1, 2, 4, 6, 9)] == [0.5, 1.0, 0.5, 0.0, 0.0]
-    cosine = lr_factor_fn("WarmupCosineLR", {"warmup_num_steps": 0, "total_num_steps": 10, "cos_min_ratio": 0.1})
+    cosine = lr_factor_fn("cosine", {"warmup_num_steps": 0, "total_num_steps": 10, "cos_min_ratio": 0.1})
     assert cosine(0) == 1.0 and cosine(5) == pytest.approx(0.55) and cosine(10) == pytest.approx(0.1)
-    log = lr_factor_fn("WarmupLR", {"warmup_num_steps": 9, "warmup_type": "log"})
+    log = lr_factor_fn("constant", {"warmup_num_steps": 9, "warmup_type": "log"})
     assert log(0) == 0.0 and log(4) == pytest.approx(math.log(5) / math.log(10))
 
 
-def test_deepspeed_warmup_lr_sets_the_learning_rates() -> None:
+def test_warmup_sets_the_learning_rates() -> None:
     opt = build_optimizer(_params(), "SGD", {"lr": 1.0})
-    sched = build_scheduler(opt, "WarmupLR", {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1, "warmup_num_steps": 10})
+    sched = build_scheduler(opt, "constant", {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1, "warmup_num_steps": 10})
     assert opt.param_groups[0]["lr"] == pytest.approx(0.01)
     for _ in range(10):
         opt.step()
