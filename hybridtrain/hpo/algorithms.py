@@ -59,27 +59,72 @@ def distributions(spec: ExperimentSpec) -> dict[str, optuna.distributions.BaseDi
     return out
 
 
+def _grid_count(name: str, p: FloatParam | IntParam | CategoricalParam) -> int:
+    """How many grid values parameter ``name`` has (without enumerating them)."""
+    if isinstance(p, CategoricalParam):
+        return len(p.choices)
+    if isinstance(p, IntParam):
+        return (p.high - p.low) // p.step + 1
+    if p.step is None:
+        raise SpecError(
+            f"invalid experiment spec: field 'parameters.{name}.step': algorithm grid "
+            "needs a step for float parameters; got null"
+        )
+    return int((p.high - p.low) / p.step + 1e-9) + 1
+
+
+def grid_size(spec: ExperimentSpec) -> int:
+    """The number of grid points of ``spec``'s parameters.
+
+    Raises:
+        SpecError: a float parameter has no ``step``, or the grid has more than
+            ``_MAX_GRID`` points (it is enumerated in memory).
+    """
+    size = 1
+    for name, p in spec.parameters.items():
+        size *= _grid_count(name, p)
+        if size > _MAX_GRID:
+            raise SpecError(
+                f"invalid experiment spec: field 'parameters.{name}': the grid would have "
+                f"more than {_MAX_GRID} points; got {size} so far; use larger steps or fewer "
+                "values")
+    return size
+
+
 def grid_space(spec: ExperimentSpec) -> dict[str, list[Any]]:
     """Every value of every parameter, for the grid sampler.
 
     Raises:
-        SpecError: a float parameter has no ``step`` (a grid needs finitely many values).
+        SpecError: see :func:`grid_size`.
     """
+    grid_size(spec)  # refuse before enumerating a huge range
     space: dict[str, list[Any]] = {}
     for name, p in spec.parameters.items():
+        count = _grid_count(name, p)
         if isinstance(p, CategoricalParam):
             space[name] = list(p.choices)
         elif isinstance(p, IntParam):
-            space[name] = list(range(p.low, p.high + 1, p.step))
-        elif p.step is None:
-            raise SpecError(
-                f"invalid experiment spec: field 'parameters.{name}.step': algorithm grid "
-                "needs a step for float parameters; got null"
-            )
+            space[name] = [p.low + i * p.step for i in range(count)]
         else:
-            count = int((p.high - p.low) / p.step + 1e-9) + 1
+            assert p.step is not None  # _grid_count refused it
             space[name] = [round(p.low + i * p.step, 12) for i in range(count)]
     return space
+
+
+def _grid_sampler_class() -> Any:
+    """Optuna's grid sampler without its ``study.stop()`` once the grid is exhausted.
+
+    That call is only legal inside ``study.optimize``; from our ``study.tell`` it raises
+    ``RuntimeError`` at the last grid point. The experiment's slots, not the sampler,
+    decide when it ends, so the sampler has nothing to do after a trial.
+    """
+    import optuna
+
+    class SlotGridSampler(optuna.samplers.GridSampler):
+        def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
+            return None
+
+    return SlotGridSampler
 
 
 def _construct(kind: str, name: str, cls_name: str, options: dict[str, Any],
@@ -87,7 +132,8 @@ def _construct(kind: str, name: str, cls_name: str, options: dict[str, Any],
     import optuna
 
     module = optuna.samplers if kind == "algorithm" else optuna.pruners
-    cls = getattr(module, cls_name)
+    cls: Any = _grid_sampler_class() if cls_name == "GridSampler" else getattr(module,
+                                                                              cls_name)
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self"} - _CALLABLE_OPTIONS
     for key in options:
         if key not in accepted:
@@ -202,11 +248,7 @@ def check_algorithms(spec: ExperimentSpec) -> None:
     """
     _dry_run(spec, build_sampler(spec), build_pruner(spec))
     if spec.algorithm.name == "grid":
-        size = 1
-        for values in grid_space(spec).values():
-            size *= len(values)
-            if size > _MAX_GRID:
-                break
+        size = grid_size(spec)
         if spec.max_trials > size:
             raise SpecError(
                 f"invalid experiment spec: field 'max_trials': exceeds the grid size {size}; "

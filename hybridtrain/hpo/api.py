@@ -12,15 +12,17 @@ GET      /v1/experiments/{name}/trials      trials with parameters and metrics
 GET      /v1/experiments/{name}/best        best value, parameters, trial number
 =======  =================================  ===========================================
 
-Every ``/v1`` route needs ``Authorization: Bearer TOKEN``. Errors are JSON
+Every ``/v1`` route needs ``Authorization: Bearer TOKEN``, checked from the headers
+before any byte of the body is read (:mod:`hybridtrain.hpo.guard`). Errors are JSON
 ``{"detail": "one line"}``: 401 without token, 404 unknown experiment, 409 a spec that
-conflicts with the stored experiment, 422 an invalid spec.
+conflicts with the stored experiment, 413 a body over the limit, 422 an invalid spec.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -39,6 +41,7 @@ from hybridtrain.hpo.errors import (
     StorageError,
 )
 from hybridtrain.hpo.experiments import ExperimentStore
+from hybridtrain.hpo.guard import DEFAULT_MAX_BODY, ApiGuard
 from hybridtrain.hpo.spec import ExperimentSpec, load_spec
 
 Launcher = Callable[[ExperimentSpec, str], Any]
@@ -49,6 +52,10 @@ def require_token(
     request: Request, cred: Annotated[HTTPAuthorizationCredentials | None, Depends(_SCHEME)]
 ) -> None:
     """Dependency of every ``/v1`` route: the app's bearer token must be presented.
+
+    :class:`~hybridtrain.hpo.guard.ApiGuard` has refused a request without it already,
+    before the body was read; this dependency puts the scheme into the OpenAPI schema
+    and keeps a route safe should it ever be served without the guard.
 
     Raises:
         HTTPException: 401 with ``WWW-Authenticate: Bearer``.
@@ -62,19 +69,23 @@ def launch_worker(spec: ExperimentSpec, storage_url: str) -> subprocess.Popen[by
     """Start ``python -m hybridtrain.hpo worker NAME`` in its own session.
 
     The worker is an ordinary controller: it outlives the server and can be stopped
-    through the API. Its output goes to ``OUTPUT_DIR/NAME/worker.log``.
+    through the API. Its output goes to ``OUTPUT_DIR/NAME/worker.log``. A daemon thread
+    waits for it, so a finished worker is reaped at once instead of staying a zombie
+    for the server's lifetime.
     """
     log_dir = Path(spec.output_dir) / spec.name
     log_dir.mkdir(parents=True, exist_ok=True)
     with (log_dir / "worker.log").open("ab") as log:
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "hybridtrain.hpo", "worker", spec.name,
              "--storage", storage_url],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    threading.Thread(target=proc.wait, name=f"reap-worker-{proc.pid}", daemon=True).start()
+    return proc
 
 
 def create_app(store: ExperimentStore, token: str, launcher: Launcher | None = launch_worker,
-               dashboard: bool = True) -> FastAPI:
+               dashboard: bool = True, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
     """The FastAPI application.
 
     Args:
@@ -83,6 +94,7 @@ def create_app(store: ExperimentStore, token: str, launcher: Launcher | None = l
         launcher: starts a controller for a created experiment (``None``: create only,
             e.g. when workers are started separately with ``hpo worker``).
         dashboard: mount optuna-dashboard at ``/`` (behind the same token).
+        max_body: largest request body in bytes (413 above it).
 
     Returns:
         The app, ready for uvicorn or FastAPI's ``TestClient``.
@@ -90,7 +102,7 @@ def create_app(store: ExperimentStore, token: str, launcher: Launcher | None = l
     app = FastAPI(title="hybridtrain HPO", version=__version__,
                   description="Katib-style hyperparameter optimization on Optuna.")
     app.state.token = token
-    workers: list[Any] = []
+    app.add_middleware(ApiGuard, token=token, max_body=max_body)
 
     @app.exception_handler(HPOError)
     async def _hpo_error(_request: Request, exc: HPOError) -> JSONResponse:
@@ -118,9 +130,7 @@ def create_app(store: ExperimentStore, token: str, launcher: Launcher | None = l
         parsed = load_spec(spec)
         record = store.create(parsed)
         if launcher is not None and record.state == "running":
-            # Reap finished workers so a long-lived server collects no zombies.
-            workers[:] = [w for w in workers if getattr(w, "poll", lambda: 0)() is None]
-            workers.append(launcher(parsed, store.url))
+            launcher(parsed, store.url)
         return store.status(parsed.name)
 
     @app.get("/v1/experiments/{name}", dependencies=auth)

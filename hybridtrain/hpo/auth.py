@@ -121,19 +121,20 @@ class TokenGuard:
         query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
         if token_matches(self.token, (query.get("token") or [None])[0]):
             path = scope.get("root_path", "") + scope["path"]
-            await _respond(send, 303, b"", [(b"location", path.encode()), (
+            await respond(send, 303, b"", [(b"location", path.encode()), (
                 b"set-cookie",
                 f"{COOKIE}={self.token}; HttpOnly; SameSite=Strict; Path=/".encode())])
             return
         if token_matches(self.token, bearer(scope["headers"])):
             await self.app(scope, receive, send)
             return
-        await _respond(send, 401, b'{"detail":"missing or invalid bearer token"}',
+        await respond(send, 401, b'{"detail":"missing or invalid bearer token"}',
                        [(b"content-type", b"application/json"),
                         (b"www-authenticate", b"Bearer")])
 
 
-async def _respond(send: Callable[[Any], Awaitable[None]], status: int, body: bytes,
-                   headers: list[tuple[bytes, bytes]]) -> None:
+async def respond(send: Callable[[Any], Awaitable[None]], status: int, body: bytes,
+                  headers: list[tuple[bytes, bytes]]) -> None:
+    """Send a complete HTTP response from ASGI middleware."""
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -6,8 +6,9 @@ work on the same experiment through the same storage; slots and leases
 work without running a slot twice. One loop iteration:
 
 1. settle slots whose lease expired (their controller died): stop the leftover
-   processes if they are on this machine, mark the trial failed, retry it per
-   ``retries``; a trial that had in fact finished is kept as it is;
+   processes if they are on this machine, record the trial as interrupted and run its
+   parameters again (the controller's death is not the trial's failure, so no retry is
+   used up); a trial that had in fact finished is kept as it is;
 2. poll the running trials (metrics, pruning, timeout, exit) and record the finished;
 3. claim pending slots and start trials while there is room;
 4. leave once the experiment is over, or it is stopping and nothing of ours runs.
@@ -19,6 +20,7 @@ import logging
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -30,6 +32,7 @@ from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import TrialState
 
 from hybridtrain.hpo.algorithms import build_pruner, build_sampler, distributions
+from hybridtrain.hpo.attrs import set_user_attrs
 from hybridtrain.hpo.errors import HPOError
 from hybridtrain.hpo.leases import Claim, Heartbeat, Leases, new_owner_id
 from hybridtrain.hpo.process import stop_orphan_group
@@ -40,6 +43,7 @@ from hybridtrain.hpo.trial import Outcome, RunningTrial
 
 log = logging.getLogger(__name__)
 
+_LEASE_EXPIRED = "lease expired: its controller stopped renewing it (crashed or killed)"
 _STATES = {"complete": TrialState.COMPLETE, "pruned": TrialState.PRUNED,
            "failed": TrialState.FAIL, "interrupted": TrialState.FAIL}
 
@@ -83,6 +87,11 @@ class Controller:
         self.running: dict[int, RunningTrial] = {}
         self._free_gpus = list(spec.resources.gpus)
         self._interrupted = threading.Event()
+        # A lease expires lease_duration after its last renewal, so looking for abandoned
+        # slots once per heartbeat delays a takeover by at most that, and saves a query
+        # per poll (poll_interval is much shorter).
+        self._settle_every = spec.durability.heartbeat_interval
+        self._next_settle = 0.0
 
     # -- main loop ---------------------------------------------------------------------
     def run(self, stop_signals: tuple[signal.Signals, ...] = (signal.SIGINT,)
@@ -147,7 +156,9 @@ class Controller:
                 # Stopped: the slots wait for a resume. Over: they will never run.
                 after = "pending" if record.state == "stopping" else "cancelled"
                 self._stop_all(f"experiment {record.state}: {record.reason}", after)
-            self._settle_abandoned()
+            if time.monotonic() >= self._next_settle:
+                self._settle_abandoned()
+                self._next_settle = time.monotonic() + self._settle_every
             self._poll_running()
             self._start_trials()
             if not self.running:
@@ -219,21 +230,21 @@ class Controller:
             self.heartbeat.untrack(claim.slot)
             self._tell(trial.number, Outcome("failed", reason="lease lost before start"))
             return
-        for key, value in {"slot": claim.slot, "attempt": claim.attempt,
-                           "host": socket.gethostname()}.items():
-            trial.set_user_attr(key, value)
+        where = {"slot": claim.slot, "attempt": claim.attempt, "host": socket.gethostname()}
         gpus = self._take_gpus()
         try:
             rt = RunningTrial(self.spec, trial, claim.slot, claim.attempt, gpus)
         except OSError as exc:
             self._free_gpus.extend(gpus)
             self.heartbeat.untrack(claim.slot)
+            set_user_attrs(self.storage, trial._trial_id, where)
             self._record_failure(trial.number, claim, dict(trial.params),
                                  f"cannot start command: {exc}")
             return
         self.running[claim.slot] = rt
-        trial.set_user_attr("command", rt.command)
-        trial.set_user_attr("trial_dir", str(rt.dir))
+        # One transaction for all five: per attribute, Optuna commits each separately.
+        set_user_attrs(self.storage, trial._trial_id,
+                       where | {"command": rt.command, "trial_dir": str(rt.dir)})
         self.leases.attach(claim.slot, trial.number, rt.params, rt.process.pid,
                            rt.process.start_ticks)
         self.on_event(f"trial {trial.number} started (slot {claim.slot}, attempt "
@@ -301,31 +312,44 @@ class Controller:
 
     # -- takeover of abandoned slots --------------------------------------------------------
     def _settle(self, claim: Claim) -> None:
-        """Settle a slot taken over from a dead controller (see module docstring)."""
+        """Settle a slot taken over from a dead controller (see module docstring).
+
+        The controller's death is not the trial's failure: the trial is recorded as
+        interrupted and its slot runs the same parameters again, without using up a
+        retry or counting against ``max_failed_trials``. Only a trial that had already
+        failed by itself before its controller died counts as a failure.
+        """
         if claim.abandoned_trial is None:
             # The dead controller claimed the slot but never attached a trial to it; it
             # may have died between creating the Optuna trial and attaching it.
-            self._fail_unattached_trials()
+            self._end_unattached_trials()
             self.leases.release(claim.slot, "pending", claim.attempt, claim.params)
             return
         if claim.host == socket.gethostname() and claim.pgid is not None:
             stop_orphan_group(claim.pgid, claim.start_ticks, self.spec.trial.kill_grace)
         number = claim.abandoned_trial
-        reason = "lease expired: its controller stopped renewing it (crashed or killed)"
-        told = self._tell(number, Outcome("failed", reason=reason))
+        told = self._tell(number, Outcome("interrupted", reason=_LEASE_EXPIRED))
         trial_id = self.storage.get_trial_id_from_study_id_trial_number(
             self.study_id, number)
-        state = self.storage.get_trial(trial_id).state
-        if not told and state in (TrialState.COMPLETE, TrialState.PRUNED):
+        frozen = self.storage.get_trial(trial_id)
+        if frozen.state in (TrialState.COMPLETE, TrialState.PRUNED):
             # It finished just before its controller died: keep it, count it once.
             self.leases.release(claim.slot, "done", claim.attempt, None)
             return
-        params = dict(self.storage.get_trial(trial_id).params) or None
+        params = dict(frozen.params) or None
+        if told or frozen.user_attrs.get("interrupted"):
+            self.leases.release(claim.slot, "pending", claim.attempt, params)
+            self.on_event(f"trial {number} interrupted: {_LEASE_EXPIRED}")
+            return
+        # Its controller had recorded a failure of its own and died before releasing.
+        reason = str(frozen.user_attrs.get("fail_reason") or "failed")
         self._after_failure(claim, params, reason)
         self.on_event(f"trial {number} failed: {reason}")
 
-    def _fail_unattached_trials(self) -> None:
-        """Fail Optuna trials left ``RUNNING`` outside any slot by a dead controller.
+    def _end_unattached_trials(self) -> None:
+        """End Optuna trials left ``RUNNING`` outside any slot by a dead controller.
+
+        They are recorded as interrupted, not failed: the trial never ran.
 
         A live controller attaches its new trial to its slot right after creating it, so
         a running trial in no running slot and older than a lease is abandoned.
@@ -334,8 +358,8 @@ class Controller:
         cutoff = datetime.now() - timedelta(seconds=self.spec.durability.lease_duration)
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             if t.number not in attached and t.datetime_start and t.datetime_start < cutoff:
-                self._tell(t.number, Outcome("failed", reason="abandoned: its controller "
-                                             "died before the trial started"))
+                self._tell(t.number, Outcome("interrupted", reason="abandoned: its "
+                                             "controller died before the trial started"))
 
     # -- GPU pool --------------------------------------------------------------------------
     def _gpus_free(self) -> bool:

@@ -33,12 +33,25 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hybridtrain.hpo.errors import SpecError
+from hybridtrain.hpo.shell import quoted_placeholders
 
 #: Placeholders every command may use besides the parameter names.
 BUILTIN_PLACEHOLDERS = ("trial_number", "trial_dir", "experiment")
 _PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+# Upper limits of the numbers in a spec. Specs arrive over the REST API, so every count
+# that becomes rows, processes or threads is bounded; the limits are far above any real
+# experiment on one database (an experiment's rows are created up front, one per trial).
+MAX_TRIALS = 100_000
+MAX_PARALLEL = 1_024
+MAX_RETRIES = 100
+MAX_PARAMETERS = 256
+MAX_CHOICES = 10_000
+MAX_SECONDS = 30 * 24 * 3600  # a trial timeout of at most 30 days
+MAX_COMMAND = 64 * 1024
+MAX_GPU_INDEX = 1_023
 
 
 class _FieldError(ValueError):
@@ -70,7 +83,7 @@ class ObjectiveSpec(_Strict):
     direction: Literal["minimize", "maximize"] = "minimize"
     goal: float | None = None
     strategy: Literal["latest", "min", "max"] = "latest"
-    additional_metrics: list[str] = Field(default_factory=list)
+    additional_metrics: list[str] = Field(default_factory=list, max_length=MAX_PARAMETERS)
 
 
 class FloatParam(_Strict):
@@ -121,7 +134,7 @@ class CategoricalParam(_Strict):
     """A parameter taking one of ``choices`` (strings, numbers, booleans)."""
 
     type: Literal["categorical"]
-    choices: list[str | bool | int | float] = Field(min_length=1)
+    choices: list[str | bool | int | float] = Field(min_length=1, max_length=MAX_CHOICES)
 
     @model_validator(mode="after")
     def _check_unique(self) -> CategoricalParam:
@@ -173,12 +186,12 @@ class TrialSpec(_Strict):
         kill_grace: seconds between SIGTERM and SIGKILL when a trial is stopped.
     """
 
-    command: str = Field(min_length=1)
+    command: str = Field(min_length=1, max_length=MAX_COMMAND)
     workdir: str = "."
-    env: dict[str, str] = Field(default_factory=dict)
-    timeout: float | None = Field(default=None, gt=0)
-    retries: int = Field(default=0, ge=0)
-    kill_grace: float = Field(default=10.0, ge=0)
+    env: dict[str, str] = Field(default_factory=dict, max_length=MAX_PARAMETERS)
+    timeout: float | None = Field(default=None, gt=0, le=MAX_SECONDS)
+    retries: int = Field(default=0, ge=0, le=MAX_RETRIES)
+    kill_grace: float = Field(default=10.0, ge=0, le=3600)
 
 
 class ResourcesSpec(_Strict):
@@ -188,8 +201,9 @@ class ResourcesSpec(_Strict):
     fewer free indices than that holds the next trial back.
     """
 
-    gpus: list[int] = Field(default_factory=list)
-    gpus_per_trial: int = Field(default=1, ge=1)
+    gpus: list[Annotated[int, Field(ge=0, le=MAX_GPU_INDEX)]] = Field(
+        default_factory=list, max_length=MAX_GPU_INDEX + 1)
+    gpus_per_trial: int = Field(default=1, ge=1, le=MAX_GPU_INDEX + 1)
 
     @model_validator(mode="after")
     def _check_pool(self) -> ResourcesSpec:
@@ -212,9 +226,9 @@ class DurabilitySpec(_Strict):
         poll_interval: how often the controller reads trial output and checks processes.
     """
 
-    heartbeat_interval: float = Field(default=10.0, gt=0)
-    lease_duration: float = Field(default=60.0, gt=0)
-    poll_interval: float = Field(default=0.2, gt=0)
+    heartbeat_interval: float = Field(default=10.0, gt=0, le=3600)
+    lease_duration: float = Field(default=60.0, gt=0, le=24 * 3600)
+    poll_interval: float = Field(default=0.2, gt=0, le=60)
 
     @model_validator(mode="after")
     def _check_lease(self) -> DurabilitySpec:
@@ -231,15 +245,15 @@ class ExperimentSpec(_Strict):
 
     name: str = Field(pattern=_NAME)
     objective: ObjectiveSpec
-    parameters: dict[str, Parameter] = Field(min_length=1)
+    parameters: dict[str, Parameter] = Field(min_length=1, max_length=MAX_PARAMETERS)
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     early_stopping: EarlyStoppingSpec = Field(default_factory=EarlyStoppingSpec)
     trial: TrialSpec
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     durability: DurabilitySpec = Field(default_factory=DurabilitySpec)
-    parallel_trials: int = Field(default=1, ge=1)
-    max_trials: int = Field(ge=1)
-    max_failed_trials: int = Field(default=3, ge=0)
+    parallel_trials: int = Field(default=1, ge=1, le=MAX_PARALLEL)
+    max_trials: int = Field(ge=1, le=MAX_TRIALS)
+    max_failed_trials: int = Field(default=3, ge=0, le=MAX_TRIALS)
     output_dir: str = "hpo-runs"
 
     @model_validator(mode="after")
@@ -255,6 +269,13 @@ class ExperimentSpec(_Strict):
                 raise _FieldError(
                     "trial.command", f"placeholder ${{{used}}} is not a parameter; "
                     f"allowed: {', '.join(sorted(allowed))}", self.trial.command)
+        quoted = quoted_placeholders(self.trial.command)
+        if quoted:
+            used, quote = quoted[0]
+            raise _FieldError(
+                "trial.command", f"placeholder ${{{used}}} is inside {quote} quotes; its "
+                "value is shell-quoted already, and quoting it again would let a value "
+                "escape its quotes: remove the quotes around it", self.trial.command)
         return self
 
     def search_fields(self) -> dict[str, Any]:

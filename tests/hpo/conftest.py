@@ -9,7 +9,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -131,3 +133,46 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@contextmanager
+def serve_process(tmp_path: Path, storage: str, token: str | None = None
+                  ) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
+    """A real ``hpo serve`` on a free loopback port, answering ``/health``.
+
+    Args:
+        tmp_path: holds its token file (``token``) and output (``serve.log``).
+        storage: its storage URL.
+        token: ``$HYBRIDTRAIN_HPO_TOKEN`` for it; ``None``: unset, so it uses the file.
+
+    Yields:
+        ``(process, base URL, output file)``; the server is terminated afterwards.
+    """
+    out, port = tmp_path / "serve.log", free_port()
+    env = {k: v for k, v in os.environ.items() if k != "HYBRIDTRAIN_HPO_TOKEN"}
+    if token is not None:
+        env["HYBRIDTRAIN_HPO_TOKEN"] = token
+    with out.open("wb") as log:
+        proc = subprocess.Popen([PY, "-m", "hybridtrain.hpo", "serve", "--port", str(port),
+                                 "--storage", storage, "--token-file",
+                                 str(tmp_path / "token")], cwd=REPO, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: "REST API" in out.read_text() or proc.poll() is not None, 90,
+                 "the server to start")
+        wait_for(lambda: proc.poll() is not None or _answers(base), 60,
+                 "the server to accept connections")
+        assert proc.poll() is None, out.read_text()
+        yield proc, base, out
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _answers(base: str) -> bool:
+    try:
+        with urllib.request.urlopen(base + "/health", timeout=5):
+            return True
+    except OSError:
+        return False

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -20,7 +17,7 @@ from hypothesis import strategies as st
 from hybridtrain.hpo.api import create_app, launch_worker
 from hybridtrain.hpo.auth import resolve_token
 from hybridtrain.hpo.experiments import ExperimentStore
-from tests.hpo.conftest import REPO, free_port, wait_for
+from tests.hpo.conftest import serve_process
 
 pytestmark = pytest.mark.timeout(180)
 TOKEN = "t" * 32
@@ -138,23 +135,12 @@ def test_fuzz_never_5xx(fuzz_client: TestClient, make_spec: Any, name: str, body
 
 def test_serve_generates_prints_and_enforces_a_token(tmp_path: Path, sqlite_url: str) -> None:
     """The real server: token generated and printed on first start, loopback by default."""
-    token_file, out = tmp_path / "token", tmp_path / "serve.log"
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "HYBRIDTRAIN_HPO_TOKEN"}
-    with out.open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "hybridtrain.hpo", "serve", "--port",
-                                 str(port), "--storage", sqlite_url, "--token-file",
-                                 str(token_file)], cwd=REPO, env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
-    try:
-        wait_for(lambda: "REST API" in out.read_text() or proc.poll() is not None, 90,
-                 "the server to start")
+    with serve_process(tmp_path, sqlite_url) as (_, base, out):
         printed = out.read_text()
-        token = token_file.read_text().strip()
+        token = (tmp_path / "token").read_text().strip()
         assert f"generated API token (saved; set $HYBRIDTRAIN_HPO_TOKEN to override): {token}" \
             in printed, printed
         assert "warning: binding" not in printed
-        base = f"http://127.0.0.1:{port}"
 
         def get(path: str, headers: dict[str, str]) -> int:
             request = urllib.request.Request(base + path, headers=headers)
@@ -164,18 +150,6 @@ def test_serve_generates_prints_and_enforces_a_token(tmp_path: Path, sqlite_url:
             except urllib.error.HTTPError as exc:
                 return exc.code
 
-        wait_for(lambda: _answers(base), 60, "the server to accept connections")
         assert get("/v1/experiments", {}) == 401
         assert get("/v1/experiments", {"Authorization": f"Bearer {token}"}) == 200
         assert get("/dashboard", {}) == 401
-    finally:
-        proc.terminate()
-        proc.wait(30)
-
-
-def _answers(base: str) -> bool:
-    try:
-        with urllib.request.urlopen(base + "/health", timeout=5):
-            return True
-    except OSError:
-        return False

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from hybridtrain.hpo.errors import ExperimentNotFoundError
 from hybridtrain.hpo.experiments import ExperimentStore
 from hybridtrain.hpo.records import SLOTS
 from tests.hpo.conftest import REPO, branin_command, wait_for
@@ -48,7 +49,7 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def _held_spec(make_spec: Any, hold: Path, free_trials: int = 0,
+def _held_spec(make_spec: Any, hold: Path, free_trials: int = 0, retries: int = 1,
                **overrides: Any) -> dict[str, Any]:
     """Trials that print their curve, then wait while the file ``hold`` exists.
 
@@ -58,7 +59,7 @@ def _held_spec(make_spec: Any, hold: Path, free_trials: int = 0,
     """
     command = (f"{branin_command(steps=3, sleep=0.05)} && while [ ${{trial_number}} -ge "
                f"{free_trials} ] && [ -e {hold} ]; do sleep 0.05; done")
-    return make_spec(trial={"command": command, "retries": 1}, **overrides)
+    return make_spec(trial={"command": command, "retries": retries}, **overrides)
 
 
 def _assert_exactly_finished(store: ExperimentStore, name: str, max_trials: int) -> None:
@@ -87,7 +88,7 @@ def test_kill9_then_resume_loses_and_double_counts_nothing(make_spec: Any, sqlit
     assert all(_group_alive(g) for g in orphans), "trials should outlive the controller"
 
     resumed, log = _spawn("run", spec, sqlite_url, tmp_path, "second")
-    wait_for(lambda: sum(t["state"] == "fail" for t in store.trials("branin")) == 2, 60,
+    wait_for(lambda: _count(store, "interrupted") == 2, 60,
              "the resumed controller to settle the two abandoned trials")
     assert not any(_group_alive(g) for g in orphans), "orphaned trials were not stopped"
     hold.unlink()
@@ -96,12 +97,60 @@ def test_kill9_then_resume_loses_and_double_counts_nothing(make_spec: Any, sqlit
     trials = store.trials("branin")
     done_after = {t["number"] for t in trials if t["state"] == "complete"}
     assert done_before <= done_after
-    abandoned = [t for t in trials if t["state"] == "fail"]
-    assert len(abandoned) == 2
-    assert all(t["fail_reason"].startswith("lease expired") for t in abandoned)
-    # The abandoned trials were rerun with the same parameters (retries: 1).
-    rerun = {json.dumps(t["params"], sort_keys=True) for t in trials if t["attempt"] == 1}
-    assert {json.dumps(t["params"], sort_keys=True) for t in abandoned} <= rerun
+    _assert_abandoned_were_rerun(trials, 2)
+
+
+def _count(store: ExperimentStore, state: str) -> int:
+    """Trials of ``branin`` in ``state``; -1 while the experiment is not created yet."""
+    try:
+        return sum(t["state"] == state for t in store.trials("branin"))
+    except ExperimentNotFoundError:
+        return -1
+
+
+def _assert_abandoned_were_rerun(trials: list[dict[str, Any]], abandoned: int) -> None:
+    """The controller's death is not the trials' failure: each abandoned trial is
+    interrupted and its parameters completed later, without using up a retry."""
+    interrupted = [t for t in trials if t["state"] == "interrupted"]
+    assert len(interrupted) == abandoned
+    assert all(t["fail_reason"].startswith("lease expired") for t in interrupted)
+    assert not any(t["state"] == "fail" for t in trials)
+    completed = {json.dumps(t["params"], sort_keys=True) for t in trials
+                 if t["state"] == "complete"}
+    assert {json.dumps(t["params"], sort_keys=True) for t in interrupted} <= completed
+    assert all(t["attempt"] == 0 for t in trials)
+
+
+def test_three_kill9_with_no_retries_fail_nothing(make_spec: Any, sqlite_url: str,
+                                                  tmp_path: Path) -> None:
+    """Issue 11: a controller killed three times used to fail the experiment, its lease
+    expiries counted as trial failures (``retries: 0``, ``max_failed_trials: 2``)."""
+    hold = tmp_path / "hold"
+    hold.touch()
+    spec = _held_spec(make_spec, hold, retries=0, max_trials=6)
+    store = ExperimentStore(sqlite_url)
+    killed: set[int] = set()
+    for round_ in range(4):
+        proc, log = _spawn("run", spec, sqlite_url, tmp_path, f"run{round_}")
+        if round_ == 3:
+            break
+        # Two trials of this controller run (those of the killed ones were settled).
+        wait_for(lambda n=2 * round_, old=frozenset(killed): _count(store, "interrupted") == n
+                 and len(set(_slot_groups(store, "branin")) - old) == 2, 60,
+                 f"controller {round_} to run two trials")
+        groups = set(_slot_groups(store, "branin"))
+        proc.kill()
+        proc.wait(30)
+        killed |= groups
+    wait_for(lambda: _count(store, "interrupted") == 6, 60, "the last kill to be settled")
+    assert not any(_group_alive(g) for g in killed), "orphaned trials were not stopped"
+    hold.unlink()
+    assert proc.wait(120) == 0, log.read_text()
+    _assert_exactly_finished(store, "branin", 6)
+    status = store.status("branin")
+    assert status["trials"]["complete"] == 6 and status["trials"]["failed"] == 0
+    assert status["failed_trials"] == 0
+    _assert_abandoned_were_rerun(store.trials("branin"), 6)
 
 
 def _run_until_two_running(spec: dict[str, Any], storage: str, tmp_path: Path

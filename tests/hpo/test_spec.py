@@ -80,6 +80,16 @@ max_failed_trials: 3
     ("durability.lease_duration", 0.1, "lease_duration"),
     ("resources.gpus", [0, 0], "gpus must be unique"),
     ("colour", "blue", "'colour': unknown field"),
+    # Upper limits (issue 11): a spec from the REST API cannot ask for a million rows.
+    ("max_trials", 1_000_000, "'max_trials': Input should be less than or equal to 100000"),
+    ("parallel_trials", 5000, "'parallel_trials': Input should be less than or equal to 1024"),
+    ("max_failed_trials", 10**9, "'max_failed_trials': Input should be less than or equal"),
+    ("trial.retries", 1000, "'trial.retries': Input should be less than or equal to 100"),
+    ("trial.timeout", 1e12, "'trial.timeout': Input should be less than or equal"),
+    ("resources.gpus", [10**6], "'resources.gpus.0': Input should be less than or equal"),
+    ("durability.poll_interval", 1e9, "'durability.poll_interval': Input should be less"),
+    ("parameters.x2", {"type": "categorical", "choices": list(range(20_000))},
+     "'parameters.x2.choices': List should have at most 10000 items"),
 ])
 def test_malformed_field_names_it_on_one_line(make_spec: Any, path: str, value: Any,
                                               expected: str) -> None:
@@ -123,6 +133,41 @@ def test_grid_needs_steps_and_enough_points(make_spec: Any) -> None:
     grid["algorithm"] = {"name": "grid"}
     with pytest.raises(SpecError, match="exceeds the grid size 4"):
         load_spec(grid)
+
+
+def test_huge_grid_is_refused_without_enumerating_it(make_spec: Any) -> None:
+    spec = make_spec(parameters={"x1": {"type": "int", "low": 0, "high": 10**15}})
+    spec["algorithm"] = {"name": "grid"}
+    with pytest.raises(SpecError, match=r"'parameters.x1': the grid would have more than "
+                                        r"1000000 points; got 1000000000000001"):
+        load_spec(spec)  # returns at once: list(range(10**15)) would never finish
+
+
+@pytest.mark.parametrize(("command", "quote"), [
+    ("train --act='${x1}'", "single"),
+    ('train --act="${x1}"', "double"),
+    ("sh -c 'train ${x1} ${x2}'", "single"),
+    ('echo "it\'s ${x2}"', "double"),
+])
+def test_placeholder_inside_quotes_is_refused(make_spec: Any, command: str,
+                                              quote: str) -> None:
+    """Issue 11: ``'${v}'`` quotes the shell-quoted value again, so a categorical value
+    like ``x'; touch pwned; '`` would escape its quoting and run."""
+    with pytest.raises(SpecError) as info:
+        load_spec(make_spec(trial={"command": command}))
+    message = str(info.value)
+    assert message.startswith("invalid experiment spec: field 'trial.command': placeholder $")
+    assert f"is inside {quote} quotes" in message and "remove the quotes" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("command", [
+    "train --act=${x1} ${x2}",
+    "echo \\'${x1} \\\"${x2}",     # escaped quotes are no quotes
+    "echo \"$HOME\" '$PATH' ${x1} \"a'b\" ${x2}",  # shell variables in quotes are fine
+])
+def test_placeholder_outside_quotes_is_accepted(make_spec: Any, command: str) -> None:
+    assert load_spec(make_spec(trial={"command": command})).trial.command == command
 
 
 def test_bad_files(tmp_path: Path) -> None:
