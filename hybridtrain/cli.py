@@ -7,6 +7,7 @@ inside the command functions so ``hybridtrain --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -38,10 +39,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hybridtrain`` console script; returns the exit code."""
+    _show_info_lines()
     parser = build_parser()
     args = parser.parse_args(argv)
     code: int = args.func(args)
     return code
+
+
+def _show_info_lines() -> None:
+    # What the library says once at info level (DeepSpeed keys without effect, offload
+    # mappings) reaches the terminal as "info: …" lines on stderr.
+    logger = logging.getLogger("hybridtrain")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("info: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 if __name__ == "__main__":

@@ -108,14 +108,16 @@ def _launch_ranks(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    from hybridtrain.config import ConfigError, load_config
+    from hybridtrain.config import ConfigError, explain_config
     from hybridtrain.config.reference import config_reference
+    from hybridtrain.plan.resolve import check_optimizer
 
     if args.reference:
         print(config_reference())
         return 0
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg, applied = explain_config(args.config, args.overrides)
+        check_optimizer(cfg)  # refuse exactly what initialize would
         if args.plan:
             from hybridtrain.trainer import plan_training
 
@@ -125,4 +127,6 @@ def _config(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(cfg.model_dump(), indent=2))
+    for item in applied:  # every DeepSpeed key that was not simply implemented
+        print(f"deepspeed key {item.key}: {item.treatment} ({item.note})", file=sys.stderr)
     return 0

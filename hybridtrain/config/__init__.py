@@ -4,6 +4,7 @@ from hybridtrain.config.loading import (
     BatchSizes,
     ConfigError,
     ConfigSource,
+    explain_config,
     load_config,
     resolve_batch_sizes,
 )
@@ -14,6 +15,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "ConfigSource",
+    "explain_config",
     "load_config",
     "resolve_batch_sizes",
 ]

@@ -14,7 +14,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from hybridtrain.config.schema import UNSUPPORTED_DEEPSPEED_KEYS, Config
+from hybridtrain.config.deepspeed_keys import Applied, apply_treatments, log_treatments
+from hybridtrain.config.schema import Config
 
 
 class _YAMLLoader(yaml.SafeLoader):
@@ -40,7 +41,8 @@ ConfigSource = Config | Mapping[str, Any] | str | Path
 
 
 def load_config(source: ConfigSource | None = None, overrides: Iterable[str] = ()) -> Config:
-    """Build a validated :class:`Config`.
+    """Build a validated :class:`Config`; what happened to DeepSpeed keys that have no
+    effect here or were renamed is said once at info level.
 
     Args:
         source: a ``Config``, a dict, or the path of a JSON/YAML file (``None`` = defaults).
@@ -50,8 +52,18 @@ def load_config(source: ConfigSource | None = None, overrides: Iterable[str] = (
         The validated configuration.
 
     Raises:
-        ConfigError: unreadable file, unknown or unsupported key, wrong type or value.
+        ConfigError: unreadable file, unknown or refused keys (all of them, in one line),
+            wrong type or value.
     """
+    config, applied = explain_config(source, overrides)
+    log_treatments(applied)
+    return config
+
+
+def explain_config(source: ConfigSource | None = None,
+                   overrides: Iterable[str] = ()) -> tuple[Config, list[Applied]]:
+    """:func:`load_config`, also returning the treatment every DeepSpeed key got
+    (:mod:`hybridtrain.config.deepspeed_keys`), without logging it."""
     if isinstance(source, Config):
         raw: dict[str, Any] = source.model_dump(exclude_unset=True)
     elif source is None:
@@ -62,9 +74,12 @@ def load_config(source: ConfigSource | None = None, overrides: Iterable[str] = (
         raw = _read_file(Path(source))
     for item in overrides:
         _apply_override(raw, item)
-    _reject_unsupported(raw)
     try:
-        return Config.model_validate(raw)
+        raw, applied = apply_treatments(raw)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    try:
+        return Config.model_validate(raw), applied
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc)) from None
 
@@ -118,14 +133,6 @@ def _parse_value(text: str) -> Any:
         return _yaml_load(text) if text.strip() else ""
     except yaml.YAMLError:
         return text
-
-
-def _reject_unsupported(raw: Mapping[str, Any]) -> None:
-    for key, hint in UNSUPPORTED_DEEPSPEED_KEYS.items():
-        if key in raw:
-            raise ConfigError(
-                f"config key {key!r} is a DeepSpeed key that hybridtrain does not support yet ({hint}); remove it"
-            )
 
 
 def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:

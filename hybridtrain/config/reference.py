@@ -6,14 +6,35 @@ import json
 
 from pydantic import BaseModel
 
+from hybridtrain.config.deepspeed_keys import AUTO_RESOLVED, TREATMENTS
 from hybridtrain.config.schema import Config
 
 
 def config_reference() -> str:
-    """Markdown tables of every key: name, type, default, description."""
+    """Markdown tables of every key (name, type, default, description), then the treatment
+    of every DeepSpeed key that is not one of them."""
     lines: list[str] = []
     _section(Config, "", lines)
+    _deepspeed_keys(lines)
     return "\n".join(lines)
+
+
+def _deepspeed_keys(lines: list[str]) -> None:
+    lines += ["#### DeepSpeed keys", "",
+              "Every DeepSpeed key above is implemented with DeepSpeed's meaning. The others are renamed "
+              "(legacy names), accepted without effect (said once at info level), or refused when they "
+              "would change the math — all refusals of a file in one line. `\"auto\"` is resolved as "
+              "listed, or refused naming its key.", "",
+              "| DeepSpeed key | treatment | meaning |", "|---|---|---|"]
+    for key, treatment in sorted(TREATMENTS.items()):
+        kind = {"renamed": f"renamed → `{treatment.target}`", "no_effect": "no effect here",
+                "refused": "refused" + (" (for the values noted)" if treatment.when else "")}[treatment.kind]
+        lines.append(f"| `{key}` | {kind} | {_one_line(treatment.note)} |")
+    lines += ["", "| `\"auto\"` of | resolved to |", "|---|---|"]
+    for key, (_, why) in sorted(AUTO_RESOLVED.items()):
+        lines.append(f"| `{key}` | {_one_line(why)} |")
+    lines += ["| anything else (`optimizer.params.lr`, `scheduler.params.warmup_num_steps` …) | refused: only "
+              "the Trainer's arguments determine it |", ""]
 
 
 def _section(model: type[BaseModel], prefix: str, lines: list[str]) -> None:

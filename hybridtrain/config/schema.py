@@ -144,19 +144,10 @@ class ActivationCheckpointingConfig(Section):
     """Checkpoint every n-th block (1 = all blocks): fewer checkpoints, more memory, less recompute."""
     module_classes: list[str] = Field(default_factory=list)
     """Checkpoint modules of these class names instead of the blocks (e.g. ``["GPT2Block"]``)."""
-    partition_activations: bool = False
-    """DeepSpeed: shard checkpoints across tensor-parallel ranks (not supported yet)."""
     cpu_checkpointing: bool = False
     """DeepSpeed: keep the checkpoints (block inputs) in host memory; the same as
-    ``activation_offload.enabled`` for the checkpointed blocks."""
-    contiguous_memory_optimization: bool = False
-    """DeepSpeed: copy checkpoints into one buffer (not supported yet)."""
-    number_checkpoints: int | None = None
-    """DeepSpeed (Megatron): number of checkpoints (not supported yet; use ``every_n_blocks``)."""
-    synchronize_checkpoint_boundary: bool = False
-    """DeepSpeed: synchronize the device at checkpoint boundaries (not supported yet)."""
-    profile: bool = False
-    """DeepSpeed: time checkpoint functions (not supported yet)."""
+    ``activation_offload.enabled`` for the checkpointed blocks (no effect without ``enabled``:
+    DeepSpeed's section only configures checkpoints the model itself takes)."""
 
 
 class ActivationOffloadConfig(Section):
@@ -368,32 +359,3 @@ class Config(Section):
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one")
         return self
-
-
-# DeepSpeed sections we know but do not implement: an error names them instead of
-# silently ignoring what the user asked for.
-UNSUPPORTED_DEEPSPEED_KEYS: dict[str, str] = {
-    "amp": "use fp16 or bf16",
-    "fp8": "fp8 training is not supported yet",
-    "communication_data_type": "not supported yet",
-    "prescale_gradients": "not supported yet",
-    "gradient_predivide_factor": "not supported yet",
-    "sparse_gradients": "not supported yet",
-    "flops_profiler": "use hybridtrain's profiler",
-    "tensorboard": "metrics are written as JSONL",
-    "wandb": "metrics are written as JSONL",
-    "csv_monitor": "metrics are written as JSONL",
-    "comms_logger": "not supported yet",
-    "elasticity": "use `hybridtrain launch --max-restarts`",
-    "curriculum_learning": "not supported yet",
-    "data_efficiency": "not supported yet",
-    "compression_training": "not supported yet",
-    "autotuning": "use `hybridtrain hpo`",
-    "aio": "NVMe offload is not supported yet",
-    "sparse_attention": "not supported yet",
-    "checkpoint": "use train.checkpoint_every",
-    "memory_breakdown": "not supported yet",
-    "dump_state": "not supported yet",
-    "zero_force_ds_cpu_optimizer": "the host optimizer is torch's fused CPU Adam",
-    "data_types": "not supported yet",
-}

@@ -4,9 +4,13 @@ with a message naming the setting and what it needs."""
 
 from __future__ import annotations
 
+import logging
+
 from hybridtrain.config.loading import ConfigError
 from hybridtrain.config.schema import MULTI_STAGE_SCHEDULES, Config
 from hybridtrain.parallel.mesh import resolve_sizes
+
+log = logging.getLogger("hybridtrain.plan")
 
 
 def parallel_sizes(cfg: Config, world_size: int) -> tuple[int, int, int]:
@@ -32,6 +36,30 @@ def _one_of(value: int, name: str, alias: int, alias_name: str) -> int:
     return max(value, alias)
 
 
+def map_single_process_offload(cfg: Config, world_size: int) -> Config:
+    """DeepSpeed's answer to a model too big for one GPU — ZeRO-3 with ``offload_param``
+    (and usually ``offload_optimizer``) on ``cpu``, on one process — runs as our equivalent:
+    layer streaming (parameters in host memory, streamed block by block, the update on the
+    host). Said once at info level. Other sizes keep DeepSpeed's meaning (FSDP2 offload)."""
+    zero = cfg.zero_optimization
+    dp, tp, pp = parallel_sizes(cfg, world_size)
+    if zero.offload_param.device != "cpu" or zero.stage != 3 or dp * tp * pp != 1 or cfg.layer_streaming.enabled:
+        return cfg
+    checkpointing = cfg.activation_checkpointing
+    streaming = cfg.layer_streaming.model_copy(update={
+        "enabled": True, "pin_memory": zero.offload_param.pin_memory or zero.offload_optimizer.pin_memory,
+        "boundary_activations": "host" if checkpointing.enabled and checkpointing.cpu_checkpointing else "recompute"})
+    log.info("zero_optimization stage %d with offload_param on cpu on one process runs as layer_streaming "
+             "(weights in host memory streamed block by block, the optimizer step on the host)", zero.stage)
+    return cfg.model_copy(update={
+        "layer_streaming": streaming,
+        "activation_checkpointing": checkpointing.model_copy(update={"enabled": False, "cpu_checkpointing": False}),
+        "zero_optimization": zero.model_copy(update={
+            "offload_param": zero.offload_param.model_copy(update={"device": "none"}),
+            "offload_optimizer": zero.offload_optimizer.model_copy(update={"device": "none"})}),
+    })
+
+
 def check_supported(cfg: Config, world_size: int) -> None:
     """Raise :class:`ConfigError` for the first setting this run cannot honour."""
     dp, tp, pp = parallel_sizes(cfg, world_size)
@@ -43,27 +71,12 @@ def check_supported(cfg: Config, world_size: int) -> None:
     if offload and zero.stage == 0:
         raise ConfigError(f"zero_optimization offload to cpu needs zero_optimization.stage >= 1 "
                           f"(stage={zero.stage}); set stage: 1 (or higher)")
-    if zero.offload_param.device == "cpu" and dp == 1:
-        raise ConfigError("zero_optimization.offload_param on one process: use layer_streaming "
-                          "(enabled: true), which streams the blocks' weights from host memory")
+    if zero.offload_param.device == "cpu" and zero.stage != 3:
+        raise ConfigError(f"zero_optimization.offload_param needs stage 3 (stage={zero.stage}): DeepSpeed "
+                          "offloads parameters only when it partitions them; set stage: 3, or use "
+                          "offload_optimizer")
     _check_offload_combinations(cfg, dp, tp, pp)
     _check_model_parallel(cfg, dp, tp, pp)
-    not_yet = {
-        "zero_optimization.offload_optimizer.device": cfg.zero_optimization.offload_optimizer.device == "nvme",
-        "zero_optimization.offload_param.device": cfg.zero_optimization.offload_param.device == "nvme",
-        "activation_checkpointing.partition_activations": cfg.activation_checkpointing.partition_activations,
-        "activation_checkpointing.contiguous_memory_optimization":
-            cfg.activation_checkpointing.contiguous_memory_optimization,
-        "activation_checkpointing.number_checkpoints": cfg.activation_checkpointing.number_checkpoints is not None,
-        "activation_checkpointing.synchronize_checkpoint_boundary":
-            cfg.activation_checkpointing.synchronize_checkpoint_boundary,
-        "activation_checkpointing.profile": cfg.activation_checkpointing.profile,
-    }
-    for key, requested in not_yet.items():
-        if requested:
-            value = _value_at(cfg, key)
-            raise ConfigError(f"config {key} = {value!r} is not supported yet by hybridtrain; remove it or "
-                              "set it to its default")
 
 
 def _check_offload_combinations(cfg: Config, dp: int, tp: int, pp: int) -> None:
@@ -72,8 +85,6 @@ def _check_offload_combinations(cfg: Config, dp: int, tp: int, pp: int) -> None:
     swapping = cfg.activation_offload.enabled or cfg.activation_checkpointing.cpu_checkpointing
     offload_optimizer = cfg.zero_optimization.offload_optimizer.device == "cpu"
     problems = {
-        "activation_checkpointing.cpu_checkpointing needs activation_checkpointing.enabled: true":
-            cfg.activation_checkpointing.cpu_checkpointing and not cfg.activation_checkpointing.enabled,
         "layer_streaming.layer_major needs layer_streaming.enabled: true":
             cfg.layer_streaming.layer_major and not streaming,
         "layer_streaming runs on one process; remove data/tensor/pipeline parallel or layer_streaming":
@@ -132,10 +143,3 @@ def _check_model_parallel(cfg: Config, dp: int, tp: int, pp: int) -> None:
     if isinstance(section.partition, list) and len(section.partition) != stages:
         raise ConfigError(f"pipeline.partition lists {len(section.partition)} block counts for {stages} stages "
                           f"(stages × virtual_stages); give one count per stage")
-
-
-def _value_at(cfg: Config, dotted: str) -> object:
-    node: object = cfg
-    for part in dotted.split("."):
-        node = getattr(node, part)
-    return node

@@ -21,7 +21,7 @@ from hybridtrain.parallel import mesh
 from hybridtrain.parallel.model_parallel import resolve_device_map
 from hybridtrain.parallel.partition import choose_partition, stage_bounds
 from hybridtrain.parallel.tensor import resolve_plan
-from hybridtrain.plan.checks import check_supported, parallel_sizes
+from hybridtrain.plan.checks import check_supported, map_single_process_offload, parallel_sizes
 from hybridtrain.plan.types import (
     BlockPlan,
     OptimizerPlan,
@@ -57,6 +57,7 @@ def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | Non
     """
     cfg = load_config(config)
     world = world_size if world_size is not None else mesh.env_world_size()
+    cfg = map_single_process_offload(cfg, world)
     check_supported(cfg, world)
     dp, tp, pp = parallel_sizes(cfg, world)
     sizes = ParallelSizes(dp, tp, pp)
@@ -80,7 +81,7 @@ def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | Non
         tensor_plan = resolve_plan(model, cfg.tensor_parallel.plan, tp) if tp > 1 else {}
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    _check_optimizer(cfg, optimizer is not None)
+    check_optimizer(cfg, optimizer is not None)
     if pp > 1:
         blocks.single("pipeline")  # before tracing: an encoder–decoder is refused as such
     compute_dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None
@@ -304,9 +305,13 @@ def _check_user_optimizer(cfg: Config, optimizer: torch.optim.Optimizer, zero_st
                           "takes over a fresh one: pass a new optimizer, or optimizer=None")
 
 
-def _check_optimizer(cfg: Config, user_optimizer: bool) -> None:
+def check_optimizer(cfg: Config, user_optimizer: bool = False) -> None:
     """Build the configured optimizer and scheduler over a stand-in parameter: their names
-    and parameters fail here, not after the model was changed."""
+    and parameters fail here, not after the model was changed.
+
+    Raises:
+        ConfigError: an unknown optimizer or schedule, or a parameter it rejects.
+    """
     try:
         stand_in = build_optimizer([nn.Parameter(torch.zeros(1))], cfg.optimizer.type, cfg.optimizer.params) \
             if not user_optimizer else torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0)

@@ -39,7 +39,7 @@ def test_source_document_config_loads_and_names_what_it_needs() -> None:
         ({"fp16": {"loss_scale_window": 0}}, "fp16.loss_scale_window = 0"),
         ({"zero_optimization": {"stage": 5}}, "zero_optimization.stage = 5"),
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enable at most one"),
-        ({"flops_profiler": {"enabled": True}}, "'flops_profiler' is a DeepSpeed key"),
+        ({"amp": {"enabled": True}}, "amp: NVIDIA Apex mixed precision"),
         ({"train": {"steps": -1}}, "train.steps = -1"),
     ],
 )

@@ -198,3 +198,11 @@ def test_optimizers_and_models_a_technique_cannot_take() -> None:
         resolve(_pp(), SequenceFirst(), world_size=2, example_batch=BATCH)
     with pytest.raises(ConfigError, match="schedule gpipe needs at least as many micro-batches"):
         resolve(_pp(micro_batches=1), InlineTiedLM(), world_size=2, example_batch=BATCH)
+
+
+def test_deepspeed_zero3_offload_on_one_process_is_layer_streaming() -> None:
+    plan = resolve({"device": "cpu", "zero_optimization": {
+        "stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
+        "offload_optimizer": {"device": "cpu", "pin_memory": True}}}, build_gpt("gpt-tiny"), world_size=1)
+    assert plan.blocks_where("stream") == ["blocks.0", "blocks.1"]
+    assert plan.optimizer.placement == "host_streamed" and plan.config.layer_streaming.pin_memory

@@ -1,0 +1,330 @@
+"""Every DeepSpeed config key has exactly one treatment here.
+
+- **implemented**: a key of our schema (:mod:`hybridtrain.config.schema`), with DeepSpeed's
+  meaning; not listed below.
+- **renamed**: a legacy name, moved to the current key before validation.
+- **no effect**: accepted because it cannot change the result on this engine
+  (communication, bucketing, memory layout, logging destinations); said once at info level.
+- **refused**: it would change the math and hybridtrain does not implement it; one line
+  names the key, what it does in DeepSpeed and the nearest hybridtrain setting. Every
+  refusal of a file is reported together.
+
+``"auto"`` (Hugging Face's Trainer fills it in) is resolved where the rest of the config
+determines it, and refused naming the key where only the Trainer's arguments could.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from hybridtrain.config.schema import Config
+
+log = logging.getLogger("hybridtrain.config")
+
+Kind = Literal["renamed", "no_effect", "refused"]
+
+
+@dataclass(frozen=True)
+class Treatment:
+    """What happens to one DeepSpeed key.
+
+    Attributes:
+        kind: ``renamed`` | ``no_effect`` | ``refused``.
+        note: what the key does in DeepSpeed, and why it is accepted or what to use instead.
+        target: the current key (``renamed``).
+        when: a refusal applies only to values for which this is true (``None``: any value).
+    """
+
+    kind: Kind
+    note: str
+    target: str | None = None
+    when: Callable[[Any], bool] | None = None
+
+
+def _no(note: str) -> Treatment:
+    return Treatment("no_effect", note)
+
+
+def _refused(note: str, when: Callable[[Any], bool] | None = None) -> Treatment:
+    return Treatment("refused", note, when=when)
+
+
+def _renamed(target: str) -> Treatment:
+    return Treatment("renamed", f"legacy name of {target}", target)
+
+
+def _truthy(value: Any) -> bool:
+    return bool(value) and value != "none"
+
+
+_COMM = "communication or bucketing only; gradients and updates are the same"
+_MEMORY = "memory layout or prefetching only; the math is the same"
+_LOGGING = "a logging destination; hybridtrain writes metrics.jsonl and prints steps"
+
+TREATMENTS: dict[str, Treatment] = {
+    # ---------------------------------------------------------------- legacy names
+    "bfloat16": _renamed("bf16"),
+    "zero_optimization.cpu_offload": _renamed("zero_optimization.offload_optimizer.device"),
+    "zero_optimization.cpu_offload_params": _renamed("zero_optimization.offload_param.device"),
+    "zero_optimization.cpu_offload_param": _renamed("zero_optimization.offload_param.device"),
+    "zero_optimization.cpu_offload_use_pin_memory": _renamed("zero_optimization.offload_optimizer.pin_memory"),
+    "zero_optimization.stage3_gather_fp16_weights_on_model_save":
+        _renamed("zero_optimization.stage3_gather_16bit_weights_on_model_save"),
+    # ---------------------------------------------------------------- no effect here
+    "prescale_gradients": _no("divides gradients before the all-reduce instead of after: " + _COMM),
+    "gradient_predivide_factor": _no("splits the gradient averaging around the all-reduce: " + _COMM),
+    "communication_data_type": _no("dtype of gradient communication; gradients are reduced in fp32 here"),
+    "seq_parallel_communication_data_type": _no("dtype of sequence-parallel communication: " + _COMM),
+    "sparse_gradients": _no("communicates embedding gradients sparsely: " + _COMM),
+    "disable_allgather": _no(_COMM),
+    "cuda_visible_devices": _no("device selection is the launcher's"),
+    "memory_breakdown": _no(_LOGGING),
+    "dump_state": _no(_LOGGING),
+    "flops_profiler": _no(_LOGGING + " (profiling: hybridtrain profile)"),
+    "tensorboard": _no(_LOGGING),
+    "wandb": _no(_LOGGING),
+    "csv_monitor": _no(_LOGGING),
+    "comet": _no(_LOGGING),
+    "comms_logger": _no(_LOGGING),
+    "timers": _no(_LOGGING),
+    "autotuning": _no("settings of DeepSpeed's autotuner, not of training (tuning: hybridtrain hpo)"),
+    "aio": _no("NVMe I/O settings; NVMe offload itself is refused"),
+    "checkpoint": _no("checkpoint file layout; hybridtrain writes its own atomic checkpoints"),
+    "load_universal_checkpoint": _no("checkpoint file layout"),
+    "use_node_local_storage": _no("checkpoint file layout"),
+    "zero_force_ds_cpu_optimizer": _no("the host optimizer is torch's fused CPU Adam, same math"),
+    "graph_harvesting": _no("CUDA graph capture; same math"),
+    "hybrid_engine": _no("DeepSpeed-Chat's generation engine; does not change training"),
+    "bf16.immediate_grad_update": _no(_MEMORY),
+    "bf16.check_grad_overflow": _no("bf16 steps are not skipped for overflow here either"),
+    "bf16.loss_scale": _no("bf16 is not loss-scaled"),
+    "bf16.initial_scale_power": _no("bf16 is not loss-scaled"),
+    "bf16.loss_scale_window": _no("bf16 is not loss-scaled"),
+    "bf16.hysteresis": _no("bf16 is not loss-scaled"),
+    "bf16.min_loss_scale": _no("bf16 is not loss-scaled"),
+    "bf16.consecutive_hysteresis": _no("bf16 is not loss-scaled"),
+    "bf16.auto_cast": _no("inputs are cast by autocast here"),
+    "optimizer.legacy_fusion": _no("kernel fusion; same math"),
+    "activation_checkpointing.partition_activations": _no("partitions checkpoints over model-parallel ranks: "
+                                                          + _MEMORY),
+    "activation_checkpointing.contiguous_memory_optimization": _no(_MEMORY),
+    "activation_checkpointing.number_checkpoints": _no("sizes the contiguous checkpoint buffer: " + _MEMORY),
+    "activation_checkpointing.synchronize_checkpoint_boundary": _no("a device synchronisation; same math"),
+    "activation_checkpointing.profile": _no(_LOGGING),
+    "zero_optimization.reduce_scatter": _no(_COMM),
+    "zero_optimization.allgather_partitions": _no(_COMM),
+    "zero_optimization.use_multi_rank_bucket_allreduce": _no(_COMM),
+    "zero_optimization.compute_grad_norm": _no("the gradient norm is computed when clipping needs it"),
+    "zero_optimization.load_from_fp32_weights": _no("checkpoint loading detail"),
+    "zero_optimization.elastic_checkpoint": _no("checkpoint file layout"),
+    "zero_optimization.sub_group_size": _no("size of optimizer-step groups: " + _MEMORY),
+    "zero_optimization.stage3_model_persistence_threshold": _no(_MEMORY),
+    "zero_optimization.stage3_module_granularity_threshold": _no(_MEMORY),
+    "zero_optimization.stage3_use_all_reduce_for_fetch_params": _no(_COMM),
+    "zero_optimization.stage3_allgather_sequential": _no(_COMM),
+    "zero_optimization.ignore_unused_parameters": _no("unused parameters get no gradient here either"),
+    "zero_optimization.legacy_stage1": _no(_MEMORY),
+    "zero_optimization.round_robin_gradients": _no(_COMM),
+    "zero_optimization.parameter_alignment": _no(_MEMORY),
+    "zero_optimization.zero_hpz_partition_size": _no("hierarchical partitioning: " + _COMM),
+    "zero_optimization.memory_efficient_linear": _no(_MEMORY),
+    "zero_optimization.pipeline_loading_checkpoint": _no("checkpoint loading detail"),
+    "zero_optimization.override_module_apply": _no("module initialisation detail"),
+    "zero_optimization.log_trace_cache_warnings": _no(_LOGGING),
+    "zero_optimization.enable_sanity_checks": _no("debug checks"),
+    "zero_optimization.leaf_module": _no("prefetch granularity: " + _MEMORY),
+    "zero_optimization.mics_shard_size": _no("MiCS sharding groups: " + _COMM),
+    "zero_optimization.mics_hierarchical_params_gather": _no(_COMM),
+    **{f"zero_optimization.{section}.{key}": _no("NVMe/host buffer tuning: " + _MEMORY)
+       for section in ("offload_param", "offload_optimizer")
+       for key in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pipeline_read", "pipeline_write",
+                   "fast_init", "cpuadam_cores_perc", "super_offload", "pipeline")},
+    # ---------------------------------------------------------------- refused: changes the math
+    "amp": _refused("NVIDIA Apex mixed precision with its own casting rules; use fp16 or bf16"),
+    "fp8": _refused("fp8 training; use bf16"),
+    "compression_training": _refused("quantization-aware training and pruning; no hybridtrain equivalent"),
+    "sparse_attention": _refused("block-sparse attention kernels replace the model's attention; "
+                                 "no hybridtrain equivalent"),
+    "progressive_layer_drop": _refused("randomly skips layers during training; no hybridtrain equivalent"),
+    "curriculum_learning": _refused("changes the sequence length over training; no hybridtrain equivalent"),
+    "data_efficiency": _refused("data sampling and routing schedules; no hybridtrain equivalent"),
+    "eigenvalue": _refused("eigenvalue-based adaptive layer-wise schedules; no hybridtrain equivalent"),
+    "quantize_training": _refused("quantized training (MoQ); use bf16"),
+    "weight_quantization": _refused("weight quantization; use bf16"),
+    "elasticity": _refused("changes batch sizes with the number of GPUs; fix the batch sizes and use "
+                           "hybridtrain launch --max-restarts"),
+    "sequence_parallel_size": _refused("Ulysses sequence parallelism, used when above 1; use tensor_parallel",
+                                       when=lambda v: v not in (None, 1)),
+    "data_types": _refused("a gradient-accumulation dtype other than fp32; gradients accumulate in the "
+                           "parameters' dtype here",
+                           when=lambda v: isinstance(v, dict) and v.get("grad_accum_dtype") not in (None, "fp32")),
+    "fp16.fp16_master_weights_and_grads": _refused("fp16 master weights and gradients; masters stay fp32 here",
+                                                   when=_truthy),
+    "fp16.consecutive_hysteresis": _refused("loss-scale hysteresis reset by every good step; the scaler here "
+                                            "counts overflows as DeepSpeed does by default", when=_truthy),
+    "zero_optimization.zero_quantized_weights": _refused("ZeRO++ quantized weight all-gather (qwZ); use bf16",
+                                                         when=_truthy),
+    "zero_optimization.zero_quantized_nontrainable_weights": _refused("quantized frozen weights; use bf16",
+                                                                      when=_truthy),
+    "zero_optimization.zero_quantized_gradients": _refused("ZeRO++ quantized gradients (qgZ); use "
+                                                           "data_parallel.gradient_compression", when=_truthy),
+    **{f"zero_optimization.{section}.device": _refused("NVMe offload; use device: cpu",
+                                                       when=lambda v: v == "nvme")
+       for section in ("offload_param", "offload_optimizer")},
+    "zero_optimization.zenflow": _refused("ZenFlow's stale, importance-selected updates; use "
+                                          "zero_optimization.offload_optimizer", when=_truthy),
+}
+
+
+@dataclass(frozen=True)
+class Applied:
+    """The treatment one key of one file got (for ``hybridtrain config`` and the log)."""
+
+    key: str
+    treatment: str
+    note: str
+
+
+def apply_treatments(raw: dict[str, Any]) -> tuple[dict[str, Any], list[Applied]]:
+    """Rename legacy keys, drop keys without effect, resolve ``"auto"``; returns the config
+    to validate and what happened to each DeepSpeed key.
+
+    Raises:
+        ValueError: every refused key and unresolvable ``"auto"`` of the config, in one line.
+    """
+    raw = _normalise_legacy_shapes(raw)
+    applied: list[Applied] = []
+    refusals: list[str] = []
+    for key, value in list(_flatten(raw)):
+        treatment = TREATMENTS.get(key)
+        if treatment is None:
+            continue
+        if treatment.kind == "refused":
+            if treatment.when is None or treatment.when(value):
+                shown = "" if isinstance(value, dict) else f" = {value!r}"
+                refusals.append(f"{key}{shown}: {treatment.note}")
+            elif not in_schema(key):  # a value that changes nothing (false, 1, fp32)
+                _delete(raw, key)
+                applied.append(Applied(key, "no effect", f"{value!r} is DeepSpeed's default"))
+        elif treatment.kind == "renamed":
+            _delete(raw, key)
+            _set(raw, str(treatment.target), _renamed_value(key, value))
+            applied.append(Applied(key, "renamed", f"→ {treatment.target}"))
+        else:
+            _delete(raw, key)
+            applied.append(Applied(key, "no effect", treatment.note))
+    for key, value in list(_flatten(raw)):
+        if value == "auto":
+            outcome = _resolve_auto(raw, key)
+            if outcome is None:
+                refusals.append(f"{key} = \"auto\": {_auto_hint(key)}")
+            else:
+                applied.append(Applied(key, "auto", outcome))
+    if refusals:
+        raise ValueError("DeepSpeed settings hybridtrain cannot honour: " + "; ".join(refusals))
+    return raw, applied
+
+
+def log_treatments(applied: list[Applied]) -> None:
+    """Say once, at info level, what happened to the DeepSpeed keys."""
+    if applied:
+        log.info("DeepSpeed keys: %s", "; ".join(f"{a.key} ({a.treatment}: {a.note})" for a in applied))
+
+
+# Keys whose "auto" the rest of the config determines (what the Trainer would derive).
+AUTO_RESOLVED: dict[str, tuple[Any, str]] = {
+    "train_batch_size": (None, "from the other two batch sizes and the batch given"),
+    "train_micro_batch_size_per_gpu": (None, "from the other two batch sizes and the batch given"),
+    "gradient_accumulation_steps": (None, "from the other two batch sizes and the batch given"),
+    "gradient_clipping": (1.0, "1.0, the Trainer's max_grad_norm default"),
+    "fp16.enabled": (False, "false, the Trainer's default without --fp16"),
+    "bf16.enabled": (False, "false, the Trainer's default without --bf16"),
+    "zero_optimization.reduce_bucket_size": (None, "bucket size: " + _COMM),
+    "zero_optimization.allgather_bucket_size": (None, "bucket size: " + _COMM),
+    "zero_optimization.stage3_prefetch_bucket_size": (None, _MEMORY),
+    "zero_optimization.stage3_param_persistence_threshold": (None, _MEMORY),
+    "zero_optimization.stage3_max_live_parameters": (None, _MEMORY),
+    "zero_optimization.stage3_max_reuse_distance": (None, _MEMORY),
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": (None, "export detail"),
+}
+
+
+def _resolve_auto(raw: dict[str, Any], key: str) -> str | None:
+    if key not in AUTO_RESOLVED:
+        return None
+    value, why = AUTO_RESOLVED[key]
+    if value is None:
+        _delete(raw, key)
+    else:
+        _set(raw, key, value)
+    return why
+
+
+def _auto_hint(key: str) -> str:
+    if key.startswith(("optimizer.params.", "scheduler.params.")):
+        return ("the Hugging Face Trainer fills it in from its own arguments; put the value there "
+                "(the learning rate, betas, warm-up steps … you would pass to the Trainer)")
+    return "nothing in the config determines it; put the value there"
+
+
+def _normalise_legacy_shapes(raw: dict[str, Any]) -> dict[str, Any]:
+    # Early DeepSpeed: "zero_optimization": true meant stage 1.
+    zero = raw.get("zero_optimization")
+    if isinstance(zero, bool):
+        raw = {**raw, "zero_optimization": {"stage": 1 if zero else 0}}
+    return raw
+
+
+def _renamed_value(key: str, value: Any) -> Any:
+    # cpu_offload / cpu_offload_params were booleans; their successors name a device.
+    if key.endswith(("cpu_offload", "cpu_offload_params", "cpu_offload_param")) and isinstance(value, bool):
+        return "cpu" if value else "none"
+    return value
+
+
+def _flatten(node: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for key, value in node.items():
+        path = f"{prefix}{key}"
+        out.append((path, value))
+        # Free-form parameter dicts are not walked into, except for "auto" values.
+        if isinstance(value, dict):
+            out += _flatten(value, path + ".")
+    return out
+
+
+def in_schema(key: str) -> bool:
+    """Whether ``key`` (dotted) is a field of our schema."""
+    model: type[BaseModel] | None = Config
+    for part in key.split("."):
+        field = model.model_fields.get(part) if model is not None else None
+        if field is None:
+            return False
+        candidates = [field.annotation, *getattr(field.annotation, "__args__", ())]
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+    return True
+
+
+def _delete(raw: dict[str, Any], key: str) -> None:
+    *parents, last = key.split(".")
+    node: Any = raw
+    for part in parents:
+        node = node.get(part) if isinstance(node, dict) else None
+    if isinstance(node, dict):
+        node.pop(last, None)
+
+
+def _set(raw: dict[str, Any], key: str, value: Any) -> None:
+    *parents, last = key.split(".")
+    node = raw
+    for part in parents:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = node[part] = {}
+        node = child
+    node[last] = value

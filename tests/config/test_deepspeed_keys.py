@@ -1,0 +1,80 @@
+"""Every DeepSpeed key has one treatment: implemented (a schema key), renamed, accepted
+without effect, or refused — all refusals of a file in one line; "auto" resolved or named."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from hybridtrain.config import ConfigError, explain_config, load_config
+from hybridtrain.config.deepspeed_keys import AUTO_RESOLVED, TREATMENTS, in_schema
+
+
+def test_each_key_has_exactly_one_treatment() -> None:
+    # A schema key may only appear in the table as a refusal of particular values (nvme).
+    doubled = [k for k, t in TREATMENTS.items() if in_schema(k) and not (t.kind == "refused" and t.when)]
+    assert not doubled
+    assert all(in_schema(t.target) for t in TREATMENTS.values() if t.kind == "renamed")
+    assert all(in_schema(k) for k in AUTO_RESOLVED)
+
+
+def test_legacy_names_move_to_the_current_keys() -> None:
+    cfg = load_config({"bfloat16": {"enabled": True}, "zero_optimization": {
+        "stage": 2, "cpu_offload": True, "cpu_offload_use_pin_memory": True,
+        "stage3_gather_fp16_weights_on_model_save": True}})
+    assert cfg.bf16.enabled and cfg.zero_optimization.offload_optimizer.device == "cpu"
+    assert cfg.zero_optimization.offload_optimizer.pin_memory
+    assert cfg.zero_optimization.stage3_gather_16bit_weights_on_model_save
+    assert load_config({"zero_optimization": True}).zero_optimization.stage == 1
+
+
+def test_keys_without_effect_load_and_are_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    raw = {"prescale_gradients": False, "gradient_predivide_factor": 1.0, "tensorboard": {"enabled": True},
+           "zero_optimization": {"stage": 2, "reduce_scatter": True, "allgather_partitions": True,
+                                 "sub_group_size": 1e9},
+           "activation_checkpointing": {"partition_activations": True, "contiguous_memory_optimization": True},
+           "bf16": {"enabled": True, "loss_scale": 0}}
+    with caplog.at_level(logging.INFO, logger="hybridtrain"):
+        cfg = load_config(raw)
+    assert cfg.bf16.enabled and cfg.zero_optimization.stage == 2
+    lines = [r.getMessage() for r in caplog.records if r.name == "hybridtrain.config"]
+    assert len(lines) == 1 and "zero_optimization.reduce_scatter (no effect" in lines[0]
+
+
+def test_every_refusal_of_a_file_in_one_line() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config({"amp": {"enabled": True}, "progressive_layer_drop": {"enabled": True},
+                     "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}},
+                     "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
+    message = str(err.value)
+    assert "\n" not in message
+    for needle in ("amp: NVIDIA Apex", "progressive_layer_drop: randomly skips layers",
+                   "zero_optimization.offload_param.device = 'nvme': NVMe offload; use device: cpu",
+                   'optimizer.params.lr = "auto": the Hugging Face Trainer fills it in'):
+        assert needle in message
+
+
+def test_values_that_change_nothing_are_accepted() -> None:
+    cfg, applied = explain_config({"fp16": {"enabled": True, "fp16_master_weights_and_grads": False},
+                                   "sequence_parallel_size": 1, "data_types": {"grad_accum_dtype": "fp32"}})
+    assert cfg.fp16.enabled
+    assert {a.key for a in applied} == {"fp16.fp16_master_weights_and_grads", "sequence_parallel_size", "data_types"}
+    with pytest.raises(ConfigError, match="sequence_parallel_size = 4: Ulysses"):
+        load_config({"sequence_parallel_size": 4})
+
+
+def test_auto_resolved_as_the_trainer_would() -> None:
+    cfg, applied = explain_config({
+        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto", "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto"}})
+    assert cfg.train_micro_batch_size_per_gpu == 4 and cfg.train_batch_size is None
+    assert cfg.gradient_clipping == 1.0 and not cfg.fp16.enabled and not cfg.bf16.enabled
+    assert {a.key for a in applied if a.treatment == "auto"} == {
+        "train_batch_size", "gradient_accumulation_steps", "gradient_clipping", "fp16.enabled", "bf16.enabled",
+        "zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size"}
+    with pytest.raises(ConfigError, match=r'scheduler.params.warmup_num_steps = "auto"'):
+        load_config({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}})
+    with pytest.raises(ConfigError, match=r'steps_per_print = "auto": nothing in the config determines it'):
+        load_config({"steps_per_print": "auto"})
