@@ -1,0 +1,258 @@
+"""``DeepSpeedEngine``: DeepSpeed's engine surface over a :class:`hybridtrain.Engine`.
+
+An adapter that holds the engine (composition): forward/backward/step with DeepSpeed's
+accumulation rules, the size and rank queries, and checkpoints laid out as DeepSpeed's
+(``save_dir/tag`` plus a ``latest`` file naming the newest tag).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridtrain import checkpoint as ckpt
+from hybridtrain.config import Config
+from hybridtrain.engine import Engine
+
+LATEST = "latest"
+
+
+class DeepSpeedEngine:
+    """What ``deepspeed.initialize`` returns first, backed by a hybridtrain ``Engine``.
+
+    ``engine(x)`` runs the forward under the configured precision; ``backward(loss)``
+    accumulates ``loss / gradient_accumulation_steps``; ``step()`` after every micro-batch
+    updates at each accumulation boundary and then clears the gradients, as DeepSpeed does.
+    Attributes of the model are readable on the engine (``engine.config_attr``), as in DeepSpeed.
+    """
+
+    def __init__(self, engine: Engine, config: Config, training_dataloader: Any = None) -> None:
+        self.engine = engine
+        self.config = config
+        self.training_dataloader = training_dataloader
+        self._backwards_in_micro_step = 0
+        self._micro_step = 0  # step() calls since the last boundary (the engine counts the same)
+        self._step_applied = False
+
+    # ------------------------------------------------------------ forward / backward / step
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of ``loss / gradient_accumulation_steps`` (of ``loss`` with
+        ``scale_wrt_gas=False``); returns the scaled loss, as DeepSpeed.
+
+        Several ``backward`` calls before one ``step`` (e.g. a GAN's real and fake losses)
+        add up, as in DeepSpeed.
+        """
+        if retain_graph:
+            raise NotImplementedError("backward(retain_graph=True) is not supported by hybridtrain.deepspeed")
+        accumulation = self.gradient_accumulation_steps()
+        # The engine clears gradients at the first backward of an accumulation window;
+        # a second backward in that micro-step must add to the first one's gradients.
+        kept = self._grads() if self._backwards_in_micro_step and self._at_window_start() else None
+        self.engine.backward(loss if scale_wrt_gas else loss * accumulation)
+        if kept is not None:
+            for param, grad in kept:
+                if grad is not None:
+                    param.grad = grad if param.grad is None else param.grad.add_(grad)
+        self._backwards_in_micro_step += 1
+        return loss / accumulation if scale_wrt_gas else loss
+
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """End of a micro-batch: at the accumulation boundary, clip, update, schedule and
+        clear the gradients (a step skipped for fp16 overflow updates nothing)."""
+        if lr_kwargs:
+            raise NotImplementedError("step(lr_kwargs=…) is not supported by hybridtrain.deepspeed")
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        skipped = self.engine.skipped_steps
+        self.engine.step()
+        self._backwards_in_micro_step = 0
+        self._micro_step = 0 if boundary else self._micro_step + 1
+        if boundary:
+            self._step_applied = self.engine.skipped_steps == skipped
+            self.engine.optimizer.zero_grad(set_to_none=True)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.engine.is_gradient_accumulation_boundary()
+
+    def was_step_applied(self) -> bool:
+        """Whether the latest boundary ``step()`` updated the parameters (no fp16 overflow)."""
+        return self._step_applied
+
+    def zero_grad(self) -> None:
+        for param in self.module.parameters():
+            param.grad = None
+
+    def train(self, mode: bool = True) -> DeepSpeedEngine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> DeepSpeedEngine:
+        self.module.eval()
+        return self
+
+    def destroy(self) -> None:
+        """Nothing to release (the process group stays up, as in DeepSpeed)."""
+
+    # ------------------------------------------------------------------ readings
+    @property
+    def module(self) -> nn.Module:
+        return self.engine.module
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def optimizer(self) -> Any:
+        return self.engine.optimizer
+
+    @property
+    def lr_scheduler(self) -> Any:
+        return self.engine.scheduler
+
+    @property
+    def global_steps(self) -> int:
+        return self.engine.global_step
+
+    @property
+    def global_samples(self) -> int:
+        return self.engine.global_step * self.train_batch_size()
+
+    @property
+    def micro_steps(self) -> int:
+        return self.engine.global_step * self.gradient_accumulation_steps() + self._micro_step
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.engine.skipped_steps
+
+    @property
+    def global_rank(self) -> int:
+        return self.engine.topology.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.engine.topology.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.engine.options.batch.data_parallel
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.engine.options.batch.micro_batch
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.engine.options.batch.accumulation_steps
+
+    def train_batch_size(self) -> int:
+        return self.engine.options.batch.global_batch
+
+    def get_lr(self) -> list[float]:
+        return self.engine.get_lr()
+
+    def get_mom(self) -> list[Any]:
+        return [group.get("betas", (group.get("momentum"),))[0] for group in self.engine.optimizer.param_groups]
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def steps_per_print(self) -> int:
+        return self.config.steps_per_print
+
+    @property
+    def loss_scale(self) -> float:
+        return self.engine.loss_scale
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: Any = None,
+                        client_state: dict[str, Any] | None = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
+        """Save to ``save_dir/tag`` (default tag ``global_step{N}``) and, with ``save_latest``,
+        write the tag to ``save_dir/latest``. Call it on every rank."""
+        if not save_dir:
+            raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
+        if exclude_frozen_parameters:
+            raise NotImplementedError("save_checkpoint(exclude_frozen_parameters=True) is not supported")
+        tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
+        self.engine.save_checkpoint(Path(save_dir) / tag, client_state or {})
+        if save_latest and self.global_rank == 0:
+            latest = Path(save_dir) / LATEST
+            tmp = latest.with_name(f".{LATEST}.tmp-{os.getpid()}")
+            tmp.write_text(tag)
+            tmp.replace(latest)
+        return True
+
+    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False,
+                        custom_load_fn: Any = None) -> tuple[str | None, dict[str, Any] | None]:
+        """Load ``load_dir/tag`` (``tag`` read from ``load_dir/latest`` when None).
+
+        Returns:
+            ``(path, client_state)``; ``(None, None)`` when no tag is given and there is no
+            ``latest`` file, as DeepSpeed.
+        """
+        if not load_module_strict or custom_load_fn is not None:
+            raise NotImplementedError("load_checkpoint(load_module_strict=False / custom_load_fn) is not supported")
+        if tag is None:
+            latest = Path(load_dir) / LATEST
+            if not latest.is_file():
+                return None, None
+            tag = latest.read_text().strip()
+        path = Path(load_dir) / str(tag)
+        if load_module_only:
+            files, _ = ckpt.load_checkpoint(path)
+            self.engine.parallel.load_model_state_dict(files["model.pt"])
+            return str(path), files["engine.pt"]["client_state"]
+        optimizer_state = None if load_optimizer_states else copy.deepcopy(self.engine.optimizer.state_dict())
+        scheduler = self.engine.scheduler
+        scheduler_state = None if load_lr_scheduler_states or scheduler is None else copy.deepcopy(
+            scheduler.state_dict())
+        client_state = self.engine.load_checkpoint(path)
+        if optimizer_state is not None:
+            self.engine.optimizer.load_state_dict(optimizer_state)
+        if scheduler_state is not None and scheduler is not None:
+            scheduler.load_state_dict(scheduler_state)
+        self._backwards_in_micro_step = 0
+        return str(path), client_state
+
+    # ------------------------------------------------------------------ internals
+    def _grads(self) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
+        params = [p for group in self.engine.optimizer.param_groups for p in group["params"]]
+        return [(p, p.grad) for p in params]
+
+    def _at_window_start(self) -> bool:
+        return self._micro_step == 0
+
+    def __getattr__(self, name: str) -> Any:
+        # DeepSpeed's engine forwards unknown attributes to the wrapped model.
+        if name.startswith("__") or name == "engine":
+            raise AttributeError(name)
+        module = self.engine.module
+        if hasattr(module, name):
+            return getattr(module, name)
+        raise AttributeError(f"'DeepSpeedEngine' (hybridtrain.deepspeed) has no attribute {name!r}, and the "
+                             "model has none either")

@@ -1,0 +1,1 @@
+"""``deepspeed.moe``: only the parameter-group helper (hybridtrain has no MoE layers)."""
