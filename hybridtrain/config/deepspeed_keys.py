@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from hybridtrain.config.schema import Config
+from hybridtrain.config.schema import Config, TrainConfig
 
 log = logging.getLogger("hybridtrain.config")
 
@@ -75,7 +75,16 @@ TREATMENTS: dict[str, Treatment] = {
     "zero_optimization.cpu_offload_use_pin_memory": _renamed("zero_optimization.offload_optimizer.pin_memory"),
     "zero_optimization.stage3_gather_fp16_weights_on_model_save":
         _renamed("zero_optimization.stage3_gather_16bit_weights_on_model_save"),
+    **{f"zero_optimization.{name}": _renamed(f"zero_optimization.stage3_{name}")
+       for name in ("prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters",
+                    "max_reuse_distance", "gather_16bit_weights_on_model_save")},
+    "tensor_parallel.autotp_size": _renamed("tensor_parallel.size"),
     # ---------------------------------------------------------------- no effect here
+    "compile": _no("torch.compile of the model; same math"),
+    "log": _no(_LOGGING),
+    "comms_config": _no(_COMM),
+    "monitor_config": _no(_LOGGING),
+    "zero_optimization.model_persistence_threshold": _no(_MEMORY),
     "prescale_gradients": _no("divides gradients before the all-reduce instead of after: " + _COMM),
     "gradient_predivide_factor": _no("splits the gradient averaging around the all-reduce: " + _COMM),
     "communication_data_type": _no("dtype of gradient communication; gradients are reduced in fp32 here"),
@@ -163,6 +172,9 @@ TREATMENTS: dict[str, Treatment] = {
     "data_types": _refused("a gradient-accumulation dtype other than fp32; gradients accumulate in the "
                            "parameters' dtype here",
                            when=lambda v: isinstance(v, dict) and v.get("grad_accum_dtype") not in (None, "fp32")),
+    "bf16.bf16_master_weights_and_grads": _refused("bf16 master weights and gradients; masters stay fp32 here",
+                                                   when=_truthy),
+    "bf16.bf16_optimizer_states": _refused("bf16 optimizer states; they stay fp32 here", when=_truthy),
     "fp16.fp16_master_weights_and_grads": _refused("fp16 master weights and gradients; masters stay fp32 here",
                                                    when=_truthy),
     "fp16.consecutive_hysteresis": _refused("loss-scale hysteresis reset by every good step; the scaler here "
@@ -198,7 +210,8 @@ def apply_treatments(raw: dict[str, Any]) -> tuple[dict[str, Any], list[Applied]
         ValueError: every refused key and unresolvable ``"auto"`` of the config, in one line.
     """
     raw = _normalise_legacy_shapes(raw)
-    applied: list[Applied] = []
+    applied: list[Applied] = [Applied(key, "no effect", "a comment") for key in raw if key.startswith("_")]
+    raw = {k: v for k, v in raw.items() if not k.startswith("_")}
     refusals: list[str] = []
     for key, value in list(_flatten(raw)):
         treatment = TREATMENTS.get(key)
@@ -254,7 +267,25 @@ AUTO_RESOLVED: dict[str, tuple[Any, str]] = {
 }
 
 
+# What the Hugging Face Trainer puts where only its own arguments decide (its defaults):
+# resolved to those, and said, naming the key and what to put there instead.
+TRAINER_DEFAULTS: dict[str, tuple[Any, str]] = {
+    "optimizer.params.lr": (5e-5, "the Trainer's default learning_rate"),
+    "optimizer.params.betas": ([0.9, 0.999], "the Trainer's default adam_beta1, adam_beta2"),
+    "optimizer.params.eps": (1e-8, "the Trainer's default adam_epsilon"),
+    "optimizer.params.weight_decay": (0.0, "the Trainer's default weight_decay"),
+    "scheduler.params.warmup_min_lr": (0.0, "as the Trainer sets it"),
+    "scheduler.params.warmup_max_lr": (None, "the learning rate, as the Trainer sets it"),
+    # The Trainer's warmup_steps default is 0; DeepSpeed needs a positive count (and warms
+    # up over at least 2 steps whatever is given below that).
+    "scheduler.params.warmup_num_steps": (1, "the Trainer's default warmup_steps 0, made positive for DeepSpeed"),
+    "scheduler.params.total_num_steps": (None, "the run's train.steps, as the Trainer uses max_steps"),
+}
+
+
 def _resolve_auto(raw: dict[str, Any], key: str) -> str | None:
+    if key in TRAINER_DEFAULTS:
+        return _trainer_default(raw, key)
     if key not in AUTO_RESOLVED:
         return None
     value, why = AUTO_RESOLVED[key]
@@ -265,10 +296,26 @@ def _resolve_auto(raw: dict[str, Any], key: str) -> str | None:
     return why
 
 
+def _trainer_default(raw: dict[str, Any], key: str) -> str | None:
+    value, argument = TRAINER_DEFAULTS[key]
+    if key == "scheduler.params.warmup_max_lr":
+        value = _get(raw, "optimizer.params.lr")
+        value = TRAINER_DEFAULTS["optimizer.params.lr"][0] if value in (None, "auto") else value
+    if key == "scheduler.params.total_num_steps":
+        # The run's length: train.steps (the CLI trains that many steps).
+        value = _get(raw, "train.steps") or TrainConfig().steps
+    _set(raw, key, value)
+    return f"{value!r}, {argument}; put your value there"
+
+
+def _get(raw: dict[str, Any], key: str) -> Any:
+    node: Any = raw
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
 def _auto_hint(key: str) -> str:
-    if key.startswith(("optimizer.params.", "scheduler.params.")):
-        return ("the Hugging Face Trainer fills it in from its own arguments; put the value there "
-                "(the learning rate, betas, warm-up steps … you would pass to the Trainer)")
     return "nothing in the config determines it; put the value there"
 
 
@@ -277,6 +324,14 @@ def _normalise_legacy_shapes(raw: dict[str, Any]) -> dict[str, Any]:
     zero = raw.get("zero_optimization")
     if isinstance(zero, bool):
         raw = {**raw, "zero_optimization": {"stage": 1 if zero else 0}}
+    # DeepSpeed's torch_autocast (fp32 masters, autocast compute) is our bf16/fp16.
+    autocast = raw.get("torch_autocast")
+    if isinstance(autocast, dict):
+        raw = {k: v for k, v in raw.items() if k != "torch_autocast"}
+        if autocast.get("enabled"):
+            dtype = str(autocast.get("dtype", "bfloat16")).removeprefix("torch.")
+            section = "fp16" if dtype in ("float16", "half", "fp16") else "bf16"
+            raw[section] = {**raw.get(section, {}), "enabled": True}
     return raw
 
 

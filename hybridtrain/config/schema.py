@@ -26,8 +26,10 @@ class OptimizerConfig(Section):
     """Optimizer by name, as DeepSpeed's ``optimizer`` section."""
 
     type: str = "AdamW"
-    """Optimizer class: ``AdamW``, ``Adam``, ``SGD`` or any ``torch.optim`` class name (case-insensitive).
-    DeepSpeed's ``adam_w_mode: true`` in ``params`` turns ``Adam`` into ``AdamW``."""
+    """``Adam``/``AdamW`` as DeepSpeed builds them (``adam_w_mode`` defaults to true, so ``Adam``
+    with weight decay is decoupled AdamW; ``weight_decay`` defaults to 0; ``bias_correction:
+    false`` and ``torch_adam`` understood), or any ``torch.optim`` class name (case-insensitive).
+    DeepSpeed's LAMB and 1-bit optimizers are refused."""
     params: dict[str, Any] = Field(default_factory=lambda: {"lr": 1e-3})
     """Keyword arguments of the optimizer class (``lr``, ``betas``, ``eps``, ``weight_decay`` …)."""
 
@@ -36,13 +38,15 @@ class SchedulerConfig(Section):
     """Learning-rate schedule, as DeepSpeed's ``scheduler`` section (stepped once per optimizer step)."""
 
     type: str = "constant"
-    """``constant`` / ``WarmupLR`` (warm-up then constant), ``linear`` / ``WarmupDecayLR``
-    (warm-up then linear decay to 0 at ``total_num_steps``), ``cosine`` / ``WarmupCosineLR``
-    (warm-up then cosine decay to ``cos_min_ratio`` at ``total_num_steps``)."""
+    """DeepSpeed's ``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``, ``OneCycle`` and
+    ``LRRangeTest`` with DeepSpeed's formulas, defaults (``warmup_type: log``, 1000 warm-up
+    steps …) and step indexing; or our ``constant`` (warm-up then constant), ``linear``
+    (then linear decay to 0 at ``total_num_steps``) and ``cosine`` (then cosine decay to
+    ``cos_min_ratio``), whose warm-up is linear unless ``warmup_type: log``."""
     params: dict[str, Any] = Field(default_factory=dict)
-    """Schedule parameters: ``warmup_num_steps``, ``total_num_steps``, ``warmup_min_ratio``,
-    ``cos_min_ratio``, ``warmup_type`` (``linear``|``log``), and DeepSpeed's
-    ``warmup_min_lr``/``warmup_max_lr`` for ``WarmupLR``/``WarmupDecayLR``."""
+    """The schedule's parameters, with DeepSpeed's names (``warmup_num_steps``,
+    ``total_num_steps``, ``warmup_min_lr``/``warmup_max_lr``, ``warmup_min_ratio``,
+    ``cos_min_ratio``, ``warmup_type``, ``cycle_*``, ``lr_range_test_*`` …)."""
 
 
 class FP16Config(Section):

@@ -10,6 +10,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from hybridtrain.runtime.deepspeed_schedules import DEEPSPEED_SCHEDULES, DeepSpeedSchedule
+from hybridtrain.runtime.uncorrected_adam import AdamWithoutBiasCorrection
 
 # DeepSpeed optimizers whose math torch does not have (1-bit ones also compress communication).
 _REFUSED_OPTIMIZERS = {
@@ -24,7 +25,8 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], type_name: str,
     """Instantiate an optimizer by name as DeepSpeed builds it: ``Adam``/``AdamW`` follow
     DeepSpeed's rules (``adam_w_mode`` defaults to true, so ``Adam`` with weight decay is
     decoupled AdamW; ``weight_decay`` defaults to 0 as in DeepSpeed's FusedAdam, unless
-    ``torch_adam`` asks for torch's class and its defaults); any other name is the
+    ``torch_adam`` asks for torch's class and its defaults; ``bias_correction: false`` is
+    :class:`AdamWithoutBiasCorrection`); any other name is the
     ``torch.optim`` class of that name (case-insensitive).
 
     Raises:
@@ -40,11 +42,15 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], type_name: str,
         decoupled = kwargs.pop("adam_w_mode", True) if name == "adam" else True
         kwargs.pop("adam_w_mode", None)
         torch_adam = kwargs.pop("torch_adam", False)
-        if not kwargs.pop("bias_correction", True):
-            raise ValueError("optimizer.params.bias_correction = false (Adam without bias correction) is not "
-                             "implemented; remove it")
+        corrected = kwargs.pop("bias_correction", True)
         if not torch_adam:
             kwargs.setdefault("weight_decay", 0.0)  # DeepSpeed's FusedAdam/DeepSpeedCPUAdam default
+        if not corrected:
+            try:
+                return AdamWithoutBiasCorrection(params, decoupled=bool(decoupled), **kwargs)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"optimizer.params {kwargs} rejected by Adam without bias correction: "
+                                 f"{exc}") from None
         type_name = "AdamW" if decoupled else "Adam"
     classes = {
         name.lower(): cls

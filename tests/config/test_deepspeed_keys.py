@@ -46,12 +46,12 @@ def test_every_refusal_of_a_file_in_one_line() -> None:
     with pytest.raises(ConfigError) as err:
         load_config({"amp": {"enabled": True}, "progressive_layer_drop": {"enabled": True},
                      "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}},
-                     "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
+                     "steps_per_print": "auto"})
     message = str(err.value)
     assert "\n" not in message
     for needle in ("amp: NVIDIA Apex", "progressive_layer_drop: randomly skips layers",
                    "zero_optimization.offload_param.device = 'nvme': NVMe offload; use device: cpu",
-                   'optimizer.params.lr = "auto": the Hugging Face Trainer fills it in'):
+                   'steps_per_print = "auto": nothing in the config determines it'):
         assert needle in message
 
 
@@ -74,7 +74,16 @@ def test_auto_resolved_as_the_trainer_would() -> None:
     assert {a.key for a in applied if a.treatment == "auto"} == {
         "train_batch_size", "gradient_accumulation_steps", "gradient_clipping", "fp16.enabled", "bf16.enabled",
         "zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size"}
-    with pytest.raises(ConfigError, match=r'scheduler.params.warmup_num_steps = "auto"'):
-        load_config({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}})
+    # Where only the Trainer's arguments decide, its defaults, each said with what to put there.
+    cfg, applied = explain_config({
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                  "weight_decay": "auto"}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                          "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+        "train": {"steps": 300}})
+    assert cfg.optimizer.params == {"lr": 5e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+    assert cfg.scheduler is not None and cfg.scheduler.params == {
+        "warmup_min_lr": 0.0, "warmup_max_lr": 5e-5, "warmup_num_steps": 1, "total_num_steps": 300}
+    assert all("put your value there" in a.note for a in applied)
     with pytest.raises(ConfigError, match=r'steps_per_print = "auto": nothing in the config determines it'):
         load_config({"steps_per_print": "auto"})

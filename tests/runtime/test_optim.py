@@ -36,9 +36,31 @@ def test_deepspeed_adam_rules(name: str, params: dict, cls: type, weight_decay: 
     assert type(opt) is cls and opt.param_groups[0]["weight_decay"] == weight_decay
 
 
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_adam_without_bias_correction_follows_deepspeeds_kernel(decoupled: bool) -> None:
+    # DeepSpeed's multi_tensor_adam with bias_correction 0 (csrc/adam/multi_tensor_adam.cu):
+    # ADAMW mode p -= lr·(m/(√v+ε) + λp); L2 mode g += λp before the moments.
+    torch.manual_seed(0)
+    start = torch.randn(5)
+    grads = [torch.randn(5) for _ in range(4)]
+    lr, (b1, b2), eps, decay = 0.1, (0.8, 0.9), 1e-6, 0.05
+    param = torch.nn.Parameter(start.clone())
+    opt = build_optimizer([param], "Adam", {"lr": lr, "betas": [b1, b2], "eps": eps, "weight_decay": decay,
+                                            "bias_correction": False, "adam_w_mode": decoupled})
+    p, m, v = start.clone().double(), torch.zeros(5, dtype=torch.float64), torch.zeros(5, dtype=torch.float64)
+    for g in grads:
+        param.grad = g.clone()
+        opt.step()
+        g = g.double() if decoupled else g.double() + decay * p
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        p = p - lr * (m / (v.sqrt() + eps) + (decay * p if decoupled else 0))
+    torch.testing.assert_close(param.detach().double(), p, rtol=1e-6, atol=1e-7)
+
+
 def test_bad_optimizers() -> None:
-    with pytest.raises(ValueError, match="bias_correction = false"):
-        build_optimizer(_params(), "Adam", {"bias_correction": False})
+    with pytest.raises(ValueError, match="rejected by Adam without bias correction"):
+        build_optimizer(_params(), "Adam", {"bias_correction": False, "amsgrad": True})
     with pytest.raises(ValueError, match="'OneBitAdam' .*1-bit Adam.* nearest is AdamW"):
         build_optimizer(_params(), "OneBitAdam", {})
     with pytest.raises(ValueError, match="optimizer.type = 'Adamm'"):
