@@ -171,10 +171,9 @@ class Engine:
             return self.parallel.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch's loss, scaled by 1/accumulation (and the loss scale)."""
+        """Backward of one micro-batch's loss, scaled by 1/accumulation (and the loss scale);
+        gradients add up until :meth:`step` updates at the accumulation boundary and clears them."""
         weight = 1.0 / self.options.batch.accumulation_steps
-        if self._manual_micro_steps == 0:
-            self.optimizer.zero_grad(set_to_none=True)
         detached = loss.detach().float() * weight
         self._manual_loss = detached if self._manual_loss is None else self._manual_loss + detached
         self._scaled_backward(loss * weight, self.is_gradient_accumulation_boundary())
@@ -191,6 +190,9 @@ class Engine:
         value = float(self.parallel.mean_loss(self._manual_loss).item()) if self._manual_loss is not None else 0.0
         self._manual_micro_steps, self._manual_loss = 0, None
         self._optimizer_step(value)
+        # As DeepSpeed: gradients are cleared after the update, so every backward of the
+        # next window (several per micro-batch, e.g. a GAN's) adds to a clean slate.
+        self.optimizer.zero_grad(set_to_none=True)
         return True
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -324,6 +326,8 @@ class Engine:
             self.scaler.load_state_dict(state["scaler"])
         self.global_step = int(state["global_step"])
         self._nonfinite_skips = int(state["nonfinite_skips"])
+        self._manual_micro_steps, self._manual_loss = 0, None  # a new accumulation window
+        self.optimizer.zero_grad(set_to_none=True)
         dev.set_rng_state(state["rng"])
         client: dict[str, Any] = state["client_state"]
         return client

@@ -35,7 +35,6 @@ class DeepSpeedEngine:
         self.engine = engine
         self.config = config
         self.training_dataloader = training_dataloader
-        self._backwards_in_micro_step = 0
         self._micro_step = 0  # step() calls since the last boundary (the engine counts the same)
         self._step_applied = False
 
@@ -56,15 +55,7 @@ class DeepSpeedEngine:
         if retain_graph:
             raise NotImplementedError("backward(retain_graph=True) is not supported by hybridtrain.deepspeed")
         accumulation = self.gradient_accumulation_steps()
-        # The engine clears gradients at the first backward of an accumulation window;
-        # a second backward in that micro-step must add to the first one's gradients.
-        kept = self._grads() if self._backwards_in_micro_step and self._at_window_start() else None
         self.engine.backward(loss if scale_wrt_gas else loss * accumulation)
-        if kept is not None:
-            for param, grad in kept:
-                if grad is not None:
-                    param.grad = grad if param.grad is None else param.grad.add_(grad)
-        self._backwards_in_micro_step += 1
         return loss / accumulation if scale_wrt_gas else loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
@@ -74,12 +65,10 @@ class DeepSpeedEngine:
             raise NotImplementedError("step(lr_kwargs=…) is not supported by hybridtrain.deepspeed")
         boundary = self.engine.is_gradient_accumulation_boundary()
         skipped = self.engine.skipped_steps
-        self.engine.step()
-        self._backwards_in_micro_step = 0
+        self.engine.step()  # clears the gradients after the update, as DeepSpeed
         self._micro_step = 0 if boundary else self._micro_step + 1
         if boundary:
             self._step_applied = self.engine.skipped_steps == skipped
-            self.engine.optimizer.zero_grad(set_to_none=True)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.engine.is_gradient_accumulation_boundary()
@@ -236,17 +225,10 @@ class DeepSpeedEngine:
             self.engine.optimizer.load_state_dict(optimizer_state)
         if scheduler_state is not None and scheduler is not None:
             scheduler.load_state_dict(scheduler_state)
-        self._backwards_in_micro_step = 0
+        self._micro_step = 0  # the engine starts a new accumulation window too
         return str(path), client_state
 
     # ------------------------------------------------------------------ internals
-    def _grads(self) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
-        params = [p for group in self.engine.optimizer.param_groups for p in group["params"]]
-        return [(p, p.grad) for p in params]
-
-    def _at_window_start(self) -> bool:
-        return self._micro_step == 0
-
     def __getattr__(self, name: str) -> Any:
         # DeepSpeed's engine forwards unknown attributes to the wrapped model.
         if name.startswith("__") or name == "engine":
