@@ -36,11 +36,22 @@ def _one_of(value: int, name: str, alias: int, alias_name: str) -> int:
     return max(value, alias)
 
 
-def map_single_process_offload(cfg: Config, world_size: int) -> Config:
-    """DeepSpeed's answer to a model too big for one GPU — ZeRO-3 with ``offload_param``
-    (and usually ``offload_optimizer``) on ``cpu``, on one process — runs as our equivalent:
-    layer streaming (parameters in host memory, streamed block by block, the update on the
-    host). Said once at info level. Other sizes keep DeepSpeed's meaning (FSDP2 offload)."""
+def map_deepspeed_offload(cfg: Config, world_size: int) -> Config:
+    """DeepSpeed's offload settings as DeepSpeed applies them, each mapping said once at
+    info level:
+
+    - offload settings of a stage that does not use them (any at stage 0, ``offload_param``
+      below stage 3) are ignored, as DeepSpeed ignores them;
+    - DeepSpeed's answer to a model too big for one GPU — ZeRO-3 with ``offload_param`` (and
+      usually ``offload_optimizer``) on ``cpu``, on one process — runs as our equivalent:
+      layer streaming (parameters in host memory, streamed block by block, the update on
+      the host). Other sizes keep DeepSpeed's meaning (FSDP2 offload).
+    """
+    cfg = _drop_unused_offload(cfg)
+    if cfg.activation_checkpointing.cpu_checkpointing and not cfg.activation_checkpointing.enabled:
+        # DeepSpeed's section only configures checkpoints that model code takes itself.
+        log.info("activation_checkpointing.cpu_checkpointing has no effect without "
+                 "activation_checkpointing.enabled: true")
     zero = cfg.zero_optimization
     dp, tp, pp = parallel_sizes(cfg, world_size)
     if zero.offload_param.device != "cpu" or zero.stage != 3 or dp * tp * pp != 1 or cfg.layer_streaming.enabled:
@@ -60,21 +71,26 @@ def map_single_process_offload(cfg: Config, world_size: int) -> Config:
     })
 
 
+def _drop_unused_offload(cfg: Config) -> Config:
+    zero = cfg.zero_optimization
+    unused = [name for name, section in (("offload_optimizer", zero.offload_optimizer),
+                                         ("offload_param", zero.offload_param))
+              if section.device != "none" and (zero.stage == 0 or (name == "offload_param" and zero.stage < 3))]
+    if not unused:
+        return cfg
+    log.info("zero_optimization %s has no effect at stage %d (DeepSpeed offloads %s only in %s); ignored",
+             " and ".join(unused), zero.stage, "parameters" if unused == ["offload_param"] else "with ZeRO",
+             "stage 3" if unused == ["offload_param"] else "stages 1-3")
+    update = {name: getattr(zero, name).model_copy(update={"device": "none"}) for name in unused}
+    return cfg.model_copy(update={"zero_optimization": zero.model_copy(update=update)})
+
+
 def check_supported(cfg: Config, world_size: int) -> None:
     """Raise :class:`ConfigError` for the first setting this run cannot honour."""
     dp, tp, pp = parallel_sizes(cfg, world_size)
     if cfg.device_map and (cfg.zero_optimization.stage > 0 and dp > 1 or tp > 1 or pp > 1):
         raise ConfigError("device_map (model parallel inside one process) does not compose with ZeRO "
                           "sharding, tensor or pipeline parallel; remove device_map or those settings")
-    zero = cfg.zero_optimization
-    offload = "cpu" in (zero.offload_param.device, zero.offload_optimizer.device)
-    if offload and zero.stage == 0:
-        raise ConfigError(f"zero_optimization offload to cpu needs zero_optimization.stage >= 1 "
-                          f"(stage={zero.stage}); set stage: 1 (or higher)")
-    if zero.offload_param.device == "cpu" and zero.stage != 3:
-        raise ConfigError(f"zero_optimization.offload_param needs stage 3 (stage={zero.stage}): DeepSpeed "
-                          "offloads parameters only when it partitions them; set stage: 3, or use "
-                          "offload_optimizer")
     _check_offload_combinations(cfg, dp, tp, pp)
     _check_model_parallel(cfg, dp, tp, pp)
 

@@ -21,7 +21,7 @@ from hybridtrain.parallel import mesh
 from hybridtrain.parallel.model_parallel import resolve_device_map
 from hybridtrain.parallel.partition import choose_partition, stage_bounds
 from hybridtrain.parallel.tensor import resolve_plan
-from hybridtrain.plan.checks import check_supported, map_single_process_offload, parallel_sizes
+from hybridtrain.plan.checks import check_supported, map_deepspeed_offload, parallel_sizes
 from hybridtrain.plan.types import (
     BlockPlan,
     OptimizerPlan,
@@ -57,7 +57,7 @@ def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | Non
     """
     cfg = load_config(config)
     world = world_size if world_size is not None else mesh.env_world_size()
-    cfg = map_single_process_offload(cfg, world)
+    cfg = map_deepspeed_offload(cfg, world)
     check_supported(cfg, world)
     dp, tp, pp = parallel_sizes(cfg, world)
     sizes = ParallelSizes(dp, tp, pp)

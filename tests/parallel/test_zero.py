@@ -80,6 +80,10 @@ def test_user_optimizer_with_zero_is_refused(monkeypatch: pytest.MonkeyPatch) ->
         ht.initialize(model, {"device": "cpu", **_zero(2)}, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
 
 
-def test_offload_without_sharding_is_refused() -> None:
-    with pytest.raises(ht.ConfigError, match="offload to cpu needs zero_optimization.stage >= 1"):
-        ht.initialize(torch.nn.Linear(2, 2), {"device": "cpu", **_zero(0, offload_param={"device": "cpu"})})
+def test_offload_a_stage_does_not_use_is_ignored_as_deepspeed_ignores_it() -> None:
+    from hybridtrain.plan import resolve
+
+    for stage, offload in ((0, "offload_optimizer"), (0, "offload_param"), (2, "offload_param")):
+        plan = resolve({"device": "cpu", **_zero(stage, **{offload: {"device": "cpu"}})}, torch.nn.Linear(2, 2),
+                       world_size=1)
+        assert plan.optimizer.placement == "device" and not plan.blocks_where("stream")
