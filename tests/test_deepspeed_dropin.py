@@ -195,10 +195,20 @@ SCRIPTS = {
     "test_model_2_ranks": ([sys.executable, "-m", "hybridtrain.cli", "launch", "--num_gpus", "2", "--master_port",
                             "PORT", "test_model.py"],
                            ["2222", "2223", "LOSS:"]),  # both ranks seeded; their lines may interleave
+    # fp16, hidden 4096, batch 256, ZeRO-3 with 30 % of the optimizer update offloaded (its --zero 0
+    # default keeps offload_optimizer below stage 1, which hybridtrain refuses).
+    "partial_offload_zero3": ([sys.executable, "-m", "hybridtrain.cli", "launch", "--num_gpus", "1",
+                               "--master_port", "PORT", "partial_offload_test.py", "--zero", "3"],
+                              ["'stage': 3", "LOSS:"]),
+    # engine.compile() (torch.compile, inductor), 100 bf16 ZeRO-3 steps; the script counts graph breaks.
+    "torch_compile": ([sys.executable, "test_compile.py", "--deepspeed_config", str(EXAMPLES / "ds_config_z3.json")],
+                      ["step=90", "dynamo_output | Total | 0 |"]),
 }
+# Seconds a script may take: inductor's first compile is slow on a small CPU (later runs hit its cache).
+TIMEOUTS = {"torch_compile": 150}
 
 
-def _run(command: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+def _run(command: list[str], tmp_path: Path, timeout: int = 50) -> subprocess.CompletedProcess[str]:
     command = [str(_free_port()) if part == "PORT" else part for part in command]
     script = next(part for part in command if part.endswith(".py"))
     command[command.index(script)] = str(EXAMPLES / script)
@@ -207,14 +217,14 @@ def _run(command: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]
            "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=50)
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("name", list(SCRIPTS))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.timeout(TIMEOUTS.get(name, 50) + 10))
+                                  for name in SCRIPTS])
 def test_published_deepspeed_script_runs(name: str, tmp_path: Path) -> None:
     command, expected = SCRIPTS[name]
-    proc = _run(command, tmp_path)
+    proc = _run(command, tmp_path, TIMEOUTS.get(name, 50))
     assert proc.returncode == 0, proc.stderr[-3000:]
     for needle in expected:
         assert needle in proc.stdout, proc.stdout[-2000:]

@@ -16,6 +16,7 @@ class Accelerator:
 
     def __init__(self) -> None:
         self._name = "cuda" if torch.cuda.is_available() else "cpu"
+        self._compile_backend = "inductor"
 
     def device_name(self, device_index: int | None = None) -> str:
         """``"cuda"``/``"cuda:N"``; on CPU always ``"cpu"`` (there is one CPU device)."""
@@ -74,6 +75,17 @@ class Accelerator:
     def reset_peak_memory_stats(self, device_index: int | None = None) -> None:
         if self._name == "cuda":
             torch.cuda.reset_peak_memory_stats(device_index)
+
+    def get_compile_backend(self) -> str:
+        """The ``torch.compile`` backend ``engine.compile()`` uses by default (``inductor``)."""
+        return self._compile_backend
+
+    def set_compile_backend(self, backend: str) -> None:
+        """Set the default ``torch.compile`` backend; one ``torch._dynamo`` knows, else ValueError."""
+        supported = torch._dynamo.list_backends(exclude_tags=())
+        if backend not in supported:
+            raise ValueError(f"{backend} not supported by {self.device_name()}. Supported Backends are {supported}")
+        self._compile_backend = backend
 
     def __getattr__(self, name: str) -> Any:
         raise AttributeError(f"get_accelerator().{name} is a DeepSpeed accelerator call that "

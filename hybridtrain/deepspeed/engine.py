@@ -37,6 +37,7 @@ class DeepSpeedEngine:
         self.training_dataloader = training_dataloader
         self._micro_step = 0  # step() calls since the last boundary (the engine counts the same)
         self._step_applied = False
+        self._compiled = False
 
     # ------------------------------------------------------------ forward / backward / step
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -88,6 +89,26 @@ class DeepSpeedEngine:
     def eval(self) -> DeepSpeedEngine:
         self.module.eval()
         return self
+
+    def compile(self, backend: str | None = None, compile_kwargs: dict[str, Any] | None = None,
+                schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
+        """``torch.compile`` the model in place (``nn.Module.compile``), as DeepSpeed's
+        ``engine.compile()`` does without DeepCompile; the model's math is unchanged. The
+        backend defaults to the accelerator's (``inductor``); a second call does nothing."""
+        if schedule is not None or compiled_autograd_enabled:
+            raise NotImplementedError("compile(schedule=…/compiled_autograd_enabled=True): DeepCompile's passes "
+                                      "are not supported by hybridtrain.deepspeed")
+        if self._compiled:
+            return
+        from hybridtrain.deepspeed.accelerator import get_accelerator
+
+        self.module.compile(**{**(compile_kwargs or {}), "backend": backend or get_accelerator().get_compile_backend()})
+        self._compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether :meth:`compile` has run."""
+        return self._compiled
 
     def destroy(self) -> None:
         """Nothing to release (the process group stays up, as in DeepSpeed)."""
