@@ -34,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     from hybridtrain.hpo.cli import add_hpo_commands
 
     add_hpo_commands(sub)
+
+    from hybridtrain.report.cli import add_report_command
+
+    add_report_command(sub)
     return parser
 
 

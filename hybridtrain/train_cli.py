@@ -26,6 +26,10 @@ def add_train_command(sub: Any) -> None:
     train.add_argument("--steps", type=int, help="shortcut for --set train.steps=…")
     train.add_argument("--data", help="text or token file to train on (shortcut for --set data.path=…)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--metrics-port", type=int, metavar="PORT",
+                       help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics while training "
+                       "(shortcut for --set train.metrics_port=…; each rank on PORT + its local rank; "
+                       "train.metrics_host sets the address)")
     from hybridtrain.parallel.launch_cli import add_launch_options
 
     # --nproc-per-node N (or several nodes) starts N ranks through torchrun, each running
@@ -60,7 +64,8 @@ def _train(args: argparse.Namespace) -> int:
     if _wants_launch(args):
         return _launch_ranks(args)
     overrides = list(args.overrides)
-    for key, value in (("train.output_dir", args.output_dir), ("train.steps", args.steps), ("data.path", args.data)):
+    for key, value in (("train.output_dir", args.output_dir), ("train.steps", args.steps), ("data.path", args.data),
+                       ("train.metrics_port", args.metrics_port)):
         if value is not None:
             overrides.append(f"{key}={value}")
     try:
@@ -95,7 +100,8 @@ def _launch_ranks(args: argparse.Namespace) -> int:
     worker = ["train", *([args.config] if args.config else [])]
     for item in args.overrides:
         worker += ["--set", item]
-    for flag, value in (("--output-dir", args.output_dir), ("--steps", args.steps), ("--data", args.data)):
+    for flag, value in (("--output-dir", args.output_dir), ("--steps", args.steps), ("--data", args.data),
+                        ("--metrics-port", args.metrics_port)):
         worker += [flag, str(value)] if value is not None else []
     if args.resume:
         worker += ["--resume"] if args.resume is True else ["--resume", str(args.resume)]

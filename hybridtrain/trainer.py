@@ -29,6 +29,8 @@ from hybridtrain.engine import Engine
 from hybridtrain.metrics import MetricsLog
 from hybridtrain.models.factory import build_model
 from hybridtrain.models.gpt import causal_lm_loss
+from hybridtrain.monitoring.readings import device_peak_tflops, flops_per_token, memory_readings
+from hybridtrain.monitoring.telemetry import Telemetry, check_monitoring
 from hybridtrain.plan import TrainingPlan, resolve
 from hybridtrain.runtime.device import peak_memory_bytes, reset_peak_memory
 
@@ -91,15 +93,31 @@ def run_training(cfg: Config, resume: bool | str = False, progress: bool = True)
         progress: show a progress bar on a terminal.
     """
     out = Path(cfg.train.output_dir)
-    data, model = _data_and_model(cfg)
-    engine = initialize(model, cfg, loss_fn=causal_lm_loss, example_batch=_example(cfg, data))
-    # With several processes every rank trains, but only rank 0 writes files and prints.
-    metrics = MetricsLog(out / "metrics.jsonl") if engine.parallel.is_writer else None
-    start = _resume(engine, out, resume, metrics)
-    if metrics is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(cfg.model_dump_json(indent=1))
-    return _loop(engine, cfg, data, metrics, start, progress)
+    check_monitoring(cfg)
+    telemetry = Telemetry(cfg)
+    summary: TrainSummary | None = None
+    try:
+        # /metrics answers from here on, while the model is still being built.
+        telemetry.start_server()
+        data, model = _data_and_model(cfg)
+        rates = _Rates(flops_per_token(model), cfg.train.peak_tflops)
+        engine = initialize(model, cfg, loss_fn=causal_lm_loss, example_batch=_example(cfg, data))
+        rates.peak_tflops = device_peak_tflops(engine.device, cfg.train.peak_tflops)
+        rates.world_size = engine.topology.world_size
+        # With several processes every rank trains, but only rank 0 writes files and prints.
+        metrics = MetricsLog(out / "metrics.jsonl") if engine.parallel.is_writer else None
+        start, restarts = _resume(engine, out, resume, metrics)
+        if metrics is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.json").write_text(cfg.model_dump_json(indent=1))
+        telemetry.open_monitors(engine.parallel.is_writer, engine.options.batch.global_batch, start,
+                                cfg.model_dump())
+        telemetry.started(start, restarts)
+        summary = _loop(engine, cfg, data, metrics, start, progress, telemetry, rates, restarts)
+    finally:
+        ok = summary is not None and not summary.interrupted
+        telemetry.close(cfg.train.metrics_linger_s if ok else 0.0)
+    return summary
 
 
 def plan_training(cfg: Config, world_size: int | None = None) -> TrainingPlan:
@@ -128,23 +146,39 @@ def _example(cfg: Config, data: TokenBatches) -> tuple[torch.Tensor, torch.Tenso
     return data.train_batch(0, cfg.train_micro_batch_size_per_gpu or 1)
 
 
-def _resume(engine: Engine, out: Path, resume: bool | str, metrics: MetricsLog | None) -> int:
+def _resume(engine: Engine, out: Path, resume: bool | str, metrics: MetricsLog | None) -> tuple[int, int]:
+    """The step to continue after, and how many times this run has been resumed so far."""
     if not resume:
-        return 0
+        return 0, 0
     path = Path(resume) if isinstance(resume, str) else latest_checkpoint(out)
     if path is None:
         print(f"resume: no checkpoint in {out / CHECKPOINTS}; starting at step 0", file=sys.stderr)
-        return 0
+        return 0, 0
     client = engine.load_checkpoint(path)
     step = int(client["data_step"])
     if metrics is not None:
         metrics.truncate_after(step)
     print(f"resume: continuing from {path} at step {step}", file=sys.stderr)
-    return step
+    return step, int(client.get("restarts", 0)) + 1
+
+
+@dataclass
+class _Rates:
+    """What turns a step's tokens/s into TFLOP/s and MFU."""
+
+    flops_per_token: float
+    peak_tflops: float | None = None
+    world_size: int = 1
+
+    def of(self, tokens_per_s: float) -> dict[str, float]:
+        tflops = self.flops_per_token * tokens_per_s / 1e12
+        if not self.peak_tflops:
+            return {"tflops": tflops}
+        return {"tflops": tflops, "mfu": tflops / (self.peak_tflops * self.world_size)}
 
 
 def _loop(engine: Engine, cfg: Config, data: TokenBatches, metrics: MetricsLog | None, start: int,
-          progress: bool) -> TrainSummary:
+          progress: bool, telemetry: Telemetry, rates: _Rates, restarts: int) -> TrainSummary:
     # Every rank draws the same global batch and trains its data-parallel shard of it.
     global_batch = engine.options.batch.global_batch
     tokens_per_step = global_batch * cfg.data.seq_len
@@ -160,26 +194,42 @@ def _loop(engine: Engine, cfg: Config, data: TokenBatches, metrics: MetricsLog |
     with _StopRequest() as stop:
         for step in range(start + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
-            last = engine.train_batch(engine.local_batch(data.train_batch(step - 1, global_batch)))
+            batch = engine.local_batch(data.train_batch(step - 1, global_batch))
+            t_data = time.perf_counter() - t0
+            last = engine.train_batch(batch)
             dt = time.perf_counter() - t0
             elapsed += dt
             first = last if first is None else first
             record = _step_record(engine, step, last, tokens_per_step / dt)
+            record.update(rates.of(record["tokens_per_s"]), samples_per_s=global_batch / dt,
+                          step_time_s=dt, data_s=t_data)
+            if restarts:
+                record["restarts"] = restarts
             if metrics is not None:
                 metrics.write(record)
+            telemetry.publish(record)
             bar.update(1)
             bar.set_postfix(loss=f"{last:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
                             mem=f"{record['peak_memory_bytes'] / 2**30:.2f}GiB")
             if writer and (step % cfg.steps_per_print == 0 or step == cfg.train.steps):
-                print(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()), flush=True)
+                print(" ".join(f"{k}={_fmt(v)}" for k, v in record.items() if k not in _NOT_PRINTED), flush=True)
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 or step == cfg.train.steps:
                 eval_loss = _evaluate(engine, data, cfg.train.eval_batches, global_batch)
                 if metrics is not None:
                     metrics.write({"step": step, "eval_loss": eval_loss})
                     print(f"step={step} eval_loss={eval_loss:.6g}", flush=True)
+                telemetry.publish({"step": step, "eval_loss": eval_loss})
             boundary = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0
             if boundary or step == cfg.train.steps or stop.requested:
-                saved.append(str(_save(engine, Path(cfg.train.output_dir), step, cfg.train.keep_checkpoints)))
+                t_save = time.perf_counter()
+                path = _save(engine, Path(cfg.train.output_dir), step, cfg.train.keep_checkpoints, restarts)
+                saved.append(str(path))
+                if writer:
+                    done_save = {"step": step, "checkpoint_s": time.perf_counter() - t_save,
+                                 "checkpoint_bytes": _dir_bytes(path)}
+                    if metrics is not None:
+                        metrics.write(done_save)
+                    telemetry.publish(done_save)
             if stop.requested:
                 break
         bar.close()
@@ -196,10 +246,19 @@ def _loop(engine: Engine, cfg: Config, data: TokenBatches, metrics: MetricsLog |
     return summary
 
 
+_NOT_PRINTED = frozenset({"samples_per_s", "step_time_s", "data_s", "memory_allocated_bytes",
+                          "memory_reserved_bytes", "alloc_retries", "ooms", "pinned_host_bytes", "restarts"})
+"""Record fields left out of the printed ``step=…`` line (they stay in metrics.jsonl)."""
+
+
 def _step_record(engine: Engine, step: int, loss: float, tokens_per_s: float) -> dict[str, Any]:
     record: dict[str, Any] = {"step": step, "loss": loss, "lr": engine.get_lr()[0],
-                              "tokens_per_s": tokens_per_s,
-                              "peak_memory_bytes": peak_memory_bytes(engine.device)}
+                              "tokens_per_s": tokens_per_s}
+    # Memory figures of this rank (peak_memory_bytes as before; CUDA adds allocated,
+    # reserved, allocator retries, OOMs and pinned host memory), read without a sync.
+    memory = memory_readings(engine.device)
+    record["peak_memory_bytes"] = memory.pop("peak_memory_bytes")
+    record.update(memory)
     if engine.scaler is not None:
         record["loss_scale"] = engine.loss_scale
     if engine.skipped_steps:
@@ -217,13 +276,19 @@ def _evaluate(engine: Engine, data: TokenBatches, batches: int, batch_size: int)
                for i in range(batches)) / batches
 
 
-def _save(engine: Engine, out: Path, step: int, keep: int) -> Path:
-    path = engine.save_checkpoint(out / CHECKPOINTS / f"step-{step:07d}", client_state={"data_step": step})
+def _save(engine: Engine, out: Path, step: int, keep: int, restarts: int = 0) -> Path:
+    path = engine.save_checkpoint(out / CHECKPOINTS / f"step-{step:07d}",
+                                  client_state={"data_step": step, "restarts": restarts})
     if not engine.parallel.is_writer:
         return path
     for old in sorted((out / CHECKPOINTS).glob("step-*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+def _dir_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (a checkpoint directory)."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def _fmt(value: Any) -> str:

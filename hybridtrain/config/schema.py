@@ -293,6 +293,63 @@ class TrainConfig(Section):
     """Evaluate on held-out data every n steps (0 = only at the end)."""
     eval_batches: int = Field(default=4, ge=1)
     """Batches per evaluation."""
+    metrics_port: int = Field(default=0, ge=0, le=65535)
+    """Serve Prometheus metrics (``hybridtrain_*``: loss, learning rate, tokens/s, TFLOP/s,
+    MFU, step-time parts, device memory, checkpoints, restarts; every series labelled
+    ``rank``) at ``http://metrics_host:PORT/metrics`` while training; 0 = off (also
+    ``--metrics-port``). With several processes per node each rank serves on
+    ``PORT + LOCAL_RANK``. Needs ``prometheus_client`` (``pip install 'hybridtrain[monitor]'``).
+    MFU is exposed only where the device's peak is known (H100, H200, A100, or
+    ``peak_tflops``); on CPU ``hybridtrain_mfu`` is absent."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics endpoint binds to (``0.0.0.0`` to be scraped from other hosts)."""
+    metrics_linger_s: float = Field(default=0.0, ge=0.0)
+    """Keep serving ``/metrics`` this many seconds after training ends, so a scraper
+    catches the final values (SIGTERM/Ctrl-C ends the wait)."""
+    peak_tflops: float | None = Field(default=None, gt=0.0)
+    """Peak TFLOP/s of one device for MFU (default: the dense bf16 peak of H100/H200/A100
+    from the device name; unknown elsewhere)."""
+
+
+class TensorBoardConfig(Section):
+    """DeepSpeed's TensorBoard monitor: each step's metrics as TensorBoard scalars, under
+    our names (``hybridtrain/loss`` … by step) and DeepSpeed's (``Train/Samples/train_loss``,
+    ``lr``, ``loss_scale`` by samples seen). Rank 0 writes. Needs the ``tensorboard`` package."""
+
+    enabled: bool = False
+    """Write TensorBoard event files (``hybridtrain train``)."""
+    output_path: str = ""
+    """Directory of the job directories; empty = ``train.output_dir`` (DeepSpeed: the working directory)."""
+    job_name: str = "DeepSpeedJobName"
+    """The event files go to ``output_path/job_name``."""
+
+
+class CSVMonitorConfig(Section):
+    """DeepSpeed's CSV monitor: one CSV file per metric (``hybridtrain_loss.csv``,
+    ``Train_Samples_train_loss.csv`` …, a ``step,<name>`` header then one row per step), as
+    DeepSpeed writes them. Rank 0 writes."""
+
+    enabled: bool = False
+    """Write CSV files (``hybridtrain train``)."""
+    output_path: str = ""
+    """Directory of the job directories; empty = ``train.output_dir`` (DeepSpeed: the working directory)."""
+    job_name: str = "DeepSpeedJobName"
+    """The CSV files go to ``output_path/job_name``."""
+
+
+class WandbConfig(Section):
+    """DeepSpeed's Weights & Biases monitor: each step's metrics under our and DeepSpeed's
+    names. Rank 0 logs. Needs the ``wandb`` package (refused in one line when it is missing).
+    Without ``WANDB_MODE`` set, a run that cannot reach the W&B server logs offline."""
+
+    enabled: bool = False
+    """Log to W&B (``hybridtrain train``)."""
+    group: str | None = None
+    """W&B group of the run."""
+    team: str | None = None
+    """W&B team (entity)."""
+    project: str = "deepspeed"
+    """W&B project (DeepSpeed's default name)."""
 
 
 class Config(Section):
@@ -357,6 +414,12 @@ class Config(Section):
     """Training data for the CLI."""
     train: TrainConfig = Field(default_factory=TrainConfig)
     """The CLI's training loop."""
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    """TensorBoard event files of the CLI's runs (DeepSpeed's monitor section)."""
+    csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
+    """CSV files of the CLI's runs (DeepSpeed's monitor section)."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """Weights & Biases logging of the CLI's runs (DeepSpeed's monitor section)."""
 
     @model_validator(mode="after")
     def _one_precision(self) -> Config:

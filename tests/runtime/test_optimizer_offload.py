@@ -104,8 +104,6 @@ def test_refuses_when_host_memory_is_short(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 @pytest.mark.parametrize(("raw", "needle"), [
-    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "stage >= 1"),
-    ({"zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}}}, "layer_streaming"),
     ({"layer_streaming": {"enabled": True}, "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
      "already keeps optimizer state"),
 ])
@@ -197,7 +195,8 @@ def test_a_weight_shared_by_swapped_checkpointed_blocks_gets_its_whole_gradient(
         expected.append(loss.item())
     torch.manual_seed(0)
     engine = ht.initialize(_SharedAcrossBlocks(), {
-        "device": "cpu", "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-6}},
+        # torch's AdamW default weight decay, as the plain loop uses (DeepSpeed's default is 0).
+        "device": "cpu", "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-6, "weight_decay": 0.01}},
         "activation_checkpointing": {"enabled": True, "cpu_checkpointing": True},
         "zero_optimization": {"stage": 1, "reduce_bucket_size": 8, "offload_optimizer": {"device": "cpu"}}},
         loss_fn=loss_fn)
