@@ -35,7 +35,11 @@ def _load_spec_arg(args: argparse.Namespace) -> Any:
     from hybridtrain.hpo.spec import load_spec
 
     if Path(args.spec).is_file() or args.spec.endswith((".yaml", ".yml", ".json")):
-        return load_spec(args.spec)
+        notes: list[str] = []
+        spec = load_spec(args.spec, notes)
+        for note in notes:  # a Katib Experiment's translation: what it ignored or renamed
+            print(f"info: {note}", file=sys.stderr)
+        return spec
     # Not a file: the name of a stored experiment whose spec a worker joins.
     from hybridtrain.hpo.experiments import ExperimentStore
 
@@ -146,6 +150,26 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 @_errors_to_exit
+def cmd_export_katib(args: argparse.Namespace) -> int:
+    """Write the experiment as a Katib Experiment (YAML) whose trials run in containers."""
+    import yaml
+
+    from hybridtrain.hpo.katib_export import spec_to_katib
+
+    doc = spec_to_katib(_load_spec_arg(args), image=args.image, namespace=args.namespace)
+    text = yaml.safe_dump(doc, sort_keys=False, width=100)
+    if args.output in (None, "-"):
+        sys.stdout.write(text)
+    else:
+        try:
+            Path(args.output).write_text(text)
+        except OSError as exc:
+            raise HPOError(f"cannot write {args.output!r}: {exc.strerror}") from None
+        print(f"wrote {args.output}: kubectl apply -f {args.output}", file=sys.stderr)
+    return 0
+
+
+@_errors_to_exit
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve the REST API and the optuna-dashboard."""
     from hybridtrain.hpo.server import serve
@@ -188,6 +212,13 @@ def add_hpo_commands(sub: Any) -> None:
     p.add_argument("name", help="experiment name")
     p.add_argument("--out", default=None, help="output directory (default hpo-report-NAME)")
     p.add_argument("--format", choices=("png", "html"), default="png")
+    p = add("export-katib", cmd_export_katib, "write the experiment as a Katib "
+            "kubeflow.org/v1beta1 Experiment, to run it on a Kubernetes cluster")
+    p.add_argument("spec", help="experiment spec file, or the name of a stored experiment")
+    p.add_argument("-o", "--output", default=None, help="output file (default: stdout)")
+    p.add_argument("--image", default="hybridtrain:latest",
+                   help="container image of the trials (default hybridtrain:latest)")
+    p.add_argument("--namespace", default=None, help="Kubernetes namespace of the Experiment")
     p = add("serve", cmd_serve, "serve the REST API (/api) and the dashboard (/dashboard)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     p.add_argument("--port", type=int, default=8080)

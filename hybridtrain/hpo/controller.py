@@ -16,6 +16,7 @@ work without running a slot twice. One loop iteration:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import socket
@@ -242,6 +243,8 @@ class Controller:
                                  f"cannot start command: {exc}")
             return
         self.running[claim.slot] = rt
+        # Written now, not with the first metrics: a controller killed before its first
+        # poll must leave the slot and attempt on the trial (its takeover reads them).
         # One transaction for all five: per attribute, Optuna commits each separately.
         set_user_attrs(self.storage, trial._trial_id,
                        where | {"command": rt.command, "trial_dir": str(rt.dir)})
@@ -255,6 +258,10 @@ class Controller:
         self._release_gpus(rt)
         self.heartbeat.untrack(rt.slot)
         claim = Claim(rt.slot, rt.attempt, rt.params)
+        # Metrics read by the last poll; a trial recorded by another controller refuses
+        # them, and _tell below says so.
+        with contextlib.suppress(UpdateFinishedTrialError):
+            rt.flush_attrs()
         if outcome.state in ("complete", "pruned"):
             if self._tell(rt.number, outcome) and self.leases.release(rt.slot, "done",
                                                                       rt.attempt, None):

@@ -23,6 +23,7 @@ import yaml
 
 from hybridtrain.hpo.algorithms import check_algorithms
 from hybridtrain.hpo.errors import SpecError
+from hybridtrain.hpo.katib import is_katib, katib_to_spec
 from hybridtrain.hpo.schema import (
     BUILTIN_PLACEHOLDERS,
     AlgorithmSpec,
@@ -58,11 +59,16 @@ __all__ = [
 ]
 
 
-def load_spec(source: str | Path | Mapping[str, Any]) -> ExperimentSpec:
-    """Load and validate an experiment spec.
+def load_spec(source: str | Path | Mapping[str, Any],
+              notes: list[str] | None = None) -> ExperimentSpec:
+    """Load and validate an experiment spec, or a Katib ``Experiment`` translated into one.
 
     Args:
-        source: a path to a YAML/JSON file, or the spec as a mapping.
+        source: a path to a YAML/JSON file, or the spec as a mapping. A document with
+            ``apiVersion``/``kind`` is read as a Katib ``kubeflow.org/v1beta1`` Experiment
+            (:mod:`hybridtrain.hpo.katib`).
+        notes: if given, informational lines of a Katib translation are appended to it
+            (what was ignored or renamed).
 
     Returns:
         The validated :class:`ExperimentSpec`, with algorithm and early-stopping options
@@ -82,6 +88,19 @@ def load_spec(source: str | Path | Mapping[str, Any]) -> ExperimentSpec:
         except yaml.YAMLError as exc:
             line = str(exc).replace("\n", " ")
             raise SpecError(f"spec file {str(path)!r} is not valid YAML/JSON: {line}") from None
+    if is_katib(data):
+        data, katib_notes = katib_to_spec(data)
+        if notes is not None:
+            notes.extend(katib_notes)
+        try:
+            return _checked(data)
+        except SpecError as exc:
+            raise SpecError(f"{exc} (in the translation of Katib experiment "
+                            f"{data.get('name')!r})") from None
+    return _checked(data)
+
+
+def _checked(data: Any) -> ExperimentSpec:
     spec = validate_spec(data)
     check_algorithms(spec)
     return spec

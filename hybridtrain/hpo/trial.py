@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hybridtrain.hpo.attrs import set_user_attrs
 from hybridtrain.hpo.metrics import MetricsCollector
 from hybridtrain.hpo.process import TrialProcess
 from hybridtrain.hpo.push import METRICS_FILE_ENV
@@ -63,14 +64,17 @@ class RunningTrial:
         slot: the slot it runs in.
         attempt: its attempt number within the slot.
         gpus: GPU indices given to it (``CUDA_VISIBLE_DEVICES``).
+        attrs: user attributes to record with the trial's first poll (one transaction
+            with its first metrics, instead of one of their own).
 
     Raises:
         OSError: the process could not be started.
     """
 
     def __init__(self, spec: ExperimentSpec, trial: optuna.Trial, slot: int, attempt: int,
-                 gpus: tuple[int, ...] = ()) -> None:
+                 gpus: tuple[int, ...] = (), attrs: Mapping[str, Any] | None = None) -> None:
         self.spec = spec
+        self.pending_attrs = dict(attrs or {})
         self.trial = trial
         self.slot = slot
         self.attempt = attempt
@@ -125,14 +129,26 @@ class RunningTrial:
         """Report new values to Optuna; returns whether the pruner says stop."""
         metric = self.spec.objective.metric
         new = self.collector.poll(final)
-        reported = False
-        for obs in new:
-            if obs.metric == metric and math.isfinite(obs.value):
-                self.trial.report(obs.value, obs.step)
-                reported = True
+        # What Trial.report stores, written with the attributes in one transaction
+        # (each public call would commit on its own).
+        values = [(obs.step, obs.value) for obs in new
+                  if obs.metric == metric and math.isfinite(obs.value)]
         if new:
-            self.trial.set_user_attr("metrics", dict(self.collector.latest))
-        return reported and self.trial.should_prune()
+            self.pending_attrs["metrics"] = dict(self.collector.latest)
+        self.flush_attrs(values)
+        if not values:
+            return False
+        # Trial.should_prune judges the values Trial.report cached in the Trial object;
+        # these went to the storage directly, so the pruner reads them from there.
+        study = self.trial.study
+        return study.pruner.prune(study, self.trial.storage.get_trial(self.trial._trial_id))
+
+    def flush_attrs(self, intermediate: list[tuple[int, float]] | None = None) -> None:
+        """Write the pending user attributes (and ``intermediate`` values) in one commit."""
+        if self.pending_attrs or intermediate:
+            set_user_attrs(self.trial.storage, self.trial._trial_id, self.pending_attrs,
+                           intermediate or ())
+            self.pending_attrs = {}
 
     def _value(self) -> float | None:
         return self.collector.final_value(self.spec.objective.metric,
