@@ -10,12 +10,16 @@ GET      /v1/experiments/{name}             status and spec
 POST     /v1/experiments/{name}/stop        stop its trials (resumable)
 GET      /v1/experiments/{name}/trials      trials with parameters and metrics
 GET      /v1/experiments/{name}/best        best value, parameters, trial number
+GET      /metrics                           Prometheus text (:mod:`hybridtrain.hpo.exporter`)
 =======  =================================  ===========================================
 
 Every ``/v1`` route needs ``Authorization: Bearer TOKEN``, checked from the headers
-before any byte of the body is read (:mod:`hybridtrain.hpo.guard`). Errors are JSON
-``{"detail": "one line"}``: 401 without token, 404 unknown experiment, 409 a spec that
-conflicts with the stored experiment, 413 a body over the limit, 422 an invalid spec.
+before any byte of the body is read (:mod:`hybridtrain.hpo.guard`); so does ``/metrics``
+unless the app is made with ``metrics_public=True`` (``hpo serve --metrics-public``).
+Errors are JSON ``{"detail": "one line"}``: 401 without token, 404 unknown experiment,
+405 anything but GET on ``/metrics``, 409 a spec that conflicts with the stored
+experiment, 413 a body over the limit, 422 an invalid spec, 501 ``/metrics`` without
+``prometheus_client``.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import Body, Depends, FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from hybridtrain import __version__
@@ -41,7 +45,7 @@ from hybridtrain.hpo.errors import (
     StorageError,
 )
 from hybridtrain.hpo.experiments import ExperimentStore
-from hybridtrain.hpo.guard import DEFAULT_MAX_BODY, ApiGuard
+from hybridtrain.hpo.guard import DEFAULT_MAX_BODY, METRICS_PATH, ApiGuard
 from hybridtrain.hpo.spec import ExperimentSpec, load_spec
 
 Launcher = Callable[[ExperimentSpec, str], Any]
@@ -85,7 +89,8 @@ def launch_worker(spec: ExperimentSpec, storage_url: str) -> subprocess.Popen[by
 
 
 def create_app(store: ExperimentStore, token: str, launcher: Launcher | None = launch_worker,
-               dashboard: bool = True, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
+               dashboard: bool = True, max_body: int = DEFAULT_MAX_BODY,
+               metrics_public: bool = False) -> FastAPI:
     """The FastAPI application.
 
     Args:
@@ -95,6 +100,8 @@ def create_app(store: ExperimentStore, token: str, launcher: Launcher | None = l
             e.g. when workers are started separately with ``hpo worker``).
         dashboard: mount optuna-dashboard at ``/`` (behind the same token).
         max_body: largest request body in bytes (413 above it).
+        metrics_public: serve ``/metrics`` without the token (for a Prometheus that
+            scrapes without credentials); read-only either way.
 
     Returns:
         The app, ready for uvicorn or FastAPI's ``TestClient``.
@@ -102,7 +109,8 @@ def create_app(store: ExperimentStore, token: str, launcher: Launcher | None = l
     app = FastAPI(title="hybridtrain HPO", version=__version__,
                   description="Katib-style hyperparameter optimization on Optuna.")
     app.state.token = token
-    app.add_middleware(ApiGuard, token=token, max_body=max_body)
+    app.add_middleware(ApiGuard, token=token, max_body=max_body,
+                       metrics_public=metrics_public)
 
     @app.exception_handler(HPOError)
     async def _hpo_error(_request: Request, exc: HPOError) -> JSONResponse:
@@ -157,6 +165,31 @@ def create_app(store: ExperimentStore, token: str, launcher: Launcher | None = l
             raise
         except HPOError as exc:
             raise HTTPException(404, str(exc)) from None
+
+    registry: Any = None  # built on the first scrape
+    metrics_auth = [] if metrics_public else auth
+
+    @app.get(METRICS_PATH, response_class=Response, dependencies=metrics_auth)
+    def metrics(request: Request) -> Response:
+        """Prometheus text: experiments and trials by state, trial durations, leases.
+
+        Read from the storage at each scrape; nothing is kept between scrapes. OpenMetrics
+        when the scraper's ``Accept`` asks for it, as ``prometheus_client`` serves."""
+        nonlocal registry
+        try:
+            from prometheus_client.exposition import choose_encoder
+
+            from hybridtrain.hpo.exporter import metrics_registry
+        except ImportError:
+            raise HTTPException(501, "/metrics needs prometheus_client: pip install "
+                                     "prometheus-client (or hybridtrain[monitor])") from None
+        if registry is None:
+            registry = metrics_registry(store)
+        encode, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(encode(registry), headers={"content-type": content_type})
+
+    app.add_api_route(METRICS_PATH, metrics, methods=["HEAD"], response_class=Response,
+                      dependencies=metrics_auth, include_in_schema=False)
 
     if dashboard:
         from hybridtrain.hpo.dashboard import dashboard_app

@@ -175,7 +175,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from hybridtrain.hpo.server import serve
 
     return serve(host=args.host, port=args.port, storage=args.storage,
-                 token_file=Path(args.token_file) if args.token_file else None)
+                 token_file=Path(args.token_file) if args.token_file else None,
+                 metrics_public=args.metrics_public)
 
 
 def add_hpo_commands(sub: Any) -> None:
@@ -219,12 +220,16 @@ def add_hpo_commands(sub: Any) -> None:
     p.add_argument("--image", default="hybridtrain:latest",
                    help="container image of the trials (default hybridtrain:latest)")
     p.add_argument("--namespace", default=None, help="Kubernetes namespace of the Experiment")
-    p = add("serve", cmd_serve, "serve the REST API (/api) and the dashboard (/dashboard)")
+    p = add("serve", cmd_serve, "serve the REST API (/v1), the dashboard (/dashboard) and "
+            "Prometheus metrics (/metrics)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--token-file", default=None,
                    help="bearer token file (default: $HYBRIDTRAIN_HPO_TOKEN, else "
                         "~/.config/hybridtrain/hpo-token, created on first start)")
+    p.add_argument("--metrics-public", action="store_true",
+                   help="serve the Prometheus page /metrics without the token (read-only: "
+                        "experiment names and counts; default: the token is needed)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,6 +6,10 @@ the server buffer and parse hundreds of megabytes. :class:`ApiGuard` runs before
 sees the request. It answers 401 to a ``/v1`` request without a valid token from the
 headers alone, and 413 to any body over the limit, whether announced by
 ``Content-Length`` or streamed in chunks (it stops reading at the limit).
+
+``/metrics`` is read-only and bodyless: a request other than ``GET``/``HEAD`` is answered
+405 from the headers, so not a byte of any body sent there is read. It needs the token
+like ``/v1`` unless the server was started with ``--metrics-public``.
 """
 
 from __future__ import annotations
@@ -18,32 +22,43 @@ from hybridtrain.hpo.auth import ASGIApp, Scope, bearer, respond, token_matches
 
 #: Default body limit: an experiment spec is a few kilobytes.
 DEFAULT_MAX_BODY = 1024 * 1024
+#: Prometheus text of the service (:mod:`hybridtrain.hpo.exporter`).
+METRICS_PATH = "/metrics"
 
 Receive = Callable[[], Awaitable[Any]]
 Send = Callable[[Any], Awaitable[None]]
 
 
 class ApiGuard:
-    """Authenticate ``/v1`` requests and bound every request body.
+    """Authenticate ``/v1`` (and ``/metrics``) requests and bound every request body.
 
     Args:
         app: the wrapped ASGI app.
         token: the bearer token ``/v1`` requests must carry.
         max_body: largest accepted body in bytes.
+        metrics_public: serve ``/metrics`` without the token.
     """
 
-    def __init__(self, app: ASGIApp, token: str, max_body: int = DEFAULT_MAX_BODY) -> None:
+    def __init__(self, app: ASGIApp, token: str, max_body: int = DEFAULT_MAX_BODY,
+                 metrics_public: bool = False) -> None:
         self.app, self.token, self.max_body = app, token, max_body
+        self.metrics_public = metrics_public
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        if (path == "/v1" or path.startswith("/v1/")) and not token_matches(
-                self.token, bearer(scope["headers"])):
+        metrics = path == METRICS_PATH
+        protected = path == "/v1" or path.startswith("/v1/") or (
+            metrics and not self.metrics_public)
+        if protected and not token_matches(self.token, bearer(scope["headers"])):
             await _reply(send, 401, "missing or invalid bearer token",
                          [(b"www-authenticate", b"Bearer")])
+            return
+        if metrics and scope["method"] not in ("GET", "HEAD"):
+            await _reply(send, 405, "method not allowed: /metrics is read-only (GET)",
+                         [(b"allow", b"GET, HEAD"), (b"connection", b"close")])
             return
         declared = _content_length(scope["headers"])
         if declared is not None and declared > self.max_body:

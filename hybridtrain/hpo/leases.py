@@ -30,6 +30,33 @@ from hybridtrain.hpo.records import SLOTS
 log = logging.getLogger(__name__)
 
 
+class RenewalCounter:
+    """Lease renewals made in this process, by experiment (for ``/metrics``).
+
+    Counted where :meth:`Leases.renew` extends leases, so it covers the controllers that
+    run inside this process only; each process has its own count from 0.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+
+    def add(self, experiment: str, n: int) -> None:
+        """Count ``n`` leases of ``experiment`` renewed."""
+        if n > 0:
+            with self._lock:
+                self._counts[experiment] = self._counts.get(experiment, 0) + n
+
+    def snapshot(self) -> dict[str, int]:
+        """Renewals so far by experiment."""
+        with self._lock:
+            return dict(self._counts)
+
+
+#: Renewals of every :class:`Leases` of this process.
+RENEWALS = RenewalCounter()
+
+
 def new_owner_id() -> str:
     """A unique id for one controller process: ``host:pid:random``."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -150,10 +177,10 @@ class Leases:
         with self.engine.begin() as conn:
             updated = conn.execute(SLOTS.update().where(cond).values(
                 lease_expires=time.time() + self.lease_duration)).rowcount
-            if updated == len(wanted):
-                return set()
-            held = set(conn.execute(sa.select(SLOTS.c.slot).where(cond)).scalars())
-        return wanted - held
+            held = None if updated == len(wanted) else set(
+                conn.execute(sa.select(SLOTS.c.slot).where(cond)).scalars())
+        RENEWALS.add(self.experiment, updated)  # once committed (a failed commit raises)
+        return set() if held is None else wanted - held
 
     def release(self, slot: int, state: str, attempt: int,
                 params: dict[str, Any] | None) -> bool:

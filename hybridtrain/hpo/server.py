@@ -19,7 +19,7 @@ def _is_loopback(host: str) -> bool:
 
 
 def serve(host: str = "127.0.0.1", port: int = 8080, storage: str | None = None,
-          token_file: Path | None = None) -> int:
+          token_file: Path | None = None, metrics_public: bool = False) -> int:
     """Serve until interrupted.
 
     Args:
@@ -27,6 +27,7 @@ def serve(host: str = "127.0.0.1", port: int = 8080, storage: str | None = None,
         port: TCP port.
         storage: storage URL of the experiments.
         token_file: where the bearer token lives (see :mod:`hybridtrain.hpo.auth`).
+        metrics_public: serve ``/metrics`` without the token.
 
     Returns:
         The exit code (0).
@@ -41,7 +42,7 @@ def serve(host: str = "127.0.0.1", port: int = 8080, storage: str | None = None,
 
     token, created = resolve_token(token_file)
     store = ExperimentStore(storage)
-    app = create_app(store, token)
+    app = create_app(store, token, metrics_public=metrics_public)
     if created:
         print(f"generated API token (saved; set ${TOKEN_ENV} to override): {token}", flush=True)
     if not _is_loopback(host):
@@ -49,6 +50,8 @@ def serve(host: str = "127.0.0.1", port: int = 8080, storage: str | None = None,
               "has the token can start them", file=sys.stderr)
     base = f"http://{host}:{port}"
     print(f"REST API:  {base}/v1/experiments  (schema: {base}/openapi.json)\n"
-          f"dashboard: {base}/dashboard?token=<token>", flush=True)
+          f"dashboard: {base}/dashboard?token=<token>\n"
+          f"metrics:   {base}/metrics  "
+          f"({'no token needed' if metrics_public else 'bearer token needed'})", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")
     return 0
