@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -66,6 +67,11 @@ def test_cli_run_serves_metrics_that_agree_with_metrics_jsonl(tmp_path: Path) ->
     started = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    # stderr is read as it comes: SIGTERM must wait until the job says it lingers (sent
+    # earlier, between the end of training and the linger, it would end the job unhandled).
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
     try:
         first_answer: float | None = None
         during: list[dict[tuple[str, str | None], float]] = []
@@ -79,10 +85,15 @@ def test_cli_run_serves_metrics_that_agree_with_metrics_jsonl(tmp_path: Path) ->
                     break
                 during.append(values)
             time.sleep(0.02)
-        assert final is not None, proc.stderr.read() if proc.poll() is not None else "no final scrape"
+        assert final is not None, "".join(lines) if proc.poll() is not None else "no final scrape"
+        while proc.poll() is None and not any("still serving" in line for line in lines):
+            time.sleep(0.02)
     finally:
         proc.send_signal(signal.SIGTERM)  # ends the linger
-        stdout, stderr = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
+        stdout = proc.stdout.read()  # type: ignore[union-attr]  (a few lines: the pipe never filled)
+        reader.join(timeout=10)
+        stderr = "".join(lines)
     assert proc.returncode == 0, stderr
     assert f"metrics: serving http://127.0.0.1:{port}/metrics" in stderr
     assert first_answer is not None and first_answer < 30  # (dominated by importing torch)
