@@ -91,7 +91,7 @@ def test_cli_run_serves_metrics_that_agree_with_metrics_jsonl(tmp_path: Path) ->
     finally:
         proc.send_signal(signal.SIGTERM)  # ends the linger
         proc.wait(timeout=60)
-        stdout = proc.stdout.read()  # type: ignore[union-attr]  (a few lines: the pipe never filled)
+        proc.stdout.read()  # type: ignore[union-attr]  (a few lines: the pipe never filled)
         reader.join(timeout=10)
         stderr = "".join(lines)
     assert proc.returncode == 0, stderr
