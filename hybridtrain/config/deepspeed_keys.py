@@ -62,6 +62,15 @@ def _truthy(value: Any) -> bool:
     return bool(value) and value != "none"
 
 
+def _enables(value: Any) -> bool:
+    """Whether a DeepSpeed feature section switches anything on (``"enabled": true`` anywhere in it)."""
+    if isinstance(value, dict):
+        return value.get("enabled") is True or any(_enables(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_enables(v) for v in value)
+    return False
+
+
 _COMM = "communication or bucketing only; gradients and updates are the same"
 _MEMORY = "memory layout or prefetching only; the math is the same"
 _LOGGING = "a logging destination; hybridtrain writes metrics.jsonl and prints steps"
@@ -153,13 +162,13 @@ TREATMENTS: dict[str, Treatment] = {
     # ---------------------------------------------------------------- refused: changes the math
     "amp": _refused("NVIDIA Apex mixed precision with its own casting rules; use fp16 or bf16"),
     "fp8": _refused("fp8 training; use bf16"),
-    "compression_training": _refused("quantization-aware training and pruning; no hybridtrain equivalent"),
-    "sparse_attention": _refused("block-sparse attention kernels replace the model's attention; "
-                                 "no hybridtrain equivalent"),
-    "progressive_layer_drop": _refused("randomly skips layers during training; no hybridtrain equivalent"),
-    "curriculum_learning": _refused("changes the sequence length over training; no hybridtrain equivalent"),
-    "data_efficiency": _refused("data sampling and routing schedules; no hybridtrain equivalent"),
-    "eigenvalue": _refused("eigenvalue-based adaptive layer-wise schedules; no hybridtrain equivalent"),
+    "compression_training": _refused("quantization-aware training and pruning; no hybridtrain equivalent", when=_enables),
+    "sparse_attention": _no("settings of DeepSpeed's sparse-attention modules, which only model code using "
+                            "them reads"),
+    "progressive_layer_drop": _refused("randomly skips layers during training; no hybridtrain equivalent", when=_enables),
+    "curriculum_learning": _refused("changes the sequence length over training; no hybridtrain equivalent", when=_enables),
+    "data_efficiency": _refused("data sampling and routing schedules; no hybridtrain equivalent", when=_enables),
+    "eigenvalue": _refused("eigenvalue-based adaptive layer-wise schedules; no hybridtrain equivalent", when=_enables),
     "quantize_training": _refused("quantized training (MoQ); use bf16"),
     "weight_quantization": _refused("weight quantization; use bf16"),
     "elasticity": _refused("changes batch sizes with the number of GPUs; fix the batch sizes and use "
