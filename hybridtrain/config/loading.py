@@ -69,9 +69,9 @@ def explain_config(source: ConfigSource | None = None,
     elif source is None:
         raw = {}
     elif isinstance(source, Mapping):
-        raw = _deep_copy(source)
+        raw = plain_copy(source)
     else:
-        raw = _read_file(Path(source))
+        raw = read_config_file(Path(source))
     for item in overrides:
         _apply_override(raw, item)
     try:
@@ -84,15 +84,21 @@ def explain_config(source: ConfigSource | None = None,
         raise ConfigError(format_validation_error(exc)) from None
 
 
-def _deep_copy(value: Any) -> Any:
+def plain_copy(value: Any) -> Any:
+    """A config's nested mappings and lists copied as plain dicts and lists (keys as strings)."""
     if isinstance(value, Mapping):
-        return {str(k): _deep_copy(v) for k, v in value.items()}
+        return {str(k): plain_copy(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_deep_copy(v) for v in value]
+        return [plain_copy(v) for v in value]
     return value
 
 
-def _read_file(path: Path) -> dict[str, Any]:
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The mapping a JSON/YAML config file holds.
+
+    Raises:
+        ConfigError: a missing or unreadable file, or one that does not hold a mapping.
+    """
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     text = path.read_text(encoding="utf-8")

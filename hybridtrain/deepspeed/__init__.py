@@ -105,9 +105,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
 def _raw_config(args: Any, config: Any, config_params: Any) -> dict[str, Any]:
     """DeepSpeed's precedence: ``config``, else ``config_params``; ``args.deepspeed_config``
     (or ``args.deepscale_config``) only when neither is given."""
-    import json
-
-    from hybridtrain.config import ConfigError
+    from hybridtrain.config.loading import plain_copy, read_config_file
 
     if config is None:
         config = config_params
@@ -120,25 +118,8 @@ def _raw_config(args: Any, config: Any, config_params: Any) -> dict[str, Any]:
     if config is None:
         raise ValueError("DeepSpeed requires --deepspeed_config to specify configuration file")
     if isinstance(config, Mapping):
-        return _copy(config)
-    path = Path(config)
-    if not path.is_file():
-        raise ConfigError(f"DeepSpeed config {str(path)!r} does not exist")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"DeepSpeed config {str(path)!r} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"DeepSpeed config {str(path)!r} must hold a mapping of keys")
-    return data
-
-
-def _copy(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): _copy(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_copy(v) for v in value]
-    return value
+        return plain_copy(config)
+    return read_config_file(Path(config))
 
 
 def _custom_groups(params: list[Any], model: nn.Module) -> bool:
