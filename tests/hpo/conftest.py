@@ -100,7 +100,11 @@ def postgres_url() -> Iterator[str]:
         # PostgreSQL refuses to run as root.
         if subprocess.run(["id", "postgres"], capture_output=True).returncode != 0:
             pytest.skip("running as root and no 'postgres' user to run PostgreSQL as")
-        run_as = ["runuser", "-u", "postgres", "--"]
+        # runuser lives in /usr/sbin, which a minimal PATH (a newcomer's shell) leaves out.
+        runuser = shutil.which("runuser", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"]))
+        if runuser is None:
+            pytest.skip("running as root and no runuser to run PostgreSQL as the 'postgres' user")
+        run_as = [runuser, "-u", "postgres", "--"]
     tmp = Path(tempfile.mkdtemp(prefix="hpo-pg-"))
     os.chmod(tmp, 0o777)
     data, port = tmp / "data", free_port()
