@@ -23,11 +23,12 @@ def load_tokens(path: str | Path | None = None) -> torch.Tensor:
 
     Args:
         path: ``None`` for the embedded corpus; a ``.bin``/``.u16`` (uint16), ``.i32`` or
-            ``.i64`` raw token file, a ``.pt`` file holding a 1-D tensor, or any text file
-            (byte-tokenized).
+            ``.i64`` raw token file, a ``.pt`` file holding a 1-D tensor, a ``.npy`` NumPy
+            array, or any text file (byte-tokenized).
 
     Raises:
-        ValueError: the file does not exist or holds no usable tokens.
+        ValueError: the file does not exist or holds no usable tokens (too few, negative,
+            not integers); one line naming the file.
     """
     tokenizer = ByteTokenizer()
     if path is None:
@@ -42,16 +43,43 @@ def load_tokens(path: str | Path | None = None) -> torch.Tensor:
         raw = bytearray(path.read_bytes())
         if len(raw) % dtype.itemsize:
             raise ValueError(f"data.path = {str(path)!r} is not a whole number of {dtype} tokens")
-        tokens = torch.frombuffer(raw, dtype=dtype)
+        # uint16 (nanoGPT's format) supports few operations (max, comparisons): widen it.
+        tokens = torch.frombuffer(raw, dtype=dtype).to(torch.int32 if dtype == torch.uint16 else dtype)
     elif suffix == ".pt":
         tokens = torch.load(path, weights_only=True)
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
             raise ValueError(f"data.path = {str(path)!r} must hold a 1-D tensor of token ids")
+    elif suffix == ".npy":
+        tokens = _load_npy(path)
     else:
         tokens = tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"))
+    if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+        raise ValueError(f"data.path = {str(path)!r} holds {tokens.dtype} values; token ids are integers")
     if tokens.numel() < 2:
         raise ValueError(f"data.path = {str(path)!r} holds {tokens.numel()} tokens; need at least 2")
+    lowest = int(tokens.min())
+    if lowest < 0:
+        raise ValueError(f"data.path = {str(path)!r} holds negative token ids (the smallest is {lowest}); "
+                         "token ids are 0 or more")
     return tokens
+
+
+def _load_npy(path: Path) -> torch.Tensor:
+    """A NumPy ``.npy`` array of token ids (1-D)."""
+    try:
+        import numpy as np
+    except ImportError:
+        raise ValueError(f"data.path = {str(path)!r} is a NumPy file; install numpy to read it") from None
+    try:
+        array = np.load(path, allow_pickle=False)
+    except ValueError as exc:
+        raise ValueError(f"data.path = {str(path)!r} is not a readable .npy array: {exc}") from None
+    if array.ndim != 1:
+        raise ValueError(f"data.path = {str(path)!r} holds a {array.ndim}-D array; token ids are 1-D")
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"data.path = {str(path)!r} holds {array.dtype} values; token ids are integers")
+    widened = array.astype(np.int64 if array.dtype.itemsize > 4 or array.dtype == np.uint32 else np.int32)
+    return torch.from_numpy(widened)
 
 
 class TokenBatches:

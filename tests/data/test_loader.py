@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -46,3 +47,31 @@ def test_batches_are_a_function_of_the_step() -> None:
     assert int(data.eval_batch(0, 4)[0].min()) >= int(5000 * 0.95)
     with pytest.raises(ValueError, match="seq_len"):
         TokenBatches(torch.arange(50), seq_len=64)
+
+
+def test_token_files_in_every_documented_format(tmp_path: Path) -> None:
+    import numpy as np
+
+    ids = np.arange(300, dtype=np.uint16) * 200  # up to 59,800: needs all 16 bits
+    (tmp_path / "t.bin").write_bytes(ids.tobytes())
+    (tmp_path / "t.u16").write_bytes(ids.tobytes())
+    np.save(tmp_path / "t.npy", ids.astype(np.int32))
+    for name in ("t.bin", "t.u16", "t.npy"):
+        tokens = load_tokens(tmp_path / name)
+        assert int(tokens.max()) == 59_800 and tokens[1] == 200
+        data = TokenBatches(tokens, seq_len=8)
+        x, y = data.train_batch(0, 2)
+        assert data.max_token == 59_800 and x.dtype == y.dtype == torch.int64
+
+
+def test_bad_token_files_are_one_line(tmp_path: Path) -> None:
+    import numpy as np
+
+    np.save(tmp_path / "neg.npy", np.array([1, -3, 2], dtype=np.int64))
+    np.save(tmp_path / "float.npy", np.array([1.0, 2.0]))
+    np.save(tmp_path / "two.npy", np.zeros((2, 2), dtype=np.int64))
+    torch.save(torch.tensor([4, -1, 2]), tmp_path / "neg.pt")
+    for name, needle in (("neg.npy", "negative token ids (the smallest is -3)"), ("float.npy", "float64 values"),
+                         ("two.npy", "2-D array"), ("neg.pt", "the smallest is -1")):
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            load_tokens(tmp_path / name)
