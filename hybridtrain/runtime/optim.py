@@ -34,6 +34,10 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], type_name: str,
             (one line naming it).
     """
     kwargs = dict(kwargs)
+    betas = kwargs.get("betas")
+    if betas is not None and not (isinstance(betas, list | tuple) and len(betas) == 2
+                                  and all(isinstance(b, int | float) for b in betas)):
+        raise ValueError(f"optimizer.params.betas = {betas!r} must be two numbers [beta1, beta2]")
     name = type_name.lower()
     if name in _REFUSED_OPTIMIZERS:
         raise ValueError(f"optimizer.type = {type_name!r} ({_REFUSED_OPTIMIZERS[name]}) is a DeepSpeed optimizer "
@@ -48,7 +52,7 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], type_name: str,
         if not corrected:
             try:
                 return AdamWithoutBiasCorrection(params, decoupled=bool(decoupled), **kwargs)
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError, IndexError) as exc:  # torch indexes betas[1] unchecked
                 raise ValueError(f"optimizer.params {kwargs} rejected by Adam without bias correction: "
                                  f"{exc}") from None
         type_name = "AdamW" if decoupled else "Adam"
@@ -65,7 +69,7 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], type_name: str,
         )
     try:
         return cls(params, **kwargs)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, IndexError) as exc:  # torch indexes betas[1] unchecked
         raise ValueError(f"optimizer.params {kwargs} rejected by {cls.__name__}: {exc}") from None
 
 

@@ -59,6 +59,8 @@ def test_adam_without_bias_correction_follows_deepspeeds_kernel(decoupled: bool)
 
 
 def test_bad_optimizers() -> None:
+    with pytest.raises(ValueError, match=r"optimizer.params.betas = \[0.9\] must be two numbers"):
+        build_optimizer(_params(), "AdamW", {"betas": [0.9]})
     with pytest.raises(ValueError, match="rejected by Adam without bias correction"):
         build_optimizer(_params(), "Adam", {"bias_correction": False, "amsgrad": True})
     with pytest.raises(ValueError, match="'OneBitAdam' .*1-bit Adam.* nearest is AdamW"):
