@@ -27,12 +27,13 @@ from hybridtrain.config import Config
 from hybridtrain.data import TokenBatches, load_tokens
 from hybridtrain.engine import Engine
 from hybridtrain.metrics import MetricsLog
-from hybridtrain.models.factory import build_model
+from hybridtrain.models.factory import build_model, parameter_count
 from hybridtrain.models.gpt import causal_lm_loss
 from hybridtrain.monitoring.readings import device_peak_tflops, flops_per_token, memory_readings
 from hybridtrain.monitoring.telemetry import Telemetry, check_monitoring
 from hybridtrain.plan import TrainingPlan, resolve
-from hybridtrain.runtime.device import peak_memory_bytes, reset_peak_memory
+from hybridtrain.runtime.device import peak_memory_bytes, reset_peak_memory, resolve_device
+from hybridtrain.runtime.transfer import available_host_bytes
 
 CHECKPOINTS = "checkpoints"
 
@@ -99,7 +100,7 @@ def run_training(cfg: Config, resume: bool | str = False, progress: bool = True)
     try:
         # /metrics answers from here on, while the model is still being built.
         telemetry.start_server()
-        data, model = _data_and_model(cfg)
+        data, model = _data_and_model(cfg, fits_host=True)
         rates = _Rates(flops_per_token(model), cfg.train.peak_tflops)
         engine = initialize(model, cfg, loss_fn=causal_lm_loss, example_batch=_example(cfg, data))
         rates.peak_tflops = device_peak_tflops(engine.device, cfg.train.peak_tflops)
@@ -132,12 +133,26 @@ def plan_training(cfg: Config, world_size: int | None = None) -> TrainingPlan:
     return resolve(cfg, model, world_size, example_batch=_example(cfg, data))
 
 
-def _data_and_model(cfg: Config) -> tuple[TokenBatches, nn.Module]:
+def _data_and_model(cfg: Config, fits_host: bool = False) -> tuple[TokenBatches, nn.Module]:
+    """The data and the model; with ``fits_host``, first check on the meta device that the
+    model's weights fit in host memory (a typo such as ``n_layer: 100000`` is one line, not
+    an allocation that runs the machine into swap)."""
     tokens = load_tokens(cfg.data.path)
     data = TokenBatches(tokens, cfg.data.seq_len, cfg.data.val_fraction, cfg.seed)
     vocab = int(cfg.model.overrides.get("vocab_size", max(256, data.max_token + 1)))
     if data.max_token >= vocab:
         raise ValueError(f"data tokens go up to {data.max_token} but model.overrides.vocab_size = {vocab}")
+    if fits_host:
+        count = parameter_count(cfg.model.name, cfg.model.overrides, vocab, cfg.data.seq_len)
+        # The model is built in host memory; training on the CPU also keeps its gradients
+        # and two Adam moments there (a lower bound: activations come on top).
+        on_cpu = resolve_device(cfg.device).type == "cpu"
+        needed, available = (16 if on_cpu else 4) * count, available_host_bytes()
+        if needed > available:
+            what = "fp32 weights, gradients and Adam moments" if on_cpu else "fp32 weights"
+            raise ValueError(f"model {cfg.model.name} with model.overrides {cfg.model.overrides} has "
+                             f"{count / 1e9:.2f} B parameters: {needed / 2**30:.1f} GiB of {what}, more than "
+                             f"the {available / 2**30:.1f} GiB of host memory available")
     return data, build_model(cfg.model.name, cfg.model.overrides, vocab, cfg.data.seq_len, cfg.seed)
 
 

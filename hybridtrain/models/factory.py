@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridtrain.models.gpt import build_gpt
+from hybridtrain.models.gpt import build_gpt, gpt_config, gpt_param_count
 
 
 def build_model(name: str, overrides: dict[str, Any], vocab_size: int, seq_len: int, seed: int) -> nn.Module:
@@ -26,6 +26,19 @@ def build_model(name: str, overrides: dict[str, Any], vocab_size: int, seq_len: 
         return _build_hf(name.removeprefix("hf:"), overrides, vocab_size, seq_len)
     raise ValueError(f"model.name = {name!r} is unknown; allowed: gpt-<size> (e.g. gpt-tiny) or "
                      "hf:<model_type> (e.g. hf:gpt2, hf:llama)")
+
+
+def parameter_count(name: str, overrides: dict[str, Any], vocab_size: int, seq_len: int) -> int:
+    """Parameters :func:`build_model` would create, without allocating them: computed for
+    the reference GPT, counted on the meta device for a Hugging Face model.
+
+    Raises:
+        ValueError / ImportError: as :func:`build_model`.
+    """
+    if name.startswith("gpt-"):
+        return gpt_param_count(gpt_config(name, vocab_size=vocab_size, seq_len=seq_len, **overrides))
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_model(name, overrides, vocab_size, seq_len, 0).parameters())
 
 
 def _build_hf(model_type: str, overrides: dict[str, Any], vocab_size: int, seq_len: int) -> nn.Module:
