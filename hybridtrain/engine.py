@@ -195,6 +195,11 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)
         return True
 
+    @property
+    def micro_step(self) -> int:
+        """Micro-batches :meth:`step` has finished since the last accumulation boundary."""
+        return self._manual_micro_steps
+
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next :meth:`step` call runs the optimizer."""
         return self._manual_micro_steps + 1 == self.options.batch.accumulation_steps

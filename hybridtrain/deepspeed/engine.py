@@ -35,7 +35,6 @@ class DeepSpeedEngine:
         self.engine = engine
         self.config = config
         self.training_dataloader = training_dataloader
-        self._micro_step = 0  # step() calls since the last boundary (the engine counts the same)
         self._step_applied = False
         self._compiled = False
 
@@ -67,7 +66,6 @@ class DeepSpeedEngine:
         boundary = self.engine.is_gradient_accumulation_boundary()
         skipped = self.engine.skipped_steps
         self.engine.step()  # clears the gradients after the update, as DeepSpeed
-        self._micro_step = 0 if boundary else self._micro_step + 1
         if boundary:
             self._step_applied = self.engine.skipped_steps == skipped
 
@@ -140,7 +138,7 @@ class DeepSpeedEngine:
 
     @property
     def micro_steps(self) -> int:
-        return self.engine.global_step * self.gradient_accumulation_steps() + self._micro_step
+        return self.engine.global_step * self.gradient_accumulation_steps() + self.engine.micro_step
 
     @property
     def skipped_steps(self) -> int:
@@ -246,7 +244,6 @@ class DeepSpeedEngine:
             self.engine.optimizer.load_state_dict(optimizer_state)
         if scheduler_state is not None and scheduler is not None:
             scheduler.load_state_dict(scheduler_state)
-        self._micro_step = 0  # the engine starts a new accumulation window too
         return str(path), client_state
 
     # ------------------------------------------------------------------ internals

@@ -156,7 +156,7 @@ def split_pipeline(model: nn.Module, blocks: BlockList, settings: PipelinePlan, 
     """
     pp = topology.pp
     num_stages = pp * settings.virtual_stages
-    counts = settings.counts or _counts_by_time(model, blocks, settings, num_stages, topology, example,
+    counts = settings.counts or _counts_by_time(model, blocks, num_stages, topology, example,
                                                 loss_fn, device, compute_dtype)
     block_params = {id(p) for b in blocks for p in b.parameters()}
     first = first_names(model)
@@ -188,9 +188,8 @@ def split_pipeline(model: nn.Module, blocks: BlockList, settings: PipelinePlan, 
     return PipelineSplit(model, layout, stages, owner, counted, sync)
 
 
-def _counts_by_time(model: nn.Module, blocks: BlockList, settings: PipelinePlan, num_stages: int,
-                    topology: Topology, example: Batch, loss_fn: LossFn | None, device: torch.device,
-                    compute_dtype: torch.dtype | None) -> tuple[int, ...]:
+def _counts_by_time(model: nn.Module, blocks: BlockList, num_stages: int, topology: Topology, example: Batch,
+                    loss_fn: LossFn | None, device: torch.device, compute_dtype: torch.dtype | None) -> tuple[int, ...]:
     def one_loss() -> torch.Tensor:
         with autocast(device, compute_dtype):
             return compute_loss(run_model(model, example), example, loss_fn).float()

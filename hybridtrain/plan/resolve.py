@@ -93,13 +93,13 @@ def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | Non
     pipeline = _pipeline(cfg, pp, blocks, usage, batch.accumulation_steps) if pp > 1 else None
     counts = pipeline.counts if pipeline is not None and pipeline.counts else ()
     stage_of = {b: s for s, (start, stop) in enumerate(stage_bounds(counts)) for b in range(start, stop)}
+    checkpoint_set, swap_set, stream_set = set(checkpointed), set(swapped), set(streamed)
     return TrainingPlan(
         config=cfg, sizes=sizes, batch=batch, device=device,
         compute_dtype=compute_dtype,
         loss_scaling=cfg.fp16.enabled,
         block_lists=tuple(path for path, _ in blocks.lists) if blocks.found else (),
-        blocks=tuple(BlockPlan(name, name in set(checkpointed), name in set(swapped), name in streamed,
-                               stage_of.get(i))
+        blocks=tuple(BlockPlan(name, name in checkpoint_set, name in swap_set, name in stream_set, stage_of.get(i))
                      for i, name in enumerate(blocks.names if blocks.found else [])),
         checkpoint_modules=tuple(checkpointed),
         swap_modules=tuple(swapped),
