@@ -1,10 +1,9 @@
 """HPO service benchmarks; every figure is a ratio against a baseline run in the same process.
 
-(a) overhead: an experiment of trivial trials (``echo loss=…``) on SQLite through the
-    whole service (spec, slots, leases, heartbeat, processes, metrics parsing), against a
-    bare Optuna ask/tell loop that runs the same command with ``subprocess.run`` on the
-    same kind of storage. Reports ms per trial for the first and the second half of the
-    trials (flat = no growth with the trial count). Goal: <= 50 ms per trial.
+(a) overhead: one run of each loop of ``benchmarks/hpo_overhead.py`` (the service on
+    trivial trials against a bare Optuna ask/tell + subprocess loop); ms per trial, and
+    for the first and the second half of the trials (flat = no growth with the count).
+    ``hpo_overhead.py`` alternates several rounds for the figure in the README.
 (b) search quality: best value after N trials of TPE and CMA-ES against random search
     on Branin (2-D) and Hartmann-6 from ``botorch.test_functions``, mean over seeds;
     reported as the ratio of simple regrets (lower is better, < 1 beats random).
@@ -24,17 +23,15 @@ import argparse
 import math
 import platform
 import statistics
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import optuna
 import torch
+from hpo_overhead import halves_ms, per_trial_ms, run_baseline, run_service  # benchmarks/
 
 from hybridtrain.hpo.algorithms import build_pruner, build_sampler
-from hybridtrain.hpo.controller import Controller
 from hybridtrain.hpo.spec import load_spec
 
 CURVE_STEPS = 20
@@ -48,37 +45,17 @@ def _spec(name: str, params: dict[str, Any], algorithm: dict[str, Any],
 
 
 def bench_overhead(trials: int, workdir: Path) -> None:
-    params = {"x": {"type": "float", "low": 0.0, "high": 1.0}}
-    spec = load_spec(_spec("overhead", params, {"name": "random", "seed": 0},
-                           command="echo loss=${x}", max_trials=trials,
-                           output_dir=str(workdir / "runs"),
-                           durability={"poll_interval": 0.002}))
-    times: list[float] = []
-    controller = Controller(spec, f"sqlite:///{workdir / 'service.db'}",
-                            on_event=lambda line: times.append(time.perf_counter())
-                            if "complete" in line else None)
-    t0 = time.perf_counter()
-    controller.run()
-    service = (time.perf_counter() - t0) / trials
-
-    storage = optuna.storages.RDBStorage(f"sqlite:///{workdir / 'baseline.db'}")
-    study = optuna.create_study(storage=storage, sampler=optuna.samplers.RandomSampler(0))
-    t0 = time.perf_counter()
-    for _ in range(trials):
-        trial = study.ask()
-        x = trial.suggest_float("x", 0.0, 1.0)
-        out = subprocess.run(f"echo loss={x}", shell=True, capture_output=True, text=True)
-        study.tell(trial, float(out.stdout.split("=")[1]))
-    baseline = (time.perf_counter() - t0) / trials
-
-    half = len(times) // 2
-    first = (times[half - 1] - times[0]) / max(half - 1, 1)
-    second = (times[-1] - times[half]) / max(len(times) - half - 1, 1)
+    """(a): one run of each loop of ``hpo_overhead.py`` (which alternates rounds)."""
+    (workdir / "service").mkdir()
+    (workdir / "baseline").mkdir()
+    service = run_service(trials, workdir / "service")
+    baseline = run_baseline(trials, workdir / "baseline")
+    s, b = per_trial_ms(service), per_trial_ms(baseline)
+    first, second = halves_ms(service)
     print(f"(a) overhead, {trials} trivial trials, SQLite, parallel_trials=1")
-    print(f"    service {service * 1e3:.1f} ms/trial; bare ask/tell+subprocess loop "
-          f"{baseline * 1e3:.1f} ms/trial; ratio {service / baseline:.2f}x; "
-          f"added by the service {max(service - baseline, 0) * 1e3:.1f} ms/trial")
-    print(f"    first half {first * 1e3:.1f} ms/trial, second half {second * 1e3:.1f} ms/trial "
+    print(f"    service {s:.1f} ms/trial; bare ask/tell+subprocess loop {b:.1f} ms/trial; "
+          f"ratio {s / b:.2f}x (rounds and more: benchmarks/hpo_overhead.py)")
+    print(f"    service, first half {first:.1f} ms/trial, second half {second:.1f} ms/trial "
           f"(growth {second / first:.2f}x)")
 
 

@@ -38,6 +38,18 @@ def build_parser() -> argparse.ArgumentParser:
     from hybridtrain.report.cli import add_report_command
 
     add_report_command(sub)
+
+    from hybridtrain.checkpoint.cli import add_checkpoint_command
+
+    add_checkpoint_command(sub)
+
+    from hybridtrain.profiling.cli import add_profile_command
+
+    add_profile_command(sub)
+
+    from hybridtrain.planner.cli import add_planner_commands
+
+    add_planner_commands(sub)
     return parser
 
 

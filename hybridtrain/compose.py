@@ -11,7 +11,10 @@ from hybridtrain.config import ConfigSource
 from hybridtrain.engine import Engine
 from hybridtrain.plan.build import build
 from hybridtrain.plan.resolve import resolve
+from hybridtrain.planner.auto import planned_config
 from hybridtrain.runtime.batch import Batch, LossFn
+from hybridtrain.runtime.memory_limit import cap_cuda_memory
+from hybridtrain.runtime.oom_recovery import check_plain_initialize
 
 
 def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: LossFn | None = None,
@@ -35,7 +38,13 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
     Raises:
         ConfigError: any invalid or unsupported setting, before the model is changed (a
             pipeline's or streaming's example forward runs, leaving parameters, buffers and
-            random generators as they were).
+            random generators as they were); ``oom_recovery`` and a CPU
+            ``device_memory_limit``, which need
+            :func:`~hybridtrain.runtime.oom_recovery.initialize_guarded`.
     """
+    config = planned_config(config, model, loss_fn, example_batch)  # "auto": the planner chooses
     plan = resolve(config, model, example_batch=example_batch, optimizer=optimizer)
+    check_plain_initialize(plan.config, plan.device)
+    if plan.config.device_memory_limit is not None:  # CUDA here: the CPU count needs a guard
+        cap_cuda_memory(plan.config.device_memory_limit, plan.device)
     return build(plan, model, loss_fn, optimizer, example_batch)

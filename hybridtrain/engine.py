@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,7 +28,6 @@ from hybridtrain import checkpoint as ckpt
 from hybridtrain.config import BatchSizes
 from hybridtrain.parallel.mesh import Topology
 from hybridtrain.parallel.replicated import ParallelRuntime
-from hybridtrain.runtime import device as dev
 from hybridtrain.runtime.batch import (
     Batch,
     LossFn,
@@ -41,6 +40,7 @@ from hybridtrain.runtime.batch import (
 )
 from hybridtrain.runtime.optim import Scheduler
 from hybridtrain.runtime.precision import LossScaler, autocast
+from hybridtrain.runtime.step_parts import PartClock, step_part
 from hybridtrain.runtime.step_runner import (
     BackwardObserver,
     MicroBatchRunner,
@@ -50,6 +50,9 @@ from hybridtrain.runtime.step_runner import (
     notify_after,
     notify_before,
 )
+
+if TYPE_CHECKING:
+    from hybridtrain.profiling.profiler import Profile
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -118,15 +121,17 @@ class Engine:
         """
         start = time.perf_counter()
         self.module.train()
-        self.last_timings = StepTimings()
         micro_batches = split_batch(batch, self.options.batch.accumulation_steps)
         self.optimizer.zero_grad(set_to_none=True)
         step = StepContext(self._micro_loss, self._scaled_backward, 1.0 / len(micro_batches), self.loss_scale,
                            self._timed)
-        total = self.runner.forward_backward(micro_batches, step)
-        value = float(self.parallel.mean_loss(total).item())
-        with self._timed("step"):
-            self._optimizer_step(value)
+        # wall_clock_breakdown: the parts of this step, transfers and collectives included.
+        with PartClock().running() if self.options.wall_clock_breakdown else nullcontext() as clock:
+            total = self.runner.forward_backward(micro_batches, step)
+            value = float(self.parallel.mean_loss(total).item())
+            with self._timed("step"):
+                self._optimizer_step(value)
+        self.last_timings = StepTimings(**clock.seconds) if clock else StepTimings()
         self.last_timings.total = time.perf_counter() - start
         return value
 
@@ -217,7 +222,9 @@ class Engine:
 
     def _scaled_backward(self, loss: torch.Tensor, final: bool) -> None:
         notify_before(self.options.observers, final, loss)
-        (loss * self.scaler.scale if self.scaler else loss).backward()
+        # Scaled in fp32 as DeepSpeed does (fp16/fused_optimizer.py backward: loss.float() * cur_scale),
+        # so a half-precision loss is not itself overflowed by the scale.
+        (loss.float() * self.scaler.scale if self.scaler else loss).backward()
         notify_after(self.options.observers, final)
 
     def _optimizer_step(self, loss_value: float) -> bool:
@@ -245,16 +252,8 @@ class Engine:
             self.scheduler.step()
         return True
 
-    @contextmanager
-    def _timed(self, part: str) -> Iterator[None]:
-        if not self.options.wall_clock_breakdown:
-            yield
-            return
-        dev.synchronize(self.device)
-        start = time.perf_counter()
-        yield
-        dev.synchronize(self.device)
-        setattr(self.last_timings, part, getattr(self.last_timings, part) + time.perf_counter() - start)
+    def _timed(self, part: str) -> AbstractContextManager[None]:
+        return step_part(part, self.device)
 
     # ------------------------------------------------------------------ readings
     @property
@@ -287,55 +286,58 @@ class Engine:
         """The part of ``global_batch`` this rank trains on (its data-parallel shard)."""
         return self.parallel.topology.local_batch(global_batch)
 
+    def profile(self, batch: Batch, steps: int = 2, output_dir: str | Path | None = None) -> Profile:
+        """Profile ``steps`` training steps on ``batch`` (they train; the first is counted, the
+        rest timed): per-module FLOPs, activations and time, the step's parts, MFU, a diagnosis.
+        With ``output_dir``: ``profile.json``, ``trace.json`` and ``memory.png`` there.
+        See :mod:`hybridtrain.profiling.profiler`."""
+        from hybridtrain.profiling.profiler import profile_engine
+
+        return profile_engine(self, batch, steps, output_dir)
+
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, path: str | Path, client_state: dict[str, Any] | None = None) -> Path:
+    def save_checkpoint(self, path: str | Path, client_state: dict[str, Any] | None = None,
+                        async_save: bool = False) -> Path:
         """Atomically save everything an exact resume needs, plus ``client_state``.
 
-        With several processes, call it on every rank: states are gathered, rank 0 writes.
-        """
-        model_state = self.parallel.model_state_dict()
-        engine_state = {
-            "optimizer": self.parallel.optimizer_state_dict(self.optimizer),
-            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
-            "scaler": self.scaler.state_dict() if self.scaler else None,
-            "global_step": self.global_step,
-            "nonfinite_skips": self._nonfinite_skips,
-            "rng": dev.get_rng_state(),
-            "client_state": client_state or {},
-        }
-        meta = {
-            "step": self.global_step,
-            "params": {k: list(v.shape) for k, v in model_state.items()},
-            "setup": self.options.setup,
-        }
-        if self.parallel.is_writer:
-            ckpt.save_checkpoint(path, {"model.pt": model_state, "engine.pt": engine_state}, meta)
-        self.parallel.barrier()
-        return Path(path)
+        With several processes, call it on every rank: each writes its own shards (see
+        :mod:`hybridtrain.checkpoint`), and the checkpoint appears once all have finished.
 
-    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
-        """Restore a checkpoint saved by :meth:`save_checkpoint`; returns its ``client_state``.
+        Args:
+            async_save: return once the state is copied to host memory; the files are
+                written in the background (the next save or load waits for them).
 
         Raises:
-            CheckpointError: missing, corrupt, or made for another model/optimizer/precision
-                (the message says what does not match); nothing is modified then.
+            CheckpointError: a rank could not write (the previous checkpoint is untouched).
         """
-        files, meta = ckpt.load_checkpoint(path)
-        self._check_compatible(Path(path), meta)
-        state = files["engine.pt"]
-        self.parallel.load_model_state_dict(files["model.pt"])
-        self.parallel.load_optimizer_state_dict(self.optimizer, state["optimizer"])
-        if self.scheduler is not None and state["scheduler"] is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if self.scaler is not None and state["scaler"] is not None:
-            self.scaler.load_state_dict(state["scaler"])
-        self.global_step = int(state["global_step"])
-        self._nonfinite_skips = int(state["nonfinite_skips"])
-        self._manual_micro_steps, self._manual_loss = 0, None  # a new accumulation window
-        self.optimizer.zero_grad(set_to_none=True)
-        dev.set_rng_state(state["rng"])
-        client: dict[str, Any] = state["client_state"]
-        return client
+        meta = {"step": self.global_step, "setup": self.options.setup,
+                "params": {k: list(v) for k, v in self.parallel.model_state_shapes().items()}}
+        counters = {"global_step": self.global_step, "nonfinite_skips": self._nonfinite_skips}
+        return ckpt.save(path, self._checkpoint_parts(), counters, client_state or {}, meta, async_save)
+
+    def load_checkpoint(self, path: str | Path, model_only: bool = False) -> dict[str, Any]:
+        """Restore a checkpoint saved by :meth:`save_checkpoint` (by any world size and
+        layout); returns its ``client_state``.
+
+        Args:
+            model_only: restore the model's weights only (optimizer, schedule, counters
+                and RNG stay as they are).
+
+        Raises:
+            CheckpointError: missing, or made for another model/optimizer/precision (the
+                message says what does not match); nothing is modified then.
+            IncompleteCheckpointError: incomplete or corrupt; nothing is modified then.
+        """
+        restored = ckpt.load(path, self._checkpoint_parts(), self._check_compatible, model_only)
+        if not model_only:
+            self.global_step = int(restored.counters["global_step"])
+            self._nonfinite_skips = int(restored.counters["nonfinite_skips"])
+            self._manual_micro_steps, self._manual_loss = 0, None  # a new accumulation window
+            self.optimizer.zero_grad(set_to_none=True)
+        return restored.client_state
+
+    def _checkpoint_parts(self) -> ckpt.TrainingParts:
+        return ckpt.TrainingParts(self.parallel, self.optimizer, self.scheduler, self.scaler)
 
     def _check_compatible(self, path: Path, meta: dict[str, Any]) -> None:
         mine = {k: list(shape) for k, shape in self.parallel.model_state_shapes().items()}
@@ -344,8 +346,10 @@ class Engine:
         problems += [f"unexpected parameter {k!r}" for k in theirs if k not in mine][:3]
         problems += [f"{k!r} has shape {theirs[k]} in the checkpoint but {v} in the model"
                      for k, v in mine.items() if k in theirs and theirs[k] != v][:3]
+        # Format 2 reads any layout: settings that only described format 1's are not compared.
+        ignored = ckpt.LAYOUT_SETTINGS if meta["format"] > 1 else frozenset()
         problems += [f"{k} is {meta['setup'].get(k)!r} in the checkpoint but {v!r} now"
-                     for k, v in self.options.setup.items() if meta["setup"].get(k) != v]
+                     for k, v in self.options.setup.items() if k not in ignored and meta["setup"].get(k) != v]
         if problems:
             raise ckpt.CheckpointError(f"checkpoint {path} does not match this run: " + "; ".join(problems))
 

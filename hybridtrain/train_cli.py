@@ -21,7 +21,11 @@ def add_train_command(sub: Any) -> None:
     _add_overrides(train)
     train.add_argument("--resume", nargs="?", const=True, default=False, metavar="CHECKPOINT",
                        help="continue from CHECKPOINT, or from the newest one in train.output_dir when no path is given "
-                       "(starts fresh when there is none)")
+                       "(starts fresh when there is none); after a crash under --max-restarts the ranks resume "
+                       "by themselves")
+    train.add_argument("--overwrite", action="store_true",
+                       help="start over in an output directory that has checkpoints: its checkpoints and metrics "
+                       "are deleted first (without it such a start is refused)")
     train.add_argument("--output-dir", help="shortcut for --set train.output_dir=…")
     train.add_argument("--steps", type=int, help="shortcut for --set train.steps=…")
     train.add_argument("--data", help="text or token file to train on (shortcut for --set data.path=…)")
@@ -57,23 +61,20 @@ def _add_overrides(parser: argparse.ArgumentParser) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from hybridtrain.checkpoint import CheckpointError
-    from hybridtrain.config import ConfigError, load_config
+    from hybridtrain.config import load_config
     from hybridtrain.trainer import run_training
 
     if _wants_launch(args):
         return _launch_ranks(args)
-    overrides = list(args.overrides)
-    for key, value in (("train.output_dir", args.output_dir), ("train.steps", args.steps), ("data.path", args.data),
-                       ("train.metrics_port", args.metrics_port)):
-        if value is not None:
-            overrides.append(f"{key}={value}")
     try:
-        cfg = load_config(args.config, overrides)
-        summary = run_training(cfg, resume=args.resume, progress=not args.no_progress)
-    except (ConfigError, CheckpointError, ValueError, ImportError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        cfg = load_config(args.config, _overrides(args))
+        summary = run_training(cfg, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
+    except KeyboardInterrupt:  # Ctrl-C before training started, or a second one while saving
+        if os.environ.get("RANK", "0") == "0":
+            print("interrupted: stopped without saving a checkpoint", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - every failure a user can cause ends in one line
+        return _report_failure(exc)
     if os.environ.get("RANK", "0") != "0":
         return 130 if summary.interrupted else 0
     first = f"{summary.first_loss:.4f}" if summary.first_loss is not None else "-"
@@ -85,7 +86,39 @@ def _train(args: argparse.Namespace) -> int:
     if summary.eval_loss is not None:
         final.append(f"eval_loss={summary.eval_loss}")
     print(" ".join(final), flush=True)
-    return 130 if summary.interrupted else 0
+    if summary.interrupted:
+        print(f"interrupted: saved a checkpoint at step {summary.steps}; continue with --resume", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    overrides = list(args.overrides)
+    for key, value in (("train.output_dir", args.output_dir), ("train.steps", args.steps), ("data.path", args.data),
+                       ("train.metrics_port", args.metrics_port)):
+        if value is not None:
+            overrides.append(f"{key}={value}")
+    return overrides
+
+
+def _report_failure(exc: BaseException) -> int:
+    """Print one ``error: …`` line for ``exc`` and return the exit code (2 = bad input);
+    unexpected errors keep their traceback. Under torchrun the line also goes to the
+    worker's error file, where the launcher reads which rank failed first."""
+    from hybridtrain.errors import describe_failure
+
+    failure = describe_failure(exc)
+    if failure is None:
+        raise exc
+    message, code = failure
+    rank = os.environ.get("RANK")
+    print(f"error: {f'rank {rank}: ' if rank is not None and os.environ.get('WORLD_SIZE', '1') != '1' else ''}"
+          f"{message}", file=sys.stderr, flush=True)
+    if "TORCHELASTIC_ERROR_FILE" in os.environ:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(exc)
+    return code
 
 
 def _wants_launch(args: argparse.Namespace) -> bool:
@@ -94,9 +127,17 @@ def _wants_launch(args: argparse.Namespace) -> bool:
 
 
 def _launch_ranks(args: argparse.Namespace) -> int:
+    from hybridtrain.config import explain_config
     from hybridtrain.parallel.launch import launch
     from hybridtrain.parallel.launch_cli import spec_from_args
+    from hybridtrain.trainer import check_output_dir
 
+    # What every rank would refuse, refused once here before any rank starts.
+    try:
+        cfg, _ = explain_config(args.config, _overrides(args))  # the ranks say what keys did
+        check_output_dir(cfg, args.resume, args.overwrite)
+    except Exception as exc:  # noqa: BLE001 - one line, as in a worker
+        return _report_failure(exc)
     worker = ["train", *([args.config] if args.config else [])]
     for item in args.overrides:
         worker += ["--set", item]
@@ -105,9 +146,12 @@ def _launch_ranks(args: argparse.Namespace) -> int:
         worker += [flag, str(value)] if value is not None else []
     if args.resume:
         worker += ["--resume"] if args.resume is True else ["--resume", str(args.resume)]
+    worker += ["--overwrite"] if args.overwrite else []
     worker += ["--no-progress"] if args.no_progress else []
     try:
-        return launch(spec_from_args(args, module=True), "hybridtrain.cli", worker)
+        # Rank 0 says how a Ctrl-C/SIGTERM ended (the step it saved): the launcher stays quiet.
+        return launch(spec_from_args(args, module=True), "hybridtrain.cli", worker, announce_stop=False,
+                      rounds_keep_apart=True)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -8,7 +8,10 @@ current step, saves a checkpoint and exits, so a preempted run loses nothing.
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
+import os
 import shutil
 import signal
 import sys
@@ -19,23 +22,40 @@ from types import FrameType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from hybridtrain.compose import initialize
-from hybridtrain.config import Config
+from hybridtrain import checkpoint as ckpt
+from hybridtrain.config import Config, ConfigError
+from hybridtrain.config.loading import resolve_batch_sizes
 from hybridtrain.data import TokenBatches, load_tokens
 from hybridtrain.engine import Engine
+from hybridtrain.errors import peer_failure
 from hybridtrain.metrics import MetricsLog
 from hybridtrain.models.factory import build_model, parameter_count
 from hybridtrain.models.gpt import causal_lm_loss
 from hybridtrain.monitoring.readings import device_peak_tflops, flops_per_token, memory_readings
 from hybridtrain.monitoring.telemetry import Telemetry, check_monitoring
+from hybridtrain.parallel.mesh import env_world_size, init_process_group, restart_count
 from hybridtrain.plan import TrainingPlan, resolve
+from hybridtrain.plan.build import build
+from hybridtrain.plan.checks import parallel_sizes
+from hybridtrain.run_dir import (
+    Start,
+    clear_run,
+    decide_start,
+    previous_global_batch,
+    record_global_batch,
+    remove_trash,
+)
 from hybridtrain.runtime.device import peak_memory_bytes, reset_peak_memory, resolve_device
+from hybridtrain.runtime.memory_plans import planner_fallback
+from hybridtrain.runtime.oom_recovery import MemoryGuard
 from hybridtrain.runtime.transfer import available_host_bytes
 
 CHECKPOINTS = "checkpoints"
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -55,10 +75,9 @@ class TrainSummary:
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint under ``output_dir``, if any."""
-    found = sorted((Path(output_dir) / CHECKPOINTS).glob("step-*"))
-    complete = [p for p in found if (p / "meta.json").exists()]
-    return complete[-1] if complete else None
+    """The newest complete checkpoint under ``output_dir`` (commit marker present, every
+    file there with its size: :func:`hybridtrain.checkpoint.latest_complete`), if any."""
+    return ckpt.latest_complete(Path(output_dir) / CHECKPOINTS)
 
 
 class _StopRequest:
@@ -81,19 +100,32 @@ class _StopRequest:
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.requested = True
-        print(f"signal {signum}: stopping after this step and saving a checkpoint", file=sys.stderr, flush=True)
+        if os.environ.get("RANK", "0") == "0":  # one line for the run, not one per rank
+            print(f"{signal.Signals(signum).name}: stopping after this step and saving a checkpoint",
+                  file=sys.stderr, flush=True)
 
 
-def run_training(cfg: Config, resume: bool | str = False, progress: bool = True) -> TrainSummary:
+def run_training(cfg: Config, resume: bool | str = False, progress: bool = True,
+                 overwrite: bool = False) -> TrainSummary:
     """Train as ``cfg`` says; see the module docstring.
 
     Args:
         cfg: validated configuration.
         resume: ``True`` = continue from the newest checkpoint in ``train.output_dir`` (fresh
-            start when there is none); a path = continue from that checkpoint.
+            start when there is none); a path = continue from that checkpoint. After a
+            torchrun restart every rank resumes from the newest checkpoint without it.
         progress: show a progress bar on a terminal.
+        overwrite: remove an earlier run's checkpoints and metrics from ``train.output_dir``
+            first (:func:`hybridtrain.run_dir.clear_run`).
+
+    Raises:
+        ValueError: a fresh start into an output directory that has checkpoints, and every
+            configuration error, before anything is built.
     """
     out = Path(cfg.train.output_dir)
+    start_as = check_output_dir(cfg, resume, overwrite)
+    if start_as.mode == "resume":
+        cfg = _same_global_batch(cfg, previous_global_batch(out))
     check_monitoring(cfg)
     telemetry = Telemetry(cfg)
     summary: TrainSummary | None = None
@@ -102,23 +134,74 @@ def run_training(cfg: Config, resume: bool | str = False, progress: bool = True)
         telemetry.start_server()
         data, model = _data_and_model(cfg, fits_host=True)
         rates = _Rates(flops_per_token(model), cfg.train.peak_tflops)
-        engine = initialize(model, cfg, loss_fn=causal_lm_loss, example_batch=_example(cfg, data))
+        example = _example(cfg, data)
+        plan = resolve(cfg, model, example_batch=example)
+        if plan.sizes.world > 1:  # before build joins it with torch's default timeout
+            init_process_group(plan.device, cfg.distributed.timeout_s)
+        engine = build(plan, model, causal_lm_loss, None, example)
         rates.peak_tflops = device_peak_tflops(engine.device, cfg.train.peak_tflops)
         rates.world_size = engine.topology.world_size
         # With several processes every rank trains, but only rank 0 writes files and prints.
         metrics = MetricsLog(out / "metrics.jsonl") if engine.parallel.is_writer else None
-        start, restarts = _resume(engine, out, resume, metrics)
+        if metrics is not None and start_as.mode == "overwrite":
+            clear_run(out)
         if metrics is not None:
+            remove_trash(out)
+        start, restarts = _resume(engine, out, (start_as.checkpoint or True) if start_as.mode == "resume" else False,
+                                  metrics)
+        if metrics is not None:
+            if start == 0:  # records of a round that died before its first checkpoint
+                metrics.truncate_after(0)
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.json").write_text(cfg.model_dump_json(indent=1))
+            record_global_batch(out, engine.options.batch.global_batch)
         telemetry.open_monitors(engine.parallel.is_writer, engine.options.batch.global_batch, start,
                                 cfg.model_dump())
         telemetry.started(start, restarts)
-        summary = _loop(engine, cfg, data, metrics, start, progress, telemetry, rates, restarts)
+        try:
+            summary = _loop(engine, cfg, data, metrics, start, progress, telemetry, rates, restarts)
+        except RuntimeError as exc:  # a dead or stuck peer: one line naming it, not gloo's words
+            failure = peer_failure(exc, cfg.distributed.timeout_s)
+            if failure is None:
+                raise
+            raise failure from exc
     finally:
         ok = summary is not None and not summary.interrupted
         telemetry.close(cfg.train.metrics_linger_s if ok else 0.0)
     return summary
+
+
+def check_output_dir(cfg: Config, resume: bool | str = False, overwrite: bool = False) -> Start:
+    """How a start treats ``train.output_dir`` (:func:`hybridtrain.run_dir.decide_start`),
+    decided from the files alone, so a launcher can refuse before starting any rank.
+
+    Raises:
+        ValueError: see :func:`hybridtrain.run_dir.decide_start`.
+    """
+    out = Path(cfg.train.output_dir)
+    return decide_start(out, latest_checkpoint(out), resume, overwrite, restart_count())
+
+
+def _same_global_batch(cfg: Config, previous: int | None) -> Config:
+    """``cfg`` with the run's global batch kept on a resume, whatever the world size now: a
+    run restarted on fewer processes (an elastic ``--nnodes MIN:MAX`` scale-down) raises
+    gradient accumulation instead of changing the math. A ``train_batch_size`` in ``cfg``
+    wins over the run's; with no micro-batch size, the micro-batch is what changes."""
+    total = cfg.train_batch_size or previous
+    micro = cfg.train_micro_batch_size_per_gpu
+    if total is None or cfg.pipeline.micro_batches is not None:
+        return cfg
+    try:
+        dp = parallel_sizes(cfg, env_world_size())[0]
+    except ValueError:
+        return cfg  # the plan says what is wrong with the sizes
+    accumulation = total // (micro * dp) if micro and total % (micro * dp) == 0 else None
+    if micro is None or accumulation is None:
+        return cfg.model_copy(update={"train_batch_size": total})
+    if (cfg.train_batch_size, cfg.gradient_accumulation_steps) != (total, accumulation):
+        logger.info("%d data-parallel replicas: gradient_accumulation_steps %s → %d keeps the run's "
+                    "train_batch_size = %d", dp, cfg.gradient_accumulation_steps, accumulation, total)
+    return cfg.model_copy(update={"train_batch_size": total, "gradient_accumulation_steps": accumulation})
 
 
 def plan_training(cfg: Config, world_size: int | None = None) -> TrainingPlan:
@@ -153,7 +236,30 @@ def _data_and_model(cfg: Config, fits_host: bool = False) -> tuple[TokenBatches,
             raise ValueError(f"model {cfg.model.name} with model.overrides {cfg.model.overrides} has "
                              f"{count / 1e9:.2f} B parameters: {needed / 2**30:.1f} GiB of {what}, more than "
                              f"the {available / 2**30:.1f} GiB of host memory available")
+        batch = _batch_bytes(cfg, vocab, on_cpu)
+        if batch is not None and needed + batch > available:
+            what = "token ids, one micro-batch's logits and their gradient" if on_cpu else "token ids"
+            raise ValueError(f"train_batch_size = {cfg.train_batch_size}, train_micro_batch_size_per_gpu = "
+                             f"{cfg.train_micro_batch_size_per_gpu} with data.seq_len = {cfg.data.seq_len} need at "
+                             f"least {batch / 2**30:.1f} GiB of host memory for the batch ({what}), more than the "
+                             f"{(available - needed) / 2**30:.1f} GiB left beside the model; use a smaller batch "
+                             "(gradient_accumulation_steps keeps the global batch)")
     return data, build_model(cfg.model.name, cfg.model.overrides, vocab, cfg.data.seq_len, cfg.seed)
+
+
+def _batch_bytes(cfg: Config, vocab: int, on_cpu: bool) -> int | None:
+    """A lower bound of the host bytes one step's batch takes: the global batch's token ids
+    (int64 inputs and targets, drawn at once) and, training on the CPU, one micro-batch's
+    fp32 logits and their gradient. None when the batch sizes do not resolve (the plan
+    says why, later)."""
+    try:
+        # The largest data-parallel size this launch allows gives the smallest micro-batch.
+        sizes = resolve_batch_sizes(cfg, env_world_size())
+    except ConfigError:
+        return None
+    tokens = 2 * 8 * sizes.global_batch * cfg.data.seq_len
+    logits = 2 * 4 * sizes.micro_batch * cfg.data.seq_len * vocab if on_cpu else 0
+    return tokens + logits
 
 
 def _example(cfg: Config, data: TokenBatches) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,18 +268,28 @@ def _example(cfg: Config, data: TokenBatches) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _resume(engine: Engine, out: Path, resume: bool | str, metrics: MetricsLog | None) -> tuple[int, int]:
-    """The step to continue after, and how many times this run has been resumed so far."""
+    """The step to continue after, and how many times this run has been resumed so far.
+
+    Saves an earlier round left unfinished are removed first; a newest checkpoint that is
+    incomplete or corrupt is passed over for the previous complete one, in one line."""
+    if engine.parallel.is_writer:
+        ckpt.remove_partial(out / CHECKPOINTS)
     if not resume:
         return 0, 0
-    path = Path(resume) if isinstance(resume, str) else latest_checkpoint(out)
-    if path is None:
-        print(f"resume: no checkpoint in {out / CHECKPOINTS}; starting at step 0", file=sys.stderr)
-        return 0, 0
-    client = engine.load_checkpoint(path)
+    if isinstance(resume, str):
+        path, client = Path(resume), engine.load_checkpoint(resume)
+    else:
+        say = (lambda line: print(line, file=sys.stderr)) if engine.parallel.is_writer else (lambda line: None)
+        found = ckpt.resume_newest(out / CHECKPOINTS, engine.load_checkpoint, say)
+        if found is None:
+            print(f"resume: no checkpoint in {out / CHECKPOINTS}; starting at step 0", file=sys.stderr)
+            return 0, 0
+        path, client = found
     step = int(client["data_step"])
     if metrics is not None:
         metrics.truncate_after(step)
-    print(f"resume: continuing from {path} at step {step}", file=sys.stderr)
+    if engine.parallel.is_writer:  # one line for the run, not one per rank
+        print(f"resume: continuing from {path} at step {step}", file=sys.stderr)
     return step, int(client.get("restarts", 0)) + 1
 
 
@@ -205,13 +321,19 @@ def _loop(engine: Engine, cfg: Config, data: TokenBatches, metrics: MetricsLog |
     last: float | None = None
     eval_loss: float | None = None
     saved: list[str] = []
-    elapsed, step = 0.0, start
-    with _StopRequest() as stop:
+    elapsed, step, stopping = 0.0, start, False
+    # The guard enforces device_memory_limit and, with oom_recovery, may switch to another
+    # plan's engine (the planner's choice; the model rebuilt from the config) to rerun a step
+    # that ran out of memory.
+    with _StopRequest() as stop, MemoryGuard(engine, cfg, lambda c: _data_and_model(c)[1],
+                                             untracked=(data.train_tokens, data.val_tokens),
+                                             replan=planner_fallback) as guard:
         for step in range(start + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
             batch = engine.local_batch(data.train_batch(step - 1, global_batch))
             t_data = time.perf_counter() - t0
-            last = engine.train_batch(batch)
+            last = guard.train_batch(batch)
+            engine = guard.engine
             dt = time.perf_counter() - t0
             elapsed += dt
             first = last if first is None else first
@@ -235,9 +357,15 @@ def _loop(engine: Engine, cfg: Config, data: TokenBatches, metrics: MetricsLog |
                     print(f"step={step} eval_loss={eval_loss:.6g}", flush=True)
                 telemetry.publish({"step": step, "eval_loss": eval_loss})
             boundary = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0
-            if boundary or step == cfg.train.steps or stop.requested:
+            # Ranks see a signal at different moments: they agree after every step, so all
+            # of them save the same step (a rank saving alone would wait for the others).
+            stopping = _on_any_rank(stop.requested, engine.device)
+            if boundary or step == cfg.train.steps or stopping:
                 t_save = time.perf_counter()
-                path = _save(engine, Path(cfg.train.output_dir), step, cfg.train.keep_checkpoints, restarts)
+                try:
+                    path = _save(engine, Path(cfg.train.output_dir), step, cfg.train.keep_checkpoints, restarts)
+                except (RuntimeError, OSError) as exc:  # CheckpointError is a RuntimeError
+                    raise _disk_full(exc, engine, Path(cfg.train.output_dir), step) from exc
                 saved.append(str(path))
                 if writer:
                     done_save = {"step": step, "checkpoint_s": time.perf_counter() - t_save,
@@ -245,10 +373,10 @@ def _loop(engine: Engine, cfg: Config, data: TokenBatches, metrics: MetricsLog |
                     if metrics is not None:
                         metrics.write(done_save)
                     telemetry.publish(done_save)
-            if stop.requested:
+            if stopping:
                 break
         bar.close()
-        interrupted = stop.requested and step < cfg.train.steps
+        interrupted = stopping and step < cfg.train.steps
     done = step - start
     summary = TrainSummary(
         steps=step, start_step=start, first_loss=first, last_loss=last, eval_loss=eval_loss,
@@ -264,6 +392,15 @@ def _loop(engine: Engine, cfg: Config, data: TokenBatches, metrics: MetricsLog |
 _NOT_PRINTED = frozenset({"samples_per_s", "step_time_s", "data_s", "memory_allocated_bytes",
                           "memory_reserved_bytes", "alloc_retries", "ooms", "pinned_host_bytes", "restarts"})
 """Record fields left out of the printed ``step=…`` line (they stay in metrics.jsonl)."""
+
+
+def _on_any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` is set on any rank (itself alone in one process)."""
+    if not dist.is_initialized():
+        return flag
+    value = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def _step_record(engine: Engine, step: int, loss: float, tokens_per_s: float) -> dict[str, Any]:
@@ -291,14 +428,33 @@ def _evaluate(engine: Engine, data: TokenBatches, batches: int, batch_size: int)
                for i in range(batches)) / batches
 
 
-def _save(engine: Engine, out: Path, step: int, keep: int, restarts: int = 0) -> Path:
-    path = engine.save_checkpoint(out / CHECKPOINTS / f"step-{step:07d}",
-                                  client_state={"data_step": step, "restarts": restarts})
-    if not engine.parallel.is_writer:
-        return path
-    for old in sorted((out / CHECKPOINTS).glob("step-*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+def _save(engine: Engine, out: Path, step: int, keep: int, restarts: int = 0, async_save: bool = False) -> Path:
+    root = out / CHECKPOINTS
+    if engine.parallel.is_writer:  # saves that can no longer finish (this process's own in flight stays)
+        ckpt.remove_partial(root)
+    path = engine.save_checkpoint(root / f"step-{step:07d}", client_state={"data_step": step, "restarts": restarts},
+                                  async_save=async_save)
+    if engine.parallel.is_writer:
+        ckpt.prune(root, keep)
     return path
+
+
+def _disk_full(exc: BaseException, engine: Engine, out: Path, step: int) -> BaseException:
+    """``exc`` said in words when the disk is full: torch's writers report ENOSPC as an
+    offset mismatch inside the zip container, which names neither the disk nor the fix."""
+    try:
+        free = shutil.disk_usage(out).free
+    except OSError:
+        return exc
+    newest = latest_checkpoint(out)
+    # The last checkpoint's size, else weights and two Adam moments of this rank's parameters.
+    needed = _dir_bytes(newest) if newest is not None else 3 * sum(
+        p.numel() * p.element_size() for p in engine.module.parameters())
+    if free >= needed:
+        return exc
+    kept = f"the newest complete checkpoint is {newest}" if newest is not None else "no checkpoint yet"
+    return OSError(errno.ENOSPC, f"the checkpoint of step {step} was not saved ({free / 2**20:.1f} MiB free, one "
+                   f"takes about {needed / 2**20:.1f} MiB; {kept})", str(out))
 
 
 def _dir_bytes(path: Path) -> int:

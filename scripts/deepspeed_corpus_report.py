@@ -67,6 +67,8 @@ class Result:
     overrides: list[str] = field(default_factory=list)
     """What was changed in the file's dict before ``initialize`` (beyond ``device: cpu``)."""
     losses: list[float] = field(default_factory=list)
+    optimizer: str = ""
+    """The class of the optimizer the engine steps (``trains`` only)."""
     seconds: float = 0.0
 
 
@@ -128,6 +130,7 @@ def run_file(path: Path) -> Result:
         torch.manual_seed(0)
         model = build_gpt("gpt-tiny")
         engine = hybridtrain.initialize(model, raw, loss_fn=causal_lm_loss)
+        result.optimizer = type(engine.optimizer).__name__
         phase = "train"
         batch = engine.options.batch.global_batch
         vocab = gpt_config("gpt-tiny").vocab_size
@@ -349,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     say("")
     say(f"== Trains ({len(trains)} files)")
     for r in trains:
-        say(f"  {r.file}  losses={r.losses}" + (f"  [{'; '.join(r.overrides)}]" if r.overrides else ""))
+        say(f"  {r.file}  {r.optimizer} losses={r.losses}"
+            + (f"  [{'; '.join(r.overrides)}]" if r.overrides else ""))
 
     overridden = [r for r in results if r.overrides]
     say("")

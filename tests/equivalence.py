@@ -28,7 +28,25 @@ BATCH = 8
 # Adam divides each gradient element by its running RMS, so an element whose gradient is
 # at the rounding level gets an O(lr) update either way; a larger eps keeps such elements
 # from turning summation-order noise into visible parameter differences.
-OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.01}}
+LR = 1e-3
+OPTIMIZER = {"type": "AdamW", "params": {"lr": LR, "eps": 1e-6, "weight_decay": 0.01}}
+
+
+def reduced_precision_tolerance(dtype: torch.dtype, steps: int = STEPS) -> tuple[float, float]:
+    """``(rtol, atol)`` for an engine run under ``dtype`` autocast against the plain loop,
+    derived from the precision, not measured on one machine.
+
+    Both sides round every autocast op to ``dtype``; where the engine sums an op's inputs in
+    another order (streamed blocks, accumulated micro-batches, other kernels on other CPUs)
+    a result can land one rounding away: a relative ``u`` = unit roundoff = ``eps / 2``
+    (2^-8 for bf16, 2^-11 for fp16). Counting one such rounding per step that reaches the
+    loss and the fp32 master weights gives ``rtol = steps · u`` (1/64 for bf16 over the
+    suite's 4 steps). An element near zero moves by AdamW's normalised update, whose
+    difference is at most ``lr · u`` per step (the optimizer's eps keeps rounding-level
+    gradients from flipping their update's sign): ``atol = steps · lr · u``.
+    """
+    unit_roundoff = torch.finfo(dtype).eps / 2
+    return steps * unit_roundoff, steps * LR * unit_roundoff
 
 
 @dataclass(frozen=True)
@@ -54,7 +72,15 @@ class Mode:
     lr_lambda: Callable[[int], float] | None = None
     rtol: float = 1e-5
     atol: float = 1e-6
+    """fp32 tolerances; modes under autocast use :func:`reduced_precision_tolerance` instead
+    (an ``atol`` given explicitly is kept when it is larger)."""
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.autocast_dtype is not None:
+            rtol, atol = reduced_precision_tolerance(self.autocast_dtype)
+            object.__setattr__(self, "rtol", max(self.rtol, rtol))
+            object.__setattr__(self, "atol", max(self.atol, atol))
 
 
 class MLPStack(nn.Sequential):
@@ -213,11 +239,28 @@ MODES: dict[str, Mode] = {
 }
 
 
+def deepspeed_wrapper_steps(config: dict[str, Any]) -> bool:
+    """Whether DeepSpeed's fp16 wrapper holds the optimizer, stepping it once with zero
+    gradients when built: at ZeRO stage 0 with fp16, or with bf16 unless pipelined
+    (``deepspeed/runtime/engine.py`` ``_do_optimizer_sanity_check`` → FP16 / DDP_BFLOAT16 →
+    ``_configure_fp16_optimizer``; ``runtime/fp16/fused_optimizer.py``
+    ``FP16_Optimizer.initialize_optimizer_states``, line 125: zero gradients, then
+    ``self.optimizer.step()``). AdamW's step count starts at 1 and its weight decay acts once."""
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    pipelined = config.get("pipeline", {}).get("stages", 1) > 1
+    fp16, bf16 = (config.get(key, {}).get("enabled") is True for key in ("fp16", "bf16"))
+    return stage == 0 and (fp16 or (bf16 and not pipelined))
+
+
 def plain_run(case: ModelCase, mode: Mode, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The specification: a hand-written full-batch PyTorch loop."""
     torch.manual_seed(SEED)
     model = case.build()
     opt = torch.optim.AdamW(model.parameters(), **OPTIMIZER["params"])
+    if deepspeed_wrapper_steps(mode.config):
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()  # opt.zero_grad() below drops the zero gradients
     sched = torch.optim.lr_scheduler.LambdaLR(opt, mode.lr_lambda) if mode.lr_lambda else None
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16) if mode.extra.get("grad_scaler") else None
     losses = []

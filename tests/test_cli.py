@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -29,7 +30,8 @@ def test_help_documents_every_option() -> None:
     top = _cli("--help")
     assert top.returncode == 0 and "train" in top.stdout and "hpo" in top.stdout
     train = _cli("train", "--help")
-    for option in ("--set", "--resume", "--output-dir", "--steps", "--data", "--no-progress"):
+    for option in ("--set", "--resume", "--overwrite", "--output-dir", "--steps", "--data", "--no-progress",
+                   "--max-restarts"):
         assert option in train.stdout
     reference = _cli("config", "--reference")
     assert "`gradient_accumulation_steps`" in reference.stdout
@@ -96,3 +98,94 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, tmp_path
     proc = _cli("train", str(EXAMPLE), "--output-dir", str(tmp_path), *args)
     assert proc.returncode == 2
     assert needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def _main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, list[str]]:
+    """``hybridtrain ARGS`` in this process; the exit code and the stderr lines that are not
+    info or torch warnings."""
+    import logging
+
+    from hybridtrain.cli import main
+
+    logger = logging.getLogger("hybridtrain")
+    before = list(logger.handlers)
+    try:
+        code = main(list(args))
+    finally:  # main's info handler writes to this test's captured stderr, closed after it
+        for handler in set(logger.handlers) - set(before):
+            logger.removeHandler(handler)
+    err = capsys.readouterr().err
+    return code, [line for line in err.splitlines() if line.strip() and not line.startswith(("info:", "  "))
+                  and "UserWarning" not in line]
+
+
+TINY = ["--no-progress", "--set", "device=cpu", "--set", "model.overrides.n_layer=1", "--set", "data.seq_len=16",
+        "--set", "train_micro_batch_size_per_gpu=2", "--set", "train.eval_batches=1"]
+
+
+@pytest.mark.parametrize(("content", "needle"), [
+    (b"\xff\xfe train: {}", "is not UTF-8 text (byte 0"),
+    (b"", "is empty; write at least one key"),
+    (b"# only a comment\n", "is empty; write at least one key"),
+    (b"train_batch_size: 1e26", "config train_batch_size = 1e+26 is not allowed"),
+    (b"train: {steps: abc}", "config train.steps = 'abc' is not allowed"),
+    (None, "is a directory; give the JSON/YAML file inside it"),
+])
+def test_bad_config_files_are_one_line_naming_the_file(content: bytes | None, needle: str, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "cfg.yaml"
+    if content is None:
+        config.mkdir()
+    else:
+        config.write_bytes(content)
+    code, lines = _main(capsys, "train", str(config), "--output-dir", str(tmp_path / "run"))
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
+    assert not (tmp_path / "run").exists()  # refused before any work
+
+
+@pytest.mark.parametrize(("override", "needle"), [
+    ("train.steps", "override 'train.steps' must look like section.key=value"),
+    ("=3", "override '=3' must look like section.key=value"),
+    ("optimizer.params.betas=[0.9", "optimizer.params.betas = '[0.9' must be two numbers"),
+    ("train_batch_size=100000000", "need at least"),  # refused from its size, nothing allocated
+])
+def test_malformed_overrides_are_one_line(override: str, needle: str, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    code, lines = _main(capsys, "train", "--output-dir", str(tmp_path), "--set", override)
+    assert code == 2 and len(lines) == 1 and needle in lines[0], lines
+
+
+def test_a_fresh_run_never_clobbers_checkpoints(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = str(tmp_path / "run")
+    assert _main(capsys, "train", *TINY, "--steps", "2", "--output-dir", out)[0] == 0
+    before = _metrics(tmp_path / "run")
+    for launch in ([], ["--nproc-per-node", "2"]):  # the launcher refuses before starting ranks
+        code, lines = _main(capsys, "train", *TINY, "--steps", "4", "--output-dir", out, *launch)
+        assert code == 2 and lines == [f"error: output directory {out} has checkpoints up to step 2: use --resume "
+                                       "to continue or --overwrite to start over"], lines
+    assert _metrics(tmp_path / "run") == before
+    assert _main(capsys, "train", *TINY, "--steps", "1", "--output-dir", out, "--overwrite")[0] == 0
+    assert [r["step"] for r in _metrics(tmp_path / "run") if "loss" in r] == [1]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-0000001"]
+
+
+@pytest.mark.parametrize(("err", "needle"), [
+    (errno.ENOSPC, "disk full writing metrics.jsonl: free space, or point train.output_dir at another disk"),
+    (errno.EROFS, "cannot write metrics.jsonl (read-only file system): choose a writable train.output_dir"),
+])
+def test_write_failures_are_one_line(err: int, needle: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from hybridtrain.metrics import MetricsLog
+
+    def fail(self: MetricsLog, record: dict) -> None:
+        raise OSError(err, os.strerror(err), "metrics.jsonl")
+
+    monkeypatch.setattr(MetricsLog, "write", fail)
+    code, lines = _main(capsys, "train", *TINY, "--steps", "1", "--output-dir", str(tmp_path))
+    assert code == 1 and lines == [f"error: {needle}"], lines
+
+
+def test_a_nan_loss_stops_in_one_line_naming_the_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, lines = _main(capsys, "train", *TINY, "--steps", "4", "--output-dir", str(tmp_path),
+                        "--set", "optimizer.params.lr=1e20", "--set", "gradient_clipping=0")
+    assert code == 1 and len(lines) == 1 and "error: loss is nan at step 2" in lines[0], lines

@@ -103,11 +103,15 @@ TREATMENTS: dict[str, Treatment] = {
     "cuda_visible_devices": _no("device selection is the launcher's"),
     "memory_breakdown": _no(_LOGGING),
     "dump_state": _no(_LOGGING),
-    "flops_profiler": _no(_LOGGING + " (profiling: hybridtrain profile)"),
+    **{f"flops_profiler.{name}": _no("a detail of DeepSpeed's printed profile; hybridtrain's profile shows blocks, "
+                                     "embeddings and head, and measures recomputation instead of scaling it")
+       for name in ("module_depth", "top_modules", "detailed", "recompute_fwd_factor")},
     "comet": _no(_LOGGING),
     "comms_logger": _no(_LOGGING),
     "timers": _no(_LOGGING),
-    "autotuning": _no("settings of DeepSpeed's autotuner, not of training (tuning: hybridtrain hpo)"),
+    "autotuning": _no("settings of DeepSpeed's autotuner (trials, metric, tuner): hybridtrain's planner "
+                      "estimates every variant instead of running them"),
+    "autotuning.enabled": Treatment("renamed", "DeepSpeed's autotuner → the planner chooses the plan", "auto"),
     "aio": _no("NVMe I/O settings; NVMe offload itself is refused"),
     "checkpoint": _no("checkpoint file layout; hybridtrain writes its own atomic checkpoints"),
     "load_universal_checkpoint": _no("checkpoint file layout"),
@@ -215,6 +219,7 @@ def apply_treatments(raw: dict[str, Any]) -> tuple[dict[str, Any], list[Applied]
     Raises:
         ValueError: every refused key and unresolvable ``"auto"`` of the config, in one line.
     """
+    wrapper_steps = fp16_wrapper_steps(raw)  # before torch_autocast becomes fp16/bf16 below
     raw = _normalise_legacy_shapes(raw)
     applied: list[Applied] = [Applied(key, "no effect", "a comment") for key in raw if key.startswith("_")]
     raw = {k: v for k, v in raw.items() if not k.startswith("_")}
@@ -244,9 +249,94 @@ def apply_treatments(raw: dict[str, Any]) -> tuple[dict[str, Any], list[Applied]
                 refusals.append(f"{key} = \"auto\": {_auto_hint(key)}")
             else:
                 applied.append(Applied(key, "auto", outcome))
+    refusals += _deepspeed_optimizer_rules(raw, applied, wrapper_steps)
     if refusals:
         raise ValueError("DeepSpeed settings hybridtrain cannot honour: " + "; ".join(refusals))
     return raw, applied
+
+
+FP16_INIT_STEP = "fp16_init_step"
+"""The optimizer parameter that asks for DeepSpeed's fp16-wrapper step (read by
+``hybridtrain.runtime.optim.build_optimizer``; the config layer does not import the runtime)."""
+# DeepSpeed's own optimizers (hybridtrain.runtime.optim.DEEPSPEED_OPTIMIZERS), as named in refusals.
+_DEEPSPEED_OPTIMIZER_NAMES = {"lamb": "LAMB", "onebitadam": "1-bit Adam", "zerooneadam": "0/1 Adam",
+                              "onebitlamb": "1-bit LAMB"}
+
+
+def fp16_wrapper_steps(raw: dict[str, Any]) -> bool:
+    """Whether DeepSpeed (0.19.8) holds the optimizer of this config — its own or the
+    caller's — in its fp16 wrapper, which steps it once with zero gradients when built.
+
+    ``deepspeed/runtime/engine.py``: ``_do_optimizer_sanity_check`` answers ``FP16`` (fp16)
+    or ``DDP_BFLOAT16`` (bf16 unless pipelined) when ZeRO is off, and ``_configure_optimizer``
+    then builds ``FP16_Optimizer`` (FusedAdam) or ``FP16_UnfusedOptimizer`` (any other
+    optimizer) through ``_configure_fp16_optimizer``; both constructors end in
+    ``initialize_optimizer_states``: zero gradients, ``self.optimizer.step()``. The LR
+    scheduler is built after (``_configure_lr_scheduler``), so that step uses the
+    optimizer's own ``lr``. ZeRO stages 1–3 (``stage_1_and_2.py``/``stage3.py``
+    ``initialize_optimizer_states`` only make zero gradients) and the pipelined bf16
+    ``BF16_Optimizer`` do not step; ``torch_autocast`` keeps fp32 parameters and no wrapper.
+
+    Args:
+        raw: the DeepSpeed config as written (legacy ``bfloat16`` and boolean
+            ``zero_optimization`` understood; ``"auto"`` is not enabled).
+    """
+    zero = raw.get("zero_optimization")
+    stage = int(zero) if isinstance(zero, bool) else _get(raw, "zero_optimization.stage") or 0
+    pipeline = [_get(raw, "pipeline.stages"), raw.get("pipeline_model_parallel_size")]
+    pipelined = any(isinstance(n, int) and n > 1 for n in pipeline)
+    bf16 = _get(raw, "bf16.enabled") is True or _get(raw, "bfloat16.enabled") is True
+    return stage == 0 and (_get(raw, "fp16.enabled") is True or (bf16 and not pipelined))
+
+
+def _deepspeed_optimizer_rules(raw: dict[str, Any], applied: list[Applied], wrapper_steps: bool) -> list[str]:
+    """What DeepSpeed's engine does around the optimizer, from the whole config: for its LAMB
+    and 1-bit optimizers, the combinations it asserts against (or computes differently) are
+    refused; where its fp16 wrapper steps the optimizer once with zero gradients when built
+    (``wrapper_steps``, see :func:`fp16_wrapper_steps`), any optimizer gets that step through
+    ``optimizer.params.fp16_init_step`` (for the 1-bit ones it is their buffer set-up,
+    without it the first training step is spent on that)."""
+    optimizer = raw.get("optimizer")
+    if not isinstance(optimizer, dict):
+        return []  # a caller's optimizer: the drop-in applies fp16_wrapper_steps itself
+    name = str(optimizer.get("type", "")).lower()
+    label = _DEEPSPEED_OPTIMIZER_NAMES.get(name)
+    refusals = _deepspeed_optimizer_refusals(raw, name, f"optimizer.type = {optimizer.get('type')!r} ({label})") \
+        if label is not None else []
+    if not wrapper_steps or refusals:
+        return refusals
+    params = optimizer.setdefault("params", {})  # absent: the class's defaults, as in DeepSpeed
+    if isinstance(params, dict) and FP16_INIT_STEP not in params:
+        params[FP16_INIT_STEP] = True
+        applied.append(Applied(f"optimizer.params.{FP16_INIT_STEP}", "implemented",
+                               "true: at ZeRO stage 0 DeepSpeed's fp16 wrapper (fp16, or bf16 unless pipelined) "
+                               "steps the optimizer once with zero gradients when it is built (Adam: the step "
+                               "count starts at 1, weight decay acts once)"))
+    return refusals
+
+
+def _deepspeed_optimizer_refusals(raw: dict[str, Any], name: str, shown: str) -> list[str]:
+    label = _DEEPSPEED_OPTIMIZER_NAMES[name]
+    stage = _get(raw, "zero_optimization.stage") or 0
+    refusals = []
+    if stage and name != "lamb":
+        # deepspeed/runtime/engine.py, _configure_basic_optimizer: assert not self.zero_optimization()
+        refusals.append(f"{shown} with zero_optimization.stage = {stage}: DeepSpeed asserts "
+                        f"'{label} is not compatible with ZeRO'; use stage 0")
+    # Pipelined bf16 gets BF16_Optimizer, which flattens; unpipelined bf16 at stage 0 gets
+    # FP16_UnfusedOptimizer, per tensor as with fp16 (see fp16_wrapper_steps).
+    bf16_flat = _get(raw, "bf16.enabled") is True and not fp16_wrapper_steps(raw)
+    if name in ("lamb", "onebitlamb") and (stage or bf16_flat):
+        refusals.append(f"{shown} with {'ZeRO' if stage else 'bf16 and pipeline parallel'}: DeepSpeed then takes "
+                        "the trust ratio over each flattened partition of parameters, not per tensor as "
+                        "hybridtrain does; use zero_optimization.stage 0 (with fp16, bf16 or fp32) and no pipeline")
+    if name in ("lamb", "onebitlamb") and _get(raw, "fp16.enabled") is True and (_get(raw, "fp16.loss_scale") or 0) > 0:
+        refusals.append(f"{shown} with fp16.loss_scale = {_get(raw, 'fp16.loss_scale')}: DeepSpeed asserts it "
+                        "'requires dynamic loss scaling'; use fp16.loss_scale 0")
+    if _get(raw, "layer_streaming.enabled") is True:
+        refusals.append(f"{shown} with layer_streaming: the update is not split into the streamed blocks' "
+                        "host updates; use Adam or AdamW")
+    return refusals
 
 
 def log_treatments(applied: list[Applied]) -> None:

@@ -99,16 +99,28 @@ def read_config_file(path: Path) -> dict[str, Any]:
     Raises:
         ConfigError: a missing or unreadable file, or one that does not hold a mapping.
     """
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a directory; give the JSON/YAML file inside it")
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {exc.start}: "
+                          f"{exc.object[exc.start:exc.start + 1]!r}); save it as UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {exc.strerror}") from None
+    empty = ConfigError(f"config file {str(path)!r} is empty; write at least one key (e.g. "
+                        "'train: {steps: 10}'), or give no config file for the defaults")
+    if not text.strip():
+        raise empty
     try:
         data = json.loads(text) if path.suffix == ".json" else _yaml_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         detail = " ".join(str(exc).split())
         raise ConfigError(f"config file {str(path)!r} is not valid JSON/YAML: {detail}") from None
-    if data is None:
-        return {}
+    if data is None:  # only comments
+        raise empty
     if not isinstance(data, dict):
         raise ConfigError(
             f"config file {str(path)!r} must hold a mapping of keys, not {type(data).__name__}"

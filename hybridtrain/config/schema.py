@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from hybridtrain.runtime.memory_limit import parse_bytes
 
 
 class Section(BaseModel):
@@ -28,8 +30,9 @@ class OptimizerConfig(Section):
     type: str = "AdamW"
     """``Adam``/``AdamW`` as DeepSpeed builds them (``adam_w_mode`` defaults to true, so ``Adam``
     with weight decay is decoupled AdamW; ``weight_decay`` defaults to 0; ``bias_correction:
-    false`` and ``torch_adam`` understood), or any ``torch.optim`` class name (case-insensitive).
-    DeepSpeed's LAMB and 1-bit optimizers are refused."""
+    false`` and ``torch_adam`` understood); DeepSpeed's ``Lamb``, and on one process its
+    ``OneBitAdam``, ``ZeroOneAdam`` and ``OneBitLamb``, with DeepSpeed's math; or any
+    ``torch.optim`` class name (case-insensitive)."""
     params: dict[str, Any] = Field(default_factory=lambda: {"lr": 1e-3})
     """Keyword arguments of the optimizer class (``lr``, ``betas``, ``eps``, ``weight_decay`` …)."""
 
@@ -289,6 +292,9 @@ class TrainConfig(Section):
     """Save a checkpoint every n steps (0 = only at the end)."""
     keep_checkpoints: int = Field(default=2, ge=1)
     """How many recent checkpoints to keep."""
+    checkpoint_async: bool = False
+    """Write checkpoints in the background: training continues once the state is copied to
+    host memory (one extra copy of this rank's shard), and the next save waits for the last."""
     eval_every: int = Field(default=0, ge=0)
     """Evaluate on held-out data every n steps (0 = only at the end)."""
     eval_batches: int = Field(default=4, ge=1)
@@ -352,6 +358,47 @@ class WandbConfig(Section):
     """W&B project (DeepSpeed's default name)."""
 
 
+class DistributedConfig(Section):
+    """The process group of a multi-process run."""
+
+    timeout_s: float = Field(default=600.0, gt=0.0, le=86400.0)
+    """Seconds a collective may wait for the other ranks before the run ends with a message
+    naming the rank that did not arrive (torch's own default is 30 minutes). Raise it when a
+    rank legitimately works alone for long, e.g. writing a large checkpoint."""
+
+
+class OOMRecoveryConfig(Section):
+    """What an out-of-memory error inside a training step does: stop (off), or free the
+    step's tensors, switch to a plan that needs less memory and computes the same math (the
+    planner's choice, or the next of: checkpoint every block, swap activations, offload the
+    optimizer, stream layers, smaller micro-batches with more accumulation at the same global
+    batch) and rerun the same step from the same state. In ``hybridtrain train``, or a loop
+    of your own through ``hybridtrain.runtime.oom_recovery.initialize_guarded`` (the model
+    is rebuilt, so ``initialize(model, …)`` refuses it)."""
+
+    enabled: bool = False
+    """Recover from out-of-memory errors (logged once per switch)."""
+    max_attempts: int = Field(default=3, ge=1)
+    """Plan switches tried for one step before it stops with the numbers."""
+
+
+class FlopsProfilerConfig(Section):
+    """Profile two steps of ``hybridtrain train`` (DeepSpeed's ``flops_profiler``; the same
+    profile as ``hybridtrain profile``): FLOPs forward and backward, saved activations and
+    time per module, the step split into parts, TFLOP/s and MFU, a diagnosis, a Chrome
+    trace and a memory timeline. Rank 0 only, as DeepSpeed's."""
+
+    enabled: bool = False
+    """Profile once, at ``profile_step``."""
+    profile_step: int = Field(default=1, ge=0)
+    """Optimizer steps completed before the profiled one (DeepSpeed's rule,
+    ``global_steps == profile_step``): that step is counted (FLOPs, memory) and the next
+    one timed; both train as usual."""
+    output_file: str | None = None
+    """Where the printed profile goes (none: stdout); ``profile.json``, ``trace.json`` and
+    ``memory.png`` are written next to it (none: in ``<train.output_dir>/profile``)."""
+
+
 class Config(Section):
     """The whole hybridtrain configuration."""
 
@@ -392,6 +439,8 @@ class Config(Section):
     """Tensor parallel: size and sharding plan."""
     data_parallel: DataParallelConfig = Field(default_factory=DataParallelConfig)
     """Data parallel (DDP) and gradient compression."""
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    """Process-group settings (collective timeout)."""
     device_map: dict[str, str] = Field(default_factory=dict)
     """Naive model parallel inside one process: module path → device (e.g.
     ``{"blocks.0": "cuda:0", "blocks.1": "cuda:1"}``); activations move to each module's
@@ -399,7 +448,9 @@ class Config(Section):
     steps_per_print: int = Field(default=10, ge=1)
     """Print a ``step=… loss=…`` line every n optimizer steps."""
     wall_clock_breakdown: bool = False
-    """Time forward, backward and optimizer step separately and report them per step."""
+    """Time forward, backward and optimizer step separately and report them per step, with
+    the host↔device transfers, collectives and offloaded-optimizer waits inside them
+    counted apart (``engine.last_timings``)."""
     zero_allow_untested_optimizer: bool = True
     """Accepted for DeepSpeed compatibility: any ``torch.optim`` optimizer is allowed."""
     seed: int = 0
@@ -408,6 +459,21 @@ class Config(Section):
     """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
     nonfinite_loss: Literal["error", "skip"] = "error"
     """What an inf/NaN loss does without fp16 loss scaling: stop with the step number, or skip the step."""
+    device_memory_limit: int | None = None
+    """Device memory this process may use, in bytes or with a unit (``"24GiB"``, ``"512MB"``);
+    none = all of it. On CUDA it caps the process's share of the device
+    (``torch.cuda.set_per_process_memory_fraction``); on CPU the live tensor bytes of each
+    training step are counted and an allocation past the limit is an out-of-memory error, so
+    memory plans and ``oom_recovery`` can be tried without a GPU."""
+    oom_recovery: OOMRecoveryConfig = Field(default_factory=OOMRecoveryConfig)
+    """Out-of-memory recovery: rerun the step under a plan that needs less memory."""
+    auto: bool = False
+    """Let the planner choose how to train: ``initialize`` (and ``hybridtrain train``)
+    estimate every same-math variant of this config (micro-batch × accumulation,
+    checkpointing, activation swapping, optimizer offload, layer streaming; the parallel
+    split and ZeRO stage for several processes) on this machine's device and host memory
+    and train the fastest that fits (``hybridtrain plan`` shows the ranking). DeepSpeed's
+    ``autotuning.enabled`` maps here."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     """Model built by the CLI and its block structure."""
     data: DataConfig = Field(default_factory=DataConfig)
@@ -420,6 +486,13 @@ class Config(Section):
     """CSV files of the CLI's runs (DeepSpeed's monitor section)."""
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     """Weights & Biases logging of the CLI's runs (DeepSpeed's monitor section)."""
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    """Profile two training steps of the CLI's runs (DeepSpeed's flops profiler)."""
+
+    @field_validator("device_memory_limit", mode="before")
+    @classmethod
+    def _bytes(cls, value: Any) -> int | None:
+        return None if value is None else parse_bytes(value)
 
     @model_validator(mode="after")
     def _one_precision(self) -> Config:

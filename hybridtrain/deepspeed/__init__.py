@@ -70,6 +70,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     """
     import hybridtrain as ht
     from hybridtrain.config import load_config
+    from hybridtrain.config.deepspeed_keys import fp16_wrapper_steps
     from hybridtrain.runtime.optim import build_optimizer
 
     if model is None:
@@ -82,16 +83,23 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                                   "pipeline.stages in the config")
     raw = _raw_config(args, config, config_params)
     loader_options = {key: raw.pop(key) for key in _LOADER_KEYS if key in raw}
+    wrapper_steps = fp16_wrapper_steps(raw)
     cfg = load_config(raw)
     if dist_init_required or (dist_init_required is None and int(os.environ.get("WORLD_SIZE", "1")) > 1):
         init_distributed(dist_init_required=True)
 
     params = list(model_parameters) if model_parameters is not None else None
+    client = optimizer is not None
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(params if params is not None else model.parameters())
     elif optimizer is None and params is not None and _custom_groups(params, model):
         optimizer = build_optimizer(params, cfg.optimizer.type, cfg.optimizer.params)
+    as_given = _hyperparameters(optimizer) if client else []
     engine = ht.initialize(model, cfg, optimizer=optimizer)
+    if client and wrapper_steps:
+        # DeepSpeed's fp16 wrapper holds a caller's optimizer too and steps it once with zero
+        # gradients (see fp16_wrapper_steps); the config's optimizer got that step when built.
+        _wrapper_step(engine.optimizer, as_given)
     if lr_scheduler is not None:
         engine.scheduler = lr_scheduler(engine.optimizer) if callable(lr_scheduler) and not hasattr(
             lr_scheduler, "step") else lr_scheduler
@@ -100,6 +108,25 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         loader = _data_loader(training_data, engine, collate_fn, bool(loader_options.get("dataloader_drop_last")))
     wrapped = DeepSpeedEngine(engine, cfg, loader)
     return wrapped, engine.optimizer, loader, engine.scheduler
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def _wrapper_step(optimizer: torch.optim.Optimizer, as_given: list[dict[str, Any]]) -> None:
+    """DeepSpeed's fp16-wrapper step on a caller's optimizer, after the engine placed it
+    (its state lives where its parameters do), with the hyperparameters it was given:
+    DeepSpeed steps before it builds the config's LR schedule, which ``initialize``
+    here has already applied (a warm-up from 0 would otherwise hide the weight decay)."""
+    from hybridtrain.runtime.optim import zero_grad_step
+
+    scheduled = _hyperparameters(optimizer)
+    for group, given in zip(optimizer.param_groups, as_given, strict=True):
+        group.update(given)
+    zero_grad_step(optimizer)
+    for group, now in zip(optimizer.param_groups, scheduled, strict=True):
+        group.update(now)
 
 
 def _raw_config(args: Any, config: Any, config_params: Any) -> dict[str, Any]:

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridtrain import checkpoint as ckpt
 from hybridtrain.config import Config
 from hybridtrain.engine import Engine
 
@@ -232,9 +231,7 @@ class DeepSpeedEngine:
             tag = latest.read_text().strip()
         path = Path(load_dir) / str(tag)
         if load_module_only:
-            files, _ = ckpt.load_checkpoint(path)
-            self.engine.parallel.load_model_state_dict(files["model.pt"])
-            return str(path), files["engine.pt"]["client_state"]
+            return str(path), self.engine.load_checkpoint(path, model_only=True)
         optimizer_state = None if load_optimizer_states else copy.deepcopy(self.engine.optimizer.state_dict())
         scheduler = self.engine.scheduler
         scheduler_state = None if load_lr_scheduler_states or scheduler is None else copy.deepcopy(

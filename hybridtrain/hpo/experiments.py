@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -170,18 +171,27 @@ class ExperimentStore:
     def trials(self, name: str) -> list[dict[str, Any]]:
         """Every trial of experiment ``name`` with its parameters and metrics."""
         out = []
+        objective = self.records.get(name).spec["objective"]["metric"]
+        runs = {number: asdict(run) for number, run in self.records.trial_runs(name).items()}
         for t in self.study(name).get_trials(deepcopy=False):
+            # Where it ran; experiments from before the table kept it in user attributes.
+            run = runs.get(t.number) or t.user_attrs
+            # The objective's latest value is its last intermediate value; the attribute
+            # holds the other metrics (and, in older experiments, the objective too).
+            steps = t.intermediate_values
+            metrics = ({objective: steps[max(steps)]} if steps else {}) | t.user_attrs.get(
+                "metrics", {})
             out.append({
                 "number": t.number,
                 "state": _state(t),
                 "value": _finite(t.value),
                 "params": t.params,
-                "metrics": t.user_attrs.get("metrics", {}),
+                "metrics": metrics,
                 "intermediate": {str(k): _finite(v) for k, v in t.intermediate_values.items()},
-                "slot": t.user_attrs.get("slot"),
-                "attempt": t.user_attrs.get("attempt"),
+                "slot": run.get("slot"),
+                "attempt": run.get("attempt"),
                 "fail_reason": t.user_attrs.get("fail_reason"),
-                "trial_dir": t.user_attrs.get("trial_dir"),
+                "trial_dir": run.get("trial_dir"),
                 "started": t.datetime_start.isoformat() if t.datetime_start else None,
                 "completed": t.datetime_complete.isoformat() if t.datetime_complete else None,
             })

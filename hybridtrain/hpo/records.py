@@ -63,6 +63,27 @@ SLOTS = sa.Table(
     sa.Column("start_ticks", sa.BigInteger, nullable=True),
 )
 
+# One row per trial the service started: where and how it runs (a slot's row holds only
+# its latest attempt). Kept here rather than as Optuna user attributes, which cost a query
+# and an upsert each; written in the same transaction that attaches the trial to its slot.
+TRIAL_RUNS = sa.Table(
+    "hybridtrain_hpo_trial_runs",
+    METADATA,
+    sa.Column("experiment", sa.String(128), primary_key=True),
+    sa.Column("trial_number", sa.Integer, primary_key=True),
+    sa.Column("slot", sa.Integer, nullable=False),
+    sa.Column("attempt", sa.Integer, nullable=False),
+    sa.Column("host", sa.String(255), nullable=False),
+    sa.Column("command", sa.Text, nullable=False),
+    sa.Column("trial_dir", sa.Text, nullable=False),
+)
+
+# Claims look for the pending (or abandoned running) slots of an experiment: a range of
+# this index, however many slots are done.
+SLOTS_BY_STATE = sa.Index("ix_hybridtrain_hpo_slots_state", SLOTS.c.experiment,
+                          SLOTS.c.state, SLOTS.c.slot)
+_GET = EXPERIMENTS.select().where(EXPERIMENTS.c.name == sa.bindparam("b_name"))
+
 ACTIVE_STATES = ("running", "stopping")
 TERMINAL_STATES = ("succeeded", "failed")
 
@@ -78,6 +99,25 @@ class ExperimentRecord:
     failed_trials: int
     created_at: float
     updated_at: float
+
+
+@dataclass(frozen=True)
+class TrialRun:
+    """Where and how one trial runs.
+
+    Attributes:
+        slot: its slot.
+        attempt: failed attempts of the slot before it.
+        host: the machine of its controller.
+        command: its shell command, placeholders substituted.
+        trial_dir: its directory (logs, metrics file).
+    """
+
+    slot: int
+    attempt: int
+    host: str
+    command: str
+    trial_dir: str
 
 
 def _record(row: sa.Row[Any]) -> ExperimentRecord:
@@ -116,6 +156,8 @@ class Records:
         try:
             with setup_lock(engine.url.render_as_string(hide_password=False)):
                 create_tables_racing(lambda: METADATA.create_all(engine, checkfirst=True))
+                # Databases created before the index existed get it now.
+                create_tables_racing(lambda: SLOTS_BY_STATE.create(engine, checkfirst=True))
         except (sa.exc.SQLAlchemyError, OSError) as exc:
             raise StorageError(f"cannot create the HPO tables in {safe_url(str(engine.url))!r}: "
                                f"{first_line(exc)}") from None
@@ -165,7 +207,7 @@ class Records:
             ExperimentNotFoundError: no experiment of that name.
         """
         with self.engine.connect() as conn:
-            row = conn.execute(EXPERIMENTS.select().where(EXPERIMENTS.c.name == name)).first()
+            row = conn.execute(_GET, {"b_name": name}).first()
         if row is None:
             known = ", ".join(r.name for r in self.experiments()[:10]) or "none"
             raise ExperimentNotFoundError(f"experiment {name!r} not found; known: {known}")
@@ -244,6 +286,13 @@ class Records:
         counts = dict.fromkeys(("pending", "running", "done", "cancelled"), 0)
         counts.update({state: int(n) for state, n in rows})
         return counts
+
+    def trial_runs(self, name: str) -> dict[int, TrialRun]:
+        """Where each trial of experiment ``name`` ran, by Optuna trial number."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(TRIAL_RUNS.select().where(TRIAL_RUNS.c.experiment == name)).all()
+        return {r.trial_number: TrialRun(r.slot, r.attempt, r.host, r.command, r.trial_dir)
+                for r in rows}
 
     def running_slots(self, name: str) -> list[sa.Row[Any]]:
         """Rows of the slots that are running (lease valid or not)."""

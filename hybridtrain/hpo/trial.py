@@ -2,7 +2,8 @@
 
 :class:`RunningTrial` is polled by the controller. Each poll reads the new metrics,
 reports every objective value to Optuna as an intermediate value (so pruners see the
-learning curve), asks the pruner, and checks the timeout and the exit code. When the
+learning curve), stores the other metrics' latest values in the trial's ``metrics``
+user attribute, asks the pruner, and checks the timeout and the exit code. When the
 trial is over the poll returns an :class:`Outcome`; the controller records it.
 """
 
@@ -16,10 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybridtrain.hpo.attrs import set_user_attrs
+from optuna.exceptions import UpdateFinishedTrialError
+from optuna.pruners import NopPruner
+
 from hybridtrain.hpo.metrics import MetricsCollector
 from hybridtrain.hpo.process import TrialProcess
 from hybridtrain.hpo.push import METRICS_FILE_ENV
+from hybridtrain.hpo.shell import argv_without_shell
 from hybridtrain.hpo.spec import ExperimentSpec, render_command
 
 if TYPE_CHECKING:
@@ -46,17 +50,22 @@ def trial_dir(spec: ExperimentSpec, number: int) -> Path:
     return Path(spec.output_dir).resolve() / spec.name / f"trial-{number:05d}"
 
 
+def _placeholder_values(spec: ExperimentSpec, params: Mapping[str, Any], number: int,
+                        directory: Path) -> dict[str, str]:
+    values = {name: str(value) for name, value in params.items()}
+    return values | {"trial_number": str(number), "trial_dir": str(directory),
+                     "experiment": spec.name}
+
+
 def build_command(spec: ExperimentSpec, params: Mapping[str, Any], number: int,
                   directory: Path) -> str:
     """The trial's shell command with every placeholder replaced by its quoted value."""
-    values = {name: shlex.quote(str(value)) for name, value in params.items()}
-    values |= {"trial_number": str(number), "trial_dir": shlex.quote(str(directory)),
-               "experiment": shlex.quote(spec.name)}
-    return render_command(spec.trial.command, values)
+    values = _placeholder_values(spec, params, number, directory)
+    return render_command(spec.trial.command, {k: shlex.quote(v) for k, v in values.items()})
 
 
 class RunningTrial:
-    """A started trial.
+    """A trial's process with its metrics: prepared, then started with :meth:`start`.
 
     Args:
         spec: the experiment spec.
@@ -64,24 +73,19 @@ class RunningTrial:
         slot: the slot it runs in.
         attempt: its attempt number within the slot.
         gpus: GPU indices given to it (``CUDA_VISIBLE_DEVICES``).
-        attrs: user attributes to record with the trial's first poll (one transaction
-            with its first metrics, instead of one of their own).
-
-    Raises:
-        OSError: the process could not be started.
     """
 
     def __init__(self, spec: ExperimentSpec, trial: optuna.Trial, slot: int, attempt: int,
-                 gpus: tuple[int, ...] = (), attrs: Mapping[str, Any] | None = None) -> None:
+                 gpus: tuple[int, ...] = ()) -> None:
         self.spec = spec
-        self.pending_attrs = dict(attrs or {})
         self.trial = trial
+        # Without a pruner, asking it would cost a storage read per poll for nothing.
+        self._prunes = not isinstance(trial.study.pruner, NopPruner)
         self.slot = slot
         self.attempt = attempt
         self.gpus = gpus
         self.params = dict(trial.params)
         self.dir = trial_dir(spec, trial.number)
-        self.dir.mkdir(parents=True, exist_ok=True)
         self.command = build_command(spec, self.params, trial.number, self.dir)
         env = dict(os.environ) | spec.trial.env | {
             METRICS_FILE_ENV: str(self.dir / "metrics.jsonl"),
@@ -93,9 +97,31 @@ class RunningTrial:
         }
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+        argv = argv_without_shell(
+            spec.trial.command, _placeholder_values(spec, self.params, trial.number, self.dir),
+            env.get("PATH"), spec.trial.workdir)
         self.process = TrialProcess(self.command, Path(spec.trial.workdir), env,
-                                    self.dir / "stdout.log", self.dir / "stderr.log")
+                                    self.dir / "stdout.log", self.dir / "stderr.log", argv)
         self.collector = MetricsCollector(self.dir / "stdout.log", self.dir / "metrics.jsonl")
+
+    def start(self) -> None:
+        """Create the trial's directory and start its process.
+
+        A directory already there was left under the same trial number by an earlier
+        run whose database is gone (deleted, or rolled back by a power loss): it is
+        renamed ``trial-NNNNN.old-K``, kept, and never read as this trial's output.
+
+        Raises:
+            OSError: either failed.
+        """
+        try:
+            self.dir.mkdir(parents=True)
+        except FileExistsError:
+            k = 1
+            while (old := self.dir.with_name(f"{self.dir.name}.old-{k}")).exists():
+                k += 1
+            self.dir.rename(old)
+            self.dir.mkdir()
         self.process.start()
 
     @property
@@ -127,28 +153,23 @@ class RunningTrial:
 
     def _collect(self, final: bool) -> bool:
         """Report new values to Optuna; returns whether the pruner says stop."""
-        metric = self.spec.objective.metric
         new = self.collector.poll(final)
-        # What Trial.report stores, written with the attributes in one transaction
-        # (each public call would commit on its own).
-        values = [(obs.step, obs.value) for obs in new
-                  if obs.metric == metric and math.isfinite(obs.value)]
-        if new:
-            self.pending_attrs["metrics"] = dict(self.collector.latest)
-        self.flush_attrs(values)
-        if not values:
+        if not new:
             return False
-        # Trial.should_prune judges the values Trial.report cached in the Trial object;
-        # these went to the storage directly, so the pruner reads them from there.
-        study = self.trial.study
-        return study.pruner.prune(study, self.trial.storage.get_trial(self.trial._trial_id))
-
-    def flush_attrs(self, intermediate: list[tuple[int, float]] | None = None) -> None:
-        """Write the pending user attributes (and ``intermediate`` values) in one commit."""
-        if self.pending_attrs or intermediate:
-            set_user_attrs(self.trial.storage, self.trial._trial_id, self.pending_attrs,
-                           intermediate or ())
-            self.pending_attrs = {}
+        metric = self.spec.objective.metric
+        values = [obs for obs in new if obs.metric == metric and math.isfinite(obs.value)]
+        try:
+            # Optuna's public calls, one commit each: a poll rarely has more than a few
+            # new values, and per value the ORM work, not the commit, is the cost.
+            for obs in values:
+                self.trial.report(obs.value, obs.step)
+            # The other metrics' latest values; the objective's are the reports above.
+            if any(obs.metric != metric for obs in new):
+                self.trial.set_user_attr("metrics", {
+                    k: v for k, v in self.collector.latest.items() if k != metric})
+        except UpdateFinishedTrialError:
+            return False  # recorded by the controller that took our slot over; it settles
+        return bool(values) and self._prunes and self.trial.should_prune()
 
     def _value(self) -> float | None:
         return self.collector.final_value(self.spec.objective.metric,

@@ -22,7 +22,7 @@ METRICS: dict[str, str] = {
     "hybridtrain_samples_per_second": "Samples per second of the latest step, over all ranks.",
     "hybridtrain_tflops": "Achieved model TFLOP/s of the latest step over all ranks (FLOPs per token × tokens/s).",
     "hybridtrain_mfu": "Model FLOPs utilisation: tflops / (device bf16 dense peak × world size); absent when the peak is unknown (CPU).",
-    "hybridtrain_step_seconds": "Seconds of the latest step by part (forward, backward, interleaved and optimizer need wall_clock_breakdown).",
+    "hybridtrain_step_seconds": "Seconds of the latest step by part (all but data and total need wall_clock_breakdown).",
     "hybridtrain_device_memory_bytes": "Device memory by kind: allocated, reserved (CUDA caching allocator), peak (CUDA peak allocated; peak RSS on CPU).",
     "hybridtrain_device_alloc_retries_total": "CUDA caching-allocator retries (cudaMalloc failed, cache flushed, retried).",
     "hybridtrain_device_ooms_total": "CUDA out-of-memory errors raised by the caching allocator.",
@@ -34,7 +34,7 @@ METRICS: dict[str, str] = {
 """Metric name → help text (the exposed names, counters with their ``_total`` suffix)."""
 
 STEP_PARTS: tuple[str, ...] = ("forward", "backward", "interleaved", "optimizer", "transfer",
-                               "communication", "data", "total")
+                               "communication", "host_optimizer", "data", "total")
 """Values of the ``part`` label of ``hybridtrain_step_seconds``."""
 
 MEMORY_KINDS: tuple[str, ...] = ("allocated", "reserved", "peak")

@@ -40,6 +40,7 @@ RECORD_FIELDS: dict[str, Key] = {
     "step_s": ("hybridtrain_step_seconds", "optimizer"),
     "transfer_s": ("hybridtrain_step_seconds", "transfer"),
     "communication_s": ("hybridtrain_step_seconds", "communication"),
+    "host_optimizer_s": ("hybridtrain_step_seconds", "host_optimizer"),
     "data_s": ("hybridtrain_step_seconds", "data"),
     "step_time_s": ("hybridtrain_step_seconds", "total"),
     "memory_allocated_bytes": ("hybridtrain_device_memory_bytes", "allocated"),

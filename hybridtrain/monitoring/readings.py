@@ -14,29 +14,20 @@ from typing import Any
 import torch
 from torch import nn
 
-PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("H200 NVL", 835.0),
-    ("H100 NVL", 835.0),
-    ("H100 PCIe", 756.0),
-    ("GH200", 989.4),
-    ("H200", 989.4),
-    ("H100", 989.4),
-    ("A100", 312.0),
-)
-"""Dense bf16 tensor-core peak TFLOP/s per device, by a substring of the CUDA device name
-(first match wins, so the more specific names come first). MFU is measured against these
-whatever the run's precision, as torchtitan and PaLM do."""
+from hybridtrain.profiling.peaks import device_peak_flops
 
 
 def device_peak_tflops(device: torch.device, override: float | None = None) -> float | None:
-    """Peak dense bf16 TFLOP/s of one ``device``: ``override`` when given, else from
-    :data:`PEAK_BF16_TFLOPS`; ``None`` when unknown (CPU, unlisted GPUs)."""
+    """Peak dense bf16 TFLOP/s of one ``device``: ``override`` when given, else from the GPU
+    table of :mod:`hybridtrain.profiling.peaks`; ``None`` when unknown (CPU, unlisted GPUs).
+    MFU is measured against the bf16 peak whatever the run's precision, as torchtitan and
+    PaLM do."""
     if override:
         return float(override)
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_BF16_TFLOPS if key in name), None)
+    peak = device_peak_flops(torch.cuda.get_device_name(device), torch.bfloat16)
+    return None if peak is None else peak / 1e12
 
 
 def flops_per_token(model: nn.Module) -> float:

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hybridtrain.parallel.mesh import Topology
+from hybridtrain.runtime.step_parts import step_part
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -80,7 +81,8 @@ def _all_reduce(tensors: list[torch.Tensor], group: dist.ProcessGroup | None, di
         by_dtype.setdefault(tensor.dtype, []).append(tensor)
     for same in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in same])
-        dist.all_reduce(flat, group=group)
+        with step_part("communication"):
+            dist.all_reduce(flat, group=group)
         if divide > 1:
             flat /= divide
         offset = 0

@@ -3,15 +3,26 @@
 We do not bootstrap processes ourselves: torchrun's elastic agent starts the workers,
 runs the c10d rendezvous (one node or many), restarts them up to ``max_restarts`` times,
 and — when a worker dies — stops the others at once. What this module adds is the
-argument mapping and one readable line naming the rank that failed, with the launcher's
-exit code taken from it, instead of a hang or an anonymous stack trace.
+argument mapping and one readable line naming the rank that failed first (not one of the
+ranks that failed because it did), with the launcher's exit code taken from it, instead of
+a hang or an anonymous stack trace; and one line, exit code 130, for Ctrl-C or SIGTERM.
+How restarted workers avoid the dead round's rendezvous keys is in
+:func:`hybridtrain.parallel.mesh.restart_store`; how a plain script's failure reaches the
+launcher, in :mod:`hybridtrain.parallel.worker`.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 
 @dataclass(frozen=True)
@@ -69,30 +80,116 @@ def torchrun_argv(spec: LaunchSpec, script: str, script_args: Sequence[str]) -> 
     return [*argv, script, *script_args]
 
 
-def launch(spec: LaunchSpec, script: str, script_args: Sequence[str] = ()) -> int:
+class _QuietShutdown(logging.Filter):
+    """Drops torchrun's lines about a stop the user asked for (Ctrl-C/SIGTERM), which
+    :func:`launch` says in one line of its own."""
+
+    WORDS = ("death signal", "closing signal")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(word in record.getMessage() for word in self.WORDS)
+
+
+_TORCHRUN_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api")
+
+
+def launch(spec: LaunchSpec, script: str, script_args: Sequence[str] = (), announce_stop: bool = True,
+           rounds_keep_apart: bool = False) -> int:
     """Run ``script`` on the workers ``spec`` describes; returns the exit code.
 
     Returns:
-        0 when every worker succeeded; otherwise the failing worker's exit code (1 when it
-        has none, e.g. killed by a signal), after printing ``error: rank R …`` to stderr.
+        0 when every worker succeeded; otherwise the exit code of the rank that failed
+        first (128 + the signal number when a signal killed it), after printing
+        ``error: rank R …`` to stderr; 130 after Ctrl-C or SIGTERM, once the workers, which
+        torchrun passes the signal on to, have stopped.
+
+    Args:
+        announce_stop: print the line for Ctrl-C/SIGTERM (off when the workers say it).
+        rounds_keep_apart: the workers create their process group on
+            :func:`~hybridtrain.parallel.mesh.restart_store` (``hybridtrain train`` does), so
+            one node's restart rounds may share torchrun's store.
 
     Raises:
         ValueError: contradictory options (see :meth:`LaunchSpec.validate`).
     """
     spec.validate()
+    for name in _TORCHRUN_LOGGERS:
+        logging.getLogger(name).addFilter(_QuietShutdown())
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    if spec.rdzv_endpoint or not rounds_keep_apart:
+        # torchrun's c10d rendezvous shares one store across restart rounds, and a plain
+        # script's init_process_group then reads the dead round's keys (mesh.restart_store
+        # says how). Scripts of others cannot be changed, and several nodes' agents count
+        # restarts separately (a node that joins later starts at 0, so the per-restart
+        # prefix is not common to all): then every round's rank 0 serves a fresh store.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         run(parse_args(torchrun_argv(spec, script, script_args)))
     except ChildFailedError as exc:
-        # The ranks the agent stopped (negative code = signal) are victims; the cause is the
-        # first rank that exited with an error of its own.
-        rank, failure = min(exc.failures.items(),
-                            key=lambda item: (item[1].exitcode <= 0, item[1].timestamp, item[0]))
+        rank = first_failure(exc.failures)
+        failure = exc.failures[rank]
         others = sorted(set(exc.failures) - {rank})
         also = f"; ranks {others} failed too" if others else ""
-        print(f"error: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) exited with code "
-              f"{failure.exitcode}; the launcher stopped the other ranks{also}", file=sys.stderr, flush=True)
-        return failure.exitcode if failure.exitcode > 0 else 1
+        print(f"error: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {_how(failure)}; "
+              f"the launcher stopped the other ranks{also}", file=sys.stderr, flush=True)
+        return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+    except SignalException as exc:
+        if announce_stop:
+            print(f"interrupted by {exc.sigval.name}: every rank was told to stop and has exited",
+                  file=sys.stderr, flush=True)
+        return 130
     return 0
+
+
+_STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
+"""What torchrun's agent sends the ranks it stops (its death signal, or the one it got)."""
+
+
+def first_failure(failures: Mapping[int, ProcessFailure]) -> int:
+    """The rank whose failure caused the others'.
+
+    When a rank dies, its peers fail too: their collectives lose the connection (an error
+    of their own, with an error file saying so) or the agent stops them (SIGTERM).
+    Exit codes and timestamps (whole seconds, mostly the moment the agent looked) do not
+    tell them apart, so ranks are ordered by what happened to them: killed by a signal
+    nobody in the job sent (``kill -9``, a segfault, the OOM killer), then an error of
+    their own, then a lost peer, then stopped by the agent; ties by time, then rank.
+    """
+    def order(item: tuple[int, ProcessFailure]) -> tuple[int, int, int]:
+        rank, failure = item
+        if failure.exitcode < 0:
+            kind = 3 if -failure.exitcode in _STOP_SIGNALS else 0
+        else:
+            kind = 2 if _lost_peer(failure) else 1
+        return kind, failure.timestamp, rank
+
+    return min(failures.items(), key=order)[0]
+
+
+def _lost_peer(failure: ProcessFailure) -> bool:
+    # hybridtrain's workers record a dead peer as PeerFailure("lost contact with another
+    # rank …"); other scripts' error files (torchrun's @record) carry gloo's own words.
+    said = _said(failure)
+    return any(words in said for words in ("lost contact with another rank", "Connection reset by peer",
+                                           "Connection closed by peer"))
+
+
+def _how(failure: ProcessFailure) -> str:
+    if failure.exitcode < 0:
+        return f"was killed by {failure.signal_name()}"
+    said = _said(failure)
+    return f"exited with code {failure.exitcode}" + (f" ({said})" if said else "")
+
+
+def _said(failure: ProcessFailure) -> str:
+    """The exception a worker recorded in its error file (``TORCHELASTIC_ERROR_FILE``), one line."""
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    if not isinstance(message, str) or message.startswith("To enable traceback"):
+        return ""
+    text = " ".join(message.split())
+    return text if len(text) <= 300 else text[:297] + "..."

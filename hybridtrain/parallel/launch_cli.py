@@ -163,7 +163,11 @@ def _launch(args: argparse.Namespace) -> int:
 
     try:
         os.environ.update(apply_deepspeed_launcher_options(args))
-        return launch(spec_from_args(args, module=args.module), args.script, args.script_args)
+        # Each rank runs the script through hybridtrain.parallel.worker, which records an
+        # uncaught exception where the launcher reads which rank failed first.
+        target = ["-m", args.script] if args.module else [args.script]
+        return launch(spec_from_args(args, module=True), "hybridtrain.parallel.worker",
+                      [*target, *args.script_args])
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

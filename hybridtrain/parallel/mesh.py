@@ -14,7 +14,9 @@ on every rank before any collective starts.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -26,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from hybridtrain.runtime.batch import Batch, batch_size, split_batch
 
 MESH_DIMS = ("pp", "dp", "tp")
+_log = logging.getLogger(__name__)
 
 
 def env_world_size() -> int:
@@ -83,12 +86,81 @@ def init_process_group(device: torch.device, timeout_s: float = 600.0) -> None:
     """Join the process group ``torchrun`` described in the environment (idempotent).
 
     A finite timeout turns a peer that died mid-collective into an error instead of a hang.
+    After a restart the group is built on :func:`restart_store`, so that it does not meet
+    the keys of the round that died.
     """
     if dist.is_initialized():
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    store = restart_store(timeout)
+    if store is None:
+        dist.init_process_group(backend_for(device), timeout=timeout)
+    else:
+        dist.init_process_group(backend_for(device), timeout=timeout, store=store,
+                                rank=int(os.environ["RANK"]), world_size=env_world_size())
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this worker group (0 in the first round)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def restart_store(timeout: timedelta) -> dist.Store | None:
+    """This restart round's own view of the key-value store torchrun's agent serves, or
+    None where the usual ``env://`` rendezvous is safe.
+
+    Why: since torch 2.4 torchrun's c10d rendezvous lets the workers share the agent's
+    TCPStore (``TORCHELASTIC_USE_AGENT_STORE=True``; ``DynamicRendezvousHandler`` creates
+    that server once, ``_shared_tcp_store_server``, and hands the same port to every
+    round), and ``init_process_group`` puts its keys under a fixed ``default_pg`` prefix.
+    After a restart the keys of the dead round are still there: gloo's full-mesh connect
+    reads a peer's *old* address before the peer has written its new one and fails with
+    ``Connection refused`` (or hangs connecting to a reused port). Every round's keys go
+    under ``hybridtrain/restart-<TORCHELASTIC_RESTART_COUNT>/`` here, so a round only ever
+    reads what its own ranks wrote.
+
+    The restart count is one agent's: with several nodes the agents count separately (a
+    node whose agent was replaced starts again at 0), so there the usual rendezvous is kept;
+    ``hybridtrain launch`` and the deploy manifests set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+    so that every round gets a fresh store instead.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        _log.info("several nodes share torchrun's store across restart rounds; set "
+                  "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (hybridtrain launch does) so that restarts "
+                  "do not meet the dead round's rendezvous keys")
+        return None
+    return _round_store("", timeout)
+
+
+def _round_store(name: str, timeout: timedelta) -> dist.Store:
+    # A client of the store torchrun's workers share (the agent's, or the one rank 0
+    # serves for env://), seeing only this restart round's keys.
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env_world_size(),
+                           is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"hybridtrain/restart-{restart_count()}{name}", client)
+
+
+def stalled_ranks(grace_s: float = 3.0) -> list[int]:
+    """After a collective timed out here: the ranks that did not time out too, i.e. the ones
+    that never reached the collective (stuck or dead). Every rank that times out says so in
+    the store and waits ``grace_s`` for the others to say the same.
+
+    Returns:
+        The stalled ranks; empty when every rank timed out (collectives called in a
+        different order) or the store cannot be reached.
+    """
+    world, rank = env_world_size(), int(os.environ.get("RANK", "0"))
+    try:
+        store = _round_store("/timed-out", timedelta(seconds=grace_s + 10))
+        store.set(str(rank), "1")
+        time.sleep(grace_s)
+        return [r for r in range(world) if not store.check([str(r)])]
+    except (RuntimeError, KeyError, ValueError):  # no store any more: say nothing rather than guess
+        return []
 
 
 @dataclass(frozen=True)

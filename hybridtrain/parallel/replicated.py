@@ -23,8 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hybridtrain.parallel.mesh import Topology
+from hybridtrain.runtime.step_parts import step_part
 
 
 def collective_device() -> torch.device:
@@ -79,7 +81,8 @@ class ParallelRuntime:
             return value
         share = value.detach().float() / self.topology.dp if self.holds_loss() else torch.zeros_like(value)
         share = share.clone()
-        dist.all_reduce(share)
+        with step_part("communication"):
+            dist.all_reduce(share)
         return share
 
     def all_finite(self, finite: bool) -> bool:
@@ -87,7 +90,8 @@ class ParallelRuntime:
         if not self.distributed:
             return finite
         flag = torch.tensor([0.0 if finite else 1.0], device=collective_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        with step_part("communication"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item() == 0.0)
 
     def clip_grad_norm(self, params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -113,6 +117,27 @@ class ParallelRuntime:
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Restore :meth:`optimizer_state_dict`'s result on every rank."""
         optimizer.load_state_dict(state)
+
+    # Sharded checkpoints (hybridtrain.checkpoint.training_state) store every entry in its
+    # full logical shape, as each rank holds it; these say how this runtime's tensors map to it.
+    def owns(self, name: str) -> bool:
+        """Whether this rank saves the state-dict entry (or parameter) ``name``."""
+        return True
+
+    def row_interleave(self, name: str) -> int:
+        """The fused-qkv row order of ``name``'s tensors here: 1 = the user's ``[Q; K; V]``,
+        n = tensor parallel's per-rank interleave over n ranks
+        (:func:`hybridtrain.parallel.tensor.qkv_from_user`)."""
+        return 1
+
+    def from_user_layout(self, name: str, full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """``full``, a whole entry of ``name`` in the user's row order, in ``like``'s layout
+        (row order, and sharding when ``like`` is a DTensor)."""
+        if isinstance(like, DTensor):
+            # Every rank holds the whole entry: each cuts its shard, nothing is communicated.
+            return distribute_tensor(full.to(like.to_local().device), like.device_mesh, like.placements,
+                                     src_data_rank=None)
+        return full
 
     def barrier(self) -> None:
         """Wait for every rank (e.g. until the writer finished a checkpoint)."""

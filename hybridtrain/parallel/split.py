@@ -181,3 +181,18 @@ class SplitRuntime(ParallelRuntime):
                      "param_groups": [{**g, "params": [n for n in g["params"] if n in held]}
                                       for g in state["param_groups"]]}
         set_optimizer_state_dict(self.model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+    def owns(self, name: str) -> bool:
+        """The pipeline stage that holds the true value of ``name`` saves it."""
+        return self.owner(name) == self.topology.pp_rank
+
+    def row_interleave(self, name: str) -> int:
+        """Fused-qkv entries are interleaved per tensor-parallel rank (see :mod:`tensor`)."""
+        return self.topology.tp if name in self.reordered else 1
+
+    def from_user_layout(self, name: str, full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """A whole entry in the user's ``[Q; K; V]`` order, interleaved if ``name`` is a fused
+        qkv entry, and sharded as ``like``."""
+        if name in self.reordered:
+            full = qkv_from_user(full, self.topology.tp)
+        return super().from_user_layout(name, full, like)

@@ -75,7 +75,7 @@ def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | Non
     swapped = _swapped(cfg, blocks, checkpointed, streamed)
     zero_stage = cfg.zero_optimization.stage if dp > 1 else 0
     if optimizer is not None:
-        _check_user_optimizer(cfg, optimizer, zero_stage, tp, bool(streamed))
+        _check_user_optimizer(zero_stage, tp)
     try:
         device_map = resolve_device_map(model, cfg.device_map)
         tensor_plan = resolve_plan(model, cfg.tensor_parallel.plan, tp) if tp > 1 else {}
@@ -291,18 +291,14 @@ def _pipeline(cfg: Config, pp: int, blocks: _Blocks, usage: ModelUsage | None, m
                         tuple(rule) if isinstance(rule, list) else rule, resolved, path, usage)
 
 
-def _check_user_optimizer(cfg: Config, optimizer: torch.optim.Optimizer, zero_stage: int, tp: int,
-                          streaming: bool) -> None:
+def _check_user_optimizer(zero_stage: int, tp: int) -> None:
     """A caller's optimizer holds the model's parameter objects: techniques that replace
-    them need the optimizer built afterwards, and host offload takes over a fresh one."""
+    them need the optimizer built afterwards (host offload takes over its state, stepped or
+    not)."""
     replaced = "zero_optimization.stage > 0" if zero_stage else "tensor_parallel" if tp > 1 else None
     if replaced:
         raise ConfigError(f"{replaced} replaces the model's parameters (shards them), so the optimizer must be "
                           "built afterwards: pass optimizer=None and set config optimizer instead")
-    offloaded = streaming or cfg.zero_optimization.offload_optimizer.device == "cpu"
-    if offloaded and any(optimizer.state.values()):
-        raise ConfigError("the optimizer passed has already stepped, but optimizer offload (or layer streaming) "
-                          "takes over a fresh one: pass a new optimizer, or optimizer=None")
 
 
 def check_optimizer(cfg: Config, user_optimizer: bool = False) -> None:

@@ -1,4 +1,16 @@
-"""Measuring what training costs: memory saved for backward, peak device memory."""
+"""Measuring what training costs: FLOPs, memory and time per module, the step's parts,
+utilisation against the device's peak, and what to change (``hybridtrain profile``).
+
+- :mod:`~hybridtrain.profiling.peaks`: dense peak FLOP/s and memory per GPU model, a
+  measured matmul rate elsewhere.
+- :mod:`~hybridtrain.profiling.counting`: one step counted (FLOPs forward/backward and saved
+  activations per module, live bytes over time).
+- :mod:`~hybridtrain.profiling.breakdown`: the step split into parts from profiler events.
+- :mod:`~hybridtrain.profiling.diagnosis`: rules over a measured profile.
+- :mod:`~hybridtrain.profiling.profiler`: :func:`profile_engine` ties them together;
+  :mod:`~hybridtrain.profiling.scheduled` runs it inside a training loop (DeepSpeed's
+  ``flops_profiler``).
+"""
 
 from hybridtrain.profiling.memory import SavedTensorMeter
 

@@ -6,9 +6,13 @@ counted on any device (CPU included), unlike allocator peaks.
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Callable, Iterable
 from types import TracebackType
 
 import torch
+
+from hybridtrain.parallel.gradient_sync import local
 
 
 class SavedTensorMeter:
@@ -17,17 +21,47 @@ class SavedTensorMeter:
     >>> with SavedTensorMeter() as meter:
     ...     loss = model(x).sum()
     >>> meter.bytes
+
+    Args:
+        owners: when given, called at every save; the bytes also count for each name it
+            returns (``by_owner``), each storage once per owner (the profiler passes the
+            modules running at that moment).
+        skip_storages: ``data_ptr`` of storages that never count (parameters: a matmul
+            saves its weight, which is not an activation).
+
+    Attributes:
+        bytes / tensors: everything saved (``bytes`` once per tensor, as autograd keeps it).
+        by_owner: bytes per owner name, each storage once per owner.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, owners: Callable[[], Iterable[str]] | None = None,
+                 skip_storages: frozenset[int] = frozenset()) -> None:
         self.bytes = 0
         self.tensors = 0
+        self.by_owner: dict[str, int] = defaultdict(int)
+        self._owners = owners
+        self._skip = skip_storages
+        self._seen: set[tuple[str, int]] = set()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.bytes += tensor.numel() * tensor.element_size()
+        storage, whole = _storage(tensor)
+        if storage in self._skip:
+            return tensor
+        size = tensor.numel() * tensor.element_size()
+        self.bytes += size
         self.tensors += 1
+        if self._owners is not None:
+            for owner in self._owners():
+                if (owner, storage) not in self._seen:
+                    self._seen.add((owner, storage))
+                    self.by_owner[owner] += whole
         return tensor
+
+    def new_window(self) -> None:
+        """Count storages again from here on (call when the saved tensors were freed, e.g. at
+        each backward: a later tensor may reuse a freed storage's address)."""
+        self._seen.clear()
 
     def __enter__(self) -> SavedTensorMeter:
         self._hooks.__enter__()
@@ -36,3 +70,14 @@ class SavedTensorMeter:
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
                  traceback: TracebackType | None) -> None:
         self._hooks.__exit__(kind, value, traceback)
+
+
+def _storage(tensor: torch.Tensor) -> tuple[int, int]:
+    """``(address, bytes)`` of the storage behind ``tensor`` (a DTensor's local shard; a
+    tensor without one, such as a sparse tensor, stands for itself)."""
+    tensor = local(tensor)
+    try:
+        storage = tensor.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return id(tensor), tensor.numel() * tensor.element_size()

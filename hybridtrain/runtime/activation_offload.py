@@ -49,6 +49,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hybridtrain.runtime import transfer
 from hybridtrain.runtime.forward_wrap import wrap_forward
+from hybridtrain.runtime.step_parts import step_part
 
 _ORIGINAL_FORWARD = "_hybridtrain_swap_original_forward"
 
@@ -161,8 +162,9 @@ class ActivationSwapper:
         # an address could be reused by a new tensor once the swapped one is freed.
         seen: dict[int, tuple[torch.Tensor, _Swapped]] = {}
         # Bound the device memory held by copies not yet run (see the module docstring).
-        for old in [s for s in self._copied_out if s <= seq - self.copies_in_flight]:
-            transfer.host_waits(self._copied_out.pop(old))
+        with step_part("transfer"):
+            for old in [s for s in self._copied_out if s <= seq - self.copies_in_flight]:
+                transfer.host_waits(self._copied_out.pop(old))
         with torch.autograd.graph.saved_tensors_hooks(
                 functools.partial(self._pack, seq, skip, seen), self._unpack):
             yield
@@ -180,7 +182,7 @@ class ActivationSwapper:
         if id(tensor) in seen:
             return seen[id(tensor)][1]
         host = transfer.host_empty(tensor.numel(), tensor.dtype, self.pin_memory, self.device).view(tensor.shape)
-        with self._d2h.after_compute():
+        with step_part("transfer"), self._d2h.after_compute():
             host.copy_(tensor, non_blocking=True)
             self._d2h.keep_alive(tensor)
             copied = self._d2h.record()
@@ -240,7 +242,7 @@ class ActivationSwapper:
         self.stats.prefetch_ahead.append(len(self._prefetched - {seq}))
 
     def _prefetch_one(self, handle: _Swapped) -> None:
-        with self._h2d.after(handle.copied):
+        with step_part("transfer"), self._h2d.after(handle.copied):
             handle.device_tensor = handle.host.to(self.device, non_blocking=True)
             handle.ready = self._h2d.record()
         self.stats.bytes_in += handle.host.numel() * handle.host.element_size()

@@ -10,13 +10,27 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from hybridtrain.runtime.deepspeed_schedules import DEEPSPEED_SCHEDULES, DeepSpeedSchedule
+from hybridtrain.runtime.lamb import Lamb
+from hybridtrain.runtime.onebit_adam import OnebitAdam, ZeroOneAdam
+from hybridtrain.runtime.onebit_lamb import OnebitLamb
 from hybridtrain.runtime.uncorrected_adam import AdamWithoutBiasCorrection
 
-# DeepSpeed optimizers whose math torch does not have (1-bit ones also compress communication).
+FP16_INIT_STEP = "fp16_init_step"
+"""Optimizer parameter (set by the DeepSpeed key treatments where DeepSpeed's engine would
+do this, see :func:`hybridtrain.config.deepspeed_keys.fp16_wrapper_steps`): DeepSpeed's fp16
+optimizer wrappers, which hold every optimizer at ZeRO stage 0 with fp16 (and with bf16
+unless pipelined), call its ``step()`` once with zero gradients when they are built
+(``deepspeed/runtime/fp16/fused_optimizer.py`` and ``unfused_optimizer.py``,
+``initialize_optimizer_states``). True reproduces that step when the optimizer is built."""
+
+# DeepSpeed optimizers whose math torch does not have and hybridtrain does not implement.
 _REFUSED_OPTIMIZERS = {
-    "lamb": "layer-wise adaptive rates (LAMB)", "onebitadam": "1-bit Adam", "zerooneadam": "0/1 Adam",
-    "onebitlamb": "1-bit LAMB", "muadam": "muP Adam", "muadamw": "muP AdamW", "musgd": "muP SGD",
+    "muadam": "muP Adam", "muadamw": "muP AdamW", "musgd": "muP SGD",
     "lion": "the Lion optimizer", "fusedlion": "the Lion optimizer",
+}
+# DeepSpeed's own optimizers, by the lower-case name DeepSpeed's config gives them.
+DEEPSPEED_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "lamb": Lamb, "onebitadam": OnebitAdam, "zerooneadam": ZeroOneAdam, "onebitlamb": OnebitLamb,
 }
 
 
@@ -26,14 +40,42 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], type_name: str,
     DeepSpeed's rules (``adam_w_mode`` defaults to true, so ``Adam`` with weight decay is
     decoupled AdamW; ``weight_decay`` defaults to 0 as in DeepSpeed's FusedAdam, unless
     ``torch_adam`` asks for torch's class and its defaults; ``bias_correction: false`` is
-    :class:`AdamWithoutBiasCorrection`); any other name is the
-    ``torch.optim`` class of that name (case-insensitive).
+    :class:`AdamWithoutBiasCorrection`); ``Lamb``, ``OneBitAdam``, ``ZeroOneAdam`` and
+    ``OneBitLamb`` are DeepSpeed's (:data:`DEEPSPEED_OPTIMIZERS`; the 1-bit ones on one
+    process); any other name is the ``torch.optim`` class of that name (case-insensitive).
+    ``fp16_init_step: true`` (:data:`FP16_INIT_STEP`) steps the new optimizer once with
+    zero gradients (:func:`zero_grad_step`), as DeepSpeed's fp16 wrapper does: for Adam the
+    step count becomes 1 (later bias corrections use ``t + 1``) and weight decay acts once.
 
     Raises:
         ValueError: unknown optimizer, one whose math torch lacks, or an invalid keyword
             (one line naming it).
     """
     kwargs = dict(kwargs)
+    init_step = bool(kwargs.pop(FP16_INIT_STEP, False))
+    if "max_grad_norm" in kwargs:  # deepspeed/runtime/engine.py, _configure_basic_optimizer
+        raise ValueError(f"optimizer.params.max_grad_norm = {kwargs['max_grad_norm']!r}: DeepSpeed refuses it as an "
+                         "optimizer parameter too ('please switch to using the deepspeed parameter "
+                         "gradient_clipping'); use gradient_clipping")
+    optimizer = _build(params, type_name, kwargs)
+    if init_step:
+        zero_grad_step(optimizer)
+    return optimizer
+
+
+def zero_grad_step(optimizer: torch.optim.Optimizer) -> None:
+    """One ``step()`` with every parameter's gradient zero, as DeepSpeed's fp16 wrappers do
+    when built (see :data:`FP16_INIT_STEP`), at the learning rate the groups hold then. The
+    zero gradients are made where each parameter lives (host masters stay in host memory);
+    ``zero_grad`` clears them afterwards, so the next step starts clean."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _build(params: Iterable[torch.nn.Parameter], type_name: str, kwargs: dict[str, Any]) -> torch.optim.Optimizer:
     betas = kwargs.get("betas")
     if betas is not None and not (isinstance(betas, list | tuple) and len(betas) == 2
                                   and all(isinstance(b, int | float) for b in betas)):
@@ -42,6 +84,11 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], type_name: str,
     if name in _REFUSED_OPTIMIZERS:
         raise ValueError(f"optimizer.type = {type_name!r} ({_REFUSED_OPTIMIZERS[name]}) is a DeepSpeed optimizer "
                          "hybridtrain does not implement; the nearest is AdamW")
+    if name in DEEPSPEED_OPTIMIZERS:
+        try:
+            return DEEPSPEED_OPTIMIZERS[name](params, **kwargs)
+        except TypeError as exc:  # an unknown keyword; the classes' own ValueErrors name their field
+            raise ValueError(f"optimizer.params {kwargs} rejected by DeepSpeed's {type_name}: {exc}") from None
     if name in ("adam", "adamw"):
         decoupled = kwargs.pop("adam_w_mode", True) if name == "adam" else True
         kwargs.pop("adam_w_mode", None)
@@ -66,6 +113,7 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], type_name: str,
         raise ValueError(
             f"optimizer.type = {type_name!r} is not a torch.optim optimizer; allowed: "
             + ", ".join(sorted(c.__name__ for c in classes.values()))
+            + "; DeepSpeed's Lamb, OneBitAdam, ZeroOneAdam, OneBitLamb"
         )
     try:
         return cls(params, **kwargs)

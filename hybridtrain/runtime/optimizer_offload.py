@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from hybridtrain.runtime import transfer
+from hybridtrain.runtime.step_parts import step_part
 
 _NOT_HYPERPARAMS = ("params", "fused", "foreach", "capturable", "differentiable")
 
@@ -89,8 +90,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
     """The engine's optimizer when updates run in host memory (see the module docstring).
 
     Args:
-        optimizer: an optimizer over the device parameters; its class, groups and
-            hyperparameters are taken over (it must not have stepped yet).
+        optimizer: an optimizer over the device parameters; its class, groups,
+            hyperparameters and state are taken over (the state of one that has stepped —
+            DeepSpeed's fp16 wrapper steps it once when built — moves unchanged to the host
+            masters, so the run continues exactly as the plain optimizer would).
         device: the compute device.
         pin_memory: page-locked host buffers (asynchronous copies on CUDA).
         host_ratio: fraction of the parameters (by elements) updated on the host; the
@@ -107,7 +110,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
             their buckets land after the whole backward instead of on arrival.
 
     Raises:
-        ValueError: the optimizer already has state.
         HostMemoryError: the host state does not fit in available host memory.
     """
 
@@ -115,8 +117,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
                  host_ratio: float = 1.0, bucket_numel: int = 500_000_000, defer: bool = False,
                  streamed: Sequence[Sequence[nn.Parameter]] = (), lasting_grads: bool = True,
                  late: frozenset[int] = frozenset()) -> None:
-        if any(optimizer.state.values()):
-            raise ValueError("optimizer offload takes over a fresh optimizer; this one has already stepped")
         self.device = device
         self.pin_memory = pin_memory
         self.defer = defer
@@ -151,6 +151,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
             groups.append({**{k: v for k, v in g.items() if k != "params"},
                            "params": [master_of.get(id(p), p) for p in g["params"]]})
         super().__init__(groups, optimizer.defaults)
+        for p, entry in optimizer.state.items():  # a stepped optimizer's state, unchanged
+            master = master_of.get(id(p))
+            if master is None:  # a device-kept (twin-flow) parameter keeps it where it is
+                self.state[p] = entry
+            else:  # a host master's moves to the host with it
+                self.state[master] = {k: v.to(master.device) if isinstance(v, torch.Tensor) else v
+                                      for k, v in entry.items()}
         for bucket in self.buckets:
             if bucket.params:  # a streamed block may have none (an activation function)
                 bucket.optimizer = self._inner([bucket.masters], [bucket.group_of], fused=True)
@@ -211,7 +218,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         The eager step needs every micro-batch's loss to be finite: a step the engine
         will skip or refuse must not have touched the host masters.
         """
-        self._wait()
+        with step_part("host_optimizer"):
+            self._wait()
         for bucket in self.buckets:
             bucket.arrived = 0
         if not self.defer:
@@ -228,7 +236,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if not bucket.streamed and any(p.grad is not None for p in bucket.params):
                 self.land(bucket.index)
         if final:
-            self._wait()
+            with step_part("host_optimizer"):
+                self._wait()
             for bucket in self.buckets:
                 self._expose_grads(bucket)
 
@@ -250,7 +259,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         through: torch.Tensor | None = None
         landed: list[tuple[int, bool]] = []
         try:
-            with self._d2h.after_compute():
+            with step_part("transfer"), self._d2h.after_compute():
                 for j, p in enumerate(bucket.params):
                     grad = p.grad
                     if grad is None:
@@ -311,7 +320,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._step_bucket(bucket)
 
     def _step_bucket(self, bucket: Bucket, grads: list[torch.Tensor] | None = None) -> None:
-        if bucket.stepped or not any(bucket.has_grad):
+        # Gradients put on the masters directly count too, as for any torch optimizer
+        # (DeepSpeed's fp16-wrapper step gives every parameter a zero one).
+        given = grads is None and any(m.grad is not None for m in bucket.masters)
+        if bucket.stepped or not (any(bucket.has_grad) or given):
             return
         assert bucket.optimizer is not None
         self._expose_grads(bucket, grads)
@@ -324,7 +336,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if not bucket.streamed:
             # Overwrite the device weights only after the kernels that read them: those ran
             # before the gradient copy (the host also waited for it; this says so to CUDA).
-            with self._h2d.after(bucket.copied):
+            with step_part("transfer"), self._h2d.after(bucket.copied):
                 for p, m in zip(bucket.params, bucket.masters, strict=True):
                     p.data.copy_(m.detach(), non_blocking=True)
                 bucket.uploaded = self._h2d.record()
@@ -361,9 +373,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """
         if closure is not None:
             raise ValueError("OffloadOptimizer.step does not take a closure")
-        self._wait()
-        for bucket in self.buckets:
-            self._step_bucket(bucket)
+        with step_part("host_optimizer"):
+            self._wait()
+            for bucket in self.buckets:
+                self._step_bucket(bucket)
         if self._device_optimizer is not None:
             _sync_hyperparams(self._device_optimizer, self)
             self._device_optimizer.step()

@@ -45,6 +45,9 @@ class StepTimings:
         interleaved: forwards and backwards a runner interleaves and cannot tell apart
             (pipeline schedules, layer-major streaming).
         step: unscale, clip, optimizer and scheduler step.
+        transfer / communication / host_optimizer: host↔device copies, collectives and
+            waits for the offloaded optimizer's host step inside the parts above, counted
+            here instead of there (:mod:`hybridtrain.runtime.step_parts`).
         total: the whole ``train_batch``.
     """
 
@@ -52,6 +55,9 @@ class StepTimings:
     backward: float = 0.0
     interleaved: float = 0.0
     step: float = 0.0
+    transfer: float = 0.0
+    communication: float = 0.0
+    host_optimizer: float = 0.0
     total: float = 0.0
 
 

@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_leaves
 from hybridtrain.runtime import transfer
 from hybridtrain.runtime.optimizer_offload import Bucket, OffloadOptimizer
 from hybridtrain.runtime.residency import Residency
+from hybridtrain.runtime.step_parts import step_part
 
 
 class _StreamedBlock:
@@ -105,7 +106,7 @@ class LayerStreamer:
         # Allocated on the compute stream: its memory may be a just-freed block's, which
         # the copy stream must not overwrite before compute has finished reading it.
         block.device_flat.untyped_storage().resize_(block.nbytes)
-        with self._h2d.after_compute():
+        with step_part("transfer"), self._h2d.after_compute():
             block.device_flat.copy_(block.bucket.flat_master, non_blocking=True)
             block.ready = self._h2d.record()
         block.loaded = True

@@ -87,3 +87,75 @@ def test_auto_resolved_as_the_trainer_would() -> None:
     assert all("put your value there" in a.note for a in applied)
     with pytest.raises(ConfigError, match=r'steps_per_print = "auto": nothing in the config determines it'):
         load_config({"steps_per_print": "auto"})
+
+
+def test_deepspeeds_own_optimizers_as_its_engine_takes_them() -> None:
+    # deepspeed/runtime/engine.py: the 1-bit optimizers assert no ZeRO; LAMB asserts dynamic loss
+    # scaling; under ZeRO or bf16 LAMB's trust ratio would span a flattened partition.
+    with pytest.raises(ConfigError) as err:
+        load_config({"optimizer": {"type": "ZeroOneAdam"}, "zero_optimization": {"stage": 3}})
+    assert "optimizer.type = 'ZeroOneAdam' (0/1 Adam) with zero_optimization.stage = 3: DeepSpeed asserts " \
+           "'0/1 Adam is not compatible with ZeRO'; use stage 0" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config({"optimizer": {"type": "OneBitLamb"}, "fp16": {"enabled": True, "loss_scale": 128},
+                     "zero_optimization": {"stage": 1}})
+    message = str(err.value)
+    assert "\n" not in message and "'1-bit LAMB is not compatible with ZeRO'" in message
+    assert "with fp16.loss_scale = 128: DeepSpeed asserts it 'requires dynamic loss scaling'" in message
+    with pytest.raises(ConfigError, match=r"'Lamb' \(LAMB\) with bf16 and pipeline parallel: DeepSpeed then "
+                                          "takes the trust ratio"):
+        load_config({"optimizer": {"type": "Lamb"}, "bf16": {"enabled": True}, "pipeline": {"stages": 2}})
+    # At stage 0 with fp16 (or bf16 unpipelined: FP16_UnfusedOptimizer, per tensor), DeepSpeed's
+    # fp16 wrapper steps them once with zero gradients when built.
+    for name in ("Lamb", "OnebitAdam", "ZeroOneAdam", "OneBitLamb"):
+        for half in ("fp16", "bf16"):
+            cfg = load_config({"optimizer": {"type": name, "params": {"lr": 1e-3}}, half: {"enabled": True}})
+            assert cfg.optimizer.params == {"lr": 1e-3, "fp16_init_step": True}
+    assert "fp16_init_step" not in load_config({"optimizer": {"type": "Lamb"}}).optimizer.params
+
+
+def test_the_init_step_key_is_the_one_the_optimizers_read() -> None:
+    from hybridtrain.config.deepspeed_keys import FP16_INIT_STEP as config_key
+    from hybridtrain.runtime.optim import FP16_INIT_STEP as runtime_key
+
+    assert config_key == runtime_key
+
+
+@pytest.mark.parametrize(("raw", "steps"), [
+    # deepspeed/runtime/engine.py, _do_optimizer_sanity_check: no ZeRO and fp16 → FP16, bf16 →
+    # DDP_BFLOAT16 (BFLOAT16, whose BF16_Optimizer does not step at build, when pipelined);
+    # both go to _configure_fp16_optimizer, whose wrappers step in initialize_optimizer_states.
+    ({"fp16": {"enabled": True}}, True),
+    ({"bf16": {"enabled": True}}, True),
+    ({"bfloat16": {"enabled": True}, "zero_optimization": {"stage": 0}}, True),
+    ({"fp16": {"enabled": True}, "pipeline": {"stages": 2}}, True),
+    ({"bf16": {"enabled": True}, "pipeline": {"stages": 2}}, False),
+    ({"bf16": {"enabled": True}, "pipeline_model_parallel_size": 2}, False),
+    # ZeRO stages build their own optimizers (stage_1_and_2.py / stage3.py
+    # initialize_optimizer_states make zero gradients but never call step()).
+    ({"fp16": {"enabled": True}, "zero_optimization": {"stage": 1}}, False),
+    ({"bf16": {"enabled": True}, "zero_optimization": True}, False),
+    # fp32, "auto" (the Trainer's default: off) and torch_autocast (fp32 parameters): no wrapper.
+    ({}, False),
+    ({"fp16": {"enabled": "auto"}}, False),
+    ({"torch_autocast": {"enabled": True, "dtype": "torch.float16"}}, False),
+])
+def test_fp16_wrapper_steps_where_deepspeed_wraps_the_optimizer(raw: dict, steps: bool) -> None:
+    from hybridtrain.config.deepspeed_keys import fp16_wrapper_steps
+
+    assert fp16_wrapper_steps(raw) is steps
+    # Every optimizer gets the step, not only DeepSpeed's own; it is shown as implemented.
+    for optimizer in ({"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+                      {"type": "Adam", "params": {"adam_w_mode": False}}, {"type": "SGD", "params": {"lr": 0.1}}):
+        cfg, applied = explain_config({**raw, "optimizer": optimizer})
+        assert cfg.optimizer.params.get("fp16_init_step", False) is steps
+        assert [a.treatment for a in applied if a.key == "optimizer.params.fp16_init_step"] == (
+            ["implemented"] if steps else [])
+        assert cfg.optimizer.params == {**optimizer["params"], **({"fp16_init_step": True} if steps else {})}
+
+
+def test_an_explicit_init_step_setting_is_kept() -> None:
+    cfg = load_config({"optimizer": {"type": "Adam", "params": {"fp16_init_step": False}}, "fp16": {"enabled": True}})
+    assert cfg.optimizer.params == {"fp16_init_step": False}
+    # No optimizer section: a caller's optimizer, stepped by the drop-in; nothing is added.
+    assert load_config({"fp16": {"enabled": True}}).optimizer.params == {"lr": 1e-3}

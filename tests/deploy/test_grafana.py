@@ -26,7 +26,8 @@ except ImportError:  # pragma: no cover - before hybridtrain.monitoring existed
         "hybridtrain_checkpoint_bytes", "hybridtrain_restarts_total",
     }
 # Label values the job sets (hybridtrain.monitoring.metric_names.STEP_PARTS / MEMORY_KINDS).
-STEP_PARTS = {"forward", "backward", "interleaved", "optimizer", "transfer", "communication", "data", "total"}
+STEP_PARTS = {"forward", "backward", "interleaved", "optimizer", "transfer", "communication", "host_optimizer",
+              "data", "total"}
 MEMORY_KINDS = {"allocated", "reserved", "peak"}
 # Labels a series can carry: the job's own, and those Prometheus/the PodMonitor add.
 LABELS = {"rank", "part", "kind", "namespace", "pod", "container", "job", "instance", "endpoint",

@@ -33,6 +33,33 @@ def test_branin_experiment_finishes_exactly_max_trials(make_spec: Any, sqlite_ur
     assert sum("started" in e for e in events) == 8
 
 
+def test_a_trial_is_recorded_when_it_exits_not_at_the_next_poll(make_spec: Any,
+                                                               sqlite_url: str) -> None:
+    # Polling every 20 s, four sequential trials would take over a minute: the controller
+    # sleeps on the trials' exits (pidfd), not on the poll interval.
+    spec = make_spec(max_trials=4, parallel_trials=1,
+                     durability={"poll_interval": 20.0, "heartbeat_interval": 20.0,
+                                 "lease_duration": 60.0})
+    t0 = time.monotonic()
+    status = run_experiment(spec, sqlite_url)
+    assert status["trials"]["complete"] == 4
+    assert time.monotonic() - t0 < 20
+
+
+def test_a_trial_directory_left_by_an_earlier_run_is_kept_aside(make_spec: Any,
+                                                                 sqlite_url: str,
+                                                                 tmp_path: Path) -> None:
+    # Same output_dir, database deleted (or rolled back): trial 0's directory exists.
+    stale = tmp_path / "runs" / "branin" / "trial-00000"
+    stale.mkdir(parents=True)
+    (stale / "stdout.log").write_text("loss=-999\n")
+    run_experiment(make_spec(max_trials=1, parallel_trials=1), sqlite_url)
+    trial = ExperimentStore(sqlite_url).trials("branin")[0]
+    assert trial["value"] != -999 and trial["state"] == "complete"
+    assert (stale.with_name("trial-00000.old-1") / "stdout.log").read_text() == "loss=-999\n"
+    assert "-999" not in (stale / "stdout.log").read_text()
+
+
 def test_pruning_stops_bad_trials_early(make_spec: Any, sqlite_url: str) -> None:
     # One trial at a time, so the startup trials are complete before any trial can be
     # pruned; a trial pruned at its last step would otherwise look unstopped.

@@ -7,9 +7,10 @@ import time
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from hybridtrain.hpo.leases import Heartbeat, Leases
-from hybridtrain.hpo.records import Records
+from hybridtrain.hpo.records import Records, TrialRun
 from hybridtrain.hpo.spec import load_spec
 from hybridtrain.hpo.storage import open_engine
 
@@ -104,3 +105,37 @@ def test_finish_cancels_pending_slots(records: Records) -> None:
     assert leases.release(claim.slot, "pending", 1, {"x1": 0.0, "x2": 0.0})
     records.settle("branin")
     assert records.slot_counts("branin")["cancelled"] == 3
+
+
+def test_abandoned_slots_come_first_and_each_trial_run_is_recorded(records: Records) -> None:
+    dead = Leases(records.engine, "branin", "dead", 0.5)
+    claim = dead.claim(True)
+    assert claim is not None and claim.slot == 0
+    run = TrialRun(0, 0, "host-a", "train --lr 0.1", "/runs/trial-00007")
+    assert dead.attach(0, 7, {"x1": 1.0}, run=run)
+    time.sleep(0.6)
+    alive = Leases(records.engine, "branin", "alive", 30)
+    first = alive.claim(True)  # slots 1 and 2 are pending, slot 0 abandoned: settle it first
+    assert first is not None and first.taken_over and first.abandoned_trial == 7
+    # A controller that no longer holds the slot records nothing.
+    assert not dead.attach(0, 8, {"x1": 2.0}, run=TrialRun(0, 0, "host-a", "x", "y"))
+    assert records.trial_runs("branin") == {7: run}
+
+
+def test_claims_read_an_index_range_and_old_databases_get_it(records: Records) -> None:
+    with records.engine.begin() as conn:
+        conn.exec_driver_sql("DROP INDEX ix_hybridtrain_hpo_slots_state")
+        conn.exec_driver_sql("DROP TABLE hybridtrain_hpo_trial_runs")
+    upgraded = Records(records.engine)  # what a controller of the new version does first
+    names = sa.inspect(upgraded.engine)
+    assert "hybridtrain_hpo_trial_runs" in names.get_table_names()
+    assert [i["name"] for i in names.get_indexes("hybridtrain_hpo_slots")] == [
+        "ix_hybridtrain_hpo_slots_state"]
+    query = Leases(records.engine, "branin", "x", 30)._takeable[True]
+    with records.engine.connect() as conn:
+        sql = str(query.compile(records.engine))
+        plan = conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {sql}",
+                                    tuple([time.time()] + [8] * (sql.count("?") - 1))).all()
+    # Two ranges of the index (abandoned, pending), never a scan of every slot.
+    assert sum("USING INDEX ix_hybridtrain_hpo_slots_state" in str(r) for r in plan) == 2
+    assert not any(" SCAN hybridtrain_hpo_slots" in f" {r[-1]}" for r in plan)

@@ -1,4 +1,4 @@
-"""Trial processes: own process group, stopped as a whole."""
+"""Trial processes: own process group, stopped as a whole; a wait that ends at their exit."""
 
 from __future__ import annotations
 
@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from hybridtrain.hpo.process import TrialProcess, process_start_ticks, stop_orphan_group
+from hybridtrain.hpo.process import (
+    TrialProcess,
+    process_start_ticks,
+    stop_orphan_group,
+    wait_for_exit,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,9 +36,17 @@ def _alive(pid: int) -> bool:
     return "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
-def _start(tmp_path: Path, command: str) -> TrialProcess:
+def _start(tmp_path: Path, command: str, argv: list[str] | None = None) -> TrialProcess:
     return TrialProcess(command, tmp_path, dict(os.environ), tmp_path / "out.log",
-                        tmp_path / "err.log").start()
+                        tmp_path / "err.log", argv).start()
+
+
+def _exit_code(proc: TrialProcess) -> int:
+    deadline = time.monotonic() + 30
+    while (code := proc.poll()) is None and time.monotonic() < deadline:
+        wait_for_exit([proc], timeout=1)
+    assert code is not None, "did not exit"
+    return code
 
 
 def _child_pid(tmp_path: Path) -> int:
@@ -82,3 +95,36 @@ def test_orphan_group_is_stopped_only_if_it_is_ours(tmp_path: Path) -> None:
     proc.poll()
     time.sleep(0.1)
     assert not _alive(child)
+
+
+def test_wait_ends_when_a_trial_exits_not_at_the_timeout(tmp_path: Path) -> None:
+    short = _start(tmp_path, "sleep 0.3", ["sleep", "0.3"])
+    long = _start(tmp_path, "sleep 60", ["sleep", "60"])
+    assert short.exit_fd is not None, "no pidfd: the wait would fall back to polling"
+    t0 = time.monotonic()
+    wait_for_exit([long, short], timeout=30)
+    assert time.monotonic() - t0 < 15
+    assert short.poll() == 0 and short.exit_fd is None  # closed once the exit was seen
+    # A write to the wake descriptor (the stop signal's) ends it as well.
+    read_fd, write_fd = os.pipe()
+    os.write(write_fd, b"!")
+    t0 = time.monotonic()
+    wait_for_exit([long], timeout=30, wake_fd=read_fd)
+    assert time.monotonic() - t0 < 15 and long.poll() is None
+    long.stop(grace=0.5)
+    assert long.exit_fd is None
+    os.close(read_fd)
+    os.close(write_fd)
+
+
+def test_direct_start_is_the_group_leader_and_a_plain_script_still_runs(tmp_path: Path) -> None:
+    proc = _start(tmp_path, "", [sys.executable, "-S", "-c", "import os; print(os.getpgid(0))"])
+    assert _exit_code(proc) == 0
+    assert (tmp_path / "out.log").read_text().split() == [str(proc.pid)]
+    # No "#!": the kernel refuses it, the shell runs it as a script, as it always did.
+    script = tmp_path / "plain"
+    script.write_text("echo loss=0.5\n")
+    script.chmod(0o755)
+    proc = _start(tmp_path, str(script), [str(script)])
+    assert _exit_code(proc) == 0
+    assert (tmp_path / "out.log").read_text().split()[-1] == "loss=0.5"

@@ -29,6 +29,7 @@ CUDA_RECORD: dict[str, Any] = {
     "step": 7, "loss": 2.5, "lr": 3e-4, "loss_scale": 1024.0, "skipped_steps": 2, "tokens_per_s": 1e5,
     "samples_per_s": 50.0, "tflops": 120.5, "mfu": 0.42, "forward_s": 0.1, "backward_s": 0.2,
     "forward_backward_interleaved_s": 0.0, "step_s": 0.05, "transfer_s": 0.01, "communication_s": 0.02,
+    "host_optimizer_s": 0.03,
     "data_s": 0.001, "step_time_s": 0.4, "memory_allocated_bytes": 1 << 30, "memory_reserved_bytes": 2 << 30,
     "peak_memory_bytes": 3 << 30, "alloc_retries": 1, "ooms": 0, "pinned_host_bytes": 4096,
     "checkpoint_s": 1.5, "checkpoint_bytes": 12345, "restarts": 3, "eval_loss": 2.7,
@@ -40,7 +41,7 @@ def test_metric_names_are_the_dashboard_contract() -> None:
     assert sorted(COUNTERS) == ["hybridtrain_device_alloc_retries_total", "hybridtrain_device_ooms_total",
                                 "hybridtrain_restarts_total", "hybridtrain_skipped_steps_total"]
     assert set(STEP_PARTS) == {"forward", "backward", "interleaved", "optimizer", "transfer", "communication",
-                               "data", "total"}
+                               "host_optimizer", "data", "total"}
     assert MEMORY_KINDS == ("allocated", "reserved", "peak")
     # Every name has a metrics.jsonl field that feeds it, and nothing else is exposed.
     assert {name for name, _ in RECORD_FIELDS.values()} == set(METRICS)

@@ -4,13 +4,17 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from hybridtrain.parallel.launch import LaunchSpec, torchrun_argv
+from hybridtrain.parallel.launch import LaunchSpec, first_failure, torchrun_argv
 
 FAILING_SCRIPT = """
 import sys
@@ -41,6 +45,34 @@ def test_contradictory_options_are_refused(spec: LaunchSpec, needle: str) -> Non
         spec.validate()
 
 
+def _failure(tmp_path: Path, rank: int, exitcode: int, said: str | None = None) -> Any:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = tmp_path / f"error-{rank}.json"
+    if said is not None:  # as ErrorHandler.record_exception writes it
+        error_file.write_text(json.dumps({"message": {"message": said, "extraInfo": {"timestamp": "100"}}}))
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(error_file))
+
+
+LOST = "PeerFailure: lost contact with another rank in a collective (Connection reset by peer)"
+
+
+@pytest.mark.parametrize(("codes", "first"), [
+    # kill -9 of rank 1: rank 0's collective lost it (an error of its own, recorded first),
+    # rank 2 was stopped by the agent. The measured launcher named rank 0 or 2.
+    ({0: (1, LOST), 1: (-9, None), 2: (-15, None)}, 1),
+    # A rank's own error beats the ranks that lost it, whatever their exit codes.
+    ({0: (1, LOST), 1: (2, "ValueError: bad batch"), 2: (-15, None)}, 1),
+    ({0: (-15, None), 1: (-15, None), 2: (3, None)}, 2),
+    # Nothing tells them apart: the lowest rank.
+    ({0: (-15, None), 1: (-15, None)}, 0),
+])
+def test_the_rank_that_failed_first_is_named_not_its_victims(tmp_path: Path, codes: dict[int, tuple[int, str | None]],
+                                                              first: int) -> None:
+    failures = {rank: _failure(tmp_path, rank, code, said) for rank, (code, said) in codes.items()}
+    assert first_failure(failures) == first
+
+
 @pytest.mark.timeout(120)
 def test_a_dying_rank_fails_the_launch_naming_it(tmp_path: Path) -> None:
     script = tmp_path / "die.py"
@@ -64,3 +96,75 @@ def test_train_with_nproc_per_node_writes_once(tmp_path: Path) -> None:
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "loss" in r] == [1, 2]  # one writer: no duplicate records
     assert (out / "checkpoints" / "step-0000002" / "meta.json").exists()
+
+
+def _start_two_ranks(out: Path, *extra: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hybridtrain.cli", "train", "--nproc-per-node", "2", "--steps", "100000",
+         "--output-dir", str(out), "--no-progress", "--set", "device=cpu", "--set", "model.overrides.n_layer=1",
+         "--set", "data.seq_len=16", "--set", "train_micro_batch_size_per_gpu=2", "--set", "steps_per_print=100000",
+         *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out / "metrics.jsonl").exists() and proc.poll() is None:
+        time.sleep(0.1)
+    return proc
+
+
+def _ours(stderr: str) -> list[str]:
+    """hybridtrain's own lines (torchrun's W/E log lines and its banner left out)."""
+    return [line for line in stderr.splitlines() if line.strip() and not line.startswith(("W1", "E1", "I1"))]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("sig", [signal.SIGINT])
+def test_ctrl_c_or_sigterm_of_two_ranks_saves_once_and_exits_130(sig: signal.Signals, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = _start_two_ranks(out)
+    proc.send_signal(sig)  # to the launcher, as a terminal's Ctrl-C or a scheduler's SIGTERM
+    _, err = proc.communicate(timeout=150)
+    assert proc.returncode == 130, err[-3000:]
+    saved = [p.name for p in (out / "checkpoints").iterdir()]
+    step = max(r["step"] for r in (json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()))
+    assert saved == [f"step-{step:07d}"]  # every rank stopped after the same step and saved it once
+    assert _ours(err) == [f"{sig.name}: stopping after this step and saving a checkpoint",
+                          f"interrupted: saved a checkpoint at step {step}; continue with --resume"], err[-3000:]
+
+
+@pytest.mark.timeout(200)
+def test_a_stuck_rank_ends_the_run_after_timeout_s_naming_it(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = _start_two_ranks(out, "--set", "distributed.timeout_s=1")
+    workers = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    rank1 = next(int(pid) for pid in workers if b"RANK=1\0" in Path(f"/proc/{pid}/environ").read_bytes())
+    os.kill(rank1, signal.SIGSTOP)  # rank 1 stops in the middle of whatever it was doing
+    time.sleep(6)  # rank 0 waits 1 s in a collective, then 3 s for the others to say they timed out too
+    os.kill(rank1, signal.SIGCONT)
+    _, err = proc.communicate(timeout=150)
+    assert proc.returncode == 1, err[-3000:]
+    assert ("error: rank 0: a collective did not finish within distributed.timeout_s = 1 s: rank 1 never "
+            "reached it; raise distributed.timeout_s if that rank is only slow") in _ours(err), err[-3000:]
+    assert _ours(err)[-1].startswith("error: rank 0 (local rank 0"), err[-3000:]
+
+
+RESTARTING_SCRIPT = """
+import os, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and dist.get_rank() == 1:
+    os._exit(1)  # the first round dies after its process group was made
+dist.all_reduce(t)
+print("round", os.environ["TORCHELASTIC_RESTART_COUNT"], "rank", dist.get_rank(), "ok", flush=True)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_plain_script_restarts_on_a_fresh_store(tmp_path: Path) -> None:
+    # torchrun alone shares one store across rounds: the second round's gloo connects to
+    # the first round's dead addresses ("connectFullMesh failed", 5 of 5 tries measured).
+    script = tmp_path / "restart.py"
+    script.write_text(RESTARTING_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "hybridtrain.parallel.launch_cli", "--nproc-per-node", "2",
+                           "--max-restarts", "1", str(script)], capture_output=True, text=True, timeout=140)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(proc.stdout.split("\n"))[-2:] == ["round 1 rank 0 ok", "round 1 rank 1 ok"]

@@ -63,8 +63,11 @@ def test_bad_optimizers() -> None:
         build_optimizer(_params(), "AdamW", {"betas": [0.9]})
     with pytest.raises(ValueError, match="rejected by Adam without bias correction"):
         build_optimizer(_params(), "Adam", {"bias_correction": False, "amsgrad": True})
-    with pytest.raises(ValueError, match="'OneBitAdam' .*1-bit Adam.* nearest is AdamW"):
-        build_optimizer(_params(), "OneBitAdam", {})
+    with pytest.raises(ValueError, match="'Lion' .*the Lion optimizer.* nearest is AdamW"):
+        build_optimizer(_params(), "Lion", {})
+    # deepspeed/runtime/engine.py, _configure_basic_optimizer: max_grad_norm is refused whatever the optimizer.
+    with pytest.raises(ValueError, match=r"^optimizer.params.max_grad_norm = 1.0: DeepSpeed refuses it .*use gradient_clipping$"):
+        build_optimizer(_params(), "Adam", {"lr": 0.1, "max_grad_norm": 1.0})
     with pytest.raises(ValueError, match="optimizer.type = 'Adamm'"):
         build_optimizer(_params(), "Adamm", {})
     with pytest.raises(ValueError, match="optimizer.params"):
@@ -101,3 +104,68 @@ def test_warmup_sets_the_learning_rates() -> None:
 def test_bad_schedules(name: str, params: dict, needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
         lr_factor_fn(name, params)
+
+
+# DeepSpeed's optimizer for each config, as a torch class of the same math
+# (deepspeed/runtime/engine.py, _configure_basic_optimizer: FusedAdam with adam_w_mode, which
+# Adam defaults to and AdamW forces; adam_w_mode false is Adam with L2 decay, grad += λ·p).
+WRAPPED = [
+    ("AdamW", {"lr": 1e-2, "weight_decay": 0.1}, torch.optim.AdamW),
+    ("AdamW", {"lr": 1e-2}, torch.optim.AdamW),
+    ("Adam", {"lr": 1e-2, "weight_decay": 0.1}, torch.optim.AdamW),
+    ("Adam", {"lr": 1e-2, "weight_decay": 0.1, "adam_w_mode": False}, torch.optim.Adam),
+    ("Adam", {"lr": 1e-2, "adam_w_mode": False}, torch.optim.Adam),
+]
+
+
+@pytest.fixture(scope="module")
+def deepspeed_wrappers() -> dict[str, type]:
+    from deepspeed.runtime.fp16 import unfused_optimizer
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+
+    # FP16_UnfusedOptimizer only logs with the rank; one process here.
+    unfused_optimizer.dist.get_rank = lambda *args, **kwargs: 0
+    return {"fused": FP16_Optimizer, "unfused": unfused_optimizer.FP16_UnfusedOptimizer}
+
+
+@pytest.mark.parametrize(("name", "params", "theirs"), WRAPPED, ids=lambda v: str(v) if isinstance(v, dict) else None)
+@pytest.mark.parametrize("wrapper", ["fused", "unfused"])
+def test_fp16_init_step_is_deepspeeds_wrapper_step(deepspeed_wrappers: dict[str, type], name: str,
+                                                   params: dict, theirs: type, wrapper: str) -> None:
+    # DeepSpeed's own wrapper (deepspeed/runtime/fp16/fused_optimizer.py FP16_Optimizer, for
+    # FusedAdam; unfused_optimizer.py FP16_UnfusedOptimizer, for any other optimizer) steps
+    # its optimizer once with zero gradients in __init__ (initialize_optimizer_states); then
+    # both train on the same gradients.
+    torch.manual_seed(0)
+    half = [torch.nn.Parameter(torch.randn(shape).half()) for shape in [(4, 3), (3,)]]
+    ours = [torch.nn.Parameter(p.detach().float()) for p in half]
+    # FusedAdam's weight_decay defaults to 0 (torch's AdamW to 0.01).
+    inner = theirs(half, **{"weight_decay": 0.0, **{k: v for k, v in params.items() if k != "adam_w_mode"}})
+    wrapped = deepspeed_wrappers[wrapper](inner, static_loss_scale=1.0)
+    masters = [wrapped.fp32_groups_flat[0]] if wrapper == "fused" else wrapped.fp32_groups[0]
+    optimizer = build_optimizer(ours, name, {**params, "fp16_init_step": True})
+    assert all(s["step"] == 1 for s in optimizer.state.values())
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        grads = [torch.randn(p.shape, generator=gen) for p in ours]
+        for p, g in zip(ours, grads, strict=True):
+            p.grad = g
+        flat = torch.cat([g.flatten() for g in grads])
+        for m, g in zip(masters, [flat] if wrapper == "fused" else grads, strict=True):
+            m.grad = g.clone()
+        inner.step()
+        optimizer.step()
+    torch.testing.assert_close(torch.cat([p.detach().flatten() for p in ours]),
+                               torch.cat([m.detach().flatten() for m in masters]), rtol=1e-6, atol=1e-7)
+    assert all(s["step"] == 5 for s in inner.state.values())
+
+
+def test_after_the_init_step_adams_first_update_is_three_quarters_of_lr() -> None:
+    # Bias corrections at t = 2: (0.1/(1 − 0.9²)) / √(0.001/(1 − 0.999²)) ≈ 0.744.
+    lr = 1e-3
+    for init, factor in ((False, 1.0), (True, 0.1 / 0.19 / math.sqrt(0.001 / (1 - 0.999**2)))):
+        p = torch.nn.Parameter(torch.zeros(3))
+        opt = build_optimizer([p], "Adam", {"lr": lr, "fp16_init_step": init})
+        p.grad = torch.tensor([1.0, -2.0, 3.0])
+        opt.step()
+        torch.testing.assert_close(p.detach(), -lr * factor * p.grad.sign(), rtol=1e-5, atol=0)

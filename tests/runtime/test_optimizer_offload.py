@@ -4,6 +4,9 @@ loop is in the shared suite (``offload_*`` modes)."""
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import pytest
 import torch
 
@@ -11,8 +14,17 @@ import hybridtrain as ht
 from hybridtrain.config import ConfigError
 from hybridtrain.engine import NonFiniteLossError
 from hybridtrain.runtime import transfer
+from hybridtrain.runtime.optim import build_optimizer, zero_grad_step
 from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
-from tests.equivalence import MODES, assert_resume_exact, engine_config, gpt_case
+from tests.equivalence import (
+    MODES,
+    SEED,
+    assert_resume_exact,
+    assert_same_training,
+    engine_config,
+    engine_run,
+    gpt_case,
+)
 
 CASE = gpt_case()
 OFFLOAD = {"zero_optimization": {"stage": 1, "reduce_bucket_size": 2000, "offload_optimizer": {"device": "cpu"}}}
@@ -204,3 +216,119 @@ def test_a_weight_shared_by_swapped_checkpointed_blocks_gets_its_whole_gradient(
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6)
     for name, value in plain.state_dict().items():
         torch.testing.assert_close(engine.model_state_dict()[name], value, rtol=1e-5, atol=1e-6)
+
+
+# DeepSpeed's fp16 wrapper at ZeRO stage 0 steps the optimizer once with zero gradients when
+# built (deepspeed/runtime/fp16/fused_optimizer.py and unfused_optimizer.py,
+# initialize_optimizer_states): the host optimizer starts from that state.
+WRAPPER_STEPPED = {"lr": 0.1, "weight_decay": 0.1, "fp16_init_step": True}
+
+
+def _two_layers() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 2))
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_takes_over_the_state_of_a_stepped_optimizer_unchanged(streamed: bool) -> None:
+    model = _two_layers()
+    plain = copy.deepcopy(model)
+    reference = build_optimizer(plain.parameters(), "AdamW", WRAPPER_STEPPED)
+    # Layer streaming: each block's parameters become their own host masters. Twin flow: the
+    # last half stays on the device with its state; the rest moves to the host.
+    blocks = [list(layer.parameters()) for layer in model] if streamed else []
+    offload = OffloadOptimizer(build_optimizer(model.parameters(), "AdamW", WRAPPER_STEPPED), torch.device("cpu"),
+                               host_ratio=1.0 if streamed else 0.5, bucket_numel=20, streamed=blocks)
+    try:
+        assert (offload.host_numel < sum(p.numel() for p in model.parameters())) is not streamed
+        torch.testing.assert_close(offload.state_dict()["state"], reference.state_dict()["state"], rtol=0, atol=0)
+        masters = [p for group in offload.param_groups for p in group["params"]]
+        for master, p in zip(masters, plain.parameters(), strict=True):
+            assert torch.equal(master.detach(), p.detach())
+    finally:
+        offload.close()
+
+
+def test_a_zero_gradient_step_reaches_the_host_masters_and_the_device_weights() -> None:
+    # The drop-in steps a caller's optimizer after the engine offloaded it: gradients put on
+    # the masters directly are stepped like landed ones, and the weights go back to the model.
+    model = _two_layers()
+    plain = copy.deepcopy(model)
+    reference = build_optimizer(plain.parameters(), "AdamW", WRAPPER_STEPPED)
+    params = {k: v for k, v in WRAPPER_STEPPED.items() if k != "fp16_init_step"}
+    offload = OffloadOptimizer(build_optimizer(model.parameters(), "AdamW", params), torch.device("cpu"),
+                               host_ratio=0.5, bucket_numel=20)
+    try:
+        zero_grad_step(offload)
+        assert not any(b.stepped for b in offload.buckets)  # the first training step is not taken as done
+        # The host steps with torch's fused CPU AdamW, the reference with the unfused one.
+        torch.testing.assert_close(offload.state_dict()["state"], reference.state_dict()["state"], rtol=1e-6,
+                                   atol=0)
+        for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=0)
+    finally:
+        offload.close()
+
+
+# Adam as DeepSpeed's FusedAdam computes it (adam_w_mode false: L2 decay in the gradient,
+# so the zero-gradient step already moves every weight by about lr) and AdamW.
+FP16_OPTIMIZERS = [
+    ({"type": "Adam", "params": {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.01, "adam_w_mode": False}},
+     torch.optim.Adam),
+    ({"type": "AdamW", "params": {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.01}}, torch.optim.AdamW),
+]
+# Without ZeRO, DeepSpeed (and so hybridtrain) ignores offload_optimizer: the host optimizer
+# meets the wrapper step under layer streaming, whose blocks are already in host memory when
+# the optimizer is built and stepped.
+PLACEMENTS = {
+    "device": {},
+    "stream": {"layer_streaming": {"enabled": True}},
+    "stream_layer_major_accum2": {"gradient_accumulation_steps": 2,
+                                  "layer_streaming": {"enabled": True, "layer_major": True}},
+}
+
+
+def _wrapper_stepped_reference(cls: type, params: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """fp16 at ZeRO stage 0 as DeepSpeed trains it: the optimizer stepped once with zero
+    gradients when built (FP16_Optimizer.initialize_optimizer_states), then loss-scaled
+    fp16 steps (torch's GradScaler with DeepSpeed's initial scale 2^16, hysteresis 1)."""
+    torch.manual_seed(SEED)
+    model = CASE.build()
+    opt = cls(model.parameters(), **{k: v for k, v in params.items() if k != "adam_w_mode"})
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    losses = []
+    torch.manual_seed(SEED + 1)
+    for batch in CASE.batches(4):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = CASE.plain_loss(model, batch)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize(("optimizer", "cls"), FP16_OPTIMIZERS, ids=["Adam-L2", "AdamW"])
+@pytest.mark.parametrize("placement", ["device", "stream"])
+def test_fp16_at_stage_0_trains_from_deepspeeds_wrapper_step(optimizer: dict, cls: type, placement: str) -> None:
+    mode = MODES["fp16"]
+    actual = engine_run(CASE, mode, optimizer=optimizer, **PLACEMENTS[placement])
+    assert_same_training(_wrapper_stepped_reference(cls, optimizer["params"]), actual, rtol=mode.rtol, atol=mode.atol)
+
+
+@pytest.mark.parametrize("placement", ["device", "stream", "stream_layer_major_accum2"])
+def test_fp16_at_stage_0_resumes_exactly_without_a_second_wrapper_step(placement: str, tmp_path) -> None:
+    config = engine_config(MODES["fp16"], **PLACEMENTS[placement])
+
+    def make() -> ht.Engine:
+        torch.manual_seed(SEED)
+        return ht.initialize(CASE.build(), copy.deepcopy(config), loss_fn=CASE.loss_fn)
+
+    first, resumed = assert_resume_exact(make, CASE.batches(4), tmp_path / "ckpt")
+    # The checkpoint's counts (wrapper step + 2 steps) replaced the new engine's own wrapper step.
+    counts = {int(s["step"]) for s in resumed.optimizer.state_dict()["state"].values()}
+    assert {int(s["step"]) for s in first.optimizer.state_dict()["state"].values()} == {3} and counts == {5}

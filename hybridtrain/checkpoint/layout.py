@@ -1,0 +1,229 @@
+"""The checkpoint directory: how one appears atomically, how a complete one is told from a
+partial one, and what is cleaned up.
+
+::
+
+    checkpoints/
+      .step-0000120.tmp-3f9a…/     being written: owner.json (host, pid of the writer rank),
+                                   every rank's shard files (__<rank>_0.distcp), .metadata
+      step-0000100/                complete: the shards, .metadata, meta.json, COMMITTED
+
+A save writes into a hidden temporary sibling; when every rank has finished its shards,
+the writer rank (rank 0) writes ``meta.json`` (step, parameter shapes, the settings a
+resume must share, the size and SHA-256 of every file), then ``COMMITTED`` (the SHA-256 of
+``meta.json``), syncs, and renames the directory into place. A directory without a
+valid marker is not a checkpoint. Overwriting a path moves the old checkpoint aside first
+(``.<name>.old-*``) and deletes it after the rename, so a crash never loses both.
+
+Cleanup (:func:`remove_partial`, at the next start, by the writer rank): a temporary
+directory is removed unless it may still be in progress — its writer's process is alive
+on this host, or it was written by another host in the last :data:`FOREIGN_GRACE_S`
+seconds (its process cannot be checked from here).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+FORMAT_VERSION = 2
+META = "meta.json"
+MARKER = "COMMITTED"
+OWNER = "owner.json"
+FOREIGN_GRACE_S = 600.0
+"""How long a temporary directory written by another host counts as possibly in progress."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, corrupt, or does not match what loads it."""
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """A checkpoint whose files are missing, truncated or corrupt (an older one may serve)."""
+
+
+def temporary_dir(path: Path) -> Path:
+    """Create the hidden sibling a save of ``path`` writes into, with ``owner.json``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()
+    owner = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+    (tmp / OWNER).write_text(json.dumps(owner))
+    return tmp
+
+
+def file_digests(directory: Path, names: Iterable[str]) -> dict[str, list[Any]]:
+    """``name -> [bytes, sha256]`` of the files ``names`` in ``directory``."""
+    return {name: [(directory / name).stat().st_size, _sha256(directory / name)] for name in names}
+
+
+def commit(tmp: Path, path: Path, meta: dict[str, Any], files: dict[str, list[Any]]) -> Path:
+    """Write ``meta.json`` and the marker into ``tmp`` and rename it to ``path`` (atomic:
+    a crash leaves either the old checkpoint at ``path`` or the new one)."""
+    text = json.dumps({"format": FORMAT_VERSION, **meta, "files": files}, indent=1, sort_keys=True)
+    write_synced(tmp / META, text)
+    write_synced(tmp / MARKER, json.dumps({"meta_sha256": hashlib.sha256(text.encode()).hexdigest()}))
+    (tmp / OWNER).unlink(missing_ok=True)
+    fsync_dir(tmp)
+    backup = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+    if path.exists():
+        path.rename(backup)
+    tmp.rename(path)
+    fsync_dir(path.parent)
+    shutil.rmtree(backup, ignore_errors=True)
+    return path
+
+
+def read_meta(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint at ``path`` (or its complete backup) and its ``meta.json``, checked
+    cheaply: marker, format, every listed file present with its size (no checksums).
+
+    Raises:
+        CheckpointError: missing, or not a hybridtrain checkpoint.
+        IncompleteCheckpointError: no commit marker, or files missing or truncated.
+    """
+    path = _existing(Path(path))
+    try:
+        text = (path / META).read_text()
+        meta: dict[str, Any] = json.loads(text)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} is not a hybridtrain checkpoint ({META} unreadable: {exc})") from None
+    if meta.get("format") == 1:
+        return path, meta  # the previous layout (hybridtrain.checkpoint.legacy) has no marker
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{path} has checkpoint format {meta.get('format')!r}; this version reads "
+                              f"1 and {FORMAT_VERSION}")
+    problem = _incomplete(path, text, meta)
+    if problem:
+        raise IncompleteCheckpointError(f"checkpoint {path} is incomplete: {problem}")
+    return path, meta
+
+
+def verify_files(path: Path, names: Iterable[str], meta: dict[str, Any]) -> str | None:
+    """The first of ``names`` whose SHA-256 differs from ``meta``'s, as a reason; None if all match."""
+    for name in names:
+        if _sha256(path / name) != meta["files"][name][1]:
+            return f"{path / name} is corrupt (checksum mismatch)"
+    return None
+
+
+def complete_checkpoints(root: Path, pattern: str = "step-*") -> list[tuple[Path, str | None]]:
+    """Checkpoint directories under ``root``, newest (highest name) first, each with the
+    reason it is incomplete (None when it passes :func:`read_meta`'s cheap checks)."""
+    found: list[tuple[Path, str | None]] = []
+    for path in sorted(root.glob(pattern), reverse=True):
+        try:
+            read_meta(path)
+            found.append((path, None))
+        except CheckpointError as exc:
+            found.append((path, str(exc)))
+    return found
+
+
+def remove_partial(root: Path, now: Callable[[], float] = time.time) -> list[Path]:
+    """Remove temporary directories of saves that can no longer finish (see the module
+    docstring), and backups whose checkpoint is complete; returns what was removed."""
+    removed = []
+    for tmp in sorted(root.glob(".*.tmp-*")):
+        if tmp.is_dir() and not _maybe_in_progress(tmp, now()):
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+    for backup in sorted(root.glob(".*.old-*")):
+        final = root / backup.name[1:].split(".old-")[0]
+        if (final / MARKER).exists():
+            shutil.rmtree(backup, ignore_errors=True)
+            removed.append(backup)
+    return removed
+
+
+def prune(root: Path, keep: int, pattern: str = "step-*") -> None:
+    """Delete all but the ``keep`` newest checkpoints under ``root`` (by name)."""
+    for old in sorted(root.glob(pattern))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _maybe_in_progress(tmp: Path, now: float) -> bool:
+    try:
+        owner = json.loads((tmp / OWNER).read_text())
+    except (OSError, ValueError):
+        return False  # the owner file is written first: without it nothing can be running
+    if owner.get("host") == socket.gethostname():
+        return _alive(int(owner.get("pid", -1)))
+    newest = max((f.stat().st_mtime for f in tmp.iterdir()), default=tmp.stat().st_mtime)
+    return now - newest < FOREIGN_GRACE_S
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _incomplete(path: Path, text: str, meta: dict[str, Any]) -> str | None:
+    try:
+        marker = json.loads((path / MARKER).read_text())
+    except (OSError, ValueError):
+        return f"no commit marker {MARKER} (a save that did not finish)"
+    if marker.get("meta_sha256") != hashlib.sha256(text.encode()).hexdigest():
+        return f"{META} does not match its commit marker"
+    for name, (size, _) in meta["files"].items():
+        target = path / name
+        if not target.is_file():
+            return f"{name} is missing"
+        if target.stat().st_size != size:
+            return f"{name} has {target.stat().st_size} bytes, {size} were written"
+    return None
+
+
+def _existing(path: Path) -> Path:
+    if (path / META).exists():
+        return path
+    # A crash between "move the old checkpoint aside" and "move the new one in" leaves
+    # only the backup: it is complete, so use it.
+    backups = sorted(path.parent.glob(f".{path.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    if backups and (backups[-1] / META).exists():
+        warnings.warn(f"{path} is missing; using the complete backup {backups[-1]}", stacklevel=3)
+        return backups[-1]
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    raise CheckpointError(f"{path} is not a hybridtrain checkpoint ({META} missing)")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_synced(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` and flush it to disk."""
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (a rename or a new file) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

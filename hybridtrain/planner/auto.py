@@ -1,0 +1,83 @@
+"""``auto: true``: :func:`hybridtrain.initialize` lets the planner choose the plan.
+
+The caller's model is estimated as it is (its parameters replaced by meta tensors while
+it is traced, nothing copied), on this machine: the device's memory (or
+``device_memory_limit``) and the host memory available now.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from hybridtrain.config import Config, ConfigError, ConfigSource, load_config
+from hybridtrain.parallel import mesh
+from hybridtrain.planner.estimate import Target, model_source, resolve_target
+from hybridtrain.planner.search import choose
+from hybridtrain.runtime.batch import Batch, LossFn
+from hybridtrain.runtime.device import resolve_device
+from hybridtrain.runtime.transfer import available_host_bytes
+
+log = logging.getLogger("hybridtrain")
+
+
+def planned_config(config: ConfigSource | None, model: nn.Module, loss_fn: LossFn | None,
+                   example_batch: Batch | None) -> ConfigSource | None:
+    """``config`` itself, or with ``auto: true`` the fastest same-math variant that fits
+    this machine (logged once).
+
+    Raises:
+        ConfigError: ``auto`` without an example batch, or no variant fits (one line with
+            the numbers), before anything is allocated.
+    """
+    cfg = load_config(config)
+    if not cfg.auto:
+        return cfg
+    if example_batch is None:
+        raise ConfigError("auto: the planner traces the model on one batch of the training shape; pass "
+                          "initialize(model, config, example_batch=batch)")
+    target = this_machine(cfg)
+    try:
+        chosen = choose(cfg, target, mesh.env_world_size(), model=model_source(model, example_batch, loss_fn))
+    except ValueError as exc:
+        raise ConfigError(f"auto: {exc}") from None
+    log.info("auto: the planner chose %s", _differences(cfg, chosen) or "the config as it is")
+    return chosen
+
+
+def this_machine(cfg: Config) -> Target:
+    """This machine as a planning target: its device's memory (capped by
+    ``device_memory_limit``) and the host memory available now."""
+    device = resolve_device(cfg.device)
+    target = resolve_target("cpu" if device.type == "cpu" else None)
+    memory = target.memory_bytes
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
+    if cfg.device_memory_limit is not None:
+        memory = min(memory, cfg.device_memory_limit) if memory is not None else cfg.device_memory_limit
+    return Target(target.kind, target.name, memory, available_host_bytes())
+
+
+def _differences(before: Config, after: Config) -> str:
+    """The settings the planner changed, as ``key: old → new``."""
+    changed = []
+    mine, theirs = _flat(before.model_dump()), _flat(after.model_dump())
+    for key in sorted(theirs):
+        if key != "auto" and mine.get(key) != theirs[key]:
+            changed.append(f"{key}: {mine.get(key)!r} → {theirs[key]!r}")
+    return ", ".join(changed)
+
+
+def _flat(node: dict[str, object], prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in node.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+

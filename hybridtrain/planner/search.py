@@ -1,0 +1,264 @@
+"""``plan(config, target)``: the fastest same-math variant of a config that fits.
+
+Variants change how a step is computed, never what it computes (each is exact in the
+equivalence tests): micro-batch × accumulation at the same global batch (only when the
+forward draws no random numbers: dropout masks are drawn per micro-batch), activation
+checkpointing every n blocks, activation swapping, optimizer offload and its ratio,
+layer streaming with or without ``layer_major``, and for several processes the
+data/tensor/pipeline split and the ZeRO stage. Every variant is estimated
+(:mod:`hybridtrain.planner.estimate`; one trace per micro-batch shape serves them all),
+those that do not fit with a margin are dropped, the rest ranked by predicted step time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from hybridtrain.config import Config, ConfigError, ConfigSource, load_config
+from hybridtrain.planner.estimate import Estimate, ModelSource, Target, estimate, meta_model
+from hybridtrain.runtime.memory_limit import format_bytes
+
+MARGIN = 0.10
+"""Share of the device memory a plan leaves free: allocator fragmentation and caches,
+and the estimate's own error (within ±10 % on the benchmark)."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One variant, estimated.
+
+    Attributes:
+        config: the variant's configuration.
+        changes: what differs from the given config, in words (empty: the config itself).
+        estimate: its estimate.
+        problems: why it does not fit (empty when it does).
+    """
+
+    config: Config
+    changes: tuple[str, ...]
+    estimate: Estimate
+    problems: tuple[str, ...]
+
+    @property
+    def fits(self) -> bool:
+        """Whether it fits the target with the margin."""
+        return not self.problems
+
+    def describe(self) -> str:
+        """``micro-batch 4 × 2 accumulation, checkpoint every block`` or ``as configured``."""
+        return ", ".join(self.changes) or "as configured"
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """The planner's answer: every candidate, best first among those that fit."""
+
+    ranked: tuple[Candidate, ...]
+    refused: tuple[Candidate, ...]
+
+    @property
+    def best(self) -> Candidate | None:
+        """The fastest fitting variant, if any."""
+        return self.ranked[0] if self.ranked else None
+
+
+def plan(config: ConfigSource, target: Target, world_size: int = 1, margin: float = MARGIN,
+         limit: int | None = None, model: ModelSource | None = None) -> PlanResult:
+    """Estimate every same-math variant of ``config`` on ``target`` and rank those that fit.
+
+    Args:
+        config: the configuration (its techniques are the starting point, not a constraint).
+        target: the device and host memory to fit.
+        world_size: processes; variants split them over data, tensor and pipeline parallel.
+        margin: share of device memory left free.
+        limit: estimate at most this many variants (None: all).
+        model: a caller's model instead of the one the config names.
+
+    Raises:
+        ConfigError / ValueError: the config itself is invalid (one line).
+    """
+    cfg = load_config(config)
+    estimate(cfg, target, world_size, model=model)  # the config itself must be valid: its errors come first
+    ranked: list[Candidate] = []
+    refused: list[Candidate] = []
+    seen: set[str] = set()
+    for changes, variant, world in variants(cfg, world_size, model):
+        key = variant.model_dump_json()
+        if key in seen:
+            continue
+        seen.add(key)
+        if limit is not None and len(seen) > limit:
+            break
+        try:
+            est = estimate(variant, target, world, all_passes=True, model=model)
+        except (ConfigError, ValueError):
+            continue  # a combination the engine refuses (e.g. layer_major on two block lists)
+        problems = tuple(est.problems(margin))
+        (refused if problems else ranked).append(Candidate(variant, changes, est, problems))
+    ranked.sort(key=lambda c: c.estimate.step_seconds)
+    refused.sort(key=lambda c: c.estimate.device_peak_bytes)
+    return PlanResult(tuple(ranked), tuple(refused))
+
+
+def choose(config: ConfigSource, target: Target, world_size: int = 1, margin: float = MARGIN,
+           model: ModelSource | None = None) -> Config:
+    """The fastest fitting variant's configuration (``auto: true``).
+
+    Raises:
+        ValueError: nothing fits; one line with what the least hungry variant needs and
+            what the target has.
+    """
+    result = plan(config, target, world_size, margin, model=model)
+    if result.best is None:
+        raise ValueError(no_fit_message(result, target))
+    return result.best.config.model_copy(update={"auto": False})
+
+
+def no_fit_message(result: PlanResult, target: Target) -> str:
+    """``no plan fits: the smallest (…) needs X, has Y`` for the least hungry variant."""
+    if not result.refused:
+        return "no plan of this config could be estimated"
+    least = result.refused[0]
+    return f"no plan fits: the one needing least memory ({least.describe()}) — {'; '.join(least.problems)}"
+
+
+def fallback(config: ConfigSource, measured_peak_bytes: int, limit_bytes: int,
+             target: Target | None = None) -> Config | None:
+    """The fastest same-math variant predicted to fit under ``limit_bytes``, the estimates
+    calibrated by what this config really used (``measured / predicted``): what OOM
+    recovery switches to.
+
+    Args:
+        config: the configuration whose step ran out of memory.
+        measured_peak_bytes: the bytes it had live when it failed (or its measured peak).
+        limit_bytes: the device memory available.
+        target: the device (default: this machine's, limited to ``limit_bytes``).
+
+    Returns:
+        The variant's config, or None when none is predicted to fit.
+    """
+    from hybridtrain.planner.estimate import resolve_target
+
+    cfg = load_config(config)
+    target = target or resolve_target("cpu" if cfg.device == "cpu" else None)
+    target = Target(target.kind, target.name, None, target.host_memory_bytes)
+    predicted = estimate(cfg, target).device_peak_bytes
+    scale = max(1.0, measured_peak_bytes / predicted) if predicted else 1.0
+    mine = cfg.model_dump()
+    for candidate in plan(cfg, target).ranked:  # fastest first
+        fits = candidate.estimate.device_peak_bytes * scale <= limit_bytes * (1 - MARGIN / 2)
+        if fits and candidate.config.model_dump() != mine:
+            return candidate.config
+    return None
+
+
+def variants(cfg: Config, world_size: int, model: ModelSource | None = None
+             ) -> Iterator[tuple[tuple[str, ...], Config, int]]:
+    """Every same-math variant of ``cfg`` (see the module docstring), with the changes in
+    words and the world size; the config itself first."""
+    from hybridtrain.runtime.oom_recovery import draws_random_numbers
+
+    random_forward = draws_random_numbers(model.model if model is not None else meta_model(cfg))
+    base = {**cfg.model_dump(exclude_unset=True), "auto": False}
+    for layout_words, layout in _layouts(cfg, world_size):
+        dp = layout.get("data_parallel", {}).get("size", world_size) if layout else _dp(cfg, world_size)
+        for batch_words, batch in _batches(cfg, dp, random_forward):
+            for tech_words, tech in _techniques(cfg, world_size):
+                raw = _merge(_merge(_merge(base, layout), batch), tech)
+                try:
+                    variant = Config.model_validate(raw)
+                except ValueError:
+                    continue
+                yield tuple(w for w in (*layout_words, *batch_words, *tech_words) if w), variant, world_size
+
+
+def _dp(cfg: Config, world: int) -> int:
+    tp = max(cfg.tensor_parallel.size, cfg.tensor_model_parallel_size)
+    pp = max(cfg.pipeline.stages, cfg.pipeline_model_parallel_size)
+    return max(1, world // (tp * pp))
+
+
+def _layouts(cfg: Config, world: int) -> Iterator[tuple[tuple[str, ...], dict[str, Any]]]:
+    """The config's own layout, then other dp × tp × pp splits and ZeRO stages."""
+    yield (), {}
+    if world == 1:
+        return
+    for tp in _divisors(world):
+        for pp in _divisors(world // tp):
+            dp = world // (tp * pp)
+            stages = (0, 1, 2, 3) if dp > 1 else (0,)
+            for stage in stages:
+                words = (f"dp {dp} × tp {tp} × pp {pp}", f"ZeRO-{stage}" if stage else "")
+                yield words, {"tensor_parallel": {"size": tp}, "tensor_model_parallel_size": 1,
+                              "pipeline": {"stages": pp}, "pipeline_model_parallel_size": 1,
+                              "data_parallel": {"size": dp}, "zero_optimization": {"stage": stage}}
+
+
+def _batches(cfg: Config, dp: int, random_forward: bool) -> Iterator[tuple[tuple[str, ...], dict[str, Any]]]:
+    """Micro-batch × accumulation splits of the same per-rank batch."""
+    from hybridtrain.config import resolve_batch_sizes
+
+    batch = resolve_batch_sizes(cfg, dp)
+    yield (), {}
+    if random_forward or cfg.pipeline.micro_batches is not None:
+        return
+    per_rank = batch.micro_batch * batch.accumulation_steps
+    for micro in _divisors(per_rank):
+        if micro != batch.micro_batch:
+            steps = per_rank // micro
+            yield (f"micro-batch {micro} × {steps} accumulation",), {
+                "train_batch_size": batch.global_batch, "train_micro_batch_size_per_gpu": micro,
+                "gradient_accumulation_steps": steps}
+
+
+def _techniques(cfg: Config, world: int) -> Iterator[tuple[tuple[str, ...], dict[str, Any]]]:
+    """Checkpointing × swapping × optimizer offload, and layer streaming (one process)."""
+    off = {"activation_checkpointing": {"enabled": False, "every_n_blocks": 1},
+           "activation_offload": {"enabled": False}, "layer_streaming": {"enabled": False}}
+    checkpoints: list[tuple[str, dict[str, Any]]] = [
+        ("no checkpointing", {"enabled": False}),
+        ("checkpoint every block", {"enabled": True, "every_n_blocks": 1}),
+        ("checkpoint every 2nd block", {"enabled": True, "every_n_blocks": 2}),
+        ("checkpoint every 4th block", {"enabled": True, "every_n_blocks": 4}),
+    ]
+    stage = max(1, cfg.zero_optimization.stage)
+    offloads: list[tuple[str, dict[str, Any]]] = [("", {"offload_optimizer": {"device": "none"}})]
+    if world == 1:
+        offloads += [("optimizer offload", {"stage": stage, "offload_optimizer": {"device": "cpu", "ratio": 1.0,
+                                                                                    "gpu_ratio": None}}),
+                     ("optimizer offload ratio 0.5", {"stage": stage, "offload_optimizer": {
+                         "device": "cpu", "ratio": 0.5, "gpu_ratio": None}})]
+    yield (), {}
+    for ck_words, ck in checkpoints:
+        for swap in (False, True):
+            for off_words, offload in offloads:
+                words = (ck_words if ck["enabled"] else "", "activation swapping" if swap else "", off_words)
+                yield words, {**off, "activation_checkpointing": ck, "activation_offload": {"enabled": swap},
+                              "zero_optimization": offload}
+    if world == 1:
+        for layer_major in (False, True):
+            for boundary in ("recompute", "host"):
+                yield (f"layer streaming{' layer-major' if layer_major else ''}",
+                       "boundary activations in host memory" if boundary == "host" else ""), {
+                    **off, "layer_streaming": {"enabled": True, "layer_major": layer_major,
+                                               "boundary_activations": boundary}}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _merge(base: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in change.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def describe_fit(candidate: Candidate) -> str:
+    """One line: the variant, its bytes and seconds."""
+    e = candidate.estimate
+    return (f"{candidate.describe()}: {e.step_seconds:.3g} s/step, device {format_bytes(e.device_peak_bytes)}, "
+            f"host {format_bytes(e.host_bytes)}")

@@ -1,0 +1,148 @@
+"""Predicted seconds of one training step: FLOPs ÷ achievable throughput, bytes ÷ link
+bandwidth, overlapped as each technique overlaps them.
+
+::
+
+    compute    = (forward + backward + recomputed forwards) FLOPs ÷ throughput
+                 + kernels × launch/dispatch cost          (small micro-batches pay it)
+    transfers  = activation swaps, streamed weights, offloaded gradients and weights
+                 ÷ host link; hidden behind compute up to the compute time
+    host step  = offloaded optimizer elements ÷ host update rate; the eager step runs
+                 during backward (hidden up to the backward time), a deferred one after
+    optimizer  = device-updated elements × 28 bytes ÷ device memory bandwidth
+                 + one kernel per parameter tensor and operation (torch's per-tensor Adam)
+    comm       = all-reduce / reduce-scatter / all-gather bytes ÷ device link;
+                 overlapped with backward (DDP buckets, FSDP prefetch)
+    pipeline   = (stages - 1) / (micro-batches + stages - 1) of the compute is bubble
+
+Throughput is the device's achievable matmul rate: the table peak times
+:data:`MATMUL_EFFICIENCY` on a GPU, the measured matmul rate on a CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from hybridtrain.plan.types import TrainingPlan
+from hybridtrain.planner.links import Links
+from hybridtrain.planner.trace import ModelTrace
+
+MATMUL_EFFICIENCY = 0.55
+"""Share of the dense table peak a transformer step's kernels reach on a GPU (MFU of
+well-tuned dense training: Megatron-LM reports 0.4-0.55 on A100/H100)."""
+
+_ADAM_BYTES_PER_ELEMENT = 28
+"""A fused Adam step reads parameter, gradient and two moments and writes three: 7 × 4 bytes."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the time model needs to know about the machine.
+
+    Attributes:
+        kind: ``cpu`` or ``cuda``.
+        flops: achievable FLOP/s of this device in the compute dtype.
+        links: link bandwidths.
+        kernel_seconds: fixed cost per kernel (launch on a GPU, dispatch on a CPU).
+        host_update_rate: optimizer elements per second a host step reaches.
+    """
+
+    kind: str
+    flops: float
+    links: Links
+    kernel_seconds: float
+    host_update_rate: float
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one step, by part (``total`` is not their sum: parts overlap)."""
+
+    compute: float = 0.0
+    recompute: float = 0.0
+    optimizer: float = 0.0
+    transfers: float = 0.0
+    host_step: float = 0.0
+    communication: float = 0.0
+    bubble: float = 0.0
+    total: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        """Plain values."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+_ADAM_KERNELS_PER_TENSOR = 10
+"""Operations of torch's single-tensor Adam(W) per parameter tensor (CPU's default path)."""
+
+
+def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_per_micro_batch: int) -> StepTime:
+    """Predict one step of ``plan`` (see the module docstring)."""
+    sizes = plan.sizes
+    k = plan.batch.accumulation_steps
+    tp, pp, dp = sizes.tp, sizes.pp, sizes.dp
+    stage = 1.0 / pp
+    fwd = sum(p.forward_flops for p in trace.phases) * stage / tp
+    bwd = sum(p.backward_flops for p in trace.phases) * stage / tp
+    checkpointed = set(plan.checkpoint_modules)
+    recomputed = sum(p.forward_flops for p in trace.blocks if p.name in checkpointed) * stage / tp
+    compute = k * (fwd + bwd) / hw.flops + k * kernels_per_micro_batch * stage * hw.kernel_seconds
+    recompute = k * recomputed / hw.flops
+    backward_time = k * (bwd + recomputed) / hw.flops
+    link = hw.links.host_to_device
+    param_bytes = 4 * trace.param_numel * stage / tp
+    # Transfers between device and host, and the host optimizer step.
+    transfers = 0.0
+    swapped = set(plan.swap_modules)
+    swap_bytes = sum(max(0, p.kept_bytes - p.output_bytes) if p.name not in checkpointed else p.input_bytes
+                     for p in trace.blocks if p.name in swapped) * stage / tp
+    transfers += 2 * k * swap_bytes / link
+    opt = plan.optimizer
+    host_elems = 0.0
+    if opt.placement == "host":
+        host_elems = trace.param_numel * opt.host_ratio * stage / tp
+        # Gradients go down once per micro-batch, updated weights come back once per step.
+        transfers += (4 * host_elems * k + 4 * host_elems) / link
+    streamed = [p for p in trace.blocks if any(b.stream and b.name == p.name for b in plan.blocks)]
+    if opt.placement == "host_streamed":
+        host_elems = trace.param_numel * stage / tp
+        streamed_bytes = 4 * sum(p.param_numel for p in streamed)
+        uploads = 1 if plan.step_runner == "layer_major" else k
+        # Each block comes up for forward and again for backward; its gradients go down.
+        transfers += (2 * uploads * streamed_bytes + uploads * streamed_bytes) / link
+    host_step = host_elems / hw.host_update_rate if host_elems else 0.0
+    device_elems = max(0.0, trace.param_numel * stage / tp - host_elems)
+    if plan.zero_stage:
+        device_elems /= dp
+    kernels = _ADAM_KERNELS_PER_TENSOR * trace.param_tensors if hw.kind == "cpu" else 0
+    optimizer = (device_elems * _ADAM_BYTES_PER_ELEMENT / hw.links.device_memory + kernels * hw.kernel_seconds
+                 if device_elems else 0.0)
+    if hw.kind == "cpu":
+        # Host and device are the same cores and memory: copies and the host step run
+        # in turn with the compute, nothing hides behind anything.
+        hidden_transfers = hidden_host = 0.0
+    else:
+        hidden_transfers = min(transfers, compute + recompute)
+        eager = opt.placement != "device" and not opt.defer_step
+        hidden_host = min(host_step, backward_time) if eager else 0.0
+    # Data parallel: gradient all-reduce (ring: 2 (n-1)/n of the bytes); ZeRO-3 also
+    # gathers parameters for forward and backward.
+    comm = 0.0
+    if dp > 1:
+        ring = 2 * (dp - 1) / dp * param_bytes
+        if plan.zero_stage == 3:
+            ring += 2 * (dp - 1) / dp * param_bytes * (2 if plan.compute_dtype is None else 1)
+        comm += ring / hw.links.device_to_device
+    if tp > 1:
+        act = sum(p.output_bytes for p in trace.blocks) * stage
+        comm += 4 * k * 2 * (tp - 1) / tp * act / hw.links.device_to_device
+    if pp > 1:
+        comm += 2 * k * (trace.blocks[0].output_bytes if trace.blocks else 0) / hw.links.device_to_device
+    hidden_comm = min(comm, backward_time) * (0.8 if hw.kind != "cpu" else 0.0)
+    bubble = 0.0
+    if pp > 1:
+        bubble = (pp - 1) / (k + pp - 1) * (compute + recompute) / (1 - (pp - 1) / (k + pp - 1))
+    total = compute + recompute + optimizer + bubble + (transfers - hidden_transfers) + (host_step - hidden_host) + \
+        (comm - hidden_comm)
+    return StepTime(compute=compute, recompute=recompute, optimizer=optimizer, transfers=transfers, host_step=host_step,
+                    communication=comm, bubble=bubble, total=total)

@@ -1,0 +1,291 @@
+"""Profile real training steps of an engine: what each module costs, where the step's time
+goes, how close to the device's peak it runs, and what to change.
+
+A profile takes at least two steps of ``engine.train_batch`` (they train the model)::
+
+    step 1  counted  FlopCounterMode ×2 (forward / backward FLOPs per module), saved
+                     activation bytes per module, live tensor bytes over time
+    step 2… timed    torch.profiler: the step split into parts, per-module times, the
+                     Chrome trace (counting would distort these, so they are separate steps;
+                     on CUDA the engine's phases synchronise, as with wall_clock_breakdown)
+
+:func:`profile_engine` runs them; :class:`ProfileSession` lets a training loop run them as
+its own steps (DeepSpeed's ``flops_profiler.profile_step``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridtrain.profiling.breakdown import (
+    MODULE_LABEL,
+    PARTS,
+    STEP_LABEL,
+    Event,
+    busy_fraction,
+    collective_seconds,
+    device_split,
+    module_times,
+    profiler_events,
+    split_step,
+)
+from hybridtrain.profiling.counting import StepCount, count_step, profiled_modules
+from hybridtrain.profiling.diagnosis import diagnose
+from hybridtrain.profiling.peaks import peak_flops
+from hybridtrain.runtime.step_parts import PartClock
+
+
+@dataclass
+class ModuleProfile:
+    """One row of the module table (FLOPs and times per step, bytes per micro-batch)."""
+
+    name: str
+    kind: str
+    params: int
+    forward_flops: int
+    backward_flops: int
+    saved_bytes: int
+    forward_seconds: float
+    backward_seconds: float
+
+
+@dataclass
+class Profile:
+    """A profile's numbers; :meth:`to_dict` is ``profile.json``.
+
+    Attributes:
+        device / dtype: where and in what precision the steps ran.
+        timed_steps: steps the times are averaged over.
+        step_seconds: mean wall time of a timed step (from the profiler's step ranges).
+        parts: mean seconds per part of :data:`~hybridtrain.profiling.breakdown.PARTS`
+            (they add up to ``step_seconds``).
+        collective_seconds: seconds per step in which a collective ran on some thread
+            (gloo/NCCL work that overlaps compute included; ``parts["communication"]`` is
+            what the step waited for).
+        device_utilisation: share of the step the device computed (CUDA: kernels and
+            copies; CPU: tensor ops on any thread).
+        device_parts: CUDA only: seconds per step of compute kernels, ``memcpy`` and NCCL
+            ``communication`` on the device (overlapping one another).
+        flops: ``forward`` / ``backward`` / ``total`` FLOPs of one step (this process).
+        achieved_tflops / peak_tflops / mfu: FLOPs per second against the peak, and
+            ``peak_source`` (``table: H100 SXM`` or ``measured matmul``).
+        modules: per-module rows.
+        peak_live_bytes: the most tensor bytes alive on the device during the counted step;
+            ``allocator_peak_bytes``: CUDA's peak allocated bytes (None on CPU).
+        diagnosis: one line per finding.
+        notes: what this profile could not measure.
+        files: what was written (name → path).
+    """
+
+    device: str
+    dtype: str
+    timed_steps: int
+    step_seconds: float
+    parts: dict[str, float]
+    collective_seconds: float
+    device_utilisation: float
+    flops: dict[str, int]
+    achieved_tflops: float
+    peak_tflops: float
+    peak_source: str
+    mfu: float
+    modules: list[ModuleProfile]
+    peak_live_bytes: int
+    allocator_peak_bytes: int | None = None
+    device_parts: dict[str, float] | None = None
+    techniques: list[str] = field(default_factory=list)
+    diagnosis: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready values."""
+        return asdict(self)
+
+    def table(self) -> str:
+        """The profile as a readable text table."""
+        from hybridtrain.profiling.report import format_profile
+
+        return format_profile(self)
+
+
+@contextmanager
+def _module_labels(modules: list[tuple[str, str, nn.Module]]) -> Iterator[None]:
+    """Label every module's forward for the profiler (``hybridtrain.module::NAME``)."""
+    handles = []
+    for name, _, module in modules:
+        opened: list[Any] = []
+
+        def enter(_m: nn.Module, _args: Any, label: str = MODULE_LABEL + name, stack: list[Any] = opened) -> None:
+            scope = torch.profiler.record_function(label)
+            scope.__enter__()
+            stack.append(scope)
+
+        def leave(_m: nn.Module, _args: Any, _out: Any, stack: list[Any] = opened) -> None:
+            if stack:
+                stack.pop().__exit__(None, None, None)
+
+        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class ProfileSession:
+    """The steps of one profile, run one at a time (see the module docstring).
+
+    Args:
+        engine: the engine whose steps are profiled.
+        model: whose modules the table shows (default ``engine.module``).
+    """
+
+    def __init__(self, engine: Any, model: nn.Module | None = None) -> None:
+        self.engine = engine
+        self.model = model if model is not None else engine.module
+        self.count: StepCount | None = None
+        # One list per timed step: each profiler run has its own time origin.
+        self._events: list[list[Event]] = []
+        self._traces: list[Any] = []
+        self._walls: list[float] = []
+
+    def count_step(self, batch: Any) -> float:
+        """The counted step (the first): returns its loss."""
+        if self.engine.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.engine.device)
+        self.count = count_step(self.engine, batch, self.model)
+        return self.count.loss
+
+    def timed_step(self, batch: Any) -> float:
+        """A timed step: returns its loss."""
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.engine.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        modules = profiled_modules(self.model)
+        with torch.profiler.profile(activities=activities) as prof, _module_labels(modules), PartClock().running():
+            start = time.perf_counter()
+            with torch.profiler.record_function(STEP_LABEL):
+                loss = self.engine.train_batch(batch)
+            self._walls.append(time.perf_counter() - start)
+        self._events.append(profiler_events(prof))
+        self._traces.append(prof)
+        return float(loss)
+
+    def finish(self, output_dir: str | Path | None = None) -> Profile:
+        """The profile of the steps run so far (one counted, at least one timed); with
+        ``output_dir``, also write ``profile.json``, ``trace.json`` and ``memory.png``.
+
+        Raises:
+            RuntimeError: no counted or no timed step ran.
+        """
+        if self.count is None or not self._walls:
+            raise RuntimeError("a profile needs one counted step and at least one timed step")
+        profile = _summarise(self.engine, self.count, self._events, len(self._walls))
+        if output_dir is not None:
+            out = Path(output_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            self._traces[-1].export_chrome_trace(str(out / "trace.json"))
+            profile.files["trace"] = str(out / "trace.json")
+            from hybridtrain.profiling.plot import plot_memory
+
+            picture = plot_memory(self.count, str(self.engine.device), out / "memory.png")
+            if picture is None:
+                profile.notes.append("memory.png not drawn: matplotlib is missing (pip install 'hybridtrain[monitor]')")
+            else:
+                profile.files["memory"] = str(picture)
+            profile.files["profile"] = str(out / "profile.json")
+            (out / "profile.json").write_text(json.dumps(profile.to_dict(), indent=1))
+        return profile
+
+
+def profile_engine(engine: Any, batch: Any, steps: int = 2, output_dir: str | Path | None = None,
+                   model: nn.Module | None = None) -> Profile:
+    """Profile ``steps`` training steps of ``engine`` on ``batch`` (they train the model).
+
+    Args:
+        engine: a :class:`hybridtrain.engine.Engine`.
+        batch: the batch every profiled step trains on.
+        steps: at least 2: the first is counted, the rest are timed.
+        output_dir: where to write ``profile.json``, ``trace.json`` and ``memory.png``.
+        model: whose modules the table shows (default ``engine.module``).
+
+    Raises:
+        ValueError: ``steps`` below 2.
+    """
+    if steps < 2:
+        raise ValueError(f"steps = {steps}; a profile needs at least 2 (one counted, the rest timed)")
+    session = ProfileSession(engine, model)
+    session.count_step(batch)
+    for _ in range(steps - 1):
+        session.timed_step(batch)
+    return session.finish(output_dir)
+
+
+def _techniques(engine: Any) -> list[str]:
+    from hybridtrain.runtime.layer_major import LayerMajorRunner
+    from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
+
+    used = []
+    if isinstance(engine.runner, LayerMajorRunner):
+        used.append("layer_major")
+    if isinstance(engine.optimizer, OffloadOptimizer):
+        used.append("optimizer_offload")
+    if engine.parallel.distributed:
+        used.append("distributed")
+    return used
+
+
+def _summarise(engine: Any, count: StepCount, per_step: list[list[Event]], steps: int) -> Profile:
+    """Means over the timed steps (each step's events on its own profiler clock)."""
+    parts = dict.fromkeys(PARTS, 0.0)
+    busy = collectives = step_seconds = 0.0
+    on_cuda = engine.device.type == "cuda"
+    names = [m.name for m in count.modules]
+    times = dict.fromkeys(names, (0.0, 0.0))
+    on_device: dict[str, float] = {}
+    for events in per_step:
+        step = next((e for e in events if e.name == STEP_LABEL), None)
+        if step is None:
+            raise RuntimeError("the profiler recorded no training step (was another torch.profiler running?)")
+        for name, seconds in split_step(events, step.start, step.end, step.thread).items():
+            parts[name] += seconds / steps
+        busy += busy_fraction(events, step.start, step.end, on_device=on_cuda) / steps
+        collectives += collective_seconds(events, step.start, step.end) / steps
+        step_seconds += (step.end - step.start) / steps
+        if on_cuda:
+            for kind, seconds in device_split(events, step.start, step.end).items():
+                on_device[kind] = on_device.get(kind, 0.0) + seconds / steps
+        for name, (forward, backward) in module_times(events, names).items():
+            times[name] = (times[name][0] + forward / steps, times[name][1] + backward / steps)
+    rows = [ModuleProfile(m.name, m.kind, m.params, m.forward_flops, m.backward_flops, m.saved_bytes,
+                          *times[m.name]) for m in count.modules]
+    dtype = engine.options.compute_dtype or torch.float32
+    peak, source = peak_flops(engine.device, dtype)
+    total = count.forward_flops + count.backward_flops
+    achieved = total / step_seconds if step_seconds > 0 else 0.0
+    notes = []
+    if count.threads_missed:
+        notes.append("layer_major runs forwards in worker threads, which neither FLOP counting nor torch.profiler "
+                     "sees: forward FLOPs and the per-module figures are missing; the step's parts (the main "
+                     "thread waits for the workers) and the step's backward FLOPs are complete")
+    profile = Profile(
+        device=str(engine.device), dtype=str(dtype).removeprefix("torch."), timed_steps=steps,
+        step_seconds=step_seconds, parts=parts, collective_seconds=collectives, device_utilisation=busy,
+        flops={"forward": count.forward_flops, "backward": count.backward_flops, "total": total},
+        achieved_tflops=achieved / 1e12, peak_tflops=peak / 1e12, peak_source=source, mfu=achieved / peak,
+        modules=rows, peak_live_bytes=count.peak_live_bytes,
+        allocator_peak_bytes=int(torch.cuda.max_memory_allocated(engine.device)) if on_cuda else None,
+        device_parts=on_device or None, techniques=_techniques(engine), notes=notes,
+    )
+    profile.diagnosis = [finding.message for finding in diagnose(profile.to_dict())]
+    return profile

@@ -1,0 +1,92 @@
+"""``deepspeed.initialize`` with a caller's optimizer: at ZeRO stage 0 with fp16, DeepSpeed's
+fp16 wrapper holds it as it holds its own (deepspeed/runtime/engine.py ``_configure_optimizer``:
+the client optimizer becomes the basic optimizer and goes through ``_configure_fp16_optimizer``),
+and the wrapper's ``__init__`` steps it once with zero gradients
+(``runtime/fp16/fused_optimizer.py`` / ``unfused_optimizer.py`` ``initialize_optimizer_states``),
+before the LR scheduler from the config is built (``_configure_lr_scheduler`` comes after)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hybridtrain.deepspeed as deepspeed
+
+LR, DECAY = 0.1, 0.1
+FP16 = {"train_micro_batch_size_per_gpu": 4, "fp16": {"enabled": True, "hysteresis": 1}}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _start(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_callers_optimizer_is_stepped_once_with_zero_gradients_then_trains_as_deepspeed(offload: bool) -> None:
+    # Layer streaming (hybridtrain's) updates on the host, taking the optimizer over: same math.
+    config = {**FP16, "layer_streaming": {"enabled": True}} if offload else FP16
+    model, reference = _model(), _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
+    engine, returned, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    assert (returned is optimizer) is not offload
+    assert all(s["step"] == 1 for s in returned.state.values())
+
+    # The reference: DeepSpeed's wrapper step, then loss-scaled fp16 steps.
+    opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=DECAY)
+    for p in reference.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(4, 6, generator=gen), torch.randint(0, 3, (4,), generator=gen)
+        # The loss in fp32, as autocast computes it in the reference.
+        engine.backward(F.cross_entropy(engine(x.to(engine.device)).float(), y.to(engine.device)))
+        engine.step()
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(reference(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    eps = torch.finfo(torch.float16).eps  # one fp16 rounding per step may differ
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine.detach().cpu(), theirs.detach(), rtol=3 * eps, atol=3 * LR * eps)
+
+
+@pytest.mark.parametrize("scheduler", ["callers", "config"])
+def test_the_wrapper_step_uses_the_learning_rate_of_the_moment_deepspeed_takes_it(scheduler: str) -> None:
+    model = _model()
+    start = _start(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
+    extra: dict[str, Any] = {}
+    if scheduler == "callers":
+        # Built by the caller before initialize: its lr (LR / 2) is the optimizer's then.
+        extra["lr_scheduler"] = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)
+        lr = LR / 2
+    else:
+        # Built by DeepSpeed after the wrapper: the optimizer's own lr, not the warm-up's 0.
+        warmup = {**FP16, "scheduler": {"type": "WarmupLR", "params": {
+            "warmup_min_lr": 0.0, "warmup_max_lr": LR, "warmup_num_steps": 10}}}
+        extra["config"] = warmup
+        lr = LR
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, **{"config": FP16, **extra})
+    for p, p0 in zip(model.parameters(), start, strict=True):
+        torch.testing.assert_close(p.detach().cpu(), p0 * (1 - lr * DECAY), rtol=0, atol=0)
+    # The schedule's own rate is back in place afterwards.
+    unstepped = _model()
+    plain = torch.optim.AdamW(unstepped.parameters(), lr=LR, weight_decay=DECAY)
+    twin = {"lr_scheduler": torch.optim.lr_scheduler.LambdaLR(plain, lambda step: 0.5)} if scheduler == "callers" \
+        else {"config": {k: v for k, v in extra["config"].items() if k != "fp16"}}
+    fp32_engine, _, _, _ = deepspeed.initialize(model=unstepped, optimizer=plain, **{"config": {
+        k: v for k, v in FP16.items() if k != "fp16"}, **twin})
+    assert engine.get_lr() == fp32_engine.get_lr()
+    assert not plain.state  # without fp16 (or with ZeRO) DeepSpeed has no wrapper step

@@ -1,0 +1,72 @@
+"""``hybridtrain estimate`` and ``hybridtrain plan``: output, the written plan trains, and
+bad input is one line with the numbers before anything is traced or allocated."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hybridtrain.cli import main
+from hybridtrain.config import load_config
+
+TINY = {"model": {"name": "gpt-tiny"}, "data": {"seq_len": 64}, "train_batch_size": 4,
+        "train_micro_batch_size_per_gpu": 4, "device": "cpu"}
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> str:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(TINY))
+    return str(path)
+
+
+def test_estimate_json_has_the_promised_keys(config: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", config, "--device", "H100", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["device_peak_bytes"] > 0 and out["host_bytes"] == 0 and out["step_seconds"] > 0
+    assert set(out["device"]) >= {"parameters", "gradients", "optimizer_state", "activations", "transfer_buffers",
+                                  "workspace"}
+    assert out["fits"] and out["target"]["name"] == "H100 SXM"
+
+
+def test_plan_writes_a_config_that_loads_and_trains(config: str, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", config, "--device-memory", "3MiB", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "1. " in printed and "why:" in printed and f"wrote {out}" in printed
+    chosen = load_config(str(out))
+    assert chosen.train_batch_size == 4 and not chosen.auto
+    assert main(["train", str(out), "--steps", "1", "--output-dir", str(tmp_path / "run"), "--no-progress"]) == 0
+    assert "loss=" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["plan", "{config}", "--device-memory", "100KiB"], "error: no plan fits: "),
+    (["plan", "{config}", "--device", "H100", "--host-memory", "12XB"], "error: --host-memory: '12XB' is not a byte"),
+    (["estimate", "{config}", "--device", "Z9000"], "error: --device 'Z9000' is unknown; known: cpu, H100 NVL"),
+    (["plan", "{config}"], "error: plan needs the device memory to fit"),
+])
+def test_bad_input_is_one_line(argv: list[str], expected: str, config: str,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([a.replace("{config}", config) for a in argv]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(expected), err
+
+
+def test_limit_too_small_names_what_it_needs_and_has(config: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", config, "--device-memory", "100KiB"]) == 1
+    err = capsys.readouterr().err
+    assert "needs" in err and "has 100.00 KiB" in err
+
+
+def test_estimate_says_when_the_offloaded_state_does_not_fit_the_host(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "offload.yaml"
+    path.write_text(yaml.safe_dump({**TINY, "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}))
+    assert main(["estimate", str(path), "--device", "A100", "--host-memory", "1MiB"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [err[0]] and err[0].startswith("does not fit: host memory: needs ") and "has 1.00 MiB" in err[0]

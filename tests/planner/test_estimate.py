@@ -1,0 +1,63 @@
+"""The estimator against real steps: the peak of live tensor bytes of a steady-state CPU
+step (measured with LiveTensorBytes) within the benchmark's bar of ±10 %."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridtrain.models.gpt import gpt_config, gpt_param_count
+from hybridtrain.planner.estimate import Target, estimate, model_source, resolve_target
+from hybridtrain.planner.measure import measure_step
+
+TINY = {"model": {"name": "gpt-tiny"}, "data": {"seq_len": 64}, "train_micro_batch_size_per_gpu": 8,
+        "device": "cpu"}
+
+
+@pytest.mark.parametrize("techniques", [
+    {},
+    {"activation_checkpointing": {"enabled": True}, "gradient_accumulation_steps": 2},
+    {"bf16": {"enabled": True}},
+    {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+], ids=["plain", "checkpoint+accumulation", "bf16", "optimizer-offload"])
+def test_estimate_within_ten_percent_of_measured_peak(techniques: dict) -> None:
+    config = {**TINY, **techniques}
+    predicted = estimate(config, resolve_target("cpu")).device_peak_bytes
+    measured = measure_step(config, timed_steps=0).peak_bytes
+    assert abs(predicted - measured) / measured <= 0.10, (predicted, measured)
+
+
+def test_estimate_allocates_nothing_and_splits_the_bytes() -> None:
+    # A 6.7B model (27 GB of fp32 weights alone) is estimated on the meta device in seconds.
+    config = {"model": {"name": "gpt-6.7b", "overrides": {"n_layer": 2}}, "train_micro_batch_size_per_gpu": 1,
+              "data": {"seq_len": 1024}, "bf16": {"enabled": True}}
+    result = estimate(config, resolve_target("H100"))
+    d = result.memory.device
+    params = gpt_param_count(gpt_config("gpt-6.7b", n_layer=2, vocab_size=256, seq_len=1024))
+    assert d.parameters == 4 * params
+    assert d.optimizer_state == 2 * d.parameters  # Adam: two fp32 moments per fp32 weight
+    assert result.device_peak_bytes >= d.parameters + d.optimizer_state + d.activations
+    assert result.as_dict()["step_seconds"] > 0
+    assert result.target.memory_bytes == 80 * 2**30
+
+
+def test_gpu_target_moves_offloaded_state_to_the_host() -> None:
+    config = {**TINY, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    on_gpu = estimate(config, Target("cuda", "H100 SXM"))
+    plain = estimate(TINY, Target("cuda", "H100 SXM"))
+    assert on_gpu.memory.device.optimizer_state == 0 < on_gpu.memory.host.optimizer_state
+    assert on_gpu.device_peak_bytes < plain.device_peak_bytes
+
+
+def test_a_callers_model_is_estimated_without_touching_it() -> None:
+    from hybridtrain.models.gpt import build_gpt, causal_lm_loss
+
+    model = build_gpt("gpt-tiny")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = (torch.zeros(8, 64, dtype=torch.long), torch.zeros(8, 64, dtype=torch.long))
+    source = model_source(model, batch, causal_lm_loss)
+    from_model = estimate(TINY, resolve_target("cpu"), model=source).device_peak_bytes
+    from_config = estimate(TINY, resolve_target("cpu")).device_peak_bytes
+    assert from_model == from_config
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())

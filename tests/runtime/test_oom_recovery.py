@@ -1,0 +1,271 @@
+"""OOM recovery under a CPU device_memory_limit: the switch reruns the same step from the same
+state, so the losses and weights equal a run of the fallback plan from the start."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import hybridtrain as ht
+import hybridtrain.trainer as trainer
+from hybridtrain.config import BatchSizes, Config, ConfigError, load_config
+from hybridtrain.engine import Engine
+from hybridtrain.plan.build import build
+from hybridtrain.plan.resolve import resolve
+from hybridtrain.runtime.memory_limit import DeviceMemoryLimitError, LiveTensorBytes, tensors_alive
+from hybridtrain.runtime.oom_recovery import MemoryGuard, initialize_guarded
+from tests.equivalence import OPTIMIZER, SEED, gpt_case
+
+STEPS = 3
+PLAIN = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8, "optimizer": OPTIMIZER, "device": "cpu",
+         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}}
+CHECKPOINTED = {**PLAIN, "activation_checkpointing": {"enabled": True}}
+SMALLER = {**CHECKPOINTED, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}
+PLANS = {"plain": PLAIN, "checkpointed": CHECKPOINTED, "smaller": SMALLER}
+
+
+def _factory(dropout: float) -> Any:
+    case = gpt_case(dropout)
+
+    def make(config: Config) -> nn.Module:
+        torch.manual_seed(SEED)
+        return case.build()
+    return make
+
+
+def _engine(config: Config, dropout: float) -> Engine:
+    model = _factory(dropout)(config)
+    return build(resolve(config, model, world_size=1), model, gpt_case(dropout).loss_fn)
+
+
+def _run(raw: dict[str, Any], dropout: float, **guarded: Any) -> tuple[list[float], MemoryGuard]:
+    """Losses of STEPS steps and the guard that ran them (counting from a clean heap)."""
+    config = load_config({**raw, **guarded})
+    gc.collect()
+    others = tensors_alive()  # earlier runs' results do not count against this run's limit
+    engine = _engine(config, dropout)
+    torch.manual_seed(0)  # dropout's stream, the same in every run
+    with MemoryGuard(engine, config, _factory(dropout), untracked=others) as guard:
+        losses = [guard.train_batch(batch) for batch in gpt_case(dropout).batches(STEPS)]
+    return losses, guard
+
+
+@dataclass(frozen=True)
+class Reference:
+    """An unlimited run: its losses, final weights and learning rate, and each step's peak."""
+
+    losses: list[float]
+    weights: dict[str, torch.Tensor]
+    lr: list[float]
+    peaks: list[int]
+
+
+@functools.cache
+def _reference(plan: str, dropout: float) -> Reference:
+    gc.collect()
+    others = tensors_alive()
+    engine = _engine(load_config(PLANS[plan]), dropout)
+    torch.manual_seed(0)
+    losses, peaks = [], []
+    with LiveTensorBytes(ignore=others) as live:
+        for batch in gpt_case(dropout).batches(STEPS):
+            live.reset_peak()
+            losses.append(engine.train_batch(batch))
+            peaks.append(live.peak_bytes)
+    return Reference(losses, engine.module.state_dict(), engine.get_lr(), peaks)
+
+
+def _same_run(guard: MemoryGuard, losses: list[float], reference: Reference) -> None:
+    torch.testing.assert_close(losses, reference.losses, rtol=1e-5, atol=0)
+    torch.testing.assert_close(guard.engine.module.state_dict(), reference.weights, rtol=1e-5, atol=1e-6)
+    assert guard.engine.global_step == STEPS and guard.engine.get_lr() == reference.lr
+
+
+def test_step_two_out_of_memory_reruns_with_checkpointing_and_keeps_the_trajectory(caplog: Any) -> None:
+    plain, checkpointed = _reference("plain", 0.1).peaks, _reference("checkpointed", 0.1).peaks
+    # Adam's moments exist from step 2 on, so step 2 needs more than step 1
+    assert plain[0] < plain[1] and max(checkpointed) < plain[1]
+    limit = (max(plain[0], *checkpointed) + plain[1]) // 2
+    with caplog.at_level(logging.WARNING, logger="hybridtrain.runtime.oom_recovery"):
+        losses, guard = _run(PLAIN, 0.1, device_memory_limit=limit, oom_recovery={"enabled": True})
+    _same_run(guard, losses, _reference("checkpointed", 0.1))
+    [switch] = guard.switches
+    assert switch.step == 2 and switch.change == "activation checkpointing of every block"
+    assert switch.limit_bytes == limit and switch.needed_bytes is not None and switch.needed_bytes > limit
+    [line] = [r.getMessage() for r in caplog.records if "oom_recovery" in r.getMessage()]
+    assert "step 2" in line and str(limit) in line and "\n" not in line
+
+
+def test_two_switches_reach_a_smaller_micro_batch_with_the_same_math() -> None:
+    checkpointed, smaller = _reference("checkpointed", 0.0).peaks, _reference("smaller", 0.0).peaks
+    assert max(smaller) < checkpointed[1]
+    limit = (max(smaller) + checkpointed[1]) // 2
+    losses, guard = _run(PLAIN, 0.0, device_memory_limit=limit, oom_recovery={"enabled": True})
+    _same_run(guard, losses, _reference("smaller", 0.0))
+    assert [(s.step, s.change) for s in guard.switches] == [
+        (1, "activation checkpointing of every block"),
+        (2, "micro-batch 8 -> 4 with 1 -> 2 accumulation steps")]
+    assert guard.engine.options.batch == BatchSizes(8, 4, 2, 1)
+
+
+def test_attempts_are_bounded_then_one_line_with_the_numbers() -> None:
+    limit = min(_reference("smaller", 0.0).peaks) - 1
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        _run(PLAIN, 0.0, device_memory_limit=limit, oom_recovery={"enabled": True, "max_attempts": 2})
+    message = str(caught.value)
+    assert "\n" not in message and "after 2 plan switches" in message and f"limit {limit} bytes" in message
+
+
+def test_with_dropout_the_micro_batch_is_not_changed_and_recovery_stops_in_one_line() -> None:
+    limit = min(_reference("checkpointed", 0.1).peaks) - 1  # only a smaller micro-batch would fit
+    with pytest.raises(torch.OutOfMemoryError, match="no plan computing the same math needs less memory") as caught:
+        _run(PLAIN, 0.1, device_memory_limit=limit, oom_recovery={"enabled": True})
+    assert "\n" not in str(caught.value)
+
+
+def test_without_recovery_the_limit_error_reaches_the_caller() -> None:
+    limit = _reference("plain", 0.1).peaks[0] - 1
+    with pytest.raises(DeviceMemoryLimitError, match=f"against the limit of {limit} bytes"):
+        _run(PLAIN, 0.1, device_memory_limit=limit)
+
+
+def _wide_mlp() -> tuple[Config, Engine, Any]:
+    """Weights dominate: the optimizer step is the step's peak."""
+    config = load_config({"train_batch_size": 2, "optimizer": OPTIMIZER, "device": "cpu",
+                          "device_memory_limit": 10**9, "oom_recovery": {"enabled": True}})
+
+    def make(_: Config) -> nn.Module:
+        torch.manual_seed(SEED)
+        return nn.Sequential(nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 1))
+
+    model = make(config)
+    loss = nn.functional.mse_loss
+    engine = build(resolve(config, model, world_size=1), model, lambda out, batch: loss(out, batch[1]))
+    return config, engine, make
+
+
+def test_out_of_memory_in_the_first_optimizer_step_reruns_from_the_factorys_weights(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    batch = (torch.randn(2, 128, generator=torch.Generator().manual_seed(1)), torch.ones(2, 1))
+    _, reference, _ = _wide_mlp()
+    expected = [reference.train_batch(batch) for _ in range(2)]
+    config, engine, make = _wide_mlp()
+    # partly updated weights are never saved: the rerun starts from the factory's
+    monkeypatch.setattr(engine, "save_checkpoint", lambda *args: pytest.fail("saved a partly updated state"))
+
+    def more_memory(config: Config, measured: int, limit: int) -> Config:
+        """A stand-in planner: its plan needs no less memory, but the limit it leaves is larger."""
+        return config.model_copy(update={"device_memory_limit": 2 * 10**9})
+
+    with MemoryGuard(engine, config, make, replan=more_memory) as guard:
+        assert guard.live is not None
+        params = sum(p.numel() * 4 for p in engine.module.parameters())
+        # forward and backward fit beside the weights and gradients; Adam's two moments do not,
+        # and the first of them is made after the optimizer's step began
+        guard.live.limit_bytes = guard.live.current_bytes + params + 16384
+        losses = [guard.train_batch(batch) for _ in range(2)]
+    [switch] = guard.switches
+    assert switch.step == 1 and switch.change == "device_memory_limit: 2000000000"
+    assert losses == expected and guard.engine is not engine
+    torch.testing.assert_close(guard.engine.module.state_dict(), reference.module.state_dict(), rtol=0, atol=0)
+
+
+def test_out_of_memory_in_a_later_optimizer_step_is_refused_in_one_line() -> None:
+    config, engine, make = _wide_mlp()
+    batch = (torch.randn(2, 128), torch.randn(2, 1))
+    with MemoryGuard(engine, config, make) as guard:
+        guard.train_batch(batch)
+        assert guard.live is not None
+        params = sum(p.numel() * 4 for p in engine.module.parameters())
+        # forward and backward fit beside the weights, gradients and two moments; the
+        # optimizer's temporaries do not
+        guard.live.limit_bytes = guard.live.current_bytes + params + 4096
+        with pytest.raises(torch.OutOfMemoryError, match="step 2 ran out of memory in its optimizer step") as caught:
+            guard.train_batch(batch)
+    assert "cannot be rerun" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_limit_below_what_the_model_already_holds_is_one_line_before_any_step() -> None:
+    config, engine, make = _wide_mlp()
+    config = config.model_copy(update={"device_memory_limit": 1000})
+    with pytest.raises(ValueError, match="device_memory_limit = 1000 bytes .* already take") as caught, \
+            MemoryGuard(engine, config, make):
+        pass
+    assert "\n" not in str(caught.value)
+
+
+def test_recovery_needs_a_model_factory() -> None:
+    config, engine, _ = _wide_mlp()
+    with pytest.raises(ValueError, match="oom_recovery.enabled needs a model factory"):
+        MemoryGuard(engine, config)
+
+
+
+class _RecordingGuard(MemoryGuard):
+    """The trainer's guard, noting each step's peak live bytes."""
+
+    peaks: list[int] = []
+
+    def train_batch(self, batch: Any) -> float:
+        loss = super().train_batch(batch)
+        assert self.live is not None
+        _RecordingGuard.peaks.append(self.live.peak_bytes)
+        return loss
+
+
+def _train(tmp_path: Path, name: str, **settings: Any) -> tuple[list[float], list[int]]:
+    """``hybridtrain train`` on the reference GPT: the step losses and peak live bytes."""
+    raw = {"device": "cpu", "seed": 3, "train_batch_size": 4, "optimizer": OPTIMIZER,
+           "model": {"name": "gpt-tiny", "overrides": {"dropout": 0.1}}, "data": {"seq_len": 32},
+           "train": {"steps": 3, "eval_batches": 1, "output_dir": str(tmp_path / name)}, **settings}
+    _RecordingGuard.peaks = []
+    gc.collect()
+    trainer.run_training(load_config(raw), progress=False)
+    records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r], list(_RecordingGuard.peaks)
+
+
+def test_hybridtrain_train_recovers_and_keeps_the_fallback_plans_losses(tmp_path: Path, caplog: Any,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(trainer, "MemoryGuard", _RecordingGuard)
+    unlimited = 10**12  # counted, never reached
+    _, plain = _train(tmp_path, "plain", device_memory_limit=unlimited)
+    expected, checkpointed = _train(tmp_path, "checkpointed", device_memory_limit=unlimited,
+                                    activation_checkpointing={"enabled": True})
+    assert plain[0] < plain[1] and max(checkpointed) < plain[1]
+    limit = (max(plain[0], *checkpointed) + plain[1]) // 2
+    with caplog.at_level(logging.WARNING, logger="hybridtrain.runtime.oom_recovery"):
+        losses, _ = _train(tmp_path, "recovered", device_memory_limit=limit, oom_recovery={"enabled": True})
+    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
+    # the planner's choice (it estimates the config's model) or the ladder's first rung:
+    # checkpointing of some blocks, the same losses either way
+    [line] = [r.getMessage() for r in caplog.records if "rerunning" in r.getMessage()]
+    assert "step 2 ran out of memory" in line and "checkpointing" in line
+
+
+def test_initialize_refuses_what_only_a_guard_can_do_and_initialize_guarded_does_it() -> None:
+    model = nn.Linear(4, 1)
+    for settings, needs in [({"oom_recovery": {"enabled": True}}, "cannot rebuild the model"),
+                            ({"device_memory_limit": "1MiB"}, "device_memory_limit = 1048576 on cpu")]:
+        with pytest.raises(ConfigError, match=needs):
+            ht.initialize(model, {"device": "cpu", "train_batch_size": 2, **settings})
+
+    def make(_: Config) -> nn.Module:
+        torch.manual_seed(SEED)
+        return nn.Linear(4, 1)
+
+    config = {"device": "cpu", "train_batch_size": 2, "device_memory_limit": "1GiB", "oom_recovery": {"enabled": True}}
+    guard = initialize_guarded(make, config, loss_fn=lambda out, batch: nn.functional.mse_loss(out, batch[1]))
+    with guard:
+        loss = guard.train_batch((torch.ones(2, 4), torch.zeros(2, 1)))
+        assert guard.live is not None and guard.live.peak_bytes > 0
+    assert loss > 0 and guard.engine.global_step == 1 and not guard.switches
