@@ -48,8 +48,8 @@ def bench_overhead(trials: int, workdir: Path) -> None:
     """(a): one run of each loop of ``hpo_overhead.py`` (which alternates rounds)."""
     (workdir / "service").mkdir()
     (workdir / "baseline").mkdir()
-    service = run_service(trials, workdir / "service")
-    baseline = run_baseline(trials, workdir / "baseline")
+    service, _ = run_service(trials, workdir / "service")
+    baseline, _ = run_baseline(trials, workdir / "baseline")
     s, b = per_trial_ms(service), per_trial_ms(baseline)
     first, second = halves_ms(service)
     print(f"(a) overhead, {trials} trivial trials, SQLite, parallel_trials=1")

@@ -52,8 +52,13 @@ COMMAND = "echo loss=${x}"
 
 
 def run_service(trials: int, workdir: Path, profile: cProfile.Profile | None = None
-                ) -> list[float]:
-    """Run one service experiment; returns the start time and every trial's end time."""
+                ) -> tuple[list[float], float]:
+    """Run one service experiment.
+
+    Returns:
+        The start time and every trial's end time; the CPU seconds of this process
+        between the first and the last (set-up excluded, as from the times).
+    """
     spec = load_spec({
         "name": "overhead", "objective": {"metric": "loss"},
         "parameters": {"x": {"type": "float", "low": 0.0, "high": 1.0}},
@@ -64,15 +69,16 @@ def run_service(trials: int, workdir: Path, profile: cProfile.Profile | None = N
     controller = Controller(spec, f"sqlite:///{workdir / 'service.db'}",
                             on_event=lambda line: done.append(time.perf_counter())
                             if " complete:" in line else None)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     if profile is not None:
         profile.enable()
     controller.run()
+    cpu = time.process_time() - cpu  # includes the last trial's clean-up: at most 1 of N
     if profile is not None:
         profile.disable()
     if len(done) != trials:
         raise SystemExit(f"service finished {len(done)} of {trials} trials")
-    return [start, *done]
+    return [start, *done], cpu
 
 
 def _trial_args(x: float) -> tuple[list[str] | str, bool]:
@@ -83,8 +89,9 @@ def _trial_args(x: float) -> tuple[list[str] | str, bool]:
     return COMMAND.replace("${x}", shlex.quote(str(x))), True
 
 
-def run_baseline(trials: int, workdir: Path, service_settings: bool = False) -> list[float]:
-    """The bare ask/tell + subprocess loop; returns the start and every trial's end time.
+def run_baseline(trials: int, workdir: Path, service_settings: bool = False
+                 ) -> tuple[list[float], float]:
+    """The bare ask/tell + subprocess loop; returns what :func:`run_service` returns.
 
     Args:
         service_settings: open the storage as the service does (WAL, synchronous=NORMAL)
@@ -97,7 +104,7 @@ def run_baseline(trials: int, workdir: Path, service_settings: bool = False) -> 
     else:
         storage = optuna.storages.RDBStorage(url)
     study = optuna.create_study(storage=storage, sampler=optuna.samplers.RandomSampler(0))
-    times = [time.perf_counter()]
+    times, cpu = [time.perf_counter()], time.process_time()
     for _ in range(trials):
         trial = study.ask()
         x = trial.suggest_float("x", 0.0, 1.0)
@@ -105,7 +112,7 @@ def run_baseline(trials: int, workdir: Path, service_settings: bool = False) -> 
         out = subprocess.run(args, shell=shell, capture_output=True, text=True, check=True)
         study.tell(trial, float(out.stdout.split("=")[1]))
         times.append(time.perf_counter())
-    return times
+    return times, time.process_time() - cpu
 
 
 def per_trial_ms(times: list[float]) -> float:
@@ -119,7 +126,7 @@ def halves_ms(times: list[float]) -> tuple[float, float]:
     return per_trial_ms(times[:half + 1]), per_trial_ms(times[half:])
 
 
-LOOPS: dict[str, Callable[[int, Path], list[float]]] = {
+LOOPS: dict[str, Callable[[int, Path], tuple[list[float], float]]] = {
     "service": run_service,
     "baseline": run_baseline,
     "baseline, service's SQLite settings": lambda n, d: run_baseline(n, d, True),
@@ -144,9 +151,8 @@ def main() -> None:
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             with tempfile.TemporaryDirectory() as tmp:
-                cpu0 = time.process_time()
-                times = LOOPS[name](args.trials, Path(tmp))
-                cpu[name].append((time.process_time() - cpu0) / args.trials * 1e3)
+                times, cpu_s = LOOPS[name](args.trials, Path(tmp))
+            cpu[name].append(cpu_s / args.trials * 1e3)
             ms[name].append(per_trial_ms(times))
             halves[name].append(halves_ms(times))
     print(f"{args.rounds} round(s) of {args.trials} trivial trials per loop, SQLite, "

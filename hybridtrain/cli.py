@@ -64,13 +64,34 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _show_info_lines() -> None:
     # What the library says once at info level (DeepSpeed keys without effect, offload
-    # mappings) reaches the terminal as "info: …" lines on stderr.
+    # mappings) reaches the terminal as "info: …" lines on stderr ("warning: …" for warnings).
     logger = logging.getLogger("hybridtrain")
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("info: %(message)s"))
+        handler = _StderrHandler()
+        handler.setFormatter(_LevelFormatter())
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is now (tests and embedders swap it), not to the
+    stream it first saw."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self) -> object:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass
+
+
+class _LevelFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return f"{record.levelname.lower()}: {record.getMessage()}"
 
 
 if __name__ == "__main__":

@@ -66,6 +66,9 @@ def peer_failure(exc: BaseException, timeout_s: float | None = None) -> PeerFail
     timed_out = any(word in text for word in _TIMED_OUT)
     if not (lost or timed_out or kinds & {"DistError", "DistBackendError", "DistNetworkError", "DistStoreError"}):
         return None
+    if "DistStoreError" in kinds:  # the ranks never met (rendezvous), no collective involved
+        return PeerFailure(f"the ranks could not meet in the rendezvous store ({text[:200]}); check that every "
+                           "rank was started and can reach MASTER_ADDR:MASTER_PORT")
     if timed_out and not lost:
         from hybridtrain.parallel.mesh import stalled_ranks
 

@@ -41,6 +41,7 @@ from hybridtrain.parallel.mesh import env_world_size, init_process_group, restar
 from hybridtrain.plan import TrainingPlan, resolve
 from hybridtrain.plan.build import build
 from hybridtrain.plan.checks import parallel_sizes
+from hybridtrain.profiling.scheduled import ScheduledProfile
 from hybridtrain.run_dir import (
     Start,
     clear_run,
@@ -50,7 +51,7 @@ from hybridtrain.run_dir import (
     remove_trash,
 )
 from hybridtrain.runtime.device import peak_memory_bytes, reset_peak_memory, resolve_device
-from hybridtrain.runtime.memory_plans import planner_fallback
+from hybridtrain.runtime.memory_plans import check_limit_reachable, planner_fallback
 from hybridtrain.runtime.oom_recovery import MemoryGuard
 from hybridtrain.runtime.transfer import available_host_bytes
 
@@ -81,16 +82,33 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 
 class _StopRequest:
-    """Turns SIGTERM/SIGINT into a flag checked between steps (a second Ctrl-C aborts)."""
+    """Turns SIGTERM/SIGINT into a flag checked between steps (a second Ctrl-C aborts).
+
+    Under torchrun a worker also stops when its launcher is gone (``kill -9`` of
+    ``hybridtrain train``, which cannot pass on a signal): it would otherwise train on as an
+    orphan, and a relaunch would write into the same run beside it.
+    """
 
     def __init__(self) -> None:
         self.requested = False
         self._previous: dict[int, Any] = {}
+        self._launcher: int | None = None
 
     def __enter__(self) -> _StopRequest:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._handle)
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            self._launcher = os.getppid()
         return self
+
+    def should_stop(self) -> bool:
+        """Whether a signal asked to stop, or the launcher that started this worker died."""
+        if not self.requested and self._launcher is not None and os.getppid() != self._launcher:
+            self.requested = True
+            if os.environ.get("RANK", "0") == "0":
+                print(f"the launcher (pid {self._launcher}) is gone: stopping after this step and saving a "
+                      "checkpoint", file=sys.stderr, flush=True)
+        return self.requested
 
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
@@ -127,14 +145,15 @@ def run_training(cfg: Config, resume: bool | str = False, progress: bool = True,
     if start_as.mode == "resume":
         cfg = _same_global_batch(cfg, previous_global_batch(out))
     check_monitoring(cfg)
+    check_limit_reachable(cfg)  # a device_memory_limit no plan fits under: one line, nothing allocated
     telemetry = Telemetry(cfg)
     summary: TrainSummary | None = None
     try:
         # /metrics answers from here on, while the model is still being built.
         telemetry.start_server()
-        data, model = _data_and_model(cfg, fits_host=True)
+        data, model = data_and_model(cfg, fits_host=True)
         rates = _Rates(flops_per_token(model), cfg.train.peak_tflops)
-        example = _example(cfg, data)
+        example = example_batch(cfg, data)
         plan = resolve(cfg, model, example_batch=example)
         if plan.sizes.world > 1:  # before build joins it with torch's default timeout
             init_process_group(plan.device, cfg.distributed.timeout_s)
@@ -212,11 +231,11 @@ def plan_training(cfg: Config, world_size: int | None = None) -> TrainingPlan:
         ConfigError / ValueError: as :func:`run_training` would, before training.
     """
     with torch.device("meta"):
-        data, model = _data_and_model(cfg)
-    return resolve(cfg, model, world_size, example_batch=_example(cfg, data))
+        data, model = data_and_model(cfg)
+    return resolve(cfg, model, world_size, example_batch=example_batch(cfg, data))
 
 
-def _data_and_model(cfg: Config, fits_host: bool = False) -> tuple[TokenBatches, nn.Module]:
+def data_and_model(cfg: Config, fits_host: bool = False) -> tuple[TokenBatches, nn.Module]:
     """The data and the model; with ``fits_host``, first check on the meta device that the
     model's weights fit in host memory (a typo such as ``n_layer: 100000`` is one line, not
     an allocation that runs the machine into swap)."""
@@ -262,8 +281,9 @@ def _batch_bytes(cfg: Config, vocab: int, on_cpu: bool) -> int | None:
     return tokens + logits
 
 
-def _example(cfg: Config, data: TokenBatches) -> tuple[torch.Tensor, torch.Tensor]:
-    # Pipelines are split at initialize from one traced forward of an example batch.
+def example_batch(cfg: Config, data: TokenBatches) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch of ``data``: pipelines are split at initialize from one traced
+    forward of it."""
     return data.train_batch(0, cfg.train_micro_batch_size_per_gpu or 1)
 
 
@@ -282,7 +302,7 @@ def _resume(engine: Engine, out: Path, resume: bool | str, metrics: MetricsLog |
         say = (lambda line: print(line, file=sys.stderr)) if engine.parallel.is_writer else (lambda line: None)
         found = ckpt.resume_newest(out / CHECKPOINTS, engine.load_checkpoint, say)
         if found is None:
-            print(f"resume: no checkpoint in {out / CHECKPOINTS}; starting at step 0", file=sys.stderr)
+            say(f"resume: no checkpoint in {out / CHECKPOINTS}; starting at step 0")
             return 0, 0
         path, client = found
     step = int(client["data_step"])
@@ -325,14 +345,15 @@ def _loop(engine: Engine, cfg: Config, data: TokenBatches, metrics: MetricsLog |
     # The guard enforces device_memory_limit and, with oom_recovery, may switch to another
     # plan's engine (the planner's choice; the model rebuilt from the config) to rerun a step
     # that ran out of memory.
-    with _StopRequest() as stop, MemoryGuard(engine, cfg, lambda c: _data_and_model(c)[1],
+    profiler = ScheduledProfile(cfg, writer)  # DeepSpeed's flops_profiler at its profile_step
+    with _StopRequest() as stop, MemoryGuard(engine, cfg, lambda c: data_and_model(c)[1],
                                              untracked=(data.train_tokens, data.val_tokens),
                                              replan=planner_fallback) as guard:
         for step in range(start + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
             batch = engine.local_batch(data.train_batch(step - 1, global_batch))
             t_data = time.perf_counter() - t0
-            last = guard.train_batch(batch)
+            last = profiler.train_batch(engine, batch, guard.train_batch)
             engine = guard.engine
             dt = time.perf_counter() - t0
             elapsed += dt
@@ -359,17 +380,20 @@ def _loop(engine: Engine, cfg: Config, data: TokenBatches, metrics: MetricsLog |
             boundary = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0
             # Ranks see a signal at different moments: they agree after every step, so all
             # of them save the same step (a rank saving alone would wait for the others).
-            stopping = _on_any_rank(stop.requested, engine.device)
+            stopping = _on_any_rank(stop.should_stop(), engine.device)
             if boundary or step == cfg.train.steps or stopping:
                 t_save = time.perf_counter()
                 try:
-                    path = _save(engine, Path(cfg.train.output_dir), step, cfg.train.keep_checkpoints, restarts)
+                    path = _save(engine, Path(cfg.train.output_dir), step, cfg.train.keep_checkpoints, restarts,
+                                 cfg.train.checkpoint_async)
                 except (RuntimeError, OSError) as exc:  # CheckpointError is a RuntimeError
                     raise _disk_full(exc, engine, Path(cfg.train.output_dir), step) from exc
                 saved.append(str(path))
                 if writer:
-                    done_save = {"step": step, "checkpoint_s": time.perf_counter() - t_save,
-                                 "checkpoint_bytes": _dir_bytes(path)}
+                    # A background save is timed until it returned; its size is known once committed.
+                    done_save = {"step": step, "checkpoint_s": time.perf_counter() - t_save}
+                    if not cfg.train.checkpoint_async:
+                        done_save["checkpoint_bytes"] = _dir_bytes(path)
                     if metrics is not None:
                         metrics.write(done_save)
                     telemetry.publish(done_save)
@@ -377,6 +401,10 @@ def _loop(engine: Engine, cfg: Config, data: TokenBatches, metrics: MetricsLog |
                 break
         bar.close()
         interrupted = stopping and step < cfg.train.steps
+    try:
+        ckpt.wait_for_pending()  # the last background save is committed (or its failure said) before the end
+    except (RuntimeError, OSError) as exc:
+        raise _disk_full(exc, engine, Path(cfg.train.output_dir), step) from exc
     done = step - start
     summary = TrainSummary(
         steps=step, start_step=start, first_loss=first, last_loss=last, eval_loss=eval_loss,
@@ -417,7 +445,8 @@ def _step_record(engine: Engine, step: int, loss: float, tokens_per_s: float) ->
         record["skipped_steps"] = engine.skipped_steps
     if engine.options.wall_clock_breakdown:
         t = engine.last_timings
-        record.update(forward_s=t.forward, backward_s=t.backward, step_s=t.step)
+        record.update(forward_s=t.forward, backward_s=t.backward, step_s=t.step, transfer_s=t.transfer,
+                      communication_s=t.communication, host_optimizer_s=t.host_optimizer)
         if t.interleaved:  # pipeline schedules and layer-major streaming cannot split the two
             record["forward_backward_interleaved_s"] = t.interleaved
     return record

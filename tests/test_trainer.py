@@ -49,3 +49,23 @@ def test_a_model_too_big_for_host_memory_is_refused_before_it_is_built(tmp_path:
     with pytest.raises(ValueError, match=r"5\.00 B parameters: 74\.5 GiB of fp32 weights, gradients and Adam "
                                          r"moments, more than the 1\.0 GiB of host memory available"):
         run_training(cfg, progress=False)
+
+
+@pytest.mark.parametrize(("world", "given", "previous", "expected"), [
+    # The run trained 16 samples a step on 2 replicas (micro 2 × accumulation 4); restarted
+    # on one process it accumulates 8 micro-batches: the same global batch, the same math.
+    ("1", {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}, 16, (16, 2, 8)),
+    ("2", {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}, 16, (16, 2, 4)),
+    # The config's own train_batch_size wins; without a micro-batch size the micro-batch changes.
+    ("1", {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}, 16, (8, 2, 4)),
+    ("1", {"train_batch_size": 8}, None, (8, None, None)),
+    ("1", {"train_micro_batch_size_per_gpu": 2}, None, (None, 2, None)),
+])
+def test_a_resume_on_another_world_size_keeps_the_global_batch(world: str, given: dict, previous: int | None,
+                                                                expected: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hybridtrain.trainer import _same_global_batch
+
+    monkeypatch.setenv("WORLD_SIZE", world)
+    cfg = _same_global_batch(load_config(given), previous)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == expected
+    load_config(cfg)  # still a valid config

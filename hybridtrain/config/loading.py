@@ -187,7 +187,8 @@ def format_validation_error(exc: ValidationError) -> str:
         else:
             value = err.get("input")
             shown = repr(value) if not isinstance(value, dict) else "{…}"
-            messages.append(f"config {path} = {shown} is not allowed: {err['msg']}")
+            reason = str(err["msg"]).removeprefix("Value error, ")  # a field validator's own words
+            messages.append(f"config {path} = {shown} is not allowed: {reason}")
     return "; ".join(messages)
 
 

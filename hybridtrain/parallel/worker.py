@@ -33,8 +33,10 @@ def main(argv: Sequence[str]) -> None:
             # As `python SCRIPT`: the script's directory comes first on the import path.
             sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
             runpy.run_path(target, run_name="__main__")
-    except (SystemExit, KeyboardInterrupt):
+    except SystemExit:
         raise
+    except KeyboardInterrupt:  # Ctrl-C, passed on by the launcher, which says it in one line
+        sys.exit(130)
     except BaseException as exc:
         _record(exc)
         raise

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybridtrain.checkpoint.sharded import checkpoint_group
 from hybridtrain.engine import Engine, EngineOptions
 from hybridtrain.parallel import mesh
 from hybridtrain.parallel.data import apply_data_parallel
@@ -123,7 +124,10 @@ def _parallelize(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None,
     sizes, device = plan.sizes, plan.device
     if plan.sizes.world == 1:
         return ParallelRuntime(model), None, []
-    mesh.init_process_group(device)
+    mesh.init_process_group(device, plan.config.distributed.timeout_s)
+    # Made now, while the rendezvous store is alive: the save after a lost launcher (whose
+    # process held that store) needs no store then.
+    checkpoint_group()
     topology = mesh.build_topology(device, sizes.dp, sizes.tp, sizes.pp)
     shard = _zero_sharder(plan, topology) if plan.zero_stage else None
     blocks = _modules(model, [b.name for b in plan.blocks])

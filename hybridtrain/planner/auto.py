@@ -26,18 +26,20 @@ log = logging.getLogger("hybridtrain")
 def planned_config(config: ConfigSource | None, model: nn.Module, loss_fn: LossFn | None,
                    example_batch: Batch | None) -> ConfigSource | None:
     """``config`` itself, or with ``auto: true`` the fastest same-math variant that fits
-    this machine (logged once).
+    this machine (logged once). Without ``example_batch`` nothing can be traced: the config
+    is used as it is, and the log says so.
 
     Raises:
-        ConfigError: ``auto`` without an example batch, or no variant fits (one line with
-            the numbers), before anything is allocated.
+        ConfigError: no variant fits (one line with the numbers), before anything is allocated.
     """
     cfg = load_config(config)
     if not cfg.auto:
         return cfg
     if example_batch is None:
-        raise ConfigError("auto: the planner traces the model on one batch of the training shape; pass "
-                          "initialize(model, config, example_batch=batch)")
+        # DeepSpeed scripts call initialize without a batch: they train as configured.
+        log.info("auto: the planner needs one batch of the training shape to trace the model; pass "
+                 "initialize(model, config, example_batch=batch) (training as configured)")
+        return cfg.model_copy(update={"auto": False})
     target = this_machine(cfg)
     try:
         chosen = choose(cfg, target, mesh.env_world_size(), model=model_source(model, example_batch, loss_fn))

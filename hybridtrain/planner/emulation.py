@@ -187,14 +187,6 @@ def _unpack(packed: Any) -> torch.Tensor:
     return tensor
 
 
-def _discard(_tensor: torch.Tensor) -> None:
-    return None
-
-
-def _never(_packed: None) -> torch.Tensor:
-    raise RuntimeError("a swapped checkpoint's first forward is never backwarded")
-
-
 class Recompute(torch.autograd.Function):
     """A block that keeps only its inputs and is recomputed in backward: memory-wise
     ``torch.utils.checkpoint`` (non-reentrant) and the engine's checkpoint-and-swap."""
@@ -205,11 +197,11 @@ class Recompute(torch.autograd.Function):
         ctx.run = run
         ctx.autocast = autocast
         ctx.save_for_backward(*inputs)
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_discard, _never):
-            outs = run(*[x.detach().requires_grad_(x.requires_grad) for x in inputs])
-        results = tuple(o.detach() for o in outs)
-        ctx.mark_non_differentiable(*[r for r, o in zip(results, outs, strict=True) if not o.requires_grad])
-        return results
+        # Without grad: nothing is kept (the engine runs it with grad and discards what
+        # would be saved; the bytes are the same and no model code can unpack a discarded one).
+        with torch.no_grad():
+            outs = run(*[x.detach() for x in inputs])
+        return tuple(o.detach() for o in outs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:

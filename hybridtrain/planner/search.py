@@ -12,13 +12,13 @@ those that do not fit with a margin are dropped, the rest ranked by predicted st
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from hybridtrain.config import Config, ConfigError, ConfigSource, load_config
 from hybridtrain.planner.estimate import Estimate, ModelSource, Target, estimate, meta_model
-from hybridtrain.runtime.memory_limit import format_bytes
 
 MARGIN = 0.10
 """Share of the device memory a plan leaves free: allocator fragmentation and caches,
@@ -84,6 +84,7 @@ def plan(config: ConfigSource, target: Target, world_size: int = 1, margin: floa
     ranked: list[Candidate] = []
     refused: list[Candidate] = []
     seen: set[str] = set()
+    plans: set[str] = set()
     for changes, variant, world in variants(cfg, world_size, model):
         key = variant.model_dump_json()
         if key in seen:
@@ -95,6 +96,12 @@ def plan(config: ConfigSource, target: Target, world_size: int = 1, margin: floa
             est = estimate(variant, target, world, all_passes=True, model=model)
         except (ConfigError, ValueError):
             continue  # a combination the engine refuses (e.g. layer_major on two block lists)
+        # Variants that resolve to the same plan (checkpoint every 2nd or 4th of two
+        # blocks) are one candidate: the first, with the fewest words.
+        plan_key = json.dumps([est.plan.summary(), world], sort_keys=True, default=str)
+        if plan_key in plans:
+            continue
+        plans.add(plan_key)
         problems = tuple(est.problems(margin))
         (refused if problems else ranked).append(Candidate(variant, changes, est, problems))
     ranked.sort(key=lambda c: c.estimate.step_seconds)
@@ -255,10 +262,3 @@ def _merge(base: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
     for key, value in change.items():
         out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
-
-
-def describe_fit(candidate: Candidate) -> str:
-    """One line: the variant, its bytes and seconds."""
-    e = candidate.estimate
-    return (f"{candidate.describe()}: {e.step_seconds:.3g} s/step, device {format_bytes(e.device_peak_bytes)}, "
-            f"host {format_bytes(e.host_bytes)}")

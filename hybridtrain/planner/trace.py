@@ -235,8 +235,10 @@ def _treated_forward(block: nn.Module, index: int, swap: SwapEmulation | None, a
         slots = [i for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor)]
         inputs = [flat[i] for i in slots]
         # The closure keeps the other arguments only: holding the input tensors would keep
-        # them alive until the graph dies, past their block's backward.
-        leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in flat]
+        # them alive until the graph dies, past their block's backward. A Hugging Face KV
+        # cache is left out as the engine turns caches off when it checkpoints
+        # (``plan.build.disable_caches``): recomputation would fill it again.
+        leaves = [None if isinstance(leaf, torch.Tensor) or _is_kv_cache(leaf) else leaf for leaf in flat]
         del flat
         out_spec: list[Any] = []
 
@@ -262,6 +264,11 @@ def _treated_forward(block: nn.Module, index: int, swap: SwapEmulation | None, a
 @contextmanager
 def _no_scope(_index: int) -> Iterator[None]:
     yield
+
+
+def _is_kv_cache(value: object) -> bool:
+    """A Hugging Face ``Cache`` (``DynamicCache`` …), recognised by its interface."""
+    return type(value).__name__.endswith("Cache") and callable(getattr(value, "update", None))
 
 
 @dataclass

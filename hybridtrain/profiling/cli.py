@@ -56,10 +56,10 @@ def _run(cfg: Any, steps: int, output_dir: str | None) -> Any:
     from hybridtrain.profiling.profiler import profile_engine
 
     # The CLI's own model and data, built exactly as `hybridtrain train` builds them.
-    from hybridtrain.trainer import _data_and_model, _example
+    from hybridtrain.trainer import data_and_model, example_batch
 
-    data, model = _data_and_model(cfg, fits_host=True)
-    engine = initialize(model, cfg, loss_fn=causal_lm_loss, example_batch=_example(cfg, data))
+    data, model = data_and_model(cfg, fits_host=True)
+    engine = initialize(model, cfg, loss_fn=causal_lm_loss, example_batch=example_batch(cfg, data))
     batch = engine.local_batch(data.train_batch(0, engine.options.batch.global_batch))
     writer = engine.parallel.is_writer
     out = Path(output_dir) if output_dir else Path(cfg.train.output_dir) / "profile"

@@ -8,6 +8,7 @@ steps train exactly as unprofiled ones do (same batches, same math), only slower
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,9 @@ class ScheduledProfile:
         self.profile: Profile | None = None
         self._session: ProfileSession | None = None
 
-    def train_batch(self, engine: Any, batch: Any) -> float:
-        """``engine.train_batch(batch)``, profiled when its turn comes; returns the loss."""
+    def train_batch(self, engine: Any, batch: Any, run: Callable[[Any], float] | None = None) -> float:
+        """``run(batch)`` (default ``engine.train_batch``), or ``engine``'s profiled step when
+        its turn comes; returns the loss."""
         if self._session is not None:
             loss = self._session.timed_step(batch)
             self._finish()
@@ -40,7 +42,7 @@ class ScheduledProfile:
         if self.active and self.profile is None and engine.global_step == self.settings.profile_step:
             self._session = ProfileSession(engine)
             return self._session.count_step(batch)
-        return float(engine.train_batch(batch))
+        return float(run(batch) if run is not None else engine.train_batch(batch))
 
     def _finish(self) -> None:
         assert self._session is not None

@@ -131,6 +131,23 @@ def test_ctrl_c_or_sigterm_of_two_ranks_saves_once_and_exits_130(sig: signal.Sig
 
 
 @pytest.mark.timeout(200)
+def test_workers_of_a_killed_launcher_save_once_and_exit(tmp_path: Path) -> None:
+    # kill -9 of `hybridtrain train` cannot pass anything on: its workers notice they lost
+    # their parent, agree on a step, save it and end, instead of training on as orphans.
+    out = tmp_path / "run"
+    proc = _start_two_ranks(out)
+    workers = [int(pid) for pid in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 120
+    while time.time() < deadline and any(Path(f"/proc/{pid}").exists() for pid in workers):
+        time.sleep(0.2)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in workers), "workers outlived their launcher"
+    step = max(r["step"] for r in (json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()))
+    assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step-{step:07d}"]
+
+
+@pytest.mark.timeout(200)
 def test_a_stuck_rank_ends_the_run_after_timeout_s_naming_it(tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = _start_two_ranks(out, "--set", "distributed.timeout_s=1")
@@ -147,14 +164,16 @@ def test_a_stuck_rank_ends_the_run_after_timeout_s_naming_it(tmp_path: Path) -> 
 
 
 RESTARTING_SCRIPT = """
-import os, time, torch, torch.distributed as dist
+import os, sys, torch, torch.distributed as dist
 dist.init_process_group("gloo")
 t = torch.ones(1)
 dist.all_reduce(t)
 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and dist.get_rank() == 1:
     os._exit(1)  # the first round dies after its process group was made
 dist.all_reduce(t)
-print("round", os.environ["TORCHELASTIC_RESTART_COUNT"], "rank", dist.get_rank(), "ok", flush=True)
+open(os.path.join(sys.argv[1], f"round-{os.environ['TORCHELASTIC_RESTART_COUNT']}-rank-{dist.get_rank()}"), "w").close()
+dist.barrier()  # neither rank exits while the other still talks to it (gloo aborts at exit then)
+dist.destroy_process_group()
 """
 
 
@@ -165,6 +184,7 @@ def test_a_plain_script_restarts_on_a_fresh_store(tmp_path: Path) -> None:
     script = tmp_path / "restart.py"
     script.write_text(RESTARTING_SCRIPT)
     proc = subprocess.run([sys.executable, "-m", "hybridtrain.parallel.launch_cli", "--nproc-per-node", "2",
-                           "--max-restarts", "1", str(script)], capture_output=True, text=True, timeout=140)
+                           "--max-restarts", "1", str(script), str(tmp_path)], capture_output=True, text=True,
+                          timeout=140)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(proc.stdout.split("\n"))[-2:] == ["round 1 rank 0 ok", "round 1 rank 1 ok"]
+    assert sorted(p.name for p in tmp_path.glob("round-*")) == ["round-1-rank-0", "round-1-rank-1"]

@@ -70,9 +70,18 @@ def test_auto_picks_a_plan_that_fits_and_trains() -> None:
     assert engine.train_batch(batch) > 0
 
 
-def test_auto_needs_an_example_batch() -> None:
-    with pytest.raises(ConfigError, match="example_batch"):
-        ht.initialize(build_gpt("gpt-tiny"), {**TINY, "auto": True}, loss_fn=causal_lm_loss)
+def test_auto_without_an_example_batch_trains_as_configured(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="hybridtrain"):
+        engine = ht.initialize(build_gpt("gpt-tiny", seq_len=64), {**TINY, "auto": True}, loss_fn=causal_lm_loss)
+    assert engine.options.batch.micro_batch == 4
+    assert "example_batch" in caplog.text
+
+
+def test_auto_when_nothing_fits_is_one_line_before_anything_is_built() -> None:
+    model = build_gpt("gpt-tiny", seq_len=64)
+    batch = (torch.randint(0, 256, (4, 64)), torch.randint(0, 256, (4, 64)))
+    with pytest.raises(ConfigError, match=r"^auto: no plan fits: .*needs .*, has 1000 B$"):
+        planned_config({**TINY, "auto": True, "device_memory_limit": 1000}, model, causal_lm_loss, batch)
 
 
 def test_deepspeed_autotuning_maps_to_auto() -> None:
