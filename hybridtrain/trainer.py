@@ -41,6 +41,7 @@ from hybridtrain.parallel.mesh import env_world_size, init_process_group, restar
 from hybridtrain.plan import TrainingPlan, resolve
 from hybridtrain.plan.build import build
 from hybridtrain.plan.checks import parallel_sizes
+from hybridtrain.planner.auto import planned_config
 from hybridtrain.profiling.scheduled import ScheduledProfile
 from hybridtrain.run_dir import (
     Start,
@@ -154,6 +155,7 @@ def run_training(cfg: Config, resume: bool | str = False, progress: bool = True,
         data, model = data_and_model(cfg, fits_host=True)
         rates = _Rates(flops_per_token(model), cfg.train.peak_tflops)
         example = example_batch(cfg, data)
+        cfg = planned_config(cfg, model, causal_lm_loss, example)  # "auto": the planner chooses
         plan = resolve(cfg, model, example_batch=example)
         if plan.sizes.world > 1:  # before build joins it with torch's default timeout
             init_process_group(plan.device, cfg.distributed.timeout_s)

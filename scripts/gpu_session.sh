@@ -14,6 +14,12 @@
 #   zero2        6.7B: optimizer offload against DeepSpeed ZeRO-Offload, and FSDP2 offload
 #   search       the largest trainable model per mode (host- and device-limited)
 #   cpu-adam     the host optimizer step against DeepSpeedCPUAdam
+#   planner      estimates against torch.cuda.max_memory_allocated and step time, and the
+#                H100 predictions (benchmarks/planner.py --device cuda)
+#   profile      `hybridtrain profile` of GPT-1.3B bf16 (device split, MFU vs the table,
+#                memory timeline, Chrome trace) plain and with optimizer offload
+#   memory       CUDA-only tests of device_memory_limit / oom_recovery / profiling, and a
+#                run that recovers from a real CUDA OOM
 set -euo pipefail
 part=${1:?usage: scripts/gpu_session.sh PART}
 out=${OUT:-gpu-logs}
@@ -32,5 +38,18 @@ case $part in
   zero2) "${bench[@]}" --modes optimizer_offload --baselines deepspeed_zero_offload fsdp2_cpu_offload ;;
   search) "${bench[@]}" --search --search-only --modes plain optimizer_offload layer_major --search-budget-s 500 ;;
   cpu-adam) python3 benchmarks/cpu_adam.py --numel 200_000_000 ;;
+  planner) python3 benchmarks/planner.py --device cuda ;;
+  profile)
+    common=(--set device=cuda --set model.name=gpt-1.3b --set bf16.enabled=true --set data.seq_len=1024
+            --set train_micro_batch_size_per_gpu=4 --set train_batch_size=4 --steps 3)
+    python3 -m hybridtrain.cli profile "${common[@]}" -o "$out/profile-plain"
+    python3 -m hybridtrain.cli profile "${common[@]}" --set zero_optimization.stage=1 \
+      --set zero_optimization.offload_optimizer.device=cpu -o "$out/profile-offload" ;;
+  memory)
+    python3 -m pytest -q -rs -k cuda tests/runtime/test_memory_limit.py tests/runtime/test_oom_recovery.py \
+      tests/profiling tests/planner
+    python3 -m hybridtrain.cli train --set device=cuda --set model.name=gpt-1.3b --set bf16.enabled=true \
+      --set data.seq_len=1024 --set train_micro_batch_size_per_gpu=32 --set train_batch_size=32 --steps 3 \
+      --set device_memory_limit=30GiB --set oom_recovery.enabled=true --output-dir "$out/oom-run" --no-progress ;;
   *) echo "unknown part: $part" >&2; exit 2 ;;
 esac 2>&1 | tee -a "$out/$part.log"

@@ -63,11 +63,19 @@ def load_config(source: ConfigSource | None = None, overrides: Iterable[str] = (
 def explain_config(source: ConfigSource | None = None,
                    overrides: Iterable[str] = ()) -> tuple[Config, list[Applied]]:
     """:func:`load_config`, also returning the treatment every DeepSpeed key got
-    (:mod:`hybridtrain.config.deepspeed_keys`), without logging it."""
+    (:mod:`hybridtrain.config.deepspeed_keys`), without logging it.
+
+    A ``Config`` has been through the treatments already: its values are hybridtrain's own
+    (``device = "auto"`` means detect the device, not DeepSpeed's placeholder), so it is
+    validated again with its overrides (schema paths) but not treated a second time.
+    """
     if isinstance(source, Config):
-        raw: dict[str, Any] = source.model_dump(exclude_unset=True)
-    elif source is None:
-        raw = {}
+        own: dict[str, Any] = source.model_dump(exclude_unset=True)
+        for item in overrides:
+            _apply_override(own, item)
+        return _validated(own), []
+    if source is None:
+        raw: dict[str, Any] = {}
     elif isinstance(source, Mapping):
         raw = plain_copy(source)
     else:
@@ -78,8 +86,12 @@ def explain_config(source: ConfigSource | None = None,
         raw, applied = apply_treatments(raw)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    return _validated(raw), applied
+
+
+def _validated(raw: dict[str, Any]) -> Config:
     try:
-        return Config.model_validate(raw), applied
+        return Config.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc)) from None
 

@@ -12,9 +12,9 @@ import logging
 import torch
 from torch import nn
 
-from hybridtrain.config import Config, ConfigError, ConfigSource, load_config
+from hybridtrain.config import Config, ConfigError, ConfigSource
 from hybridtrain.parallel import mesh
-from hybridtrain.planner.estimate import Target, model_source, resolve_target
+from hybridtrain.planner.estimate import Target, as_config, model_source, resolve_target
 from hybridtrain.planner.search import choose
 from hybridtrain.runtime.batch import Batch, LossFn
 from hybridtrain.runtime.device import resolve_device
@@ -24,7 +24,7 @@ log = logging.getLogger("hybridtrain")
 
 
 def planned_config(config: ConfigSource | None, model: nn.Module, loss_fn: LossFn | None,
-                   example_batch: Batch | None) -> ConfigSource | None:
+                   example_batch: Batch | None) -> Config:
     """``config`` itself, or with ``auto: true`` the fastest same-math variant that fits
     this machine (logged once). Without ``example_batch`` nothing can be traced: the config
     is used as it is, and the log says so.
@@ -32,7 +32,7 @@ def planned_config(config: ConfigSource | None, model: nn.Module, loss_fn: LossF
     Raises:
         ConfigError: no variant fits (one line with the numbers), before anything is allocated.
     """
-    cfg = load_config(config)
+    cfg = as_config(config)
     if not cfg.auto:
         return cfg
     if example_batch is None:

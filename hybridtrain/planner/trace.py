@@ -26,6 +26,7 @@ attention and swapping on the meta device.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from hybridtrain.planner.emulation import FLOP_FORMULAS, MetaAutocast, Recompute, SwapEmulation
 from hybridtrain.runtime.batch import Batch, LossFn, compute_loss, run_model
 from hybridtrain.runtime.memory_limit import LiveTensorBytes
+from hybridtrain.runtime.recompute import tensor_call
 
 PASSES = ("plain", "checkpoint", "swap", "swap_checkpoint")
 """How a pass treats every block: as is, checkpointed, swapped, checkpointed with its inputs swapped."""
@@ -231,33 +233,13 @@ def _treated_forward(block: nn.Module, index: int, swap: SwapEmulation | None, a
         if not recompute:
             with scope(index):
                 return forward(block, *args, **kwargs)
-        flat, spec = tree_flatten((args, kwargs))
-        slots = [i for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor)]
-        inputs = [flat[i] for i in slots]
-        # The closure keeps the other arguments only: holding the input tensors would keep
-        # them alive until the graph dies, past their block's backward. A Hugging Face KV
-        # cache is left out as the engine turns caches off when it checkpoints
-        # (``plan.build.disable_caches``): recomputation would fill it again.
-        leaves = [None if isinstance(leaf, torch.Tensor) or _is_kv_cache(leaf) else leaf for leaf in flat]
-        del flat
-        out_spec: list[Any] = []
-
-        def run(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            filled = list(leaves)
-            for i, t in zip(slots, tensors, strict=True):
-                filled[i] = t
-            a, kw = tree_unflatten(filled, spec)
-            out_leaves, o_spec = tree_flatten(forward(block, *a, **kw))
-            # The structure only: holding the outputs would keep recomputed ones alive.
-            out_spec[:] = [o_spec, [None if isinstance(x, torch.Tensor) else x for x in out_leaves],
-                           [isinstance(x, torch.Tensor) for x in out_leaves]]
-            return tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
+        # A Hugging Face KV cache is left out as the engine turns caches off when it
+        # checkpoints (``plan.build.disable_caches``): recomputation would fill it again.
+        inputs, run, rebuild = tensor_call(functools.partial(forward, block), args, kwargs, leave_out=_is_kv_cache)
         with scope(index):
             outs = Recompute.apply(run, autocast, *inputs)
         del inputs
-        o_spec, o_leaves, is_tensor = out_spec
-        it = iter(outs)
-        return tree_unflatten([next(it) if t else x for x, t in zip(o_leaves, is_tensor, strict=True)], o_spec)
+        return rebuild(outs)
     return treated
 
 

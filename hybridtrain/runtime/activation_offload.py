@@ -45,10 +45,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hybridtrain.runtime import transfer
 from hybridtrain.runtime.forward_wrap import wrap_forward
+from hybridtrain.runtime.recompute import tensor_call
 from hybridtrain.runtime.step_parts import step_part
 
 _ORIGINAL_FORWARD = "_hybridtrain_swap_original_forward"
@@ -127,27 +127,13 @@ class ActivationSwapper:
     def _recomputed_forward(self, module: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        leaves, spec = tree_flatten((args, kwargs))
-        slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        out_spec: list[Any] = []
-
-        def run(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            filled = list(leaves)
-            for i, t in zip(slots, tensors, strict=True):
-                filled[i] = t
-            a, kw = tree_unflatten(filled, spec)
-            out_leaves, o_spec = tree_flatten(forward(*a, **kw))
-            out_spec[:] = [o_spec, out_leaves]
-            return tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
-
+        inputs, run, rebuild = tensor_call(forward, args, kwargs)
         # A grad-requiring dummy input makes the outputs require grad even when no real
         # input does (the first block of an nn.Sequential), so parameters get gradients.
         dummy = torch.empty(0, requires_grad=True)
         with self._scope(module):
-            outs = _SwappedRecompute.apply(run, self.device, dummy, *[leaves[i] for i in slots])
-        o_spec, o_leaves = out_spec
-        it = iter(outs)
-        return tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in o_leaves], o_spec)
+            outs = _SwappedRecompute.apply(run, self.device, dummy, *inputs)
+        return rebuild(outs)
 
     # ------------------------------------------------------------------ hooks
     @contextmanager
@@ -158,18 +144,24 @@ class ActivationSwapper:
         self._pending[seq] = []
         self._last_scope = (id(module), seq)
         skip = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
-        # Keyed by tensor identity and holding the tensor until the block's forward ends:
-        # an address could be reused by a new tensor once the swapped one is freed.
+        # Keyed by tensor identity and holding the tensor until the block's forward ends
+        # (an id could be reused by a new tensor once the swapped one is freed); no pack
+        # happens after that, so the dict is emptied then.
         seen: dict[int, tuple[torch.Tensor, _Swapped]] = {}
         # Bound the device memory held by copies not yet run (see the module docstring).
         with step_part("transfer"):
             for old in [s for s in self._copied_out if s <= seq - self.copies_in_flight]:
                 transfer.host_waits(self._copied_out.pop(old))
-        with torch.autograd.graph.saved_tensors_hooks(
-                functools.partial(self._pack, seq, skip, seen), self._unpack):
-            yield
-        if seen:
-            self._copied_out[seq] = self._d2h.record()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(
+                    functools.partial(self._pack, seq, skip, seen), self._unpack):
+                yield
+        finally:
+            if seen:
+                self._copied_out[seq] = self._d2h.record()
+            # Autograd keeps the pack hook (and so ``seen``) with every tensor it saved, until
+            # backward: emptied, the dict no longer holds the device tensors it swapped out.
+            seen.clear()
 
     def _pack(self, seq: int, skip: set[int], seen: dict[int, tuple[torch.Tensor, _Swapped]],
               tensor: torch.Tensor) -> Any:

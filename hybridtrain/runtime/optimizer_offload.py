@@ -32,7 +32,9 @@ class has one) shares its ``state``.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -165,10 +167,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._device_optimizer = (self._inner([device_params], [[group_index[id(p)] for p in device_params]],
                                               fused=False) if device_params else None)
         self._device_groups = [group_index[id(p)] for p in device_params]
-        for bucket in self.buckets:
-            if not bucket.streamed and not any(id(p) in late for p in bucket.params):
-                for p in bucket.params:
-                    p.register_post_accumulate_grad_hook(lambda _p, b=bucket: self._arrived(b))
+        # The hooks live on the model's parameters, which outlive this optimizer (an OOM
+        # recovery rebuilds the engine around the same model): they hold it weakly, so a
+        # dropped optimizer is freed, and :meth:`close` removes them, so a rebuilt engine's
+        # backward does not land buckets of the old one.
+        me = weakref.ref(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_arrived, me, bucket.index))
+                       for bucket in self.buckets
+                       if not bucket.streamed and not any(id(p) in late for p in bucket.params)
+                       for p in bucket.params]
         self._final = False
         self._eager = False
         self._finite = True
@@ -408,13 +415,23 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._device_optimizer.state = self.state
 
     def close(self) -> None:
-        """Stop the host worker thread."""
+        """Stop the host worker thread and remove the gradient hooks from the parameters."""
         self._worker.shutdown(wait=True)
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
 
     @property
     def host_numel(self) -> int:
         """Elements whose master weights and state live in host memory."""
         return sum(b.flat_master.numel() for b in self.buckets)
+
+
+def _arrived(optimizer: weakref.ref[OffloadOptimizer], index: int, _param: torch.Tensor) -> None:
+    """A gradient hook: the parameter's gradient is complete (see ``OffloadOptimizer.__init__``)."""
+    live = optimizer()
+    if live is not None:
+        live._arrived(live.buckets[index])
 
 
 def _sync_hyperparams(inner: torch.optim.Optimizer, outer: torch.optim.Optimizer) -> None:

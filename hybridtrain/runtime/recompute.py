@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from hybridtrain.runtime.forward_wrap import unwrap_forward, wrap_forward
@@ -66,3 +67,47 @@ def _checkpointed_forward(forward: Callable[..., Any], *args: Any, **kwargs: Any
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+
+def tensor_call(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                leave_out: Callable[[object], bool] = lambda _value: False,
+                ) -> tuple[list[torch.Tensor], Callable[..., tuple[torch.Tensor, ...]], Callable[[Sequence[torch.Tensor]], Any]]:
+    """``forward(*args, **kwargs)`` as a function of its tensor arguments only, the shape a
+    custom checkpoint ``torch.autograd.Function`` takes (tensors in, tensors out).
+
+    Neither returned closure holds a tensor: a checkpoint keeps ``run`` until its backward,
+    so holding the inputs there would keep them in device memory after they were swapped
+    to the host (or their block's backward ran), and holding the outputs would keep the
+    recomputed ones alive.
+
+    Args:
+        forward: the function to call.
+        args, kwargs: its arguments.
+        leave_out: other arguments not to keep either; ``run`` passes ``None`` for them.
+
+    Returns:
+        ``(inputs, run, rebuild)``: the tensor arguments in order; ``run(*tensors)`` calls
+        ``forward`` with them and returns the tensors of its output; ``rebuild(tensors)``
+        puts such tensors back into the output's structure (once ``run`` has run).
+    """
+    flat, spec = tree_flatten((args, kwargs))
+    slots = [i for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor)]
+    inputs = [flat[i] for i in slots]
+    kept = [None if isinstance(leaf, torch.Tensor) or leave_out(leaf) else leaf for leaf in flat]
+    out_structure: list[Any] = []  # [spec, non-tensor leaves (None for tensors), is-tensor flags]
+
+    def run(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        filled = list(kept)
+        for i, t in zip(slots, tensors, strict=True):
+            filled[i] = t
+        a, kw = tree_unflatten(filled, spec)
+        out_leaves, o_spec = tree_flatten(forward(*a, **kw))
+        is_tensor = [isinstance(x, torch.Tensor) for x in out_leaves]
+        out_structure[:] = [o_spec, [None if t else x for x, t in zip(out_leaves, is_tensor, strict=True)], is_tensor]
+        return tuple(x for x, t in zip(out_leaves, is_tensor, strict=True) if t)
+
+    def rebuild(tensors: Sequence[torch.Tensor]) -> Any:
+        o_spec, o_leaves, is_tensor = out_structure
+        it = iter(tensors)
+        return tree_unflatten([next(it) if t else x for x, t in zip(o_leaves, is_tensor, strict=True)], o_spec)
+    return inputs, run, rebuild
