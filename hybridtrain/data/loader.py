@@ -41,6 +41,8 @@ def load_tokens(path: str | Path | None = None) -> torch.Tensor:
     if suffix in _TOKEN_FILE_DTYPES:
         dtype = _TOKEN_FILE_DTYPES[suffix]
         raw = bytearray(path.read_bytes())
+        if not raw:
+            raise ValueError(f"data.path = {str(path)!r} is empty; it should hold {dtype} token ids")
         if len(raw) % dtype.itemsize:
             raise ValueError(f"data.path = {str(path)!r} is not a whole number of {dtype} tokens")
         # uint16 (nanoGPT's format) supports few operations (max, comparisons): widen it.

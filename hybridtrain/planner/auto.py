@@ -12,9 +12,9 @@ import logging
 import torch
 from torch import nn
 
-from hybridtrain.config import Config, ConfigError, ConfigSource
+from hybridtrain.config import Config, ConfigError, ConfigSource, load_config
 from hybridtrain.parallel import mesh
-from hybridtrain.planner.estimate import Target, as_config, model_source, resolve_target
+from hybridtrain.planner.estimate import Target, model_source, resolve_target
 from hybridtrain.planner.search import choose
 from hybridtrain.runtime.batch import Batch, LossFn
 from hybridtrain.runtime.device import resolve_device
@@ -32,7 +32,7 @@ def planned_config(config: ConfigSource | None, model: nn.Module, loss_fn: LossF
     Raises:
         ConfigError: no variant fits (one line with the numbers), before anything is allocated.
     """
-    cfg = as_config(config)
+    cfg = load_config(config)
     if not cfg.auto:
         return cfg
     if example_batch is None:

@@ -154,13 +154,6 @@ class Estimate:
         }
 
 
-def as_config(config: ConfigSource | None) -> Config:
-    """``config`` loaded, a ``Config`` taken as it is. (Loading a ``Config`` again reads
-    every field it has set as raw input, and a ``device`` explicitly set to ``"auto"``
-    reads as DeepSpeed's "auto" placeholder; the planner's variants set every field.)"""
-    return config if isinstance(config, Config) else load_config(config)
-
-
 def estimate(config: ConfigSource, target: Target | None = None, world_size: int = 1,
              all_passes: bool = False, model: ModelSource | None = None) -> Estimate:
     """Estimate one training step of ``config`` on ``target`` (see the module docstring).
@@ -177,11 +170,11 @@ def estimate(config: ConfigSource, target: Target | None = None, world_size: int
     Raises:
         ConfigError / ValueError: what ``hybridtrain train`` would refuse, in one line.
     """
-    cfg = as_config(config)
+    cfg = load_config(config)
     target = target or resolve_target()
     source = model or _config_source(cfg)
     # A GPU target is planned on the CPU when this machine has none: the decisions do not
-    # depend on the device. The device is named, never "auto" (see as_config).
+    # depend on the device.
     on_cpu = target.kind == "cpu" or not torch.cuda.is_available()
     planned = cfg.model_copy(update={"device": "cpu" if on_cpu else "cuda" if cfg.device == "auto" else cfg.device})
     micro = cfg.train_micro_batch_size_per_gpu or 1

@@ -9,7 +9,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from hybridtrain.config import ConfigSource
+from hybridtrain.config import ConfigSource, load_config
 from hybridtrain.runtime.device import resolve_device
 from hybridtrain.runtime.memory_limit import LiveTensorBytes
 
@@ -38,9 +38,8 @@ def measure_step(config: ConfigSource, timed_steps: int = 2) -> Measurement:
     from hybridtrain.data import TokenBatches, load_tokens
     from hybridtrain.models.factory import build_model
     from hybridtrain.models.gpt import causal_lm_loss
-    from hybridtrain.planner.estimate import as_config
 
-    cfg = as_config(config)
+    cfg = load_config(config)
     gc.collect()
     with LiveTensorBytes(resolve_device(cfg.device)) as before:
         pass

@@ -17,12 +17,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from hybridtrain.config import Config, ConfigError, ConfigSource
+from hybridtrain.config import Config, ConfigError, ConfigSource, load_config
 from hybridtrain.planner.estimate import (
     Estimate,
     ModelSource,
     Target,
-    as_config,
     estimate,
     meta_model,
 )
@@ -86,7 +85,7 @@ def plan(config: ConfigSource, target: Target, world_size: int = 1, margin: floa
     Raises:
         ConfigError / ValueError: the config itself is invalid (one line).
     """
-    cfg = as_config(config)
+    cfg = load_config(config)
     estimate(cfg, target, world_size, model=model)  # the config itself must be valid: its errors come first
     ranked: list[Candidate] = []
     refused: list[Candidate] = []
@@ -155,7 +154,7 @@ def fallback(config: ConfigSource, measured_peak_bytes: int, limit_bytes: int,
     """
     from hybridtrain.planner.estimate import resolve_target
 
-    cfg = as_config(config)
+    cfg = load_config(config)
     target = target or resolve_target("cpu" if cfg.device == "cpu" else None)
     target = Target(target.kind, target.name, None, target.host_memory_bytes)
     predicted = estimate(cfg, target).device_peak_bytes

@@ -339,6 +339,9 @@ def _release(engine: Engine) -> None:
     caller still holds the engine object."""
     engine.optimizer.zero_grad(set_to_none=True)
     engine.optimizer.state.clear()
+    close = getattr(engine.optimizer, "close", None)  # the host optimizer: its worker thread and hooks
+    if callable(close):
+        close()
     engine.module.to_empty(device="meta")
 
 

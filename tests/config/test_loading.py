@@ -126,3 +126,13 @@ def test_twin_flow_share_can_be_given_as_gpu_ratio() -> None:
         load_config(offload(gpu_ratio=0.25, ratio=0.5))
     with pytest.raises(ConfigError, match=r"gpu_ratio = 1.5 is not allowed"):
         load_config(offload(gpu_ratio=1.5))
+
+
+def test_a_loaded_config_loads_again_as_it_is_with_every_field_set() -> None:
+    # A Config built from a full dump (memory plans, planner variants) sets device = "auto"
+    # explicitly: hybridtrain's own value (detect the device), not DeepSpeed's placeholder.
+    full = ht.Config.model_validate(load_config({"train_micro_batch_size_per_gpu": 2}).model_dump())
+    assert full.device == "auto"
+    assert load_config(full) == full
+    assert load_config(full, ["device=cpu", "train.steps=3"]).model_dump() == {
+        **full.model_dump(), "device": "cpu", "train": {**full.model_dump()["train"], "steps": 3}}

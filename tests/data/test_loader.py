@@ -71,7 +71,8 @@ def test_bad_token_files_are_one_line(tmp_path: Path) -> None:
     np.save(tmp_path / "float.npy", np.array([1.0, 2.0]))
     np.save(tmp_path / "two.npy", np.zeros((2, 2), dtype=np.int64))
     torch.save(torch.tensor([4, -1, 2]), tmp_path / "neg.pt")
+    (tmp_path / "empty.bin").write_bytes(b"")
     for name, needle in (("neg.npy", "negative token ids (the smallest is -3)"), ("float.npy", "float64 values"),
-                         ("two.npy", "2-D array"), ("neg.pt", "the smallest is -1")):
+                         ("two.npy", "2-D array"), ("neg.pt", "the smallest is -1"), ("empty.bin", "is empty")):
         with pytest.raises(ValueError, match=re.escape(needle)):
             load_tokens(tmp_path / name)

@@ -1,6 +1,6 @@
 """Activation swapping: what travels, how far prefetch runs ahead, which blocks are
-wrapped, refusals; on CUDA the peak-memory cut. Equivalence is in the shared suite
-(``swap*`` and ``cpu_checkpointing*`` modes)."""
+wrapped, refusals, what stays after forward (exact live bytes); on CUDA the peak-memory
+cut. Equivalence is in the shared suite (``swap*`` and ``cpu_checkpointing*`` modes)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import hybridtrain as ht
 from hybridtrain.config import ConfigError
 from hybridtrain.models.gpt import GPT, GPTConfig, causal_lm_loss
 from hybridtrain.runtime.activation_offload import ActivationSwapper, apply_activation_offload
+from hybridtrain.runtime.memory_limit import LiveTensorBytes, tensors_alive
 
 CFG = GPTConfig(n_layer=4, n_head=2, d_model=32, seq_len=16, vocab_size=64)
 
@@ -117,3 +118,40 @@ def test_cuda_result_equals_cpu_result() -> None:
         grads.append({n: p.grad.cpu() for n, p in model.named_parameters()})
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-5)
+
+
+def _mlp_blocks() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(4)])
+
+
+def _device_bytes_after_forward(model: torch.nn.Module, swapper: ActivationSwapper | None) -> int:
+    """Live bytes once the forward returned, less the host copies: on the CPU the "host"
+    is the device too, so what is swapped out counts once as a copy, here taken away."""
+    x = torch.randn(32, 64)
+    gc.collect()
+    with LiveTensorBytes(ignore=tensors_alive()) as live:
+        if swapper is None:
+            with torch.no_grad():
+                out = model(x)
+        else:
+            out = model(x)
+        kept = live.current_bytes - (swapper.stats.bytes_out if swapper else 0)
+    if swapper is not None:
+        out.sum().backward()  # the swapped graph is whole
+        assert swapper.stats.bytes_in == swapper.stats.bytes_out
+    return kept
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_swapped_tensors_leave_the_device_when_the_forward_ends(recompute: bool) -> None:
+    model = _mlp_blocks()
+    # A forward without grad keeps only the parameters, the input and the output.
+    nothing_saved = _device_bytes_after_forward(model, None)
+    blocks = list(model)
+    swapper = apply_activation_offload(blocks, torch.device("cpu"), recompute=blocks if recompute else (),
+                                       pin_memory=False, min_bytes=0)
+    # Swapped, nothing saved for backward stays either (checkpointed: the block inputs,
+    # the only tensors saved, are the ones that travel).
+    assert _device_bytes_after_forward(model, swapper) == nothing_saved
+    assert swapper.stats.bytes_out > 0

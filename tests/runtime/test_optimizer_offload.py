@@ -5,6 +5,8 @@ loop is in the shared suite (``offload_*`` modes)."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -332,3 +334,28 @@ def test_fp16_at_stage_0_resumes_exactly_without_a_second_wrapper_step(placement
     # The checkpoint's counts (wrapper step + 2 steps) replaced the new engine's own wrapper step.
     counts = {int(s["step"]) for s in resumed.optimizer.state_dict()["state"].values()}
     assert {int(s["step"]) for s in first.optimizer.state_dict()["state"].values()} == {3} and counts == {5}
+
+
+def test_a_dropped_engine_is_freed_while_its_model_lives_on() -> None:
+    # OOM recovery rebuilds the engine around the same model: the gradient hooks left on
+    # its parameters must not keep the old optimizer (its host masters and state) alive.
+    engine = _engine()
+    _backward(engine)
+    engine.step()
+    model, gone = engine.module, weakref.ref(engine.optimizer)
+    del engine
+    gc.collect()
+    assert gone() is None
+    # the hooks left behind do nothing: training the model on goes on
+    batch = CASE.batches(1)[0]
+    CASE.loss_fn(model(batch[0]), batch).backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_close_removes_the_gradient_hooks() -> None:
+    engine = _engine()
+    engine.optimizer.close()
+    # an open optimizer lands each bucket as its gradients arrive and frees them (first test)
+    batch = CASE.batches(1)[0]
+    CASE.loss_fn(engine.module(batch[0]), batch).backward()
+    assert all(p.grad is not None for p in engine.module.parameters())
