@@ -179,6 +179,9 @@ def run_training(cfg: Config, resume: bool | str = False, progress: bool = True,
         telemetry.open_monitors(engine.parallel.is_writer, engine.options.batch.global_batch, start,
                                 cfg.model_dump())
         telemetry.started(start, restarts)
+        if start >= cfg.train.steps and engine.parallel.is_writer:
+            print(f"resume: the run is already at step {start} of train.steps = {cfg.train.steps}; nothing to "
+                  "train (raise --steps to continue it)", file=sys.stderr)
         try:
             summary = _loop(engine, cfg, data, metrics, start, progress, telemetry, rates, restarts)
         except RuntimeError as exc:  # a dead or stuck peer: one line naming it, not gloo's words

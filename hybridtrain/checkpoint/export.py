@@ -87,6 +87,7 @@ def export(path: str | Path, out: str | Path, config: str | Path | None = None) 
     # safetensors refuses tensors that share memory; each entry here was read on its own.
     save_file({k: v.contiguous() for k, v in state.items()}, str(target),
               metadata={"format": "pt", "step": str(meta.get("step", ""))})
+    target.chmod(0o644)  # safetensors creates it owner-only; an exported model is meant to be shared
     if cfg is not None:
         (out / "hybridtrain_config.json").write_text(json.dumps(cfg, indent=1))
     return target

@@ -309,9 +309,9 @@ def _deepspeed_optimizer_rules(raw: dict[str, Any], applied: list[Applied], wrap
     if isinstance(params, dict) and FP16_INIT_STEP not in params:
         params[FP16_INIT_STEP] = True
         applied.append(Applied(f"optimizer.params.{FP16_INIT_STEP}", "implemented",
-                               "true: at ZeRO stage 0 DeepSpeed's fp16 wrapper (fp16, or bf16 unless pipelined) "
-                               "steps the optimizer once with zero gradients when it is built (Adam: the step "
-                               "count starts at 1, weight decay acts once)"))
+                               "added, true: at ZeRO stage 0 DeepSpeed's fp16 wrapper (fp16, or bf16 unless "
+                               "pipelined) steps the optimizer once with zero gradients when it is built (its "
+                               "step count starts at 1, weight decay acts once); set it false to skip that"))
     return refusals
 
 

@@ -23,8 +23,9 @@ def add_profile_command(sub: Any) -> None:
     parser.add_argument("config", nargs="?", help="JSON/YAML config (DeepSpeed keys accepted); defaults when omitted")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. --set model.overrides.n_layer=4 (repeatable)")
-    parser.add_argument("--steps", type=int, default=3, metavar="N",
-                        help="steps to run, at least 2: one counted, N-1 timed (default 3)")
+    parser.add_argument("--steps", type=int, default=5, metavar="N",
+                        help="steps to run, at least 2: one counted, N-1 timed (default 5; the first timed step "
+                             "also carries the profiler's start-up, so fewer steps overstate the step time)")
     parser.add_argument("-o", "--output-dir", metavar="DIR",
                         help="where profile.json, trace.json and memory.png go (default: <train.output_dir>/profile)")
     parser.add_argument("--json", action="store_true", help="print profile.json instead of the table")
