@@ -181,5 +181,9 @@ def write_config(config: Any, path: Path) -> None:
     import yaml
 
     data = config.model_dump(mode="json", exclude_defaults=True)
+    # What the plan trains is spelled out even where it is a default, so the file still
+    # means the same model and optimizer if a default changes.
+    full = config.model_dump(mode="json")
+    data = {**data, **{key: full[key] for key in ("model", "optimizer")}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
