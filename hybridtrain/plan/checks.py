@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from hybridtrain.config.loading import ConfigError
+from hybridtrain.config.loading import ConfigError, resolve_batch_sizes
 from hybridtrain.config.schema import MULTI_STAGE_SCHEDULES, Config
 from hybridtrain.parallel.mesh import resolve_sizes
 
@@ -142,7 +142,8 @@ def _check_model_parallel(cfg: Config, dp: int, tp: int, pp: int) -> None:
     if section.micro_batches is not None and accum is not None and accum != section.micro_batches:
         raise ConfigError(f"pipeline.micro_batches={section.micro_batches} but gradient_accumulation_steps="
                           f"{accum}; under a pipeline they are the same setting, set only one")
-    micro = section.micro_batches or accum or 1
+    # Accumulation may be implied by the two other batch sizes; the schedule sees that value.
+    micro = section.micro_batches or accum or resolve_batch_sizes(cfg, dp).accumulation_steps
     interleaved = section.schedule in MULTI_STAGE_SCHEDULES
     if section.virtual_stages > 1 and not interleaved:
         raise ConfigError(f"pipeline.virtual_stages={section.virtual_stages} needs schedule interleaved_1f1b "
