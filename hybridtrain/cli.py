@@ -8,15 +8,35 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import re
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from hybridtrain import __version__
 
 
+class CommandParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` that takes a value written after its option with a space
+    and a leading minus (``--device-memory -5GB``, ``--margin -1e-3``) as that option's
+    value, as ``--device-memory=-5GB`` is taken.
+
+    Plain argparse reads only ``-5`` and ``-.5`` that way and calls ``-5GB`` or ``-1e-3``
+    an unknown option ("expected one argument"; CPython issues 105712 and 123945 widen it
+    to numbers only). No hybridtrain option is named like ``-<digit>``, so a word that
+    starts with ``-`` and a digit is always a value. Sub-command parsers are of this class
+    too (``add_subparsers`` makes them of the parent's class).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the top-level parser with every sub-command."""
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="hybridtrain",
         description="Train PyTorch models larger than one GPU's memory, and tune them.",
     )
@@ -56,9 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hybridtrain`` console script; returns the exit code."""
     _show_info_lines()
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    code: int = args.func(args)
+    try:
+        parser = build_parser()  # imports torch: seconds in which a Ctrl-C lands here
+        args = parser.parse_args(argv)
+        code: int = args.func(args)
+    except KeyboardInterrupt:
+        # A Ctrl-C no command caught (start-up, or a command without its own handling) is
+        # one line, not a traceback; under torchrun rank 0 says it for the run.
+        if os.environ.get("RANK", "0") == "0":
+            print("interrupted: stopped by Ctrl-C", file=sys.stderr, flush=True)
+        return 130
     return code
 
 

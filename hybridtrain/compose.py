@@ -4,6 +4,8 @@ shadow the ``hybridtrain.initialize`` function.)"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -15,6 +17,7 @@ from hybridtrain.planner.auto import planned_config
 from hybridtrain.runtime.batch import Batch, LossFn
 from hybridtrain.runtime.memory_limit import cap_cuda_memory
 from hybridtrain.runtime.oom_recovery import check_plain_initialize
+from hybridtrain.runtime.optim import FP16_INIT_STEP, zero_grad_step
 
 
 def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: LossFn | None = None,
@@ -27,7 +30,11 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
         loss_fn: ``loss_fn(outputs, batch) -> loss``; without it the output's ``.loss`` or a
             scalar output is the loss.
         optimizer: an optimizer over ``model``'s parameters; built from ``config.optimizer``
-            when absent.
+            when absent. Where the config asks for DeepSpeed's fp16-wrapper step
+            (``optimizer.params.fp16_init_step: true``, which the DeepSpeed key treatments add
+            to a DeepSpeed ``optimizer`` section at ZeRO stage 0 with fp16, or bf16 unless
+            pipelined), it takes that step as the config's own optimizer would; otherwise it
+            trains with plain PyTorch math.
         example_batch: one batch shaped like those ``train_batch`` receives. Pipeline
             parallel needs it (the model is split into stages here, from one traced forward);
             layer streaming uses it to find parameters used outside their block.
@@ -47,4 +54,30 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
     check_plain_initialize(plan.config, plan.device)
     if plan.config.device_memory_limit is not None:  # CUDA here: the CPU count needs a guard
         cap_cuda_memory(plan.config.device_memory_limit, plan.device)
-    return build(plan, model, loss_fn, optimizer, example_batch)
+    given = hyperparameters(optimizer) if optimizer is not None else []
+    engine = build(plan, model, loss_fn, optimizer, example_batch)
+    if optimizer is not None and plan.config.optimizer.params.get(FP16_INIT_STEP) is True:
+        # The config's optimizer takes this step when built (runtime.optim.build_optimizer); a
+        # caller's gets the same, so a config trains alike whoever built its optimizer.
+        deepspeed_wrapper_step(engine.optimizer, given)
+    return engine
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each parameter group's settings (``lr``, ``weight_decay`` …), without its parameters."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def deepspeed_wrapper_step(optimizer: torch.optim.Optimizer, given: list[dict[str, Any]]) -> None:
+    """DeepSpeed's fp16-wrapper step (one ``step()`` with zero gradients,
+    :func:`~hybridtrain.runtime.optim.zero_grad_step`) on a caller's optimizer once the
+    engine placed it (its state lives where its parameters do), with the settings ``given``
+    before ``initialize``: DeepSpeed takes it before it builds the config's LR schedule,
+    which has already set its first rate here (a warm-up from 0 would hide the weight
+    decay). The schedule's rates are back in place afterwards."""
+    scheduled = hyperparameters(optimizer)
+    for group, before in zip(optimizer.param_groups, given, strict=True):
+        group.update(before)
+    zero_grad_step(optimizer)
+    for group, now in zip(optimizer.param_groups, scheduled, strict=True):
+        group.update(now)

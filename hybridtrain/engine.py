@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +85,10 @@ class Engine:
         module: the user's model (on ``device``; same parameter names as given).
         optimizer / scheduler / scaler: the step's parts (scheduler and scaler may be None).
         global_step: ``train_batch`` calls (and manual accumulation boundaries) so far.
+        micro_batch_done: when set, ``train_batch`` calls it with ``(done, of)`` after each
+            micro-batch's backward, so a step of hundreds of micro-batches can show its
+            progress (``hybridtrain train``'s progress bar does). The default runner only:
+            layer-major streaming and pipeline schedules interleave the micro-batches.
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer,
@@ -98,6 +102,7 @@ class Engine:
         self.options = options
         self.device = options.device
         self.global_step = 0
+        self.micro_batch_done: Callable[[int, int], None] | None = None
         self.last_timings = StepTimings()
         # Everything that differs when several processes cooperate goes through this object.
         self.parallel = options.parallel or ParallelRuntime(module)
@@ -123,8 +128,9 @@ class Engine:
         self.module.train()
         micro_batches = split_batch(batch, self.options.batch.accumulation_steps)
         self.optimizer.zero_grad(set_to_none=True)
-        step = StepContext(self._micro_loss, self._scaled_backward, 1.0 / len(micro_batches), self.loss_scale,
-                           self._timed)
+        backward = self._scaled_backward if self.micro_batch_done is None else \
+            _counted(self._scaled_backward, self.micro_batch_done, len(micro_batches))
+        step = StepContext(self._micro_loss, backward, 1.0 / len(micro_batches), self.loss_scale, self._timed)
         # wall_clock_breakdown: the parts of this step, transfers and collectives included.
         with PartClock().running() if self.options.wall_clock_breakdown else nullcontext() as clock:
             total = self.runner.forward_backward(micro_batches, step)
@@ -353,3 +359,16 @@ class Engine:
         if problems:
             raise ckpt.CheckpointError(f"checkpoint {path} does not match this run: " + "; ".join(problems))
 
+
+def _counted(backward: Callable[[torch.Tensor, bool], None], report: Callable[[int, int], None],
+             of: int) -> Callable[[torch.Tensor, bool], None]:
+    """``backward`` that reports ``(done, of)`` after each call (:attr:`Engine.micro_batch_done`)."""
+    done = 0
+
+    def counted(loss: torch.Tensor, final: bool) -> None:
+        nonlocal done
+        backward(loss, final)
+        done += 1
+        report(done, of)
+
+    return counted

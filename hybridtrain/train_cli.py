@@ -6,7 +6,10 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hybridtrain.trainer import TrainSummary
 
 
 def add_train_command(sub: Any) -> None:
@@ -79,17 +82,32 @@ def _train(args: argparse.Namespace) -> int:
         return 130 if summary.interrupted else 0
     first = f"{summary.first_loss:.4f}" if summary.first_loss is not None else "-"
     last = f"{summary.last_loss:.4f}" if summary.last_loss is not None else "-"
-    print(f"summary: steps {summary.start_step}→{summary.steps}, loss {first} → {last}, "
-          f"{summary.tokens_per_s:,.0f} tokens/s, peak memory {summary.peak_memory_bytes / 2**30:.2f} GiB, "
-          f"skipped steps {summary.skipped_steps}")
+    # Stopped by a signal: its line on stderr said so when it came; here how it ended.
+    stopped = " (stopped early; its checkpoint is saved)" if summary.interrupted else ""
+    print(f"summary: steps {summary.start_step}→{summary.steps}{stopped}, loss {first} → {last}, "
+          f"{summary.tokens_per_s:,.0f} tokens/s, {memory_words(summary)}, skipped steps {summary.skipped_steps}")
     final = [f"loss={summary.last_loss}"] if summary.last_loss is not None else []
     if summary.eval_loss is not None:
         final.append(f"eval_loss={summary.eval_loss}")
     print(" ".join(final), flush=True)
-    if summary.interrupted:
-        print(f"interrupted: saved a checkpoint at step {summary.steps}; continue with --resume", file=sys.stderr)
-        return 130
-    return 0
+    return 130 if summary.interrupted else 0
+
+
+def memory_words(summary: TrainSummary) -> str:
+    """The summary's memory figures, each saying what it measures. On CPU the peak is the
+    process's resident set size, while ``device_memory_limit`` counts live tensor bytes:
+    side by side without words, a user would take the limit for broken."""
+    from hybridtrain.runtime.memory_limit import format_bytes
+
+    limit = summary.device_memory_limit
+    if summary.device.startswith("cuda"):
+        under = f", device_memory_limit {format_bytes(limit)}" if limit is not None else ""
+        return f"peak memory {summary.peak_memory_bytes / 2**30:.2f} GiB (allocated{under})"
+    words = f"peak memory {summary.peak_memory_bytes / 2**30:.2f} GiB (process RSS)"
+    if limit is not None and summary.peak_tensor_bytes is not None:
+        words += (f", device_memory_limit {format_bytes(limit)} counts live tensor bytes: peak "
+                  f"{format_bytes(summary.peak_tensor_bytes)}")
+    return words
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:

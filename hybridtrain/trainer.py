@@ -3,7 +3,8 @@ run the engine, print and log metrics, checkpoint periodically, resume exactly.
 
 Checkpoints are ``<output_dir>/checkpoints/step-NNNNNNN`` directories; each appears by an
 atomic rename, so the newest one present is complete. SIGTERM or Ctrl-C finishes the
-current step, saves a checkpoint and exits, so a preempted run loses nothing.
+current step, saves a checkpoint and exits, so a preempted run loses nothing
+(:mod:`hybridtrain.stopping`).
 """
 
 from __future__ import annotations
@@ -11,18 +12,15 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import os
 import shutil
-import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
@@ -55,6 +53,7 @@ from hybridtrain.runtime.device import peak_memory_bytes, reset_peak_memory, res
 from hybridtrain.runtime.memory_plans import check_limit_reachable, planner_fallback
 from hybridtrain.runtime.oom_recovery import MemoryGuard
 from hybridtrain.runtime.transfer import available_host_bytes
+from hybridtrain.stopping import StopRequest, on_any_rank
 
 CHECKPOINTS = "checkpoints"
 logger = logging.getLogger(__name__)
@@ -62,7 +61,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class TrainSummary:
-    """What a run did; also written to ``<output_dir>/summary.json``."""
+    """What a run did; also written to ``<output_dir>/summary.json``.
+
+    ``peak_memory_bytes`` is the CUDA allocator's peak of allocated bytes, or on CPU the
+    process's peak resident set size (everything it touched: Python, torch's libraries,
+    the data set). A CPU ``device_memory_limit`` is checked against live tensor bytes
+    instead: their peak is ``peak_tensor_bytes`` (None without such a limit).
+    """
 
     steps: int
     start_step: int
@@ -74,54 +79,15 @@ class TrainSummary:
     skipped_steps: int
     interrupted: bool
     checkpoints: list[str] = field(default_factory=list)
+    device: str = "cpu"
+    device_memory_limit: int | None = None
+    peak_tensor_bytes: int | None = None
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     """The newest complete checkpoint under ``output_dir`` (commit marker present, every
     file there with its size: :func:`hybridtrain.checkpoint.latest_complete`), if any."""
     return ckpt.latest_complete(Path(output_dir) / CHECKPOINTS)
-
-
-class _StopRequest:
-    """Turns SIGTERM/SIGINT into a flag checked between steps (a second Ctrl-C aborts).
-
-    Under torchrun a worker also stops when its launcher is gone (``kill -9`` of
-    ``hybridtrain train``, which cannot pass on a signal): it would otherwise train on as an
-    orphan, and a relaunch would write into the same run beside it.
-    """
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: dict[int, Any] = {}
-        self._launcher: int | None = None
-
-    def __enter__(self) -> _StopRequest:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        if "TORCHELASTIC_RUN_ID" in os.environ:
-            self._launcher = os.getppid()
-        return self
-
-    def should_stop(self) -> bool:
-        """Whether a signal asked to stop, or the launcher that started this worker died."""
-        if not self.requested and self._launcher is not None and os.getppid() != self._launcher:
-            self.requested = True
-            if os.environ.get("RANK", "0") == "0":
-                print(f"the launcher (pid {self._launcher}) is gone: stopping after this step and saving a "
-                      "checkpoint", file=sys.stderr, flush=True)
-        return self.requested
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.requested = True
-        if os.environ.get("RANK", "0") == "0":  # one line for the run, not one per rank
-            print(f"{signal.Signals(signum).name}: stopping after this step and saving a checkpoint",
-                  file=sys.stderr, flush=True)
 
 
 def run_training(cfg: Config, resume: bool | str = False, progress: bool = True,
@@ -342,24 +308,30 @@ def _loop(engine: Engine, cfg: Config, data: TokenBatches, metrics: MetricsLog |
     reset_peak_memory(engine.device)
     bar = tqdm(total=cfg.train.steps, initial=start, file=sys.stderr, dynamic_ncols=True,
                disable=not (writer and progress and sys.stderr.isatty()), unit="step")
+    postfix: dict[str, str] = {}  # the last step's loss, tokens/s and memory
+    micro = None if bar.disable or engine.options.batch.accumulation_steps == 1 else _micro_progress(bar, postfix)
     first: float | None = None
     last: float | None = None
     eval_loss: float | None = None
     saved: list[str] = []
     elapsed, step, stopping = 0.0, start, False
+    tensor_peak: int | None = None  # live tensor bytes, on CPU under device_memory_limit
     # The guard enforces device_memory_limit and, with oom_recovery, may switch to another
     # plan's engine (the planner's choice; the model rebuilt from the config) to rerun a step
     # that ran out of memory.
     profiler = ScheduledProfile(cfg, writer)  # DeepSpeed's flops_profiler at its profile_step
-    with _StopRequest() as stop, MemoryGuard(engine, cfg, lambda c: data_and_model(c)[1],
+    with StopRequest() as stop, MemoryGuard(engine, cfg, lambda c: data_and_model(c)[1],
                                              untracked=(data.train_tokens, data.val_tokens),
                                              replan=planner_fallback) as guard:
         for step in range(start + 1, cfg.train.steps + 1):
+            engine.micro_batch_done = micro  # each step's engine: out-of-memory recovery may switch it
             t0 = time.perf_counter()
             batch = engine.local_batch(data.train_batch(step - 1, global_batch))
             t_data = time.perf_counter() - t0
             last = profiler.train_batch(engine, batch, guard.train_batch)
             engine = guard.engine
+            if guard.live is not None:  # the count the limit is checked against, its peak in this step
+                tensor_peak = max(tensor_peak or 0, guard.live.peak_bytes)
             dt = time.perf_counter() - t0
             elapsed += dt
             first = last if first is None else first
@@ -371,9 +343,10 @@ def _loop(engine: Engine, cfg: Config, data: TokenBatches, metrics: MetricsLog |
             if metrics is not None:
                 metrics.write(record)
             telemetry.publish(record)
+            postfix.update(loss=f"{last:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                           mem=f"{record['peak_memory_bytes'] / 2**30:.2f}GiB")
+            bar.set_postfix(postfix, refresh=False)
             bar.update(1)
-            bar.set_postfix(loss=f"{last:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                            mem=f"{record['peak_memory_bytes'] / 2**30:.2f}GiB")
             if writer and (step % cfg.steps_per_print == 0 or step == cfg.train.steps):
                 print(" ".join(f"{k}={_fmt(v)}" for k, v in record.items() if k not in _NOT_PRINTED), flush=True)
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 or step == cfg.train.steps:
@@ -385,7 +358,7 @@ def _loop(engine: Engine, cfg: Config, data: TokenBatches, metrics: MetricsLog |
             boundary = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0
             # Ranks see a signal at different moments: they agree after every step, so all
             # of them save the same step (a rank saving alone would wait for the others).
-            stopping = _on_any_rank(stop.should_stop(), engine.device)
+            stopping = on_any_rank(stop.should_stop(), engine.device)
             if boundary or step == cfg.train.steps or stopping:
                 t_save = time.perf_counter()
                 try:
@@ -415,25 +388,31 @@ def _loop(engine: Engine, cfg: Config, data: TokenBatches, metrics: MetricsLog |
         steps=step, start_step=start, first_loss=first, last_loss=last, eval_loss=eval_loss,
         tokens_per_s=tokens_per_step * done / elapsed if elapsed else 0.0,
         peak_memory_bytes=peak_memory_bytes(engine.device), skipped_steps=engine.skipped_steps,
-        interrupted=interrupted, checkpoints=saved,
+        interrupted=interrupted, checkpoints=saved, device=str(engine.device),
+        device_memory_limit=cfg.device_memory_limit, peak_tensor_bytes=tensor_peak,
     )
     if writer:
         Path(cfg.train.output_dir, "summary.json").write_text(json.dumps(summary.__dict__, indent=1))
     return summary
 
 
+def _micro_progress(bar: tqdm, postfix: dict[str, str]) -> Callable[[int, int], None]:
+    """Shows a step's micro-batches in the bar (``micro=37/512``), at most twice a second:
+    a step of hundreds of them would otherwise show nothing for minutes."""
+    shown = 0.0
+
+    def show(done: int, of: int) -> None:
+        nonlocal shown
+        if time.monotonic() - shown >= 0.5:
+            shown = time.monotonic()
+            bar.set_postfix(postfix, micro=f"{done}/{of}")
+
+    return show
+
+
 _NOT_PRINTED = frozenset({"samples_per_s", "step_time_s", "data_s", "memory_allocated_bytes",
                           "memory_reserved_bytes", "alloc_retries", "ooms", "pinned_host_bytes", "restarts"})
 """Record fields left out of the printed ``step=…`` line (they stay in metrics.jsonl)."""
-
-
-def _on_any_rank(flag: bool, device: torch.device) -> bool:
-    """Whether ``flag`` is set on any rank (itself alone in one process)."""
-    if not dist.is_initialized():
-        return flag
-    value = torch.tensor([float(flag)], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
 
 
 def _step_record(engine: Engine, step: int, loss: float, tokens_per_s: float) -> dict[str, Any]:

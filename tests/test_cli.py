@@ -78,11 +78,15 @@ def test_sigterm_saves_a_checkpoint_and_resume_finishes(tmp_path: Path) -> None:
     while time.time() < deadline and not (out / "metrics.jsonl").exists():
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=90)
+    stdout, err = proc.communicate(timeout=90)
     assert proc.returncode == 130, err
     saved = sorted((out / "checkpoints").glob("step-*"))
     assert saved, err
     step = int(saved[-1].name.split("-")[1])
+    # One line about the stop, when it came; how the run ended is in the summary.
+    assert [line for line in err.splitlines() if not line.startswith("info:")] == [
+        "SIGTERM: stopping after this step and saving a checkpoint (continue with --resume)"], err
+    assert f"summary: steps 0→{step} (stopped early; its checkpoint is saved)" in stdout
     resumed = _cli("train", str(EXAMPLE), "--steps", str(step + 2), "--output-dir", str(out), "--resume",
                    "--set", "train.eval_batches=1")
     assert resumed.returncode == 0, resumed.stderr
@@ -189,3 +193,82 @@ def test_a_nan_loss_stops_in_one_line_naming_the_step(tmp_path: Path, capsys: py
     code, lines = _main(capsys, "train", *TINY, "--steps", "4", "--output-dir", str(tmp_path),
                         "--set", "optimizer.params.lr=1e20", "--set", "gradient_clipping=0")
     assert code == 1 and len(lines) == 1 and "error: loss is nan at step 2" in lines[0], lines
+
+
+@pytest.mark.parametrize(("rank", "said"), [(None, ["interrupted: stopped by Ctrl-C"]), ("0", ["interrupted: stopped by Ctrl-C"]),
+                                            ("1", [])])
+def test_ctrl_c_while_starting_is_one_line_and_exit_130(rank: str | None, said: list[str],
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    # The parser imports torch (seconds): a Ctrl-C then, or in a command that does not
+    # catch it, was a traceback. Under torchrun rank 0 says it for the run.
+    import hybridtrain.cli
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hybridtrain.cli, "build_parser", interrupted)
+    if rank is None:
+        monkeypatch.delenv("RANK", raising=False)
+    else:
+        monkeypatch.setenv("RANK", rank)
+    code, lines = _main(capsys, "train")
+    assert code == 130 and lines == said
+
+
+# Every option whose value may start with a minus and a digit but is not a plain number
+# (argparse's own exception): sizes ("-5GB", refused then in one line naming the option)
+# and numbers in scientific notation. The other options take integers, names or paths.
+SPACED_VALUES = [
+    ("estimate c.yaml --device-memory -5GB", "estimate c.yaml --device-memory=-5GB"),
+    ("estimate c.yaml --host-memory -5GB --json", "estimate c.yaml --host-memory=-5GB --json"),
+    ("plan c.yaml --device-memory -1e9 --margin -1e-3", "plan c.yaml --device-memory=-1e9 --margin=-1e-3"),
+]
+
+
+@pytest.mark.parametrize(("spaced", "joined"), SPACED_VALUES, ids=[s for s, _ in SPACED_VALUES])
+def test_a_value_with_a_leading_minus_parses_after_a_space_as_after_equals(spaced: str, joined: str) -> None:
+    from hybridtrain.cli import build_parser
+
+    parser = build_parser()
+    assert vars(parser.parse_args(spaced.split())) == vars(parser.parse_args(joined.split()))
+
+
+def test_a_launched_scripts_own_arguments_stay_its_own() -> None:
+    from hybridtrain.cli import build_parser
+
+    args = build_parser().parse_args(["launch", "--nproc-per-node", "2", "train.py", "--lr", "-1e-3", "-5GB", "--x"])
+    assert args.script == "train.py" and args.script_args == ["--lr", "-1e-3", "-5GB", "--x"]
+
+
+def test_the_summary_says_what_each_memory_figure_measures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # On CPU the peak is the process's RSS (hundreds of MiB of torch) while the limit counts
+    # live tensor bytes: the summary names both, and prints the peak the limit was checked against.
+    import logging
+
+    from hybridtrain.cli import main
+    from hybridtrain.train_cli import memory_words
+    from hybridtrain.trainer import TrainSummary
+
+    before = list(logging.getLogger("hybridtrain").handlers)
+    try:
+        assert main(["train", *TINY, "--steps", "2", "--output-dir", str(tmp_path),
+                     "--set", "device_memory_limit=40MB"]) == 0
+    finally:
+        for handler in set(logging.getLogger("hybridtrain").handlers) - set(before):
+            logging.getLogger("hybridtrain").removeHandler(handler)
+    printed = capsys.readouterr().out
+    summary = TrainSummary(**json.loads((tmp_path / "summary.json").read_text()))
+    assert f"{memory_words(summary)}, skipped steps 0" in printed, printed
+    assert summary.device_memory_limit == 40 * 10**6
+    assert summary.peak_tensor_bytes is not None and 0 < summary.peak_tensor_bytes <= 40 * 10**6
+    assert summary.peak_memory_bytes > summary.device_memory_limit  # RSS: not what the limit counts
+    words = memory_words(summary)
+    assert words.startswith("peak memory ") and words.endswith(
+        f"GiB (process RSS), device_memory_limit 38.15 MiB counts live tensor bytes: peak "
+        f"{summary.peak_tensor_bytes / 2**20:.2f} MiB"), words
+    cuda = TrainSummary(**{**summary.__dict__, "device": "cuda:0", "peak_tensor_bytes": None,
+                           "peak_memory_bytes": 3 * 2**30, "device_memory_limit": 20 * 2**30})
+    assert memory_words(cuda) == "peak memory 3.00 GiB (allocated, device_memory_limit 20.00 GiB)"
+    plain = TrainSummary(**{**summary.__dict__, "device_memory_limit": None, "peak_tensor_bytes": None})
+    assert memory_words(plain).endswith("GiB (process RSS)")

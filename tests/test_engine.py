@@ -115,3 +115,116 @@ def test_forward_keeps_the_callers_mode() -> None:
     with torch.no_grad():
         assert torch.equal(engine(x), engine(x)), "eval mode: dropout off, deterministic"
     assert model.training is False
+
+
+def test_profile_writes_no_kineto_markers_but_passes_other_stderr_on(capfd: pytest.CaptureFixture[str],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # libkineto prints "USDT:… profiler_start" and "… profiler_stop" to file descriptor 2 on
+    # every trace (two lines per timed step); a real error written meanwhile must still show.
+    import os
+
+    start = torch.profiler.profile.start
+
+    def start_and_complain(self: torch.profiler.profile) -> None:
+        start(self)
+        os.write(2, b"E1123 a real error while the profiler starts\n")
+
+    monkeypatch.setattr(torch.profiler.profile, "start", start_and_complain)
+    engine = ht.initialize(MLPStack(), {"device": "cpu"}, loss_fn=mse)
+    capfd.readouterr()
+    engine.profile(_regression_batches(1)[0], steps=3)
+    err = capfd.readouterr().err
+    assert "profiler_start" not in err and "profiler_stop" not in err, err
+    assert err.count("E1123 a real error while the profiler starts\n") == 2, err
+
+
+def test_micro_batch_done_counts_each_micro_batch_and_leaves_the_math_alone() -> None:
+    case = model_cases()["sequential"]
+    torch.manual_seed(1234)
+    engine = ht.initialize(case.build(), engine_config(MODES["accum4"]), loss_fn=case.loss_fn)
+    calls: list[tuple[int, int]] = []
+    engine.micro_batch_done = lambda done, of: calls.append((done, of))
+    torch.manual_seed(1235)
+    losses = [engine.train_batch(batch) for batch in case.batches(2)]
+    assert calls == [(1, 4), (2, 4), (3, 4), (4, 4)] * 2
+    assert_same_training(plain_run(case, MODES["accum4"], steps=2), (losses, engine.model_state_dict()),
+                         rtol=1e-5, atol=1e-6)
+
+
+# DeepSpeed's fp16 wrapper steps the optimizer it holds once with zero gradients when built
+# (deepspeed/runtime/fp16/fused_optimizer.py, unfused_optimizer.py: initialize_optimizer_states),
+# a caller's too (runtime/engine.py _configure_optimizer), before the config's LR schedule is
+# built. The DeepSpeed key treatments mark a DeepSpeed optimizer section with
+# optimizer.params.fp16_init_step: a caller's optimizer given to hybridtrain.initialize follows
+# that mark; without it (a config written for hybridtrain) it trains with plain PyTorch math.
+LR, DECAY = 0.1, 0.1
+FP16 = {"device": "cpu", "train_micro_batch_size_per_gpu": 4, "fp16": {"enabled": True, "hysteresis": 1}}
+WARMUP = {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR}}}
+DEEPSPEED_OPTIMIZER = {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": DECAY}}}
+
+
+def _fp16_reference(wrapper_step: bool, model: torch.nn.Module, batches: list) -> None:
+    """The plain loop: AdamW (after DeepSpeed's zero-gradient step when asked), then
+    loss-scaled fp16 steps (torch's GradScaler with DeepSpeed's initial scale 2^16)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
+    if wrapper_step:
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    for x, y in batches:
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.mse_loss(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+
+CALLERS_OPTIMIZER_CASES = [
+    ({**FP16, **DEEPSPEED_OPTIMIZER}, True),  # a DeepSpeed file: its optimizer section is marked
+    (FP16, False),  # written for hybridtrain: no optimizer section, no mark
+    ({**FP16, "optimizer": {"type": "AdamW", "params": {"lr": LR, "fp16_init_step": False}}}, False),
+]
+CASE_IDS = ["deepspeed-file", "native", "turned-off"]
+
+
+def _callers_engine(config: dict, path) -> tuple[ht.Engine, torch.nn.Module, list[torch.Tensor]]:
+    import json
+
+    path.write_text(json.dumps(config))
+    torch.manual_seed(0)
+    model = MLPStack()
+    start = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
+    return ht.initialize(model, path, loss_fn=mse, optimizer=optimizer), model, start
+
+
+@pytest.mark.parametrize(("config", "wrapper_step"), CALLERS_OPTIMIZER_CASES, ids=CASE_IDS)
+def test_a_callers_optimizer_takes_the_wrapper_step_where_the_config_asks(config: dict, wrapper_step: bool,
+                                                                         tmp_path) -> None:
+    engine, model, _ = _callers_engine(config, tmp_path / "ds_config.json")
+    torch.manual_seed(0)
+    reference = MLPStack()
+    batches = [(x[:4], y[:4]) for x, y in _regression_batches(3)]
+    for batch in batches:
+        engine.train_batch(batch)
+    _fp16_reference(wrapper_step, reference, batches)
+    eps = torch.finfo(torch.float16).eps  # one fp16 rounding per step may differ
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine.detach(), theirs.detach(), rtol=3 * eps, atol=3 * LR * eps)
+
+
+@pytest.mark.parametrize(("config", "wrapper_step"), CALLERS_OPTIMIZER_CASES, ids=CASE_IDS)
+def test_the_wrapper_step_of_a_callers_optimizer_runs_at_its_own_rate(config: dict, wrapper_step: bool,
+                                                                     tmp_path) -> None:
+    # DeepSpeed steps before it builds the config's schedule: the warm-up's first rate (0)
+    # would hide the weight decay. The schedule's rate is back afterwards.
+    engine, model, start = _callers_engine({**config, **WARMUP}, tmp_path / "ds_config.json")
+    decayed = 1 - LR * DECAY if wrapper_step else 1.0
+    for p, p0 in zip(model.parameters(), start, strict=True):
+        torch.testing.assert_close(p.detach(), p0 * decayed, rtol=0, atol=0)
+    twin = MLPStack()
+    unstepped = ht.initialize(twin, {k: v for k, v in {**config, **WARMUP}.items() if k != "fp16"},
+                              optimizer=torch.optim.AdamW(twin.parameters(), lr=LR))
+    assert engine.get_lr() == unstepped.get_lr()

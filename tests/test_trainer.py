@@ -69,3 +69,24 @@ def test_a_resume_on_another_world_size_keeps_the_global_batch(world: str, given
     cfg = _same_global_batch(load_config(given), previous)
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == expected
     load_config(cfg)  # still a valid config
+
+
+def test_a_step_of_many_micro_batches_shows_them_in_the_progress_bar(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # 8 micro-batches per optimizer step: the bar says how far the step is (at most twice a
+    # second: the first micro-batch shows at once), not only when it ends.
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    cfg = load_config({"device": "cpu", "model": {"overrides": {"n_layer": 1}}, "data": {"seq_len": 16},
+                       "train_batch_size": 8, "train_micro_batch_size_per_gpu": 1,
+                       "train": {"steps": 2, "output_dir": str(tmp_path), "eval_batches": 1}})
+    run_training(cfg, progress=True)
+    shown = terminal.getvalue()
+    assert "micro=1/8" in shown and "loss=" in shown, shown[-2000:]

@@ -31,42 +31,23 @@ def build_engine(model: nn.Module, cfg: Config, wrapper_steps: bool, optimizer: 
         loss_fn / example_batch: as :func:`hybridtrain.initialize`.
     """
     import hybridtrain as ht
-    from hybridtrain.runtime.optim import build_optimizer
+    from hybridtrain.runtime.optim import FP16_INIT_STEP, build_optimizer
 
     client = optimizer is not None
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(params if params is not None else model.parameters())
     elif optimizer is None and params is not None and _custom_groups(params, model):
         optimizer = build_optimizer(params, cfg.optimizer.type, cfg.optimizer.params)
-    as_given = _hyperparameters(optimizer) if client else []
-    engine = ht.initialize(model, cfg, loss_fn=loss_fn, optimizer=optimizer, example_batch=example_batch)
-    if client and wrapper_steps:
+    if client and wrapper_steps and FP16_INIT_STEP not in cfg.optimizer.params:
         # DeepSpeed's fp16 wrapper holds a caller's optimizer too and steps it once with zero
-        # gradients (see fp16_wrapper_steps); the config's optimizer got that step when built.
-        _wrapper_step(engine.optimizer, as_given)
+        # gradients (see fp16_wrapper_steps); initialize takes that step where the config asks.
+        asked = {**cfg.optimizer.params, FP16_INIT_STEP: True}
+        cfg = cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"params": asked})})
+    engine = ht.initialize(model, cfg, loss_fn=loss_fn, optimizer=optimizer, example_batch=example_batch)
     if lr_scheduler is not None:
         engine.scheduler = lr_scheduler(engine.optimizer) if callable(lr_scheduler) and not hasattr(
             lr_scheduler, "step") else lr_scheduler
     return engine
-
-
-def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-
-
-def _wrapper_step(optimizer: torch.optim.Optimizer, as_given: list[dict[str, Any]]) -> None:
-    """DeepSpeed's fp16-wrapper step on a caller's optimizer, after the engine placed it
-    (its state lives where its parameters do), with the hyperparameters it was given:
-    DeepSpeed steps before it builds the config's LR schedule, which ``initialize``
-    here has already applied (a warm-up from 0 would otherwise hide the weight decay)."""
-    from hybridtrain.runtime.optim import zero_grad_step
-
-    scheduled = _hyperparameters(optimizer)
-    for group, given in zip(optimizer.param_groups, as_given, strict=True):
-        group.update(given)
-    zero_grad_step(optimizer)
-    for group, now in zip(optimizer.param_groups, scheduled, strict=True):
-        group.update(now)
 
 
 def _custom_groups(params: list[Any], model: nn.Module) -> bool:

@@ -175,7 +175,9 @@ def _launch(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m hybridtrain.parallel.launch_cli …`` = ``hybridtrain launch …``."""
-    parser = argparse.ArgumentParser(prog="hybridtrain")
+    from hybridtrain.cli import CommandParser
+
+    parser = CommandParser(prog="hybridtrain")
     add_launch_command(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["launch", *(argv if argv is not None else sys.argv[1:])])
     code: int = args.func(args)

@@ -16,6 +16,10 @@ its own steps (DeepSpeed's ``flops_profiler.profile_step``).
 from __future__ import annotations
 
 import json
+import os
+import re
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -118,6 +122,38 @@ class Profile:
         return format_profile(self)
 
 
+_KINETO_MARKER = re.compile(rb"^USDT:.*\] profiler_(start|stop)\s*$")
+"""The line libkineto's logger writes to stderr as a trace starts and as it stops."""
+
+
+@contextmanager
+def _without_kineto_markers() -> Iterator[None]:
+    """Drop libkineto's ``USDT: … profiler_start``/``profiler_stop`` lines, which it writes
+    to stderr (file descriptor 2, from C++) on every trace: its USDT level ranks above
+    ERROR, so ``KINETO_LOG_LEVEL`` cannot hide them without hiding errors. Everything else
+    written to stderr meanwhile (milliseconds: the profiler starting or stopping) follows
+    once it is done."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no stderr to filter
+        yield
+        return
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = b"".join(line for line in caught.read().splitlines(keepends=True)
+                            if not _KINETO_MARKER.match(line))
+            while kept:
+                kept = kept[os.write(2, kept):]
+
+
 @contextmanager
 def _module_labels(modules: list[tuple[str, str, nn.Module]]) -> Iterator[None]:
     """Label every module's forward for the profiler (``hybridtrain.module::NAME``)."""
@@ -172,11 +208,18 @@ class ProfileSession:
         if self.engine.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         modules = profiled_modules(self.model)
-        with torch.profiler.profile(activities=activities) as prof, _module_labels(modules), PartClock().running():
-            start = time.perf_counter()
-            with torch.profiler.record_function(STEP_LABEL):
-                loss = self.engine.train_batch(batch)
-            self._walls.append(time.perf_counter() - start)
+        prof = torch.profiler.profile(activities=activities)
+        with _without_kineto_markers():
+            prof.start()
+        try:
+            with _module_labels(modules), PartClock().running():
+                start = time.perf_counter()
+                with torch.profiler.record_function(STEP_LABEL):
+                    loss = self.engine.train_batch(batch)
+                self._walls.append(time.perf_counter() - start)
+        finally:
+            with _without_kineto_markers():
+                prof.stop()
         self._events.append(profiler_events(prof))
         self._traces.append(prof)
         return float(loss)
