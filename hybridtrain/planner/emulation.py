@@ -26,7 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils import flop_counter
+
+from hybridtrain.profiling.attention_flops import ATTENTION_FLOP_FORMULAS
 
 # Functions autocast runs in the low-precision dtype (CUDA's and CPU's lists agree on these).
 _LOW_PRECISION: set[Callable[..., Any]] = {
@@ -114,18 +115,10 @@ def _flash_attention(target: str, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return out
 
 
-# FlopCounterMode hands custom formulas the shapes of tensor arguments.
-def _sdpa_flops(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
-    return int(flop_counter.sdpa_flop_count(query, key, value))
-
-
-def _sdpa_backward_flops(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
-    return int(flop_counter.sdpa_backward_flop_count(grad_out, query, key, value))
-
-
 FLOP_FORMULAS = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_flops,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_backward_flops,
+    op: ATTENTION_FLOP_FORMULAS[op]
+    for op in (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+               torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
 }
 """FLOPs of the operators :class:`MetaAutocast` substitutes, for ``FlopCounterMode``."""
 

@@ -20,13 +20,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from torch.utils.module_tracker import ModuleTracker
 
 from hybridtrain.models.blocks import BlocksNotFoundError, find_block_lists
 from hybridtrain.parallel.gradient_sync import local
+from hybridtrain.profiling.attention_flops import ATTENTION_FLOP_FORMULAS
 from hybridtrain.profiling.memory import SavedTensorMeter
 from hybridtrain.runtime.layer_major import LayerMajorRunner
 from hybridtrain.runtime.memory_limit import LiveTensorBytes
@@ -104,15 +104,11 @@ def _raw(formula: Callable[..., int]) -> Callable[..., int]:
     return formula
 
 
-_aten = torch.ops.aten
 # torch's table has no entry for the CPU flash-attention kernels (F.scaled_dot_product_attention
-# on CPU), whose arguments start like the CUDA kernels': give them those formulas.
-EXTRA_FORMULAS: dict[Any, Callable[..., int]] = {
-    _aten._scaled_dot_product_flash_attention_for_cpu: _raw(flop_registry[_aten._scaled_dot_product_flash_attention]),
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward:
-        _raw(flop_registry[_aten._scaled_dot_product_flash_attention_backward]),
-}
-"""Flop formulas FlopCounterMode lacks, by op."""
+# on CPU), and before torch 2.13 its attention formulas refuse grouped key/value heads (Hugging
+# Face's Llama family): the attention kernels get formulas that handle both.
+EXTRA_FORMULAS: dict[Any, Callable[..., int]] = dict(ATTENTION_FLOP_FORMULAS)
+"""Flop formulas FlopCounterMode lacks or refuses, by op."""
 
 
 def _backward_only(counter: ModuleTracker) -> dict[Any, Any]:

@@ -27,7 +27,7 @@ import gc
 import re
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
 
@@ -121,6 +121,9 @@ class LiveTensorBytes:
         record_timeline: append ``(seconds since enter, live bytes)`` at every change.
         ignore: tensors whose storages never count (a data set or a snapshot that would be
             host memory on a GPU).
+        held: the tensors already alive that count at enter (say, an engine's parameters,
+            gradients and optimizer state); None: every tensor alive on ``device``, which in a
+            larger program also counts tensors the work under the limit never touches.
 
     Attributes:
         current_bytes: live now.
@@ -132,7 +135,8 @@ class LiveTensorBytes:
     """
 
     def __init__(self, device: str | torch.device = "cpu", limit_bytes: int | None = None,
-                 record_timeline: bool = False, *, ignore: Iterable[torch.Tensor] = ()) -> None:
+                 record_timeline: bool = False, *, ignore: Iterable[torch.Tensor] = (),
+                 held: Callable[[], Iterable[torch.Tensor]] | None = None) -> None:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -157,12 +161,13 @@ class LiveTensorBytes:
         self._storages: dict[int, tuple[int, weakref.finalize[Any, Any]]] = {}
         self._mode = _OpOutputs(self._observe)
         self._start = 0.0
+        self._held = held
 
     def __enter__(self) -> LiveTensorBytes:
         self._start = time.perf_counter()
         self.current_bytes = self.peak_bytes = 0
         self.timeline.clear()
-        for tensor in tensors_alive():
+        for tensor in tensors_alive() if self._held is None else self._held():
             storage = self._storage_of(tensor)
             if storage is not None and id(storage) not in self._storages and self._counts(storage):
                 self._track(storage, storage.nbytes())

@@ -28,7 +28,7 @@ from __future__ import annotations
 import gc
 import logging
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -324,7 +324,11 @@ class MemoryGuard:
     def _count(self, ignore: Sequence[torch.Tensor]) -> None:
         if not self._live_wanted(self.config):
             return
-        self._live = LiveTensorBytes(self.engine.device, self.config.device_memory_limit, ignore=ignore)
+        engine = self.engine
+        # At the start only the engine's own tensors count: in a larger program (a notebook,
+        # a test suite) other tensors alive in host memory are not this training's memory.
+        self._live = LiveTensorBytes(engine.device, self.config.device_memory_limit, ignore=ignore,
+                                     held=lambda: engine_tensors(engine))
         self._live.__enter__()
         self._live.counting = False  # only steps count: checkpoints and evaluations are host work
 
@@ -332,6 +336,18 @@ class MemoryGuard:
         if self._live is not None:
             self._live.__exit__(None, None, None)
             self._live = None
+
+
+def engine_tensors(engine: Engine) -> Iterator[torch.Tensor]:
+    """What an engine holds before a step: its model's parameters and buffers, their
+    gradients, and the optimizer's parameters (host masters included) and state."""
+    for tensor in (*engine.module.parameters(), *engine.module.buffers(),
+                   *(p for group in engine.optimizer.param_groups for p in group["params"])):
+        yield tensor
+        if tensor.grad is not None:
+            yield tensor.grad
+    for entry in engine.optimizer.state.values():
+        yield from (v for v in entry.values() if isinstance(v, torch.Tensor))
 
 
 def _release(engine: Engine) -> None:

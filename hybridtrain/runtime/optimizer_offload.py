@@ -139,14 +139,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         auto = [p for p in params if id(p) not in streamed_ids and id(p) not in on_device]
         plan = [(list(block), True) for block in streamed] + \
             [(chunk, False) for chunk in _chunks(list(reversed(auto)), bucket_numel)]
-        largest = max((sum(p.numel() for p in ps) for ps, _ in plan), default=0)
+        largest = max((sum(p.numel() * master_dtype(p).itemsize for p in ps) for ps, _ in plan), default=0)
         _check_host_memory(params, on_device, optimizer, lasting_grads or defer, _POOLED_BUFFERS * largest)
 
         self.buckets: list[Bucket] = []
         for bucket_params, is_streamed in plan:
             self.buckets.append(self._make_bucket(bucket_params, is_streamed, group_index))
         master_of = {id(p): m for b in self.buckets for p, m in zip(b.params, b.masters, strict=True)}
-        self._pool = transfer.HostBufferPool(largest, torch.float32, pin_memory, device, _POOLED_BUFFERS)
+        # Pooled buffers are bytes viewed as each bucket's master type (fp64 models keep fp64).
+        self._pool = transfer.HostBufferPool(largest, torch.uint8, pin_memory, device, _POOLED_BUFFERS)
 
         groups = []
         for g in optimizer.param_groups:
@@ -185,7 +186,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ construction
     def _make_bucket(self, params: list[nn.Parameter], streamed: bool, group_index: dict[int, int]) -> Bucket:
         numel = sum(p.numel() for p in params)
-        flat_master = transfer.host_buffer(numel, torch.float32, self.pin_memory, self.device)
+        dtype = _bucket_dtype(params)
+        flat_master = transfer.host_buffer(numel, dtype, self.pin_memory, self.device)
         bucket = Bucket(len(self.buckets), params, [], flat_master, streamed,
                         group_of=[group_index[id(p)] for p in params], has_grad=[False] * len(params))
         for p, view in zip(params, bucket.views(flat_master), strict=True):
@@ -262,7 +264,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # that must wait (summed later, or a deferred step) get the bucket's lasting one.
         lasting = bucket.flat_grad is not None or not self._eager
         if lasting and bucket.flat_grad is None:
-            bucket.flat_grad = transfer.host_buffer(bucket.numel, torch.float32, self.pin_memory, self.device)
+            bucket.flat_grad = transfer.host_buffer(bucket.numel, bucket.flat_master.dtype, self.pin_memory,
+                                                    self.device)
         through: torch.Tensor | None = None
         landed: list[tuple[int, bool]] = []
         try:
@@ -277,7 +280,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                                            "call step() (or train_batch) between backward passes, or raise "
                                            "gradient_accumulation_steps")
                     if through is None and not (first and lasting):
-                        through = self._pool.acquire(bucket.numel)
+                        through = self._pool.acquire(bucket.flat_master.nbytes).view(bucket.flat_master.dtype)
                     target = bucket.views(bucket.flat_grad if first and lasting else through)[j]  # type: ignore[arg-type]
                     target.copy_(grad, non_blocking=True)
                     self._d2h.keep_alive(grad)
@@ -455,11 +458,27 @@ def _device_kept(params: list[nn.Parameter], host_ratio: float, streamed: set[in
     return kept
 
 
+def master_dtype(param: torch.Tensor) -> torch.dtype:
+    """The host master's type: fp32 for fp32 and lower-precision parameters (mixed
+    precision's fp32 masters), the parameter's own type above that (an fp64 model trains in
+    fp64, as the plain loop does)."""
+    return torch.promote_types(param.dtype, torch.float32)
+
+
+def _bucket_dtype(params: list[nn.Parameter]) -> torch.dtype:
+    dtypes = {master_dtype(p) for p in params}
+    if len(dtypes) > 1:
+        raise ValueError(f"a streamed block's parameters need one master type, found {sorted(map(str, dtypes))}: "
+                         "give the block's parameters one dtype")
+    return dtypes.pop() if dtypes else torch.float32
+
+
 def _chunks(params: list[nn.Parameter], numel: int) -> Iterable[list[nn.Parameter]]:
+    """Runs of ``params`` of about ``numel`` elements, each of one master type."""
     chunk: list[nn.Parameter] = []
     size = 0
     for p in params:
-        if chunk and size + p.numel() > numel:
+        if chunk and (size + p.numel() > numel or master_dtype(p) != master_dtype(chunk[0])):
             yield chunk
             chunk, size = [], 0
         chunk.append(p)
@@ -482,9 +501,9 @@ def host_state_bytes(numel: int, optimizer: torch.optim.Optimizer, lasting_grads
 
 
 def _check_host_memory(params: list[nn.Parameter], on_device: set[int], optimizer: torch.optim.Optimizer,
-                       lasting_grads: bool, pool_numel: int) -> None:
+                       lasting_grads: bool, pool_bytes: int) -> None:
     numel = sum(p.numel() for p in params if id(p) not in on_device)
     cpu_resident = sum(p.numel() * p.element_size() for p in params if p.device.type == "cpu")
     # Parameters already in host memory (CPU device, streamed blocks) are replaced, not added to.
-    needed = host_state_bytes(numel, optimizer, lasting_grads) + 4 * min(pool_numel, numel) - cpu_resident
+    needed = host_state_bytes(numel, optimizer, lasting_grads) + min(pool_bytes, 4 * numel) - cpu_resident
     transfer.check_host_memory(needed, "optimizer offload")

@@ -213,6 +213,9 @@ class HostBufferPool:
         self.numel = numel
         self._make = lambda: host_buffer(numel, dtype, pin, device)
         self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        # Each pool buffer by its first byte's address: what acquire hands out starts there,
+        # also when the caller reinterprets it (``.view(dtype)``).
+        self._owned: dict[int, torch.Tensor] = {}
         self._left = count
         self._lock = threading.Lock()
         self.allocated = 0
@@ -227,13 +230,15 @@ class HostBufferPool:
                 self._left -= 1
                 self.allocated += 1
         if grow:
-            self._free.put(self._make())
+            made = self._make()
+            self._owned[made.data_ptr()] = made
+            self._free.put(made)
         return self._free.get()[:numel]
 
     def release(self, buffer: torch.Tensor) -> None:
-        """Give back what :meth:`acquire` returned (once its contents have been used)."""
-        base = buffer._base if buffer._base is not None else buffer
-        self._free.put(base)
+        """Give back what :meth:`acquire` returned, or a view of it from its first element
+        (once its contents have been used)."""
+        self._free.put(self._owned[buffer.data_ptr()])
 
 
 def available_host_bytes() -> int:

@@ -54,6 +54,13 @@ class Family:
     config: dict[str, Any]
     batches: str = "causal"
     """``causal`` (input_ids + labels), ``masked`` (BERT MLM) or ``seq2seq`` (T5 / BART)."""
+    float64: bool = True
+    """Whether the model runs in float64 (the suite's fp32 modes use it, see
+    tests/models/test_hf_families.py); mixture-of-experts layers that go through torch's
+    ``grouped_mm`` have no float64 kernel and stay in fp32."""
+    modes: tuple[str, ...] | None = None
+    """The suite's modes this family runs in (None: all); a family added for one failure
+    class runs the modes that exercise it, which keeps the suite's time in check."""
 
     @property
     def case_name(self) -> str:
@@ -94,7 +101,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
         "bos_token_id": 0, "eos_token_id": 0}),
     Family("mixtral", "MixtralForCausalLM", "MixtralConfig", {
         **_DECODER_LLAMA_LIKE, "head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
-        "router_jitter_noise": 0.0}),
+        "router_jitter_noise": 0.0}, float64=False),
     Family("bert", "BertForMaskedLM", "BertConfig", {
         "hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": LAYERS, "num_attention_heads": 4,
         "vocab_size": VOCAB, "max_position_embeddings": 32, "hidden_dropout_prob": 0.0,
@@ -122,7 +129,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
         "eos_token_id": 2}),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", {
         **_DECODER_LLAMA_LIKE, "head_dim": 8, "moe_intermediate_size": 32, "num_experts": 4,
-        "num_experts_per_tok": 2}),
+        "num_experts_per_tok": 2}, float64=False),
     Family("olmo2", "Olmo2ForCausalLM", "Olmo2Config", dict(_DECODER_LLAMA_LIKE)),
     Family("gpt_neo", "GPTNeoForCausalLM", "GPTNeoConfig", {
         "hidden_size": HIDDEN, "num_layers": LAYERS, "num_heads": 4, "vocab_size": VOCAB,
@@ -149,12 +156,13 @@ def available(family: Family) -> str | None:
     return None
 
 
-def build(family: Family) -> nn.Module:
-    """The family's model from its tiny random config (seeded by the caller)."""
+def build(family: Family, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The family's model from its tiny random config (seeded by the caller), its
+    parameters in ``dtype``."""
     import transformers
 
     config = getattr(transformers, family.config_class)(**family.config)
-    return getattr(transformers, family.model_class)(config)
+    return getattr(transformers, family.model_class)(config).to(dtype)
 
 
 def _masked_batches(steps: int) -> list[Any]:
@@ -193,9 +201,9 @@ def plain_hf_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return model(**batch).loss
 
 
-def family_case(family: Family) -> ModelCase:
-    """The equivalence-suite case of ``family``."""
-    return ModelCase(name=family.case_name, build=lambda: build(family), batches=_BATCHES[family.batches],
+def family_case(family: Family, dtype: torch.dtype = torch.float32) -> ModelCase:
+    """The equivalence-suite case of ``family`` with parameters in ``dtype``."""
+    return ModelCase(name=family.case_name, build=lambda: build(family, dtype), batches=_BATCHES[family.batches],
                      loss_fn=None, plain_loss=plain_hf_loss)
 
 

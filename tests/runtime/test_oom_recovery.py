@@ -203,6 +203,20 @@ def test_a_limit_below_what_the_model_already_holds_is_one_line_before_any_step(
     assert "\n" not in str(caught.value)
 
 
+def test_only_the_engines_own_tensors_count_when_the_guard_starts() -> None:
+    # A notebook or a test suite holds other tensors in host memory: they are not this
+    # training's memory, and a limit the engine's state fits in is not refused for them.
+    config, engine, make = _wide_mlp()
+    held = sum(p.numel() * 4 for p in engine.module.parameters())
+    elsewhere = torch.zeros(2 * held)  # 8x the weights' bytes, alive throughout
+    # weights, gradients and Adam's two moments, with room for the step's temporaries
+    config = config.model_copy(update={"device_memory_limit": 6 * held})
+    with MemoryGuard(engine, config, make) as guard:
+        assert guard.live is not None and guard.live.current_bytes == held
+        guard.train_batch((torch.randn(2, 128), torch.randn(2, 1)))
+    assert not guard.switches and elsewhere.nbytes > config.device_memory_limit
+
+
 def test_recovery_needs_a_model_factory() -> None:
     config, engine, _ = _wide_mlp()
     with pytest.raises(ValueError, match="oom_recovery.enabled needs a model factory"):

@@ -5,12 +5,14 @@ loop is in the shared suite (``offload_*`` modes)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import weakref
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import hybridtrain as ht
 from hybridtrain.config import ConfigError
@@ -26,6 +28,7 @@ from tests.equivalence import (
     engine_config,
     engine_run,
     gpt_case,
+    plain_run,
 )
 
 CASE = gpt_case()
@@ -150,6 +153,28 @@ def test_gradients_stepped_on_landing_only_pass_through_the_pool() -> None:
         engine.train_batch(batch)
     assert all(b.flat_grad is None for b in opt.buckets)
     assert 1 <= opt._pool.allocated <= 3 < len(opt.buckets)
+
+
+@pytest.mark.parametrize("mode", ["offload_opt_accum2_clip", "stream", "stream_host_accum2_clip"])
+def test_a_float64_model_keeps_float64_masters_and_the_plain_loops_math(mode: str) -> None:
+    # Host masters are fp32 for fp32 and lower-precision parameters (mixed precision's
+    # masters), the parameters' own type above: an fp64 model trained fp32 on the host would
+    # silently lose precision (and streamed blocks would compute in fp32).
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # in float64 (no fp32 cast)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    case = dataclasses.replace(CASE, build=lambda: gpt_case().build().double(),
+                               loss_fn=lambda out, batch: loss(out, batch[1]),
+                               plain_loss=lambda model, batch: loss(model(batch[0]), batch[1]))
+    torch.manual_seed(SEED)
+    engine = ht.initialize(case.build(), engine_config(MODES[mode]), loss_fn=case.loss_fn)
+    assert isinstance(engine.optimizer, OffloadOptimizer)
+    assert {b.flat_master.dtype for b in engine.optimizer.buckets} == {torch.float64}
+    expected, actual = plain_run(case, MODES[mode]), engine_run(case, MODES[mode])
+    # The engine reports each step's loss as an fp32 number; the parameters differ only at
+    # float64's rounding level, far below the suite's fp32 tolerance.
+    torch.testing.assert_close(actual[0], expected[0], rtol=2 * torch.finfo(torch.float32).eps, atol=0)
+    assert_same_training(([], expected[1]), ([], actual[1]), rtol=1e-12, atol=1e-14)
 
 
 def test_gradients_summed_over_micro_batches_wait_in_lasting_buffers() -> None:
@@ -290,13 +315,15 @@ PLACEMENTS = {
 }
 
 
-def _wrapper_stepped_reference(cls: type, params: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _wrapper_stepped_reference(cls: type, params: dict[str, Any],
+                               fused: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
     """fp16 at ZeRO stage 0 as DeepSpeed trains it: the optimizer stepped once with zero
     gradients when built (FP16_Optimizer.initialize_optimizer_states), then loss-scaled
-    fp16 steps (torch's GradScaler with DeepSpeed's initial scale 2^16, hysteresis 1)."""
+    fp16 steps (torch's GradScaler with DeepSpeed's initial scale 2^16, hysteresis 1).
+    ``fused``: torch's fused CPU kernel, which the host optimizer steps with."""
     torch.manual_seed(SEED)
     model = CASE.build()
-    opt = cls(model.parameters(), **{k: v for k, v in params.items() if k != "adam_w_mode"})
+    opt = cls(model.parameters(), fused=fused, **{k: v for k, v in params.items() if k != "adam_w_mode"})
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()
@@ -319,7 +346,12 @@ def _wrapper_stepped_reference(cls: type, params: dict[str, Any]) -> tuple[list[
 def test_fp16_at_stage_0_trains_from_deepspeeds_wrapper_step(optimizer: dict, cls: type, placement: str) -> None:
     mode = MODES["fp16"]
     actual = engine_run(CASE, mode, optimizer=optimizer, **PLACEMENTS[placement])
-    assert_same_training(_wrapper_stepped_reference(cls, optimizer["params"]), actual, rtol=mode.rtol, atol=mode.atol)
+    # Streamed blocks step on the host with torch's fused CPU Adam, whose updates round
+    # differently from the unfused kernel by about an ulp, by CPU; fp16 forwards amplify that
+    # past the fp16 tolerance on some machines. The reference takes the same kernel, so what
+    # is compared is the engine's math, not two kernels' rounding.
+    expected = _wrapper_stepped_reference(cls, optimizer["params"], fused=placement != "device")
+    assert_same_training(expected, actual, rtol=mode.rtol, atol=mode.atol)
 
 
 @pytest.mark.parametrize("placement", ["device", "stream", "stream_layer_major_accum2"])

@@ -105,3 +105,14 @@ def test_pool_reuses_its_buffers_and_blocks_when_all_are_in_use() -> None:
     pool.release(a)
     with pytest.raises(ValueError, match="hold 100 elements, 101 were asked for"):
         pool.acquire(101)
+
+
+def test_a_pool_buffer_comes_back_whole_when_released_as_another_type() -> None:
+    # Buckets of bytes viewed as each bucket's master type (fp32 or fp64): the whole buffer
+    # goes back, not the typed view, so the next request of any size and type fits.
+    pool = transfer.HostBufferPool(64, torch.uint8, False, torch.device("cpu"), count=1)
+    doubles = pool.acquire(16).view(torch.float64)
+    assert doubles.numel() == 2
+    pool.release(doubles)
+    again = pool.acquire(64)
+    assert again.numel() == 64 and again.dtype == torch.uint8 and pool.allocated == 1
