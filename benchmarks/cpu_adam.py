@@ -77,12 +77,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--numel", type=lambda s: int(s.replace("_", "")), default=20_000_000)
     parser.add_argument("--tensors", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--only", type=lambda s: s.split(","), default=None, metavar="NAME,NAME",
+                        help=f"implementations to run (default: all of {', '.join(implementations())})")
     args = parser.parse_args(argv)
+    chosen = {name: f for name, f in implementations().items() if args.only is None or name in args.only}
+    if args.only is not None and len(chosen) != len(set(args.only)):
+        parser.error(f"--only {','.join(args.only)}: choose from {', '.join(implementations())}")
     print(f"torch={torch.__version__} threads={torch.get_num_threads()} numel={args.numel:,} "
           f"tensors={args.tensors} steps={args.steps}")
     results: dict[str, tuple[float, list[torch.Tensor]]] = {}
     failed: dict[str, str] = {}
-    for name, factory in implementations().items():
+    for name, factory in chosen.items():
         try:
             results[name] = measure(factory, args.numel, args.tensors, args.steps)
         except Exception as exc:  # e.g. DeepSpeed's JIT build: ImportError, OSError, CalledProcessError
