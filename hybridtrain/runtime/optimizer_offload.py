@@ -79,6 +79,12 @@ class Bucket:
         """Elements of the bucket's parameters together."""
         return self.flat_master.numel()
 
+    @property
+    def trained(self) -> list[nn.Parameter]:
+        """The parameters that get gradients (frozen ones, ``requires_grad`` False, as
+        Marian's sinusoidal positions or a fine-tune's embeddings, never do)."""
+        return [p for p in self.params if p.requires_grad]
+
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """``flat`` cut into tensors shaped like the bucket's parameters."""
         out, offset = [], 0
@@ -176,7 +182,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_arrived, me, bucket.index))
                        for bucket in self.buckets
                        if not bucket.streamed and not any(id(p) in late for p in bucket.params)
-                       for p in bucket.params]
+                       for p in bucket.trained]
         self._final = False
         self._eager = False
         self._finite = True
@@ -304,7 +310,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self.manual_landing:
             return
         bucket.arrived += 1
-        if bucket.arrived == len(bucket.params):
+        if bucket.arrived == len(bucket.trained):
             self.land(bucket.index)
 
     # ------------------------------------------------------------------ host side (worker)

@@ -95,7 +95,7 @@ class LayerStreamer:
             block.point_at(block.host_views)
             block.module.register_forward_pre_hook(lambda _m, _a, b=block: self._before_forward(b))
             block.module.register_forward_hook(lambda _m, _a, out, b=block: self._after_forward(b, out))
-            for p in block.bucket.params:
+            for p in block.bucket.trained:
                 p.register_post_accumulate_grad_hook(lambda _p, b=block: self._grad_arrived(b))
         transfer.note_cpu_offload(device, "layer streaming")
 
@@ -178,7 +178,7 @@ class LayerStreamer:
         if self.driven:
             return
         block.arrived += 1
-        if block.arrived == len(block.bucket.params):
+        if block.arrived == len(block.bucket.trained):
             # Every node that reads the weights has run.
             self.land(block.index)
 

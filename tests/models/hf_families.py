@@ -143,6 +143,15 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("mamba2", "Mamba2ForCausalLM", "Mamba2Config", {
         "vocab_size": VOCAB, "hidden_size": HIDDEN, "state_size": 8, "num_hidden_layers": LAYERS, "expand": 2,
         "head_dim": 8, "num_heads": 8, "n_groups": 1, "conv_kernel": 4, "chunk_size": 8}),
+    # Found by scripts/hf_family_sweep.py (run in the modes that exercise it): Marian's
+    # sinusoidal position table is a frozen parameter (requires_grad False), on which the host
+    # optimizer and layer streaming registered gradient hooks.
+    Family("marian", "MarianMTModel", "MarianConfig", {
+        "vocab_size": VOCAB, "d_model": HIDDEN, "encoder_layers": LAYERS, "decoder_layers": LAYERS,
+        "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64,
+        "max_position_embeddings": 32, "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0,
+        "pad_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1, "forced_eos_token_id": 2},
+        batches="seq2seq", modes=("offload_opt", "offload_opt_accum2_clip", "stream")),
 ]}
 
 

@@ -177,6 +177,21 @@ def test_a_float64_model_keeps_float64_masters_and_the_plain_loops_math(mode: st
     assert_same_training(([], expected[1]), ([], actual[1]), rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("mode", ["offload_opt", "offload_opt_accum2_clip", "stream", "stream_host_accum2_clip"])
+def test_frozen_parameters_stay_as_they_are_and_the_rest_train_as_in_the_plain_loop(mode: str) -> None:
+    def build() -> torch.nn.Module:
+        model = gpt_case().build()
+        model.pos_emb.weight.requires_grad_(False)
+        model.blocks[1].attn.qkv.weight.requires_grad_(False)  # inside a streamed block
+        return model
+
+    case = dataclasses.replace(CASE, build=build)
+    expected, actual = plain_run(case, MODES[mode]), engine_run(case, MODES[mode])
+    assert_same_training(expected, actual, rtol=MODES[mode].rtol, atol=MODES[mode].atol)
+    torch.manual_seed(SEED)
+    torch.testing.assert_close(actual[1]["pos_emb.weight"], build().pos_emb.weight.detach(), rtol=0, atol=0)
+
+
 def test_gradients_summed_over_micro_batches_wait_in_lasting_buffers() -> None:
     engine = _engine(gradient_accumulation_steps=2)
     opt = engine.optimizer
