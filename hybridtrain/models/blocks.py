@@ -29,7 +29,7 @@ def find_block_lists(model: nn.Module, paths: str | Sequence[str] | None = None)
 
     With ``paths`` (one dotted path or a list of them) exactly those are looked up; without,
     an ``nn.Sequential`` model is its own container, otherwise the largest ``ModuleList`` of
-    at least two same-class modules is taken together with every other such list that holds
+    at least two same-class modules (or of a hybrid's composite layers) is taken together with every other such list that holds
     at least a quarter of its parameters and is not nested in a chosen one (T5's
     ``encoder.block`` and ``decoder.block``; a mixture-of-experts list inside each layer is
     nested and left out).
@@ -101,8 +101,13 @@ def _within(name: str, parent: str) -> bool:
 
 
 def _is_repeated(container: nn.ModuleList) -> bool:
-    kinds = {type(m) for m in container}
-    return len(container) >= 2 and len(kinds) == 1
+    """At least two same-class modules, or a hybrid model's layers: at least two composite
+    modules with parameters of alternating classes (Jamba's state-space and attention layers)."""
+    if len(container) < 2:
+        return False
+    if len({type(m) for m in container}) == 1:
+        return True
+    return all(next(m.children(), None) is not None and next(m.parameters(), None) is not None for m in container)
 
 
 def _candidates(model: nn.Module) -> str:

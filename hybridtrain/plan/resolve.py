@@ -198,6 +198,8 @@ def _checkpointed(model: nn.Module, cfg: Config, blocks: _Blocks, streamed: list
             # every_n_blocks counts within each block list (an encoder's and a decoder's first block).
             chosen = [m for _, container in blocks.lists
                       for m in select_checkpoint_targets(model, list(container), section.every_n_blocks)]
+    except ConfigError:
+        raise  # already names its section
     except ValueError as exc:
         raise ConfigError(f"activation_checkpointing: {exc}") from None
     return [names[id(m)] for m in chosen]

@@ -152,6 +152,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
         "max_position_embeddings": 32, "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0,
         "pad_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1, "forced_eos_token_id": 2},
         batches="seq2seq", modes=("offload_opt", "offload_opt_accum2_clip", "stream")),
+    # Jamba alternates two layer classes (state-space, attention) in its one list of blocks
+    # (found by the sweep: no same-class list, so no blocks).
+    Family("jamba", "JambaForCausalLM", "JambaConfig", {
+        **_DECODER_LLAMA_LIKE, "num_experts": 4, "num_experts_per_tok": 2, "expert_layer_period": 2,
+        "expert_layer_offset": 1, "attn_layer_period": 2, "attn_layer_offset": 1, "mamba_d_state": 8,
+        "mamba_dt_rank": 8, "mamba_expand": 2, "use_mamba_kernels": False}, float64=False,
+        modes=("checkpoint", "swap", "stream")),
 ]}
 
 

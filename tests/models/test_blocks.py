@@ -32,3 +32,29 @@ def test_named_path_and_errors() -> None:
         find_blocks(model, "ln_f")
     with pytest.raises(BlocksNotFoundError, match="set model.blocks"):
         find_blocks(nn.Linear(2, 2))
+
+
+class _Mixer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(4, 12), nn.Linear(4, 4)
+
+
+class _Hybrid(nn.Module):
+    """Jamba's shape: one list of layers of two alternating classes, leaf lists beside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Mixer(), _Attention(), _Mixer(), _Attention()])
+        self.heads = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 2)])  # leaves: not layers
+
+
+def test_a_hybrid_models_alternating_layers_are_its_blocks() -> None:
+    model = _Hybrid()
+    assert find_blocks(model) == ("layers", model.layers)
