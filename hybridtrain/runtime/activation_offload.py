@@ -48,7 +48,7 @@ from torch import nn
 
 from hybridtrain.runtime import transfer
 from hybridtrain.runtime.forward_wrap import wrap_forward
-from hybridtrain.runtime.recompute import tensor_call
+from hybridtrain.runtime.recompute import tensor_call, without_kv_cache
 from hybridtrain.runtime.step_parts import step_part
 
 _ORIGINAL_FORWARD = "_hybridtrain_swap_original_forward"
@@ -127,7 +127,7 @@ class ActivationSwapper:
     def _recomputed_forward(self, module: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        inputs, run, rebuild = tensor_call(forward, args, kwargs)
+        inputs, run, rebuild = tensor_call(forward, args, without_kv_cache(kwargs))
         # A grad-requiring dummy input makes the outputs require grad even when no real
         # input does (the first block of an nn.Sequential), so parameters get gradients.
         dummy = torch.empty(0, requires_grad=True)

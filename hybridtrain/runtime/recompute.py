@@ -62,11 +62,33 @@ def is_checkpointed(module: nn.Module) -> bool:
     return hasattr(module, _ORIGINAL_FORWARD)
 
 
+_CACHE_KWARGS = ("cache", "layer_past", "past_key_value", "past_key_values")
+"""Keyword arguments through which Hugging Face layers receive a key/value cache."""
+
+
+def without_kv_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` for a forward that will run again in backward: no key/value cache.
+
+    A layer appends its keys and values to a cache it is handed (XLM hands one to every
+    attention layer whatever ``use_cache`` says), so the recomputation would append them a
+    second time and attend over twice the sequence. In training the cache only holds what
+    this forward put there, so the layer computes the same without it; Hugging Face's own
+    gradient checkpointing drops it the same way (``GradientCheckpointingLayer``).
+    """
+    dropped = {name: None for name in _CACHE_KWARGS if callable(getattr(kwargs.get(name), "update", None))}
+    if not dropped:
+        return kwargs
+    out = {**kwargs, **dropped}
+    if "use_cache" in out:
+        out["use_cache"] = False
+    return out
+
+
 def _checkpointed_forward(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     # Without grad (eval) there is nothing to save, so recomputation would be pure waste.
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **without_kv_cache(kwargs))
 
 
 def tensor_call(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],

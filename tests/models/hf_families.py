@@ -152,6 +152,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
         "max_position_embeddings": 32, "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0,
         "pad_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1, "forced_eos_token_id": 2},
         batches="seq2seq", modes=("offload_opt", "offload_opt_accum2_clip", "stream")),
+    # XLM hands a key/value cache to its attention layers whatever use_cache says (found by the
+    # sweep: recomputation appended to it a second time).
+    Family("xlm", "XLMWithLMHeadModel", "XLMConfig", {
+        "vocab_size": VOCAB, "emb_dim": HIDDEN, "n_layers": LAYERS, "n_heads": 4, "max_position_embeddings": 32,
+        "dropout": 0.0, "attention_dropout": 0.0}, batches="masked",
+        modes=("checkpoint", "swap_checkpoint_bf16", "stream")),
     # Jamba alternates two layer classes (state-space, attention) in its one list of blocks
     # (found by the sweep: no same-class list, so no blocks).
     Family("jamba", "JambaForCausalLM", "JambaConfig", {

@@ -12,6 +12,7 @@ from hybridtrain.runtime.recompute import (
     is_checkpointed,
     remove_activation_checkpointing,
     select_checkpoint_targets,
+    without_kv_cache,
 )
 from tests.equivalence import MODES, assert_same_training, engine_run, gpt_case, plain_run
 
@@ -64,3 +65,40 @@ def test_checkpointed_block_saves_less_for_backward() -> None:
     plain = saved_bytes(model)
     apply_activation_checkpointing(list(model.blocks))
     assert saved_bytes(model) < plain / 3
+
+
+class _Cache:
+    """A key/value cache as Hugging Face layers use it: ``update`` appends and returns all."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+
+    def update(self, key: torch.Tensor) -> torch.Tensor:
+        self.keys.append(key)
+        return torch.cat(self.keys, dim=0)
+
+
+class _CachingLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, cache: _Cache | None = None) -> torch.Tensor:
+        keys = self.proj(x)
+        if cache is not None:
+            keys = cache.update(keys)
+        return torch.softmax(x @ keys.T, dim=-1) @ keys  # attends over every key the cache holds
+
+
+def test_a_layer_handed_a_cache_is_recomputed_without_it() -> None:
+    torch.manual_seed(0)
+    plain, checkpointed = _CachingLayer(), _CachingLayer()
+    checkpointed.load_state_dict(plain.state_dict())
+    apply_activation_checkpointing([checkpointed])
+    x = torch.randn(3, 4)
+    grads = []
+    for layer in (plain, checkpointed):
+        layer(x, cache=_Cache()).pow(2).sum().backward()  # (recomputed with the cache: over 6 keys)
+        grads.append(layer.proj.weight.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+    assert without_kv_cache({"cache": None, "use_cache": True}) == {"cache": None, "use_cache": True}
