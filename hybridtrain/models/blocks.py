@@ -101,13 +101,18 @@ def _within(name: str, parent: str) -> bool:
 
 
 def _is_repeated(container: nn.ModuleList) -> bool:
-    """At least two same-class modules, or a hybrid model's layers: at least two composite
-    modules with parameters of alternating classes (Jamba's state-space and attention layers)."""
-    if len(container) < 2:
+    """At least two same-class modules, or a hybrid model's layers: composite modules with
+    parameters, of a few classes that repeat (Jamba's state-space and attention layers) —
+    not two different towers, nor parallel branches of one class each."""
+    kinds = [type(m) for m in container]
+    if len(kinds) < 2:
         return False
-    if len({type(m) for m in container}) == 1:
+    if len(set(kinds)) == 1:
         return True
-    return all(next(m.children(), None) is not None and next(m.parameters(), None) is not None for m in container)
+    # A parametrized module (weight norm) gets a class of its own: such a list never repeats.
+    repeats = len(set(kinds)) < len(kinds)
+    return repeats and all(next(m.children(), None) is not None and next(m.parameters(), None) is not None
+                           for m in container)
 
 
 def _candidates(model: nn.Module) -> str:

@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from hybridtrain.planner.emulation import FLOP_FORMULAS, MetaAutocast, Recompute, SwapEmulation
 from hybridtrain.runtime.batch import Batch, LossFn, compute_loss, run_model
 from hybridtrain.runtime.memory_limit import LiveTensorBytes
-from hybridtrain.runtime.recompute import tensor_call
+from hybridtrain.runtime.recompute import is_kv_cache, tensor_call
 
 PASSES = ("plain", "checkpoint", "swap", "swap_checkpoint")
 """How a pass treats every block: as is, checkpointed, swapped, checkpointed with its inputs swapped."""
@@ -235,7 +235,7 @@ def _treated_forward(block: nn.Module, index: int, swap: SwapEmulation | None, a
                 return forward(block, *args, **kwargs)
         # A Hugging Face KV cache is left out as the engine turns caches off when it
         # checkpoints (``plan.build.disable_caches``): recomputation would fill it again.
-        inputs, run, rebuild = tensor_call(functools.partial(forward, block), args, kwargs, leave_out=_is_kv_cache)
+        inputs, run, rebuild = tensor_call(functools.partial(forward, block), args, kwargs, leave_out=is_kv_cache)
         with scope(index):
             outs = Recompute.apply(run, autocast, *inputs)
         del inputs
@@ -246,11 +246,6 @@ def _treated_forward(block: nn.Module, index: int, swap: SwapEmulation | None, a
 @contextmanager
 def _no_scope(_index: int) -> Iterator[None]:
     yield
-
-
-def _is_kv_cache(value: object) -> bool:
-    """A Hugging Face ``Cache`` (``DynamicCache`` …), recognised by its interface."""
-    return type(value).__name__.endswith("Cache") and callable(getattr(value, "update", None))
 
 
 @dataclass

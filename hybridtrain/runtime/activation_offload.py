@@ -127,7 +127,7 @@ class ActivationSwapper:
     def _recomputed_forward(self, module: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        inputs, run, rebuild = tensor_call(forward, args, without_kv_cache(kwargs))
+        inputs, run, rebuild = tensor_call(forward, args, without_kv_cache(module, kwargs))
         # A grad-requiring dummy input makes the outputs require grad even when no real
         # input does (the first block of an nn.Sequential), so parameters get gradients.
         dummy = torch.empty(0, requires_grad=True)

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from hybridtrain.runtime import transfer
 from hybridtrain.runtime.step_parts import step_part
@@ -69,6 +70,8 @@ class Bucket:
     group_of: list[int] = field(default_factory=list)
     has_grad: list[bool] = field(default_factory=list)
     arrived: int = 0
+    hooked: int = 0
+    """Parameters whose gradient hooks land the bucket (those trained when it was built)."""
     stepped: bool = False
     copied: torch.cuda.Event | None = None
     """The last gradient copy to the host; it ran after every kernel that read the bucket."""
@@ -179,10 +182,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # dropped optimizer is freed, and :meth:`close` removes them, so a rebuilt engine's
         # backward does not land buckets of the old one.
         me = weakref.ref(self)
-        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_arrived, me, bucket.index))
-                       for bucket in self.buckets
-                       if not bucket.streamed and not any(id(p) in late for p in bucket.params)
-                       for p in bucket.trained]
+        self._hooks: list[RemovableHandle] = []
+        for bucket in self.buckets:
+            if not bucket.streamed and not any(id(p) in late for p in bucket.params):
+                bucket.hooked = len(bucket.trained)
+                self._hooks += [p.register_post_accumulate_grad_hook(functools.partial(_arrived, me, bucket.index))
+                                for p in bucket.trained]
         self._final = False
         self._eager = False
         self._finite = True
@@ -310,7 +315,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self.manual_landing:
             return
         bucket.arrived += 1
-        if bucket.arrived == len(bucket.trained):
+        if bucket.arrived == bucket.hooked:
             self.land(bucket.index)
 
     # ------------------------------------------------------------------ host side (worker)
@@ -465,10 +470,9 @@ def _device_kept(params: list[nn.Parameter], host_ratio: float, streamed: set[in
 
 
 def master_dtype(param: torch.Tensor) -> torch.dtype:
-    """The host master's type: fp32 for fp32 and lower-precision parameters (mixed
-    precision's fp32 masters), the parameter's own type above that (an fp64 model trains in
-    fp64, as the plain loop does)."""
-    return torch.promote_types(param.dtype, torch.float32)
+    """The host master's type: fp64 for an fp64 parameter (an fp64 model trains in fp64, as
+    the plain loop does), fp32 for every other (mixed precision's fp32 masters; fp8 too)."""
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
 
 
 def _bucket_dtype(params: list[nn.Parameter]) -> torch.dtype:
@@ -508,7 +512,8 @@ def host_state_bytes(numel: int, optimizer: torch.optim.Optimizer, lasting_grads
 
 def _check_host_memory(params: list[nn.Parameter], on_device: set[int], optimizer: torch.optim.Optimizer,
                        lasting_grads: bool, pool_bytes: int) -> None:
-    numel = sum(p.numel() for p in params if id(p) not in on_device)
+    # in fp32 elements: an fp64 master, its gradient and state take twice the bytes
+    numel = sum(p.numel() * master_dtype(p).itemsize // 4 for p in params if id(p) not in on_device)
     cpu_resident = sum(p.numel() * p.element_size() for p in params if p.device.type == "cpu")
     # Parameters already in host memory (CPU device, streamed blocks) are replaced, not added to.
     needed = host_state_bytes(numel, optimizer, lasting_grads) + min(pool_bytes, 4 * numel) - cpu_resident

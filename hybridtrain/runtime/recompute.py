@@ -62,25 +62,33 @@ def is_checkpointed(module: nn.Module) -> bool:
     return hasattr(module, _ORIGINAL_FORWARD)
 
 
-_CACHE_KWARGS = ("cache", "layer_past", "past_key_value", "past_key_values")
-"""Keyword arguments through which Hugging Face layers receive a key/value cache."""
+_CACHE_KWARGS = ("cache", "layer_past")
+"""Keyword arguments through which Hugging Face layers receive a key/value cache they write."""
 
 
-def without_kv_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` for a forward that will run again in backward: no key/value cache.
+def is_kv_cache(value: object) -> bool:
+    """A Hugging Face ``Cache`` (``DynamicCache`` …), recognised by its interface."""
+    return type(value).__name__.endswith("Cache") and callable(getattr(value, "update", None))
+
+
+def without_kv_cache(module: object, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` for a forward of ``module`` that will run again in backward: no key/value
+    cache for it to write.
 
     A layer appends its keys and values to a cache it is handed (XLM hands one to every
     attention layer whatever ``use_cache`` says), so the recomputation would append them a
-    second time and attend over twice the sequence. In training the cache only holds what
-    this forward put there, so the layer computes the same without it; Hugging Face's own
-    gradient checkpointing drops it the same way (``GradientCheckpointingLayer``).
+    second time and attend over twice the sequence. Hugging Face's gradient checkpointing
+    (``GradientCheckpointingLayer``) has the rule this follows: ``use_cache`` off, and the
+    ``cache`` / ``layer_past`` arguments dropped unless the layer only reads its cache
+    (``_can_checkpoint_with_cache``); ``past_key_values`` (a prefix, say) is kept.
     """
-    dropped = {name: None for name in _CACHE_KWARGS if callable(getattr(kwargs.get(name), "update", None))}
-    if not dropped:
-        return kwargs
-    out = {**kwargs, **dropped}
-    if "use_cache" in out:
+    out = dict(kwargs)
+    if out.get("use_cache"):
         out["use_cache"] = False
+    if not getattr(module, "_can_checkpoint_with_cache", False):
+        for name in _CACHE_KWARGS:
+            if is_kv_cache(out.get(name)):
+                out[name] = None
     return out
 
 
@@ -88,7 +96,8 @@ def _checkpointed_forward(forward: Callable[..., Any], *args: Any, **kwargs: Any
     # Without grad (eval) there is nothing to save, so recomputation would be pure waste.
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **without_kv_cache(kwargs))
+    kwargs = without_kv_cache(getattr(forward, "__self__", None), kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
 
 def tensor_call(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -6,7 +6,8 @@ its gradients are complete.
 
     forward    pre-hook(i): wait upload(i), upload(i+1..i+p) ─► block i ─► post-hook: free i
     backward   grad of block i's output ready: wait upload(i), upload(i-1..i-p)
-               block i's parameter gradients all accumulated: D2H grads, free i,
+               block i's parameter gradients all accumulated (and, with frozen weights
+               in it, the gradients of its inputs): D2H grads, free i,
                host worker: accumulate, [eager] fused CPU step of block i
     resident   embeddings, final norm, head (and blocks listed in ``resident``) stay on the
                device; their optimizer state is offloaded like optimizer offload
@@ -64,6 +65,13 @@ class _StreamedBlock:
         self.ready: torch.cuda.Event | None = None
         self.arrived = 0
         self.landed = False
+        self.hooked = len(bucket.trained)
+        """Parameters whose gradient hooks count towards landing."""
+        self.frozen = self.hooked < len(bucket.params)
+        """Frozen weights (``requires_grad`` False) are read by backward without getting a
+        gradient, so their block lands only once the gradients of its inputs exist too."""
+        self.watching = False
+        """A hook on this forward's input gradients counts as one more arrival."""
 
     def point_at(self, views: Sequence[torch.Tensor]) -> None:
         for p, view in zip(self.bucket.params, views, strict=True):
@@ -93,7 +101,8 @@ class LayerStreamer:
         self.blocks = [_StreamedBlock(i, m, optimizer.buckets[i], device) for i, m in enumerate(blocks)]
         for block in self.blocks:
             block.point_at(block.host_views)
-            block.module.register_forward_pre_hook(lambda _m, _a, b=block: self._before_forward(b))
+            block.module.register_forward_pre_hook(
+                lambda _m, args, kwargs, b=block: self._before_forward(b, args, kwargs), with_kwargs=True)
             block.module.register_forward_hook(lambda _m, _a, out, b=block: self._after_forward(b, out))
             for p in block.bucket.trained:
                 p.register_post_accumulate_grad_hook(lambda _p, b=block: self._grad_arrived(b))
@@ -154,9 +163,17 @@ class LayerStreamer:
         self.optimizer.land(index, then=lambda: self._free(block))
 
     # ------------------------------------------------------------------ hooks
-    def _before_forward(self, block: _StreamedBlock) -> None:
-        if not self.driven:
-            self.enter(block.index)
+    def _before_forward(self, block: _StreamedBlock, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.driven:
+            return
+        self.enter(block.index)
+        # A recomputation in backward finds the hook of the first forward in place.
+        if block.frozen and not block.watching and torch.is_grad_enabled():
+            inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if inputs:
+                block.watching = True
+                torch.autograd.graph.register_multi_grad_hook(
+                    inputs, lambda _grads, b=block: self._grad_arrived(b), mode="all")
 
     def _after_forward(self, block: _StreamedBlock, output: Any) -> None:
         if self.driven:
@@ -178,7 +195,7 @@ class LayerStreamer:
         if self.driven:
             return
         block.arrived += 1
-        if block.arrived == len(block.bucket.trained):
+        if block.arrived == block.hooked + block.watching:
             # Every node that reads the weights has run.
             self.land(block.index)
 
@@ -197,6 +214,7 @@ class LayerStreamer:
             if not block.landed and any(p.grad is not None for p in block.bucket.params):
                 self.land(block.index)
             self._free(block)
+            block.watching = False
         self.optimizer.after_backward(final)
 
 

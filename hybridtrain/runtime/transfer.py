@@ -213,8 +213,8 @@ class HostBufferPool:
         self.numel = numel
         self._make = lambda: host_buffer(numel, dtype, pin, device)
         self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
-        # Each pool buffer by its first byte's address: what acquire hands out starts there,
-        # also when the caller reinterprets it (``.view(dtype)``).
+        # Each pool buffer by its storage's address: what acquire hands out shares it, also
+        # when empty or reinterpreted by the caller (``.view(dtype)``).
         self._owned: dict[int, torch.Tensor] = {}
         self._left = count
         self._lock = threading.Lock()
@@ -231,14 +231,14 @@ class HostBufferPool:
                 self.allocated += 1
         if grow:
             made = self._make()
-            self._owned[made.data_ptr()] = made
+            self._owned[made.untyped_storage().data_ptr()] = made
             self._free.put(made)
         return self._free.get()[:numel]
 
     def release(self, buffer: torch.Tensor) -> None:
         """Give back what :meth:`acquire` returned, or a view of it from its first element
         (once its contents have been used)."""
-        self._free.put(self._owned[buffer.data_ptr()])
+        self._free.put(self._owned[buffer.untyped_storage().data_ptr()])
 
 
 def available_host_bytes() -> int:

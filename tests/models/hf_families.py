@@ -161,7 +161,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     # Jamba alternates two layer classes (state-space, attention) in its one list of blocks
     # (found by the sweep: no same-class list, so no blocks).
     Family("jamba", "JambaForCausalLM", "JambaConfig", {
-        **_DECODER_LLAMA_LIKE, "num_experts": 4, "num_experts_per_tok": 2, "expert_layer_period": 2,
+        **_DECODER_LLAMA_LIKE, "num_hidden_layers": 4,  # each layer class twice, as in a real Jamba
+        "num_experts": 4, "num_experts_per_tok": 2, "expert_layer_period": 2,
         "expert_layer_offset": 1, "attn_layer_period": 2, "attn_layer_offset": 1, "mamba_d_state": 8,
         "mamba_dt_rank": 8, "mamba_expand": 2, "use_mamba_kernels": False}, float64=False,
         modes=("checkpoint", "swap", "stream")),

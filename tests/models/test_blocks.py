@@ -58,3 +58,16 @@ class _Hybrid(nn.Module):
 def test_a_hybrid_models_alternating_layers_are_its_blocks() -> None:
     model = _Hybrid()
     assert find_blocks(model) == ("layers", model.layers)
+
+
+def test_towers_and_weight_normed_lists_are_not_blocks() -> None:
+    model = _Hybrid()
+    # two different towers, each holding its own layers: the layers are the blocks
+    towers = nn.Module()
+    towers.towers = nn.ModuleList([model, _Attention()])
+    assert find_blocks(towers)[0] == "towers.0.layers"
+    # weight-normed convolutions: each parametrized module has a class of its own
+    convs = nn.ModuleList([nn.utils.parametrizations.weight_norm(nn.Conv1d(4, 4, 9)) for _ in range(3)])
+    holder = nn.Module()
+    holder.convs, holder.layers = convs, nn.ModuleList([_Attention(), _Attention()])
+    assert find_blocks(holder)[0] == "layers"

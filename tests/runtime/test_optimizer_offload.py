@@ -177,12 +177,19 @@ def test_a_float64_model_keeps_float64_masters_and_the_plain_loops_math(mode: st
     assert_same_training(([], expected[1]), ([], actual[1]), rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("mode", ["offload_opt", "offload_opt_accum2_clip", "stream", "stream_host_accum2_clip"])
+@pytest.mark.parametrize("mode", ["offload_opt", "offload_opt_accum2_clip", "stream", "stream_host_accum2_clip",
+                                  "stream_layer_major_accum4", "swap", "cpu_checkpointing_accum2_offload"])
 def test_frozen_parameters_stay_as_they_are_and_the_rest_train_as_in_the_plain_loop(mode: str) -> None:
     def build() -> torch.nn.Module:
         model = gpt_case().build()
         model.pos_emb.weight.requires_grad_(False)
-        model.blocks[1].attn.qkv.weight.requires_grad_(False)  # inside a streamed block
+        # In streamed blocks: a frozen weight (its bias trains), a whole frozen sub-layer
+        # (backward reads its weights after every gradient of the block has arrived), a
+        # wholly frozen block between trained ones.
+        model.blocks[0].attn.qkv.weight.requires_grad_(False)
+        model.blocks[1].requires_grad_(False)
+        model.blocks[2].ln_1.requires_grad_(False)
+        model.blocks[2].attn.requires_grad_(False)
         return model
 
     case = dataclasses.replace(CASE, build=build)
@@ -190,6 +197,21 @@ def test_frozen_parameters_stay_as_they_are_and_the_rest_train_as_in_the_plain_l
     assert_same_training(expected, actual, rtol=MODES[mode].rtol, atol=MODES[mode].atol)
     torch.manual_seed(SEED)
     torch.testing.assert_close(actual[1]["pos_emb.weight"], build().pos_emb.weight.detach(), rtol=0, atol=0)
+
+
+def test_a_frozen_streamed_block_leaves_the_device_once_backward_has_passed_it() -> None:
+    from hybridtrain.runtime.streaming import LayerStreamer
+
+    torch.manual_seed(SEED)
+    model = CASE.build()
+    model.blocks[1].requires_grad_(False)
+    engine = ht.initialize(model, engine_config(MODES["stream"]), loss_fn=CASE.loss_fn)
+    [streamer] = [o for o in engine.options.observers if isinstance(o, LayerStreamer)]
+    seen: list[list[bool]] = []
+    model.blocks[0].mlp.fc.weight.register_post_accumulate_grad_hook(
+        lambda _p: seen.append([b.loaded for b in streamer.blocks]))
+    engine.train_batch(CASE.batches(1)[0])
+    assert seen == [[True, False, False]]  # not kept until backward ends
 
 
 def test_gradients_summed_over_micro_batches_wait_in_lasting_buffers() -> None:

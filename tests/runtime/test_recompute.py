@@ -67,7 +67,7 @@ def test_checkpointed_block_saves_less_for_backward() -> None:
     assert saved_bytes(model) < plain / 3
 
 
-class _Cache:
+class _KeyCache:
     """A key/value cache as Hugging Face layers use it: ``update`` appends and returns all."""
 
     def __init__(self) -> None:
@@ -83,7 +83,7 @@ class _CachingLayer(torch.nn.Module):
         super().__init__()
         self.proj = torch.nn.Linear(4, 4)
 
-    def forward(self, x: torch.Tensor, cache: _Cache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: _KeyCache | None = None) -> torch.Tensor:
         keys = self.proj(x)
         if cache is not None:
             keys = cache.update(keys)
@@ -98,7 +98,12 @@ def test_a_layer_handed_a_cache_is_recomputed_without_it() -> None:
     x = torch.randn(3, 4)
     grads = []
     for layer in (plain, checkpointed):
-        layer(x, cache=_Cache()).pow(2).sum().backward()  # (recomputed with the cache: over 6 keys)
+        layer(x, cache=_KeyCache()).pow(2).sum().backward()  # (recomputed with the cache: over 6 keys)
         grads.append(layer.proj.weight.grad)
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
-    assert without_kv_cache({"cache": None, "use_cache": True}) == {"cache": None, "use_cache": True}
+    kept = _KeyCache()
+    assert without_kv_cache(plain, {"cache": kept, "use_cache": True, "past_key_values": kept}) == {
+        "cache": None, "use_cache": False, "past_key_values": kept}  # a prefix is kept, as HF keeps it
+    plain._can_checkpoint_with_cache = True  # a layer that only reads its cache keeps it
+    assert without_kv_cache(plain, {"cache": kept})["cache"] is kept
+    assert without_kv_cache(plain, {"cache": {"not": "a cache"}, "x": 1}) == {"cache": {"not": "a cache"}, "x": 1}

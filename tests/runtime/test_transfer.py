@@ -114,5 +114,6 @@ def test_a_pool_buffer_comes_back_whole_when_released_as_another_type() -> None:
     doubles = pool.acquire(16).view(torch.float64)
     assert doubles.numel() == 2
     pool.release(doubles)
+    pool.release(pool.acquire(0))  # an empty request (a bucket of empty tensors) comes back too
     again = pool.acquire(64)
     assert again.numel() == 64 and again.dtype == torch.uint8 and pool.allocated == 1
