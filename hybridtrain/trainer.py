@@ -35,7 +35,12 @@ from hybridtrain.models.factory import build_model, parameter_count
 from hybridtrain.models.gpt import causal_lm_loss
 from hybridtrain.monitoring.readings import device_peak_tflops, flops_per_token, memory_readings
 from hybridtrain.monitoring.telemetry import Telemetry, check_monitoring
-from hybridtrain.parallel.mesh import env_world_size, init_process_group, restart_count
+from hybridtrain.parallel.mesh import (
+    end_process_group,
+    env_world_size,
+    init_process_group,
+    restart_count,
+)
 from hybridtrain.plan import TrainingPlan, resolve
 from hybridtrain.plan.build import build
 from hybridtrain.plan.checks import parallel_sizes
@@ -155,6 +160,8 @@ def run_training(cfg: Config, resume: bool | str = False, progress: bool = True,
             if failure is None:
                 raise
             raise failure from exc
+        if plan.sizes.world > 1:
+            end_process_group()
     finally:
         ok = summary is not None and not summary.interrupted
         telemetry.close(cfg.train.metrics_linger_s if ok else 0.0)

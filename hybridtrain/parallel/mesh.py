@@ -102,6 +102,19 @@ def init_process_group(device: torch.device, timeout_s: float = 600.0) -> None:
                                 rank=int(os.environ["RANK"]), world_size=env_world_size())
 
 
+def end_process_group() -> None:
+    """Leave the process group at the end of a run every rank finished (no-op without one).
+
+    Without it gloo's worker threads outlive the interpreter's teardown, and a rank that
+    trained to the end can still die of SIGABRT at exit ("terminate called without an active
+    exception"), which torchrun counts as a failure. Only for a run that ended on every rank:
+    with a peer gone, the barrier would wait for it (torchtitan calls it only on success too).
+    """
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def restart_count() -> int:
     """How many times torchrun has restarted this worker group (0 in the first round)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
