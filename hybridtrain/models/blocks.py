@@ -8,7 +8,7 @@ of them is found, in execution order, so that no tower is silently left out.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from torch import nn
 
@@ -41,9 +41,7 @@ def find_block_lists(model: nn.Module, paths: str | Sequence[str] | None = None)
         return [(path, _lookup(model, path)) for path in ([paths] if isinstance(paths, str) else paths)]
     if isinstance(model, nn.Sequential):
         return [("", model)]
-    found = [(name, module, sum(p.numel() for p in module.parameters()))
-             for name, module in model.named_modules()
-             if isinstance(module, nn.ModuleList) and _is_repeated(module)]
+    found = _lists(model, _is_repeated) or _lists(model, _is_layer_list)
     if not found:
         raise BlocksNotFoundError(
             f"could not find the repeated blocks of {type(model).__name__}; set model.blocks to "
@@ -100,19 +98,30 @@ def _within(name: str, parent: str) -> bool:
     return name.startswith(parent + ".")
 
 
+def _lists(model: nn.Module, accept: Callable[[nn.ModuleList], bool]) -> list[tuple[str, nn.ModuleList, int]]:
+    return [(name, module, sum(p.numel() for p in module.parameters()))
+            for name, module in model.named_modules() if isinstance(module, nn.ModuleList) and accept(module)]
+
+
 def _is_repeated(container: nn.ModuleList) -> bool:
-    """At least two same-class modules, or a hybrid model's layers: composite modules with
-    parameters, of a few classes that repeat (Jamba's state-space and attention layers) —
-    not two different towers, nor parallel branches of one class each."""
+    """At least two same-class modules, or a hybrid model's layers: layers (see
+    :func:`_is_layer_list`) of a few classes that repeat (Jamba's state-space and attention
+    layers) — not two different towers, nor parallel branches of one class each."""
     kinds = [type(m) for m in container]
     if len(kinds) < 2:
         return False
     if len(set(kinds)) == 1:
         return True
     # A parametrized module (weight norm) gets a class of its own: such a list never repeats.
-    repeats = len(set(kinds)) < len(kinds)
-    return repeats and all(next(m.children(), None) is not None and next(m.parameters(), None) is not None
-                           for m in container)
+    return len(set(kinds)) < len(kinds) and _is_layer_list(container)
+
+
+def _is_layer_list(container: nn.ModuleList) -> bool:
+    """At least two composite modules with parameters, none weight-normed: the fallback when
+    no list repeats a class (a two-layer hybrid model has one layer of each class)."""
+    return len(container) >= 2 and all(
+        next(m.children(), None) is not None and next(m.parameters(), None) is not None
+        and not hasattr(m, "parametrizations") for m in container)
 
 
 def _candidates(model: nn.Module) -> str:

@@ -58,6 +58,9 @@ class _Hybrid(nn.Module):
 def test_a_hybrid_models_alternating_layers_are_its_blocks() -> None:
     model = _Hybrid()
     assert find_blocks(model) == ("layers", model.layers)
+    two = nn.Module()
+    two.layers = nn.ModuleList([_Mixer(), _Attention()])  # one of each (a two-layer hybrid)
+    assert find_blocks(two) == ("layers", two.layers)
 
 
 def test_towers_and_weight_normed_lists_are_not_blocks() -> None:
