@@ -89,6 +89,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 cannot build from (applied last; a nested config's fields merge into its generic ones)."""
 
 
+
+_SIZE_BY_KEYS: tuple[tuple[frozenset[str] | set[str], int], ...] = (
+    (_LAYER_KEYS, LAYERS), (_KV_KEYS, KV_HEADS), (_HEAD_KEYS, HEADS), (_HEAD_DIM_KEYS, HEAD_DIM),
+    (_EXPERT_KEYS, EXPERTS), (_TOP_K_KEYS, TOP_K), (_POSITION_KEYS, POSITIONS), (_RANK_KEYS, 16))
+"""Exact key names and the size they shrink to, checked in this order."""
+
 def _shrunk_value(key: str, value: Any) -> Any:
     """The tiny value of one config field, or ``value`` when it is not size-like."""
     if value is None and key in _HEAD_DIM_KEYS | {"head_dim"}:
@@ -109,22 +115,8 @@ def _shrunk_value(key: str, value: Any) -> Any:
         small = HIDDEN
     elif "intermediate" in key or "ffn" in key or key in {"d_ff", "n_inner", "inner_dim"}:
         small = FFN
-    elif key in _LAYER_KEYS:
-        small = LAYERS
-    elif key in _KV_KEYS:
-        small = KV_HEADS
-    elif key in _HEAD_KEYS:
-        small = HEADS
-    elif key in _HEAD_DIM_KEYS:
-        small = HEAD_DIM
-    elif key in _EXPERT_KEYS:
-        small = EXPERTS
-    elif key in _TOP_K_KEYS:
-        small = TOP_K
-    elif key in _POSITION_KEYS:
-        small = POSITIONS
-    elif key in _RANK_KEYS:
-        small = 16
+    elif any(key in keys for keys, _ in _SIZE_BY_KEYS):
+        small = next(size for keys, size in _SIZE_BY_KEYS if key in keys)
     elif key.endswith("vocab_size") and not key.startswith("type_"):
         small = VOCAB
     elif key == "rotary_dim":
