@@ -29,8 +29,9 @@ def find_block_lists(model: nn.Module, paths: str | Sequence[str] | None = None)
 
     With ``paths`` (one dotted path or a list of them) exactly those are looked up; without,
     an ``nn.Sequential`` model is its own container, otherwise the largest ``ModuleList`` of
-    at least two same-class modules (or of a hybrid's composite layers) is taken together with every other such list that holds
-    at least a quarter of its parameters and is not nested in a chosen one (T5's
+    at least two same-class modules (or of a hybrid's composite layers) is taken together
+    with every other such list that holds at least a quarter of its parameters and is not
+    nested in a chosen one (T5's
     ``encoder.block`` and ``decoder.block``; a mixture-of-experts list inside each layer is
     nested and left out).
 

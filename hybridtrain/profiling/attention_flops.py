@@ -55,10 +55,10 @@ def sdpa_backward_flops(grad_out: Any, query: Any, key: Any, value: Any, *args: 
                                                      _full_heads(q, _shape(value))))
 
 
-def _raw(formula: Callable[..., int]) -> Callable[..., int]:
-    # FlopCounterMode hands a formula marked so the operator's own arguments, as it does its
-    # table's formulas; these read shapes from either, and the mark keeps them composable
-    # with the table's (profiling/counting.py wraps both alike).
+def raw_formula(formula: Callable[..., int]) -> Callable[..., int]:
+    """``formula`` marked so ``FlopCounterMode`` hands it the operator's own arguments, as it
+    does its table's formulas (profiling/counting.py wraps both alike); these read shapes
+    from either."""
     formula._get_raw = True  # type: ignore[attr-defined]
     return formula
 
@@ -67,8 +67,8 @@ _FORWARD = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficien
             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
 
 ATTENTION_FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
-    **{getattr(_aten, name): _raw(sdpa_flops) for name in _FORWARD if hasattr(_aten, name)},
-    **{getattr(_aten, f"{name}_backward"): _raw(sdpa_backward_flops) for name in _FORWARD
+    **{getattr(_aten, name): raw_formula(sdpa_flops) for name in _FORWARD if hasattr(_aten, name)},
+    **{getattr(_aten, f"{name}_backward"): raw_formula(sdpa_backward_flops) for name in _FORWARD
        if hasattr(_aten, f"{name}_backward")},
 }
 """Formulas for the fused attention kernels (torch's table lacks the CPU ones, and before

@@ -26,7 +26,7 @@ from torch.utils.module_tracker import ModuleTracker
 
 from hybridtrain.models.blocks import BlocksNotFoundError, find_block_lists
 from hybridtrain.parallel.gradient_sync import local
-from hybridtrain.profiling.attention_flops import ATTENTION_FLOP_FORMULAS
+from hybridtrain.profiling.attention_flops import ATTENTION_FLOP_FORMULAS, raw_formula
 from hybridtrain.profiling.memory import SavedTensorMeter
 from hybridtrain.runtime.layer_major import LayerMajorRunner
 from hybridtrain.runtime.memory_limit import LiveTensorBytes
@@ -99,15 +99,10 @@ def profiled_modules(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
     return found
 
 
-def _raw(formula: Callable[..., int]) -> Callable[..., int]:
-    formula._get_raw = True  # type: ignore[attr-defined]  # registry formulas already read shapes
-    return formula
-
-
 # torch's table has no entry for the CPU flash-attention kernels (F.scaled_dot_product_attention
 # on CPU), and before torch 2.13 its attention formulas refuse grouped key/value heads (Hugging
 # Face's Llama family): the attention kernels get formulas that handle both.
-EXTRA_FORMULAS: dict[Any, Callable[..., int]] = dict(ATTENTION_FLOP_FORMULAS)
+EXTRA_FORMULAS = ATTENTION_FLOP_FORMULAS
 """Flop formulas FlopCounterMode lacks or refuses, by op."""
 
 
@@ -118,7 +113,7 @@ def _backward_only(counter: ModuleTracker) -> dict[Any, Any]:
         def count(*args: Any, **kwargs: Any) -> int:
             return formula(*args, **kwargs) if counter.is_bw else 0
 
-        return _raw(count)
+        return raw_formula(count)
 
     return {op: only_backward(formula) for op, formula in {**flop_registry, **EXTRA_FORMULAS}.items()}
 
