@@ -132,10 +132,9 @@ def _report_failure(exc: BaseException) -> int:
     rank = os.environ.get("RANK")
     print(f"error: {f'rank {rank}: ' if rank is not None and os.environ.get('WORLD_SIZE', '1') != '1' else ''}"
           f"{message}", file=sys.stderr, flush=True)
-    if "TORCHELASTIC_ERROR_FILE" in os.environ:
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+    from hybridtrain.parallel.worker import record_failure
 
-        ErrorHandler().record_exception(exc)
+    record_failure(exc)
     return code
 
 

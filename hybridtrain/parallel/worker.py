@@ -8,6 +8,7 @@ exit with code 1 within the same second). This module runs the script as ``__mai
 (as ``python SCRIPT`` or ``python -m MODULE`` would) and, if it raises, records the
 exception — a collective that lost its peer as
 :class:`~hybridtrain.errors.PeerFailure` — before the usual traceback and exit code 1.
+:func:`record_failure` writes that file for ``hybridtrain train``'s ranks too.
 
     python -m hybridtrain.parallel.worker SCRIPT [ARGS…]
     python -m hybridtrain.parallel.worker -m MODULE [ARGS…]
@@ -15,9 +16,13 @@ exception — a collective that lost its peer as
 
 from __future__ import annotations
 
+import json
 import os
 import runpy
 import sys
+import tempfile
+import time
+import traceback
 from collections.abc import Sequence
 
 
@@ -26,6 +31,11 @@ def main(argv: Sequence[str]) -> None:
     module = bool(argv) and argv[0] == "-m"
     target, args = (argv[1], argv[2:]) if module else (argv[0], argv[1:])
     sys.argv = [target, *args]
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        # A script's own @record writes the error file the way record_failure explains it
+        # must not be written; it gets a file of its own, the launcher's gets ours.
+        os.environ["TORCHELASTIC_ERROR_FILE"] = error_file + ".script"
     try:
         if module:
             runpy.run_module(target, run_name="__main__", alter_sys=True)
@@ -38,18 +48,38 @@ def main(argv: Sequence[str]) -> None:
     except KeyboardInterrupt:  # Ctrl-C, passed on by the launcher, which says it in one line
         sys.exit(130)
     except BaseException as exc:
-        _record(exc)
+        from hybridtrain.errors import peer_failure
+
+        record_failure(peer_failure(exc) or exc, error_file)
         raise
 
 
-def _record(exc: BaseException) -> None:
-    if "TORCHELASTIC_ERROR_FILE" not in os.environ:
+def record_failure(exc: BaseException, error_file: str | None = None) -> None:
+    """Write ``exc`` to this worker's torchrun error file (``error_file``, by default
+    ``TORCHELASTIC_ERROR_FILE``; a no-op outside torchrun) in torchrun's error-file format,
+    all at once.
+
+    Why not torch's ``ErrorHandler.record_exception``: it opens the file for writing (now
+    empty) and then writes it. When a peer dies, torchrun's agent stops the other ranks with
+    SIGTERM and then reads their error files; a rank stopped between the two steps leaves
+    an empty file, the agent fails to parse it and exits without restarting the group.
+    Here the JSON goes to a temporary file in the same directory that replaces the error
+    file in one rename: the agent finds a complete file or none.
+    """
+    path = error_file or os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
         return
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-    from hybridtrain.errors import peer_failure
-
-    ErrorHandler().record_exception(peer_failure(exc) or exc)
+    record = {"message": {"message": f"{type(exc).__name__}: {exc}",
+                          "extraInfo": {"py_callstack": "".join(traceback.format_exception(exc)),
+                                        "timestamp": str(int(time.time()))}}}
+    handle, temporary = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".error-", suffix=".json")
+    try:
+        with os.fdopen(handle, "w") as out:
+            json.dump(record, out)
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
 
 
 if __name__ == "__main__":

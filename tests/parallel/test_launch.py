@@ -83,6 +83,35 @@ def test_a_dying_rank_fails_the_launch_naming_it(tmp_path: Path) -> None:
     assert "error: rank 1 (local rank 1" in proc.stderr and "exited with code 3" in proc.stderr
 
 
+RECORDING_SCRIPT = """
+import json, os, signal, time
+from torch.distributed.elastic.multiprocessing.errors import record
+if os.environ["RANK"] == "1":
+    time.sleep(2)
+    os.kill(os.getpid(), signal.SIGKILL)
+write = json.dump
+json.dump = lambda *a, **k: (time.sleep(60), write(*a, **k))  # torch's @record: file opened, not yet written
+
+@record
+def main():
+    raise RuntimeError("rank 0 fails as well")
+
+main()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_stopped_while_its_script_records_an_error_does_not_break_the_launcher(tmp_path: Path) -> None:
+    # The agent SIGTERMs rank 0 while torch's @record has its error file open and empty,
+    # then parses the file: torchrun itself exits with "Expecting value: line 1 column 1".
+    script = tmp_path / "record.py"
+    script.write_text(RECORDING_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "hybridtrain.parallel.launch_cli", "--nproc-per-node", "2",
+                           str(script)], capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 128 + signal.SIGKILL, proc.stderr[-2000:]
+    assert "error: rank 1 (local rank 1" in proc.stderr and "was killed by SIGKILL" in proc.stderr
+
+
 @pytest.mark.timeout(180)
 def test_train_with_nproc_per_node_writes_once(tmp_path: Path) -> None:
     out = tmp_path / "run"

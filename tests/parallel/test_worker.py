@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridtrain.parallel.worker import main
+from hybridtrain.parallel.worker import main, record_failure
 
 
 @pytest.mark.parametrize(("raised", "recorded"), [
@@ -39,3 +39,31 @@ def test_sys_exit_is_not_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     with pytest.raises(SystemExit, match="3"):
         main([str(script)])
     assert not (tmp_path / "error.json").exists()
+
+
+def test_the_launcher_reads_what_a_rank_recorded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    record_failure(ValueError("train.steps: -1 must be >= 1"))
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
+    assert failure.message["message"] == "ValueError: train.steps: -1 must be >= 1"
+    assert failure.timestamp > 0
+    assert list(tmp_path.iterdir()) == [error_file]
+
+
+def test_a_rank_stopped_while_recording_leaves_no_half_written_file(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # torchrun's agent SIGTERMs the surviving ranks, then parses their error files: an empty
+    # one (truncated, not yet written) made it exit without restarting the group.
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+
+    def stopped(*_: object, **__: object) -> None:
+        raise KeyboardInterrupt  # the signal, arriving mid-write
+
+    monkeypatch.setattr(json, "dump", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        record_failure(RuntimeError("lost contact with another rank"))
+    assert list(tmp_path.iterdir()) == []
