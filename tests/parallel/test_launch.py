@@ -73,16 +73,6 @@ def test_the_rank_that_failed_first_is_named_not_its_victims(tmp_path: Path, cod
     assert first_failure(failures) == first
 
 
-@pytest.mark.timeout(120)
-def test_a_dying_rank_fails_the_launch_naming_it(tmp_path: Path) -> None:
-    script = tmp_path / "die.py"
-    script.write_text(FAILING_SCRIPT)
-    proc = subprocess.run([sys.executable, "-m", "hybridtrain.parallel.launch_cli", "--nproc-per-node", "2",
-                           str(script)], capture_output=True, text=True, timeout=100)
-    assert proc.returncode == 3, proc.stderr[-2000:]
-    assert "error: rank 1 (local rank 1" in proc.stderr and "exited with code 3" in proc.stderr
-
-
 RECORDING_SCRIPT = """
 import json, os, signal, time
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -101,15 +91,19 @@ main()
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_stopped_while_its_script_records_an_error_does_not_break_the_launcher(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("source", "code", "how"), [
+    (FAILING_SCRIPT, 3, "exited with code 3"),
     # The agent SIGTERMs rank 0 while torch's @record has its error file open and empty,
-    # then parses the file: torchrun itself exits with "Expecting value: line 1 column 1".
-    script = tmp_path / "record.py"
-    script.write_text(RECORDING_SCRIPT)
+    # then parses the file: torchrun alone exits with "Expecting value: line 1 column 1".
+    (RECORDING_SCRIPT, 128 + signal.SIGKILL, "was killed by SIGKILL"),
+], ids=["exits", "killed_while_the_other_records_its_error"])
+def test_a_dying_rank_fails_the_launch_naming_it(source: str, code: int, how: str, tmp_path: Path) -> None:
+    script = tmp_path / "die.py"
+    script.write_text(source)
     proc = subprocess.run([sys.executable, "-m", "hybridtrain.parallel.launch_cli", "--nproc-per-node", "2",
                            str(script)], capture_output=True, text=True, timeout=100)
-    assert proc.returncode == 128 + signal.SIGKILL, proc.stderr[-2000:]
-    assert "error: rank 1 (local rank 1" in proc.stderr and "was killed by SIGKILL" in proc.stderr
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert "error: rank 1 (local rank 1" in proc.stderr and how in proc.stderr
 
 
 @pytest.mark.timeout(180)
