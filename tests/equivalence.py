@@ -245,7 +245,10 @@ def deepspeed_wrapper_steps(config: dict[str, Any]) -> bool:
     (``deepspeed/runtime/engine.py`` ``_do_optimizer_sanity_check`` → FP16 / DDP_BFLOAT16 →
     ``_configure_fp16_optimizer``; ``runtime/fp16/fused_optimizer.py``
     ``FP16_Optimizer.initialize_optimizer_states``, line 125: zero gradients, then
-    ``self.optimizer.step()``). AdamW's step count starts at 1 and its weight decay acts once."""
+    ``self.optimizer.step()``). AdamW's step count starts at 1 and its weight decay acts once.
+    The wrapper holds only parameters that require gradients (``fused_optimizer.py`` line 89,
+    ``unfused_optimizer.py`` line 72: ``trainable = [p for p in param_group['params'] if
+    p.requires_grad]``): frozen ones are never stepped."""
     stage = config.get("zero_optimization", {}).get("stage", 0)
     pipelined = config.get("pipeline", {}).get("stages", 1) > 1
     fp16, bf16 = (config.get(key, {}).get("enabled") is True for key in ("fp16", "bf16"))
@@ -259,7 +262,8 @@ def plain_run(case: ModelCase, mode: Mode, steps: int = STEPS) -> tuple[list[flo
     opt = torch.optim.AdamW(model.parameters(), **OPTIMIZER["params"])
     if deepspeed_wrapper_steps(mode.config):
         for p in model.parameters():
-            p.grad = torch.zeros_like(p)
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
         opt.step()  # opt.zero_grad() below drops the zero gradients
     sched = torch.optim.lr_scheduler.LambdaLR(opt, mode.lr_lambda) if mode.lr_lambda else None
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16) if mode.extra.get("grad_scaler") else None

@@ -64,13 +64,17 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], type_name: str,
 
 
 def zero_grad_step(optimizer: torch.optim.Optimizer) -> None:
-    """One ``step()`` with every parameter's gradient zero, as DeepSpeed's fp16 wrappers do
-    when built (see :data:`FP16_INIT_STEP`), at the learning rate the groups hold then. The
-    zero gradients are made where each parameter lives (host masters stay in host memory);
-    ``zero_grad`` clears them afterwards, so the next step starts clean."""
+    """One ``step()`` with every trained parameter's gradient zero, as DeepSpeed's fp16
+    wrappers do when built (see :data:`FP16_INIT_STEP`), at the learning rate the groups hold
+    then. Frozen parameters (``requires_grad`` False) get none and stay as they are: the
+    wrappers hold only ``p.requires_grad`` ones (``fused_optimizer.py``, ``unfused_optimizer.py``:
+    ``trainable = [p for p in param_group['params'] if p.requires_grad]``). The zero gradients
+    are made where each parameter lives (host masters stay in host memory); ``zero_grad``
+    clears them afterwards, so the next step starts clean."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            p.grad = torch.zeros_like(p)
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 

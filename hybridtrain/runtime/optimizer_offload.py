@@ -208,7 +208,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 p.data = view
                 bucket.masters.append(p)
             else:
-                bucket.masters.append(nn.Parameter(view))
+                bucket.masters.append(nn.Parameter(view, requires_grad=p.requires_grad))  # frozen stays frozen
         return bucket
 
     def _inner(self, params: list[list[nn.Parameter]], group_ids: list[list[int]],

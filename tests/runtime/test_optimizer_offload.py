@@ -178,7 +178,9 @@ def test_a_float64_model_keeps_float64_masters_and_the_plain_loops_math(mode: st
 
 
 @pytest.mark.parametrize("mode", ["offload_opt", "offload_opt_accum2_clip", "stream", "stream_host_accum2_clip",
-                                  "stream_layer_major_accum4", "swap", "cpu_checkpointing_accum2_offload"])
+                                  "stream_layer_major_accum4", "swap", "cpu_checkpointing_accum2_offload",
+                                  # DeepSpeed's fp16-wrapper step (bf16 at stage 0) passes frozen ones over
+                                  "bf16", "stream_device_bf16"])
 def test_frozen_parameters_stay_as_they_are_and_the_rest_train_as_in_the_plain_loop(mode: str) -> None:
     def build() -> torch.nn.Module:
         model = gpt_case().build()
