@@ -10,6 +10,7 @@ the specification the engine is checked against, and shares no code with the eng
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -133,6 +134,25 @@ def gpt_case(dropout: float = 0.0) -> ModelCase:
         loss_fn=causal_lm_loss,
         plain_loss=_plain_token_loss,
     )
+
+
+def frozen_gpt_case() -> ModelCase:
+    """The reference GPT with frozen parameters (``requires_grad`` False), as a fine-tune
+    has them: the position embedding, a frozen weight beside a trained bias (block 0's
+    ``qkv``), a wholly frozen block (1), a frozen sub-layer (block 2's ``ln_1`` and ``attn``).
+    Backward still reads frozen weights; no optimizer may move them."""
+    base = gpt_case()
+
+    def build() -> nn.Module:
+        model = base.build()
+        model.pos_emb.weight.requires_grad_(False)
+        model.blocks[0].attn.qkv.weight.requires_grad_(False)
+        model.blocks[1].requires_grad_(False)
+        model.blocks[2].ln_1.requires_grad_(False)
+        model.blocks[2].attn.requires_grad_(False)
+        return model
+
+    return dataclasses.replace(base, name="gpt_frozen", build=build)
 
 
 def _hf_gpt2() -> nn.Module:

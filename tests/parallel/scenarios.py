@@ -26,6 +26,7 @@ from tests.equivalence import (
     ModelCase,
     assert_same_training,
     engine_config,
+    frozen_gpt_case,
     gpt_case,
     model_cases,
     plain_run,
@@ -73,12 +74,13 @@ class InlineTiedLM(nn.Module):
 def cases() -> dict[str, ModelCase]:
     """The suite's model cases plus ``gpt_deep`` (the tied-embedding GPT with 4 blocks and
     4 heads, enough for 4 pipeline stages or 2 ranks × 2 virtual stages and TP of 4) and
-    ``inline_tied`` (:class:`InlineTiedLM`), and Hugging Face BERT (its MLM bias has two
-    names: ``cls.predictions.bias`` and ``cls.predictions.decoder.bias``)."""
+    ``inline_tied`` (:class:`InlineTiedLM`), ``gpt_frozen`` (a fine-tune's frozen
+    parameters, :func:`tests.equivalence.frozen_gpt_case`), and Hugging Face BERT (its MLM
+    bias has two names: ``cls.predictions.bias`` and ``cls.predictions.decoder.bias``)."""
     deep = GPTConfig(n_layer=4, n_head=4, d_model=32, seq_len=16, vocab_size=64)
     return {**model_cases(), "gpt_deep": dataclasses.replace(gpt_case(), name="gpt_deep", build=lambda: GPT(deep)),
             "inline_tied": dataclasses.replace(gpt_case(), name="inline_tied", build=InlineTiedLM),
-            "hf_bert": family_case(FAMILIES["bert"])}
+            "gpt_frozen": frozen_gpt_case(), "hf_bert": family_case(FAMILIES["bert"])}
 
 
 def train_scenarios(scenarios: dict[str, Scenario], steps: int = STEPS) -> dict[str, Any]:

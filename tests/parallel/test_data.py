@@ -16,6 +16,7 @@ GROUPS = {
         "gpt_powersgd": ("gpt_tied", {"data_parallel": {"gradient_compression": "powersgd",
                                                         "powersgd_rank": 2}}),
         "llama": ("hf_llama", {"gradient_accumulation_steps": 2}),
+        "frozen": ("gpt_frozen", {"gradient_accumulation_steps": 2}),
     }),
     "ddp4": (4, {"gpt4": ("gpt_tied", {"gradient_accumulation_steps": 2})}),
 }
@@ -23,7 +24,7 @@ RUNNER = GroupRunner(GROUPS)
 
 
 @pytest.mark.parametrize(("name", "case"), [("gpt", "gpt_tied"), ("gpt_accum", "gpt_tied"),
-                                            ("gpt4", "gpt_tied"), ("llama", "hf_llama")])
+                                            ("gpt4", "gpt_tied"), ("llama", "hf_llama"), ("frozen", "gpt_frozen")])
 def test_ddp_matches_single_process(name: str, case: str) -> None:
     if case.startswith("hf_"):
         pytest.importorskip("transformers")

@@ -30,6 +30,9 @@ GROUPS = {
         "inline_tied_interleaved": ("inline_tied", _pp("interleaved_1f1b", 4, virtual_stages=2)),
         # A parameter with two names: the state dict takes both from the stage that trains it.
         "1f1b_bert": ("hf_bert", _pp("1f1b", 2)),
+        # Frozen parameters on both stages (a wholly frozen block among them): gradients
+        # still flow back through them, and nothing steps them.
+        "1f1b_frozen": ("gpt_frozen", _pp("1f1b", 2)),
     }),
     "pipeline4ranks": (4, {
         "dp2_pp2": ("gpt_tied", {"data_parallel": {"size": 2}, **_pp("1f1b", 2)}),

@@ -21,6 +21,7 @@ GROUPS = {
         "tp2": ("gpt_tied", {"tensor_model_parallel_size": 2, "gradient_accumulation_steps": 2,
                              "gradient_clipping": 10.0}),
         "tp2_llama": ("hf_llama", _tp(2)),
+        "tp2_frozen": ("gpt_frozen", _tp(2)),
     }),
     "tensor4ranks": (4, {
         "dp2_tp2": ("gpt_deep", _tp(2, data_parallel={"size": 2})),

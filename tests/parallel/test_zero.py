@@ -37,6 +37,11 @@ GROUPS = {
                                      "gradient_accumulation_steps": 2}),
         "stage2_swap_checkpointing": ("gpt_tied", {**_zero(2), "activation_checkpointing": {
             "enabled": True, "cpu_checkpointing": True}}),
+        # A fine-tune's frozen parameters: sharded like the rest, never stepped.
+        "stage1_frozen": ("gpt_frozen", {**_zero(1), "gradient_accumulation_steps": 2}),
+        "stage2_frozen": ("gpt_frozen", _zero(2)),
+        "stage3_frozen_offload": ("gpt_frozen", _zero(3, offload_param={"device": "cpu"},
+                                                      offload_optimizer={"device": "cpu"})),
     }),
     "zero4ranks": (4, {"stage3_4": ("gpt_tied", _zero(3))}),
 }
@@ -46,7 +51,8 @@ RUNNER = GroupRunner(GROUPS)
 @pytest.mark.parametrize(("name", "case"), [
     ("stage1", "gpt_tied"), ("stage2", "gpt_tied"), ("stage3", "gpt_tied"), ("stage3_offload", "gpt_tied"),
     ("stage3_checkpointing", "gpt_tied"), ("stage3_llama", "hf_llama"), ("stage3_4", "gpt_tied"),
-    ("stage3_swap", "gpt_tied"), ("stage2_swap_checkpointing", "gpt_tied"),
+    ("stage3_swap", "gpt_tied"), ("stage2_swap_checkpointing", "gpt_tied"), ("stage1_frozen", "gpt_frozen"),
+    ("stage2_frozen", "gpt_frozen"), ("stage3_frozen_offload", "gpt_frozen"),
 ])
 def test_zero_matches_single_process(name: str, case: str) -> None:
     if case.startswith("hf_"):

@@ -27,6 +27,7 @@ from tests.equivalence import (
     assert_same_training,
     engine_config,
     engine_run,
+    frozen_gpt_case,
     gpt_case,
     plain_run,
 )
@@ -182,23 +183,11 @@ def test_a_float64_model_keeps_float64_masters_and_the_plain_loops_math(mode: st
                                   # DeepSpeed's fp16-wrapper step (bf16 at stage 0) passes frozen ones over
                                   "bf16", "stream_device_bf16"])
 def test_frozen_parameters_stay_as_they_are_and_the_rest_train_as_in_the_plain_loop(mode: str) -> None:
-    def build() -> torch.nn.Module:
-        model = gpt_case().build()
-        model.pos_emb.weight.requires_grad_(False)
-        # In streamed blocks: a frozen weight (its bias trains), a whole frozen sub-layer
-        # (backward reads its weights after every gradient of the block has arrived), a
-        # wholly frozen block between trained ones.
-        model.blocks[0].attn.qkv.weight.requires_grad_(False)
-        model.blocks[1].requires_grad_(False)
-        model.blocks[2].ln_1.requires_grad_(False)
-        model.blocks[2].attn.requires_grad_(False)
-        return model
-
-    case = dataclasses.replace(CASE, build=build)
+    case = frozen_gpt_case()
     expected, actual = plain_run(case, MODES[mode]), engine_run(case, MODES[mode])
     assert_same_training(expected, actual, rtol=MODES[mode].rtol, atol=MODES[mode].atol)
     torch.manual_seed(SEED)
-    torch.testing.assert_close(actual[1]["pos_emb.weight"], build().pos_emb.weight.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(actual[1]["pos_emb.weight"], case.build().pos_emb.weight.detach(), rtol=0, atol=0)
 
 
 def test_a_frozen_streamed_block_leaves_the_device_once_backward_has_passed_it() -> None:
