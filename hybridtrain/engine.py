@@ -39,7 +39,7 @@ from hybridtrain.runtime.batch import (
     to_device,
 )
 from hybridtrain.runtime.optim import Scheduler
-from hybridtrain.runtime.precision import LossScaler, autocast
+from hybridtrain.runtime.precision import LossScaler, autocast, reported_loss
 from hybridtrain.runtime.step_parts import PartClock, step_part
 from hybridtrain.runtime.step_runner import (
     BackwardObserver,
@@ -156,7 +156,7 @@ class Engine:
                     micro = to_device(micro, self.device)
                     with autocast(self.device, self.options.compute_dtype):
                         loss = compute_loss(run_model(self.parallel.module, micro), micro, self.loss_fn)
-                    total += float(self.parallel.mean_loss(loss.float())) * samples / size
+                    total += float(self.parallel.mean_loss(reported_loss(loss))) * samples / size
         finally:
             self.module.train(was_training)
         return total
@@ -185,7 +185,7 @@ class Engine:
         """Backward of one micro-batch's loss, scaled by 1/accumulation (and the loss scale);
         gradients add up until :meth:`step` updates at the accumulation boundary and clears them."""
         weight = 1.0 / self.options.batch.accumulation_steps
-        detached = loss.detach().float() * weight
+        detached = reported_loss(loss) * weight
         self._manual_loss = detached if self._manual_loss is None else self._manual_loss + detached
         self._scaled_backward(loss * weight, self.is_gradient_accumulation_boundary())
 

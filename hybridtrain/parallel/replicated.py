@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hybridtrain.parallel.mesh import Topology
+from hybridtrain.runtime.precision import reported_loss
 from hybridtrain.runtime.step_parts import step_part
 
 
@@ -79,7 +80,7 @@ class ParallelRuntime:
         """
         if not self.distributed:
             return value
-        share = value.detach().float() / self.topology.dp if self.holds_loss() else torch.zeros_like(value)
+        share = reported_loss(value) / self.topology.dp if self.holds_loss() else torch.zeros_like(value)
         share = share.clone()
         with step_part("communication"):
             dist.all_reduce(share)

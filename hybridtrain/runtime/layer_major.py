@@ -45,6 +45,7 @@ from torch.utils.hooks import RemovableHandle
 
 from hybridtrain.runtime.activation_offload import ActivationSwapper
 from hybridtrain.runtime.batch import Batch
+from hybridtrain.runtime.precision import reported_loss
 from hybridtrain.runtime.step_runner import StepContext
 from hybridtrain.runtime.streaming import LayerStreamer
 
@@ -160,8 +161,8 @@ class LayerMajorRunner:
             losses = self._forward(micro_batches, loss_of)
             total = torch.zeros((), device=losses[0].device)
             for loss in losses:
-                total += loss.detach().float() * weight
-            streamer.before_backward(True, torch.stack([loss.detach().float() for loss in losses]))
+                total += reported_loss(loss) * weight
+            streamer.before_backward(True, torch.stack([reported_loss(loss) for loss in losses]))
             if self.swapper is not None:  # backward: block N-1 for every micro-batch, then N-2, …
                 self.swapper.expect_backward_order(
                     [seq for scopes in reversed(self._scopes) for seq in scopes if seq is not None])

@@ -31,6 +31,13 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abst
     return torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=False)
 
 
+def reported_loss(loss: torch.Tensor) -> torch.Tensor:
+    """``loss`` detached, in fp32 or wider, for summing over micro-batches and ranks and
+    reporting: a half-precision loss (autocast) becomes fp32; an fp64 model's stays fp64,
+    the number its plain loop would show."""
+    return loss.detach().to(torch.promote_types(loss.dtype, torch.float32))
+
+
 def precision_name(dtype: torch.dtype | None) -> str:
     """``fp32`` (no autocast), ``bf16`` or ``fp16``."""
     return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]

@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 
 from hybridtrain.runtime.batch import Batch
+from hybridtrain.runtime.precision import reported_loss
 
 
 class BackwardObserver(Protocol):
@@ -122,7 +123,7 @@ class MicroBatchRunner:
             self.set_grad_sync(final)
             with step.timed("forward"):
                 loss = step.loss_of(micro)
-            weighted = loss.detach().float() * step.weight
+            weighted = reported_loss(loss) * step.weight
             total = weighted if total is None else total + weighted
             with step.timed("backward"):
                 step.backward(loss * step.weight, final)
