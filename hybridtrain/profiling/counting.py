@@ -99,13 +99,6 @@ def profiled_modules(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
     return found
 
 
-# torch's table has no entry for the CPU flash-attention kernels (F.scaled_dot_product_attention
-# on CPU), and before torch 2.13 its attention formulas refuse grouped key/value heads (Hugging
-# Face's Llama family): the attention kernels get formulas that handle both.
-EXTRA_FORMULAS = ATTENTION_FLOP_FORMULAS
-"""Flop formulas FlopCounterMode lacks or refuses, by op."""
-
-
 def _backward_only(counter: ModuleTracker) -> dict[Any, Any]:
     """A flop-formula table that counts only inside autograd's backward."""
 
@@ -115,7 +108,7 @@ def _backward_only(counter: ModuleTracker) -> dict[Any, Any]:
 
         return raw_formula(count)
 
-    return {op: only_backward(formula) for op, formula in {**flop_registry, **EXTRA_FORMULAS}.items()}
+    return {op: only_backward(formula) for op, formula in {**flop_registry, **ATTENTION_FLOP_FORMULAS}.items()}
 
 
 def _module_name(key: str, wanted: set[str]) -> str:
@@ -155,7 +148,9 @@ def count_step(engine: Any, batch: Any, model: nn.Module | None = None) -> StepC
         rows.append(ModuleCount(name, kind, sum(p.numel() for p in own)))
     params = frozenset(local(p).untyped_storage().data_ptr() for p in model.parameters())
     tracker = ModuleTracker()
-    everything = FlopCounterMode(display=False, custom_mapping=EXTRA_FORMULAS)
+    # torch's table lacks the CPU flash-attention kernels and, before torch 2.13, refuses
+    # grouped key/value heads (Hugging Face's Llama family): ours handle both.
+    everything = FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOP_FORMULAS)
     backward = FlopCounterMode(display=False, custom_mapping=_backward_only(tracker))
 
     wanted = {row.name for row in rows}

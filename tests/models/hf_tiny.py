@@ -88,12 +88,11 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 """Per ``model_type``: fields the generic rules cannot derive, or defaults the family itself
 cannot build from (applied last; a nested config's fields merge into its generic ones)."""
 
-
-
 _SIZE_BY_KEYS: tuple[tuple[frozenset[str] | set[str], int], ...] = (
     (_LAYER_KEYS, LAYERS), (_KV_KEYS, KV_HEADS), (_HEAD_KEYS, HEADS), (_HEAD_DIM_KEYS, HEAD_DIM),
     (_EXPERT_KEYS, EXPERTS), (_TOP_K_KEYS, TOP_K), (_POSITION_KEYS, POSITIONS), (_RANK_KEYS, 16))
 """Exact key names and the size they shrink to, checked in this order."""
+
 
 def _shrunk_value(key: str, value: Any) -> Any:
     """The tiny value of one config field, or ``value`` when it is not size-like."""
@@ -115,8 +114,8 @@ def _shrunk_value(key: str, value: Any) -> Any:
         small = HIDDEN
     elif "intermediate" in key or "ffn" in key or key in {"d_ff", "n_inner", "inner_dim"}:
         small = FFN
-    elif any(key in keys for keys, _ in _SIZE_BY_KEYS):
-        small = next(size for keys, size in _SIZE_BY_KEYS if key in keys)
+    elif (exact := next((size for keys, size in _SIZE_BY_KEYS if key in keys), None)) is not None:
+        small = exact
     elif key.endswith("vocab_size") and not key.startswith("type_"):
         small = VOCAB
     elif key == "rotary_dim":
