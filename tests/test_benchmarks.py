@@ -181,7 +181,7 @@ def test_cheap_model_is_tied_and_trains_with_a_finite_loss() -> None:
 def test_cpu_adam_tiny_run(capsys: pytest.CaptureFixture[str]) -> None:
     # DeepSpeedCPUAdam's JIT build takes over a minute of a CI run; the script's DeepSpeed row
     # is for the benchmark itself.
-    cpu_adam.main(["--numel", "100_000", "--tensors", "4", "--steps", "1",
+    cpu_adam.main(["--numel", "100_000", "--tensors", "4", "--steps", "1", "--triad-numel", "1_000_000",
                    "--only", "torch_fused,torch_foreach,torch_for_loop"])
     out = capsys.readouterr().out
     results = json.loads(out.splitlines()[-1].removeprefix("RESULTS "))
@@ -189,3 +189,7 @@ def test_cpu_adam_tiny_run(capsys: pytest.CaptureFixture[str]) -> None:
     assert {"torch_fused", "torch_foreach", "torch_for_loop"} <= set(rows)
     assert all(rows[n]["status"] == "ok" and rows[n]["params_s"] > 0 for n in ("torch_fused", "torch_for_loop"))
     assert rows["torch_fused"]["max_abs_diff"] < 1e-5
+    # The fraction of the host's bandwidth is the bytes an Adam step streams over the triad's rate.
+    fused = rows["torch_fused"]
+    assert fused["bytes_s"] == pytest.approx(fused["params_s"] * 28)
+    assert fused["bandwidth_fraction"] == pytest.approx(fused["bytes_s"] / results["host_memory_triad_bytes_s"])
