@@ -21,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
@@ -80,6 +82,21 @@ def torchrun_argv(spec: LaunchSpec, script: str, script_args: Sequence[str]) -> 
     return [*argv, script, *script_args]
 
 
+def local_ranks(nproc_per_node: str, cores: int) -> int:
+    """How many workers torchrun starts on this node for ``--nproc-per-node``: a number,
+    ``gpu`` (one per visible GPU), ``cpu`` (one per core) or ``auto`` (GPUs if any, else cores)."""
+    if nproc_per_node.isdigit():
+        return int(nproc_per_node)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return gpus if nproc_per_node == "gpu" or (nproc_per_node == "auto" and gpus) else cores
+
+
+def threads_per_rank(cores: int, nproc_per_node: int) -> int:
+    """Intra-op threads for each of ``nproc_per_node`` ranks sharing ``cores`` cores: an
+    equal share, at least one, so ranks never oversubscribe the cores between them."""
+    return max(1, cores // max(1, nproc_per_node))
+
+
 class _QuietShutdown(logging.Filter):
     """Drops torchrun's lines about a stop the user asked for (Ctrl-C/SIGTERM), which
     :func:`launch` says in one line of its own."""
@@ -126,6 +143,12 @@ def launch(spec: LaunchSpec, script: str, script_args: Sequence[str] = (), annou
         # restarts separately (a node that joins later starts at 0, so the per-restart
         # prefix is not common to all): then every round's rank 0 serves a fresh store.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # torchrun sets OMP_NUM_THREADS=1 for every rank when there are several per node, which
+    # leaves the host optimizer step (memory-bound, needs every core's load units) on one
+    # core per rank. Give each rank its share of the cores this process may use instead;
+    # a value the user set wins.
+    cores = len(os.sched_getaffinity(0))
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(cores, local_ranks(spec.nproc_per_node, cores))))
     try:
         run(parse_args(torchrun_argv(spec, script, script_args)))
     except ChildFailedError as exc:

@@ -14,7 +14,13 @@ from typing import Any
 
 import pytest
 
-from hybridtrain.parallel.launch import LaunchSpec, first_failure, torchrun_argv
+from hybridtrain.parallel.launch import (
+    LaunchSpec,
+    first_failure,
+    local_ranks,
+    threads_per_rank,
+    torchrun_argv,
+)
 
 FAILING_SCRIPT = """
 import sys
@@ -213,3 +219,31 @@ def test_a_plain_script_restarts_on_a_fresh_store(tmp_path: Path) -> None:
                           timeout=140)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.glob("round-*")) == ["round-1-rank-0", "round-1-rank-1"]
+
+
+@pytest.mark.parametrize(("cores", "nproc", "threads"), [(16, 4, 4), (16, 3, 5), (2, 4, 1), (8, 1, 8)])
+def test_each_rank_gets_its_share_of_the_cores(cores: int, nproc: int, threads: int) -> None:
+    assert threads_per_rank(cores, nproc) == threads
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("user_value", [None, "1"])
+def test_ranks_run_the_host_step_on_their_cores_unless_the_user_said(user_value: str | None,
+                                                                     tmp_path: Path) -> None:
+    # torchrun pins every rank to one thread when it starts several; the launcher hands out
+    # the cores this process may use instead, and an OMP_NUM_THREADS the user set wins.
+    script = tmp_path / "threads.py"
+    script.write_text("import os, torch\nprint('THREADS', os.environ['OMP_NUM_THREADS'], torch.get_num_threads())\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if user_value is not None:
+        env["OMP_NUM_THREADS"] = user_value
+    proc = subprocess.run([sys.executable, "-m", "hybridtrain.parallel.launch_cli", "--nproc-per-node", "1",
+                           str(script)], capture_output=True, text=True, timeout=50, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    expected = user_value or str(len(os.sched_getaffinity(0)))
+    assert f"THREADS {expected} {expected}" in proc.stdout
+
+
+@pytest.mark.parametrize(("nproc", "ranks"), [("3", 3), ("cpu", 16), ("auto", 16)])
+def test_local_ranks_follow_torchruns_words_on_a_cpu_node(nproc: str, ranks: int) -> None:
+    assert local_ranks(nproc, cores=16) == ranks
