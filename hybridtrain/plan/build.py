@@ -77,7 +77,7 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
     apply_device_map(model, dict(plan.device_map), device)
     parallel, runner, observers = _parallelize(plan, model, loss_fn, example_batch)
     if optimizer is None:
-        optimizer = build_optimizer(model.parameters(), cfg.optimizer.type, cfg.optimizer.params)
+        optimizer = build_optimizer(model.parameters(), cfg.optimizer.type, optimizer_params(plan))
     elif plan.pipeline is not None:
         _keep_held(optimizer, model)
     setup = _resume_fingerprint(plan, optimizer)
@@ -124,7 +124,7 @@ def _parallelize(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None,
     sizes, device = plan.sizes, plan.device
     if plan.sizes.world == 1:
         return ParallelRuntime(model), None, []
-    mesh.init_process_group(device, plan.config.distributed.timeout_s)
+    mesh.init_process_group(device, plan.config.distributed.timeout_s, host_collectives=_zero_offload(plan))
     # Made now, while the rendezvous store is alive: the save after a lost launcher (whose
     # process held that store) needs no store then.
     checkpoint_group()
@@ -161,10 +161,27 @@ def _parallelize(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None,
     return runtime, PipelineRunner(split, plan.pipeline, topology, device, plan.compute_dtype), []
 
 
+def _zero_offload(plan: TrainingPlan) -> bool:
+    """ZeRO across processes with FSDP2's CPU offload (shards and optimizer in host memory)."""
+    zero = plan.config.zero_optimization
+    return bool(plan.zero_stage) and plan.sizes.world > 1 and \
+        "cpu" in (zero.offload_param.device, zero.offload_optimizer.device)
+
+
+def optimizer_params(plan: TrainingPlan) -> dict[str, Any]:
+    """``optimizer.params`` as built: under ZeRO with CPU offload the step runs on host
+    DTensors, where torch's fused CPU Adam is several times faster than the default
+    per-tensor loop (same math); a ``fused`` the user set is kept."""
+    params = dict(plan.config.optimizer.params)
+    fusable = plan.config.optimizer.type.lower() in ("adam", "adamw") and params.get("bias_correction", True)
+    if _zero_offload(plan) and fusable and "fused" not in params and "foreach" not in params:
+        params["fused"] = True
+    return params
+
+
 def _zero_sharder(plan: TrainingPlan, topology: mesh.Topology) -> Sharder:
     """``shard(model, blocks)``: ZeRO over the data-parallel mesh dimension, as planned."""
-    zero = plan.config.zero_optimization
-    offload = "cpu" in (zero.offload_param.device, zero.offload_optimizer.device)
+    offload = _zero_offload(plan)
     dp_mesh = topology.submesh("dp")
 
     def shard(model: nn.Module, blocks: list[nn.Module]) -> None:

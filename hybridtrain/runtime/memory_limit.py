@@ -37,6 +37,8 @@ import torch
 # with modes", torch docs); the module is underscored but the class is the public API.
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hybridtrain.runtime.device import normalize_device
+
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _BYTES = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE]([+-]?\d+))?\s*([A-Za-z]*)\s*$")
@@ -137,9 +139,7 @@ class LiveTensorBytes:
     def __init__(self, device: str | torch.device = "cpu", limit_bytes: int | None = None,
                  record_timeline: bool = False, *, ignore: Iterable[torch.Tensor] = (),
                  held: Callable[[], Iterable[torch.Tensor]] | None = None) -> None:
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = normalize_device(device)
         if limit_bytes is not None and limit_bytes < 0:
             raise ValueError(f"limit_bytes = {limit_bytes} is negative; use a byte count >= 0 or None")
         self.device = device

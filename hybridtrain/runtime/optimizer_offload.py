@@ -45,6 +45,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hybridtrain.runtime import transfer
+from hybridtrain.runtime.device import normalize_device
 from hybridtrain.runtime.step_parts import step_part
 
 _NOT_HYPERPARAMS = ("params", "fused", "foreach", "capturable", "differentiable")
@@ -128,7 +129,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                  host_ratio: float = 1.0, bucket_numel: int = 500_000_000, defer: bool = False,
                  streamed: Sequence[Sequence[nn.Parameter]] = (), lasting_grads: bool = True,
                  late: frozenset[int] = frozenset()) -> None:
-        self.device = device
+        self.device = device = normalize_device(device)
         self.pin_memory = pin_memory
         self.defer = defer
         self._d2h = transfer.SideStream(device)
@@ -190,7 +191,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                                 for p in bucket.trained]
         self._final = False
         self._eager = False
-        self._finite = True
+        self._finite: torch.Tensor | None = None
+        """Whether every loss of this step so far was finite, on the device: reading it in
+        ``before_backward`` would drain the device before every micro-batch."""
         self.register_load_state_dict_post_hook(lambda opt: opt._after_load())  # type: ignore[attr-defined]
         transfer.note_cpu_offload(device, "optimizer offload")
 
@@ -236,16 +239,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """Called before each micro-batch's backward (``final``: last of the step).
 
         The eager step needs every micro-batch's loss to be finite: a step the engine
-        will skip or refuse must not have touched the host masters.
+        will skip or refuse must not have touched the host masters. That is decided on the
+        host worker, from a flag copied down with the gradients, never here (no sync).
         """
         with step_part("host_optimizer"):
             self._wait()
         for bucket in self.buckets:
             bucket.arrived = 0
         if not self.defer:
-            self._finite = self._finite and bool(torch.isfinite(loss.detach()).all())
+            finite = torch.isfinite(loss.detach()).all()
+            self._finite = finite if self._finite is None else self._finite & finite
         self._final = final
-        self._eager = final and not self.defer and self._finite
+        self._eager = final and not self.defer
 
     def after_backward(self, final: bool) -> None:
         """Called after each micro-batch's backward: land what no hook landed (unused
@@ -278,9 +283,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
             bucket.flat_grad = transfer.host_buffer(bucket.numel, bucket.flat_master.dtype, self.pin_memory,
                                                     self.device)
         through: torch.Tensor | None = None
+        finite: torch.Tensor | None = None
         landed: list[tuple[int, bool]] = []
         try:
             with step_part("transfer"), self._d2h.after_compute():
+                if self._eager and self._finite is not None:
+                    finite = transfer.host_empty(1, torch.bool, self.pin_memory, self.device)
+                    finite.copy_(self._finite.reshape(1), non_blocking=True)
                 for j, p in enumerate(bucket.params):
                     grad = p.grad
                     if grad is None:
@@ -294,6 +303,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                         through = self._pool.acquire(bucket.flat_master.nbytes).view(bucket.flat_master.dtype)
                     target = bucket.views(bucket.flat_grad if first and lasting else through)[j]  # type: ignore[arg-type]
                     target.copy_(grad, non_blocking=True)
+                    transfer.count_bytes("gradients_down", grad.numel() * grad.element_size())
                     self._d2h.keep_alive(grad)
                     p.grad = None
                     bucket.has_grad[j] = True
@@ -304,7 +314,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 then()
             if landed:
                 self._jobs.append(self._worker.submit(self._accumulate, bucket, landed, copied, through,
-                                                      self._eager))
+                                                      self._eager, finite))
         except BaseException:
             if through is not None:  # a lost pool buffer would block every later landing
                 transfer.host_waits(self._d2h.record())  # copies into it may be queued
@@ -320,13 +330,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ host side (worker)
     def _accumulate(self, bucket: Bucket, landed: list[tuple[int, bool]], copied: torch.cuda.Event | None,
-                    through: torch.Tensor | None, step: bool) -> None:
+                    through: torch.Tensor | None, step: bool, finite: torch.Tensor | None = None) -> None:
         try:
             transfer.host_waits(copied)
+            # A non-finite loss this step: the engine skips or refuses the step, so the
+            # masters stay as they are (the flag landed with the gradients).
+            step = step and (finite is None or bool(finite))
             if bucket.flat_grad is None:
                 # The step's only gradients, in a pooled buffer: step with them at once.
-                assert through is not None and step
-                self._step_bucket(bucket, bucket.views(through))
+                assert through is not None
+                if step:
+                    self._step_bucket(bucket, bucket.views(through))
                 return
             if through is not None:
                 grads, staged = bucket.views(bucket.flat_grad), bucket.views(through)
@@ -360,6 +374,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             with step_part("transfer"), self._h2d.after(bucket.copied):
                 for p, m in zip(bucket.params, bucket.masters, strict=True):
                     p.data.copy_(m.detach(), non_blocking=True)
+                    transfer.count_bytes("weights_up", p.numel() * p.element_size())
                 bucket.uploaded = self._h2d.record()
 
     @staticmethod
@@ -414,7 +429,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             bucket.stepped = False
             for p in bucket.params:
                 p.grad = None
-        self._finite = True
+        self._finite = None
 
     def _after_load(self) -> None:
         """After ``load_state_dict``: re-share the state and refresh masters from the
@@ -429,11 +444,23 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._device_optimizer.state = self.state
 
     def close(self) -> None:
-        """Stop the host worker thread and remove the gradient hooks from the parameters."""
+        """Stop the host worker thread, remove the gradient hooks from the parameters and
+        drop the host state (masters, gradient buffers, pool): a closed optimizer cannot
+        step, and whoever still holds it (an engine being replaced after an OOM) no longer
+        holds its pinned host memory while the next one is built."""
         self._worker.shutdown(wait=True)
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        self.state.clear()
+        for group in self.param_groups:
+            group["params"] = []
+        for bucket in self.buckets:
+            bucket.masters.clear()
+            bucket.flat_master = torch.empty(0, dtype=bucket.flat_master.dtype)
+            bucket.flat_grad = None
+            bucket.optimizer = None
+        self._pool = transfer.HostBufferPool(0, torch.uint8, False, torch.device("cpu"), 0)
 
     @property
     def host_numel(self) -> int:
