@@ -99,13 +99,13 @@ def _peak_activation_bytes(swap: bool) -> int:
     return torch.cuda.max_memory_allocated() - static
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_swapping_cuts_peak_activation_memory_3x() -> None:
     plain, swapped = _peak_activation_bytes(False), _peak_activation_bytes(True)
     assert plain >= 3 * swapped, (plain, swapped)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_result_equals_cpu_result() -> None:
     grads = []
     for device in ("cpu", "cuda"):

@@ -131,7 +131,7 @@ def test_incompatible_settings_are_rejected_with_the_reason(raw: dict, needle: s
         ht.initialize(CASE.build(), {"device": "cpu", **raw}, loss_fn=CASE.loss_fn)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_result_equals_cpu_result() -> None:
     results = []
     for device in ("cpu", "cuda"):
