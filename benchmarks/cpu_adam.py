@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--only", type=lambda s: s.split(","), default=None, metavar="NAME,NAME",
                         help=f"implementations to run (default: all of {', '.join(implementations())})")
+    parser.add_argument("--jsonl", default=None, help="append the rows to this file as JSON lines")
     args = parser.parse_args(argv)
     chosen = {name: f for name, f in implementations().items() if args.only is None or name in args.only}
     if args.only is not None and len(chosen) != len(set(args.only)):
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name, (rate, weights) in results.items():
         diff = max((float((w - r).abs().max()) for w, r in zip(weights, reference, strict=True)),
-                   default=math.nan)
+                   default=math.nan) if reference else math.nan  # without the for-loop run: nothing to compare
         print(f"{name:20s} {rate:14,.0f} {diff:20.2e} {fused / rate:8.2f}x")
         rows.append({"name": name, "status": "ok", "params_s": rate, "max_abs_diff": diff})
     for name, why in failed.items():
@@ -110,6 +111,12 @@ def main(argv: list[str] | None = None) -> None:
                "threads": torch.get_num_threads(), "rows": rows}
     # Strict JSON: NaN (nothing to compare with) becomes null.
     print("RESULTS " + json.dumps(json.loads(json.dumps(summary), parse_constant=lambda _: None)), flush=True)
+    if args.jsonl is not None:
+        with open(args.jsonl, "a") as fh:
+            for row in rows:
+                line = {"part": "host_optimizer", "numel": args.numel, "threads": torch.get_num_threads(),
+                        **row, "gparams_s": row["params_s"] / 1e9 if row["params_s"] else None}
+                fh.write(json.dumps(json.loads(json.dumps(line), parse_constant=lambda _: None)) + "\n")
 
 
 if __name__ == "__main__":
