@@ -64,7 +64,7 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
     # them, and the forward is wrapped before the parallel wrappers see the modules.
     if streamed:
         place_for_streaming(model, streamed, device)  # the blocks stay in host memory
-    else:
+    elif not sharded_build(plan):
         model.to(device)
     if checkpointed:
         disable_caches(model)
@@ -161,6 +161,41 @@ def _parallelize(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None,
     return runtime, PipelineRunner(split, plan.pipeline, topology, device, plan.compute_dtype), []
 
 
+def sharded_build(plan: TrainingPlan) -> bool:
+    """Whether each rank places only its shards (ZeRO across processes, nothing else that
+    splits the model): the whole model never lands on one device. ``fully_shard`` moves
+    each unit's parameters to the device and keeps this rank's shard; a model built on the
+    meta device is materialized shard by shard (:func:`materialize_shards`)."""
+    return plan.replication == "zero" and not plan.device_map
+
+
+def materialize_shards(model: nn.Module, device: torch.device) -> None:
+    """After ``fully_shard`` of a meta-device model: allocate each rank's shards (and the
+    buffers) on ``device`` and initialize them with the model's ``init_weights()`` (the
+    torchtitan convention), else each module's ``reset_parameters()``.
+
+    Raises:
+        ValueError: the model has neither (its meta weights would stay uninitialized).
+    """
+    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return
+    model.to_empty(device=device)
+    init = getattr(model, "init_weights", None)
+    if callable(init):
+        init()
+        return
+    resets = [m for m in model.modules() if callable(getattr(m, "reset_parameters", None))]
+    owned = {id(p) for m in resets for p in m.parameters(recurse=False)}
+    missing = [n for n, p in model.named_parameters() if id(p) not in owned]
+    if missing:
+        raise ValueError(f"model built on the meta device: {type(model).__name__} has no init_weights() and "
+                         f"{missing[0]} has no reset_parameters(); give the model an init_weights() method, or "
+                         "build it on the CPU")
+    with torch.no_grad():
+        for module in resets:
+            module.reset_parameters()
+
+
 def _zero_offload(plan: TrainingPlan) -> bool:
     """ZeRO across processes with FSDP2's CPU offload (shards and optimizer in host memory)."""
     zero = plan.config.zero_optimization
@@ -186,6 +221,9 @@ def _zero_sharder(plan: TrainingPlan, topology: mesh.Topology) -> Sharder:
 
     def shard(model: nn.Module, blocks: list[nn.Module]) -> None:
         apply_zero(model, blocks, dp_mesh, plan.zero_stage, plan.compute_dtype, offload)
+        if sharded_build(plan):
+            # Offloaded shards live in host memory (FSDP2 moves them to the device per unit).
+            materialize_shards(model, torch.device("cpu") if offload else plan.device)
     return shard
 
 

@@ -35,7 +35,7 @@ import torch
 
 # The documented extension point for seeing every aten op ("Extending all of torch API
 # with modes", torch docs); the module is underscored but the class is the public API.
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from hybridtrain.runtime.device import normalize_device
 
@@ -188,6 +188,11 @@ class LiveTensorBytes:
         self.peak_bytes = self.current_bytes
 
     def _storage_of(self, tensor: torch.Tensor) -> torch.UntypedStorage | None:
+        if is_traceable_wrapper_subclass(tensor):
+            # A DTensor (or another wrapper) owns no memory: its inner tensors do, and this
+            # mode sees them as the subclass's own ops run; its nominal storage has the full,
+            # unsharded size, and would count a shard as the whole tensor.
+            return None
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):  # sparse, some wrapper subclasses
