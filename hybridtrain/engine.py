@@ -139,7 +139,7 @@ class Engine:
             value = float(self.parallel.mean_loss(total).item())
             with self._timed("step"):
                 self._optimizer_step(value)
-        self.last_timings = StepTimings(**clock.seconds) if clock else StepTimings()
+        self.last_timings = StepTimings(**clock.seconds) if clock else StepTimings()  # type: ignore[arg-type]
         self.last_timings.total = time.perf_counter() - start
         self.last_timings.transfer_bytes = transfer.take_counts()
         return value
