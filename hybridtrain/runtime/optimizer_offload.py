@@ -290,6 +290,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 if self._eager and self._finite is not None:
                     finite = transfer.host_empty(1, torch.bool, self.pin_memory, self.device)
                     finite.copy_(self._finite.reshape(1), non_blocking=True)
+                    self._d2h.keep_alive(self._finite)  # the next micro-batch replaces it
                 for j, p in enumerate(bucket.params):
                     grad = p.grad
                     if grad is None:

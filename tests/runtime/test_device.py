@@ -56,7 +56,8 @@ def _expected(mode: str, model: torch.nn.Module) -> dict[str, int]:
     raise AssertionError(mode)
 
 
-@pytest.mark.parametrize("device", ["cpu", "cpu:0", pytest.param("cuda", marks=pytest.mark.cuda)])
+# "cpu" itself: the equivalence suite, and the swap test below (same bytes as "cpu:0").
+@pytest.mark.parametrize("device", ["cpu:0", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("mode", ["swap_checkpoint_bf16", "offload_opt", "stream_host_accum2_clip"])
 def test_techniques_move_the_bytes_their_sizes_say_on_every_spelling_of_the_device(mode: str, device: str) -> None:
     """On CUDA too: ``device: cuda`` used to stay index-less, and swapping kept everything
