@@ -180,6 +180,16 @@ def materialize_shards(model: nn.Module, device: torch.device) -> None:
     if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         return
     model.to_empty(device=device)
+    # DTensor's random ops draw each shard from its own offset of one stream on CUDA; on a
+    # CPU mesh each rank draws its shard locally, so every rank would get the same values:
+    # a seed per rank (derived from the common state, which is left as it was) avoids that.
+    with torch.random.fork_rng(devices=[]):
+        if device.type == "cpu" and torch.distributed.is_initialized():
+            torch.manual_seed(int(torch.randint(2**62, ())) + torch.distributed.get_rank())
+        _initialize(model)
+
+
+def _initialize(model: nn.Module) -> None:
     init = getattr(model, "init_weights", None)
     if callable(init):
         init()

@@ -48,8 +48,10 @@ def _build_on_meta_under_zero3(layers: int, width: int) -> dict[str, float]:
         engine = ht.initialize(model, config, loss_fn=causal_lm_loss)
     held = sum(p.to_local().numel() * p.element_size() for p in engine.module.parameters())  # type: ignore[attr-defined]
     tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(1))
+    first = engine.module.blocks[0].mlp.fc.weight.to_local()  # type: ignore[union-attr]
+    shard = (float(first.mean()), float(first.std()))
     loss = engine.train_batch(engine.local_batch((tokens[:, :-1], tokens[:, 1:])))
-    return {"full": full, "largest": largest, "peak": live.peak_bytes, "held": held, "loss": loss}
+    return {"full": full, "largest": largest, "peak": live.peak_bytes, "held": held, "loss": loss, "shard": shard}
 
 
 def test_zero3_builds_a_meta_model_with_half_the_bytes_per_rank() -> None:
@@ -63,5 +65,7 @@ def test_zero3_builds_a_meta_model_with_half_the_bytes_per_rank() -> None:
         # parameter more in flight; the full model would be twice that.
         assert r["held"] <= r["full"] / 2 + r["largest"]
         assert 0.45 * r["full"] <= r["peak"] <= r["full"] / 2 + 2 * r["largest"], r
+    # Each rank drew its own shard (GPT-2's std 0.02), not a copy of the other's.
+    assert ranks[0]["shard"] != ranks[1]["shard"] and all(abs(r["shard"][1] - 0.02) < 2e-3 for r in ranks)
     # GPT-2's init gives a loss near ln(vocab); both ranks report the same mean.
     assert ranks[0]["loss"] == ranks[1]["loss"] and abs(ranks[0]["loss"] - math.log(256)) < 0.5
