@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import inspect
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +46,14 @@ from torch.utils.hooks import RemovableHandle
 
 from hybridtrain.runtime import transfer
 from hybridtrain.runtime.device import normalize_device
+from hybridtrain.runtime.offload_layout import (
+    POOLED_BUFFERS,
+    bucket_dtype,
+    check_host_memory,
+    chunks,
+    device_kept,
+    master_dtype,
+)
 from hybridtrain.runtime.step_parts import step_part
 
 _NOT_HYPERPARAMS = ("params", "fused", "foreach", "capturable", "differentiable")
@@ -144,20 +152,20 @@ class OffloadOptimizer(torch.optim.Optimizer):
         several backward passes per micro-batch, so hook arrival counts mean nothing)."""
         streamed_ids = {id(p) for block in streamed for p in block}
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        on_device = _device_kept(params, host_ratio, streamed_ids)
+        on_device = device_kept(params, host_ratio, streamed_ids)
         group_index = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
         auto = [p for p in params if id(p) not in streamed_ids and id(p) not in on_device]
         plan = [(list(block), True) for block in streamed] + \
-            [(chunk, False) for chunk in _chunks(list(reversed(auto)), bucket_numel)]
+            [(chunk, False) for chunk in chunks(list(reversed(auto)), bucket_numel)]
         largest = max((sum(p.numel() * master_dtype(p).itemsize for p in ps) for ps, _ in plan), default=0)
-        _check_host_memory(params, on_device, optimizer, lasting_grads or defer, _POOLED_BUFFERS * largest)
+        check_host_memory(params, on_device, optimizer, lasting_grads or defer, POOLED_BUFFERS * largest)
 
         self.buckets: list[Bucket] = []
         for bucket_params, is_streamed in plan:
             self.buckets.append(self._make_bucket(bucket_params, is_streamed, group_index))
         master_of = {id(p): m for b in self.buckets for p, m in zip(b.params, b.masters, strict=True)}
         # Pooled buffers are bytes viewed as each bucket's master type (fp64 models keep fp64).
-        self._pool = transfer.HostBufferPool(largest, torch.uint8, pin_memory, device, _POOLED_BUFFERS)
+        self._pool = transfer.HostBufferPool(largest, torch.uint8, pin_memory, device, POOLED_BUFFERS)
 
         groups = []
         for g in optimizer.param_groups:
@@ -200,7 +208,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ construction
     def _make_bucket(self, params: list[nn.Parameter], streamed: bool, group_index: dict[int, int]) -> Bucket:
         numel = sum(p.numel() for p in params)
-        dtype = _bucket_dtype(params)
+        dtype = bucket_dtype(params)
         flat_master = transfer.host_buffer(numel, dtype, self.pin_memory, self.device)
         bucket = Bucket(len(self.buckets), params, [], flat_master, streamed,
                         group_of=[group_index[id(p)] for p in params], has_grad=[False] * len(params))
@@ -482,67 +490,3 @@ def _sync_hyperparams(inner: torch.optim.Optimizer, outer: torch.optim.Optimizer
         for key, value in outer.param_groups[group["_outer"]].items():
             if key not in _NOT_HYPERPARAMS:
                 group[key] = value
-
-
-def _device_kept(params: list[nn.Parameter], host_ratio: float, streamed: set[int]) -> set[int]:
-    """Twin-flow: the last parameters, ``1 - host_ratio`` of the elements, stay on the device."""
-    candidates = [p for p in params if id(p) not in streamed]
-    budget = (1.0 - host_ratio) * sum(p.numel() for p in candidates)
-    kept: set[int] = set()
-    for p in reversed(candidates):
-        if budget <= 0:
-            break
-        kept.add(id(p))
-        budget -= p.numel()
-    return kept
-
-
-def master_dtype(param: torch.Tensor) -> torch.dtype:
-    """The host master's type: fp64 for an fp64 parameter (an fp64 model trains in fp64, as
-    the plain loop does), fp32 for every other (mixed precision's fp32 masters; fp8 too)."""
-    return torch.float64 if param.dtype == torch.float64 else torch.float32
-
-
-def _bucket_dtype(params: list[nn.Parameter]) -> torch.dtype:
-    dtypes = {master_dtype(p) for p in params}
-    if len(dtypes) > 1:
-        raise ValueError(f"a streamed block's parameters need one master type, found {sorted(map(str, dtypes))}: "
-                         "give the block's parameters one dtype")
-    return dtypes.pop() if dtypes else torch.float32
-
-
-def _chunks(params: list[nn.Parameter], numel: int) -> Iterable[list[nn.Parameter]]:
-    """Runs of ``params`` of about ``numel`` elements, each of one master type."""
-    chunk: list[nn.Parameter] = []
-    size = 0
-    for p in params:
-        if chunk and (size + p.numel() > numel or master_dtype(p) != master_dtype(chunk[0])):
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(p)
-        size += p.numel()
-    if chunk:
-        yield chunk
-
-
-_POOLED_BUFFERS = 3
-"""Host buffers gradients pass through: one being copied down, one stepped with, one spare."""
-
-
-def host_state_bytes(numel: int, optimizer: torch.optim.Optimizer, lasting_grads: bool = True) -> int:
-    """Host bytes for ``numel`` offloaded elements: the fp32 master, the fp32 gradient when
-    gradients wait in host memory, and the optimizer's per-element state (two fp32 moments
-    for the Adam family)."""
-    name = type(optimizer).__name__.lower()
-    state = 8 if "adam" in name else 4
-    return numel * (4 + (4 if lasting_grads else 0) + state)
-
-
-def _check_host_memory(params: list[nn.Parameter], on_device: set[int], optimizer: torch.optim.Optimizer,
-                       lasting_grads: bool, pool_bytes: int) -> None:
-    # in fp32 elements: an fp64 master, its gradient and state take twice the bytes
-    numel = sum(p.numel() * master_dtype(p).itemsize // 4 for p in params if id(p) not in on_device)
-    cpu_resident = sum(p.numel() * p.element_size() for p in params if p.device.type == "cpu")
-    # Parameters already in host memory (CPU device, streamed blocks) are replaced, not added to.
-    needed = host_state_bytes(numel, optimizer, lasting_grads) + min(pool_bytes, 4 * numel) - cpu_resident
-    transfer.check_host_memory(needed, "optimizer offload")
