@@ -172,6 +172,9 @@ def split_pipeline(model: nn.Module, blocks: BlockList, settings: PipelinePlan, 
               f"(partition by {settings.partition if isinstance(settings.partition, str) else 'config'})",
               flush=True)
     router = StageRouter(blocks, list(layout.bounds), local, settings.usage.tuple_output)
+    # Other ranks' blocks are hollow now: only this rank's stage (and what lives outside the
+    # blocks) goes to the device (a no-op where the whole model was placed to be timed).
+    model.to(device)
     if shard is not None:  # after hollowing: only this rank's blocks become units
         shard(model, [b for b in blocks if not isinstance(b, HollowBlock)])
     router.install_exits(blocks)

@@ -162,11 +162,17 @@ def _parallelize(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None,
 
 
 def sharded_build(plan: TrainingPlan) -> bool:
-    """Whether each rank places only its shards (ZeRO across processes, nothing else that
-    splits the model): the whole model never lands on one device. ``fully_shard`` moves
-    each unit's parameters to the device and keeps this rank's shard; a model built on the
-    meta device is materialized shard by shard (:func:`materialize_shards`)."""
-    return plan.replication == "zero" and not plan.device_map
+    """Whether each rank places only its part, so the whole model never lands on one device:
+    under ZeRO across processes (nothing else splitting the model) ``fully_shard`` moves each
+    unit's parameters to the device and keeps this rank's shard, and a model built on the
+    meta device is materialized shard by shard (:func:`materialize_shards`); a pipeline
+    (without tensor parallel) moves only this rank's stage, after hollowing the other
+    ranks' blocks — unless ``partition: time`` must run the whole model first."""
+    if plan.device_map:
+        return False
+    if plan.pipeline is not None:
+        return not plan.tensor_plan and plan.pipeline.counts is not None
+    return plan.replication == "zero"
 
 
 def materialize_shards(model: nn.Module, device: torch.device) -> None:
