@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="fp32 elements per triad array (default 64Mi: 256 MiB, beyond the caches)")
     parser.add_argument("--only", type=lambda s: s.split(","), default=None, metavar="NAME,NAME",
                         help=f"implementations to run (default: all of {', '.join(implementations())})")
+    parser.add_argument("--jsonl", default=None, help="append the rows to this file as JSON lines")
     args = parser.parse_args(argv)
     chosen = {name: f for name, f in implementations().items() if args.only is None or name in args.only}
     if args.only is not None and len(chosen) != len(set(args.only)):
@@ -128,6 +129,12 @@ def main(argv: list[str] | None = None) -> None:
                "threads": torch.get_num_threads(), "host_memory_triad_bytes_s": bandwidth, "rows": rows}
     # Strict JSON: NaN (nothing to compare with) becomes null.
     print("RESULTS " + json.dumps(json.loads(json.dumps(summary), parse_constant=lambda _: None)), flush=True)
+    if args.jsonl is not None:
+        with open(args.jsonl, "a") as fh:
+            for row in rows:
+                line = {"part": "host_optimizer", "numel": args.numel, "threads": torch.get_num_threads(),
+                        "host_memory_triad_bytes_s": bandwidth, **row, "gparams_s": row["params_s"] / 1e9 if row["params_s"] else None}
+                fh.write(json.dumps(json.loads(json.dumps(line), parse_constant=lambda _: None)) + "\n")
 
 
 if __name__ == "__main__":

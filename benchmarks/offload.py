@@ -89,8 +89,12 @@ class Result:
     tflops: float = math.nan
     mfu: float = math.nan
     peak_gib: float = math.nan
+    reserved_gib: float = math.nan
+    """Peak memory the CUDA caching allocator reserved: what the device's capacity limits."""
     host_gib: float = math.nan
     params: int = 0
+    transfer_bytes: dict[str, int] | None = None
+    """Host⇄device bytes of the last timed step by kind (our engine only)."""
 
     @property
     def ok(self) -> bool:
@@ -236,8 +240,11 @@ def run_isolated(name: str, setup: Setup, run: Callable[[], Result], needs_host:
     rss = _rss("VmRSS", reset=True)
     try:
         result = run()
-        peak = torch.cuda.max_memory_allocated() / GIB if setup.device == "cuda" else math.nan
-        result = replace(result, peak_gib=peak, host_gib=(_rss("VmHWM") - rss) / GIB if rss >= 0 else math.nan)
+        cuda = setup.device == "cuda"
+        peak = torch.cuda.max_memory_allocated() / GIB if cuda else math.nan
+        reserved = torch.cuda.max_memory_reserved() / GIB if cuda else math.nan
+        result = replace(result, peak_gib=peak, reserved_gib=reserved,
+                         host_gib=(_rss("VmHWM") - rss) / GIB if rss >= 0 else math.nan)
     except Exception as exc:  # torch.OutOfMemoryError, HostMemoryError, an op that failed to build, …
         result = Result(name, _why(exc), params=gpt_param_count(setup.model))
         # The exception can outlive this block (layer-major streaming keeps a failed worker's),
@@ -274,7 +281,8 @@ def measure(setup: Setup, name: str) -> Result:
     config = {"device": setup.device, "model": {"blocks": "blocks"}, **setup.settings(**copy.deepcopy(MODES[name]))}
     engine = ht.initialize(build_model(setup.model), config, loss_fn=causal_lm_loss)
     data = setup.data()
-    return _time(setup, name, lambda: engine.train_batch(data))
+    result = _time(setup, name, lambda: engine.train_batch(data))
+    return replace(result, transfer_bytes=dict(engine.last_timings.transfer_bytes))
 
 
 def measure_fsdp2(setup: Setup) -> Result:
@@ -389,6 +397,15 @@ def _single_process_group(device: str) -> None:
     dist.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
 
 
+def _emit(path: str | None, common: dict[str, Any], row: dict[str, Any]) -> None:
+    """Append ``common | row`` to ``path`` as one strict-JSON line (NaN → null), at once."""
+    if path is None:
+        return
+    line = json.dumps(json.loads(json.dumps({**common, **row}), parse_constant=lambda _: None), allow_nan=False)
+    with open(path, "a") as fh:
+        fh.write(line + "\n")
+
+
 def _told(run: Callable[[], Result]) -> Result:
     """``run()``, told on stderr at once: a call cut off by its time limit still shows results."""
     start = time.perf_counter()
@@ -452,6 +469,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--search-budget-s", type=float, default=480.0, help="time for the whole search")
     parser.add_argument("--search-max-layers", type=int, default=512)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="device bf16 peak (H100 SXM: 989)")
+    parser.add_argument("--jsonl", default=None, help="append each row to this file as soon as it is measured "
+                                                      "(a run cut off by its time limit keeps what it measured)")
+    parser.add_argument("--part", default="offload", help="the rows' part field in --jsonl")
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in (("n_layer", args.n_layer), ("seq_len", args.seq_len)) if v is not None}
     setup = Setup(gpt_config(args.size, **overrides), args.batch, args.accumulation, args.steps, args.device,
@@ -466,22 +486,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     modes: list[Result] = []
     baselines: list[Result] = []
     depths: list[Depth] = []
+    emit = functools.partial(_emit, args.jsonl, {"part": args.part, "size": args.size, "n_layer": cfg.n_layer,
+                                                 "tokens_per_step": args.batch * args.accumulation * cfg.seq_len,
+                                                 "device": args.device})
     if not args.search_only:
         # The process's first run pays one-off costs (CUDA context, kernels, allocator, thread
         # pools) that would land on whichever configuration came first: a 1-layer plain step.
         warm = setup.depth(1, steps=0)
         run_isolated("warm-up", warm, functools.partial(measure, warm, "plain"), host_bytes(warm, "plain"))
-        modes = [_told(functools.partial(run_isolated, name, setup, functools.partial(measure, setup, name),
-                                         host_bytes(setup, name))) for name in args.modes]
+        for name in args.modes:
+            modes.append(_told(functools.partial(run_isolated, name, setup, functools.partial(measure, setup, name),
+                                                 host_bytes(setup, name))))
+            emit({"kind": "mode", **asdict(modes[-1])})
     if args.search:  # before DeepSpeed, whose global state must not touch our probes
         deadline = time.perf_counter() + args.search_budget_s
         for index, name in enumerate(args.modes):  # each mode gets an equal share of what is left
             share = max(deadline - time.perf_counter(), 0.0) / (len(args.modes) - index)
             depths.append(largest_depth(setup, name, args.search_max_layers, share))
+            emit({"kind": "depth", **asdict(depths[-1])})
     for name in [] if args.no_baselines or args.search_only else args.baselines:
         run = baseline_run(setup, name)
         baselines.append(Result(name, run, params=gpt_param_count(cfg)) if isinstance(run, str) else
                          _told(functools.partial(run_isolated, name, setup, run, host_bytes(setup, name))))
+        emit({"kind": "baseline", "peer": PEERS[name], **asdict(baselines[-1])})
     report(modes, baselines, depths)
     summary = {"setup": {"size": args.size, **asdict(cfg), "micro_batch": args.batch, "accumulation": args.accumulation,
                          "steps": args.steps, "device": args.device, "torch": torch.__version__},

@@ -28,6 +28,7 @@ from hybridtrain import checkpoint as ckpt
 from hybridtrain.config import BatchSizes
 from hybridtrain.parallel.mesh import Topology
 from hybridtrain.parallel.replicated import ParallelRuntime
+from hybridtrain.runtime import transfer
 from hybridtrain.runtime.batch import (
     Batch,
     LossFn,
@@ -125,6 +126,7 @@ class Engine:
             NonFiniteLossError: inf/NaN loss with ``nonfinite_loss: error``.
         """
         start = time.perf_counter()
+        transfer.take_counts()  # what moved outside a step (evaluation) is not this step's
         self.module.train()
         micro_batches = split_batch(batch, self.options.batch.accumulation_steps)
         self.optimizer.zero_grad(set_to_none=True)
@@ -137,8 +139,9 @@ class Engine:
             value = float(self.parallel.mean_loss(total).item())
             with self._timed("step"):
                 self._optimizer_step(value)
-        self.last_timings = StepTimings(**clock.seconds) if clock else StepTimings()
+        self.last_timings = StepTimings(**clock.seconds) if clock else StepTimings()  # type: ignore[arg-type]
         self.last_timings.total = time.perf_counter() - start
+        self.last_timings.transfer_bytes = transfer.take_counts()
         return value
 
     def eval_batch(self, batch: Batch) -> float:
@@ -201,6 +204,7 @@ class Engine:
         value = float(self.parallel.mean_loss(self._manual_loss).item()) if self._manual_loss is not None else 0.0
         self._manual_micro_steps, self._manual_loss = 0, None
         self._optimizer_step(value)
+        self.last_timings.transfer_bytes = transfer.take_counts()  # since the last step
         # As DeepSpeed: gradients are cleared after the update, so every backward of the
         # next window (several per micro-batch, e.g. a GAN's) adds to a clean slate.
         self.optimizer.zero_grad(set_to_none=True)

@@ -418,7 +418,8 @@ def _micro_progress(bar: tqdm, postfix: dict[str, str]) -> Callable[[int, int], 
 
 
 _NOT_PRINTED = frozenset({"samples_per_s", "step_time_s", "data_s", "memory_allocated_bytes",
-                          "memory_reserved_bytes", "alloc_retries", "ooms", "pinned_host_bytes", "restarts"})
+                          "memory_reserved_bytes", "alloc_retries", "ooms", "pinned_host_bytes", "restarts",
+                          "transfer_bytes", "peak_memory_reserved_bytes"})
 """Record fields left out of the printed ``step=…`` line (they stay in metrics.jsonl)."""
 
 
@@ -430,6 +431,7 @@ def _step_record(engine: Engine, step: int, loss: float, tokens_per_s: float) ->
     memory = memory_readings(engine.device)
     record["peak_memory_bytes"] = memory.pop("peak_memory_bytes")
     record.update(memory)
+    record["transfer_bytes"] = dict(engine.last_timings.transfer_bytes)
     if engine.scaler is not None:
         record["loss_scale"] = engine.loss_scale
     if engine.skipped_steps:

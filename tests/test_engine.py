@@ -95,7 +95,7 @@ def test_user_optimizer_and_readings() -> None:
     assert t.forward > 0 and t.backward > 0 and t.step > 0 and t.total >= t.forward + t.backward
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_cuda_matches_plain_loop() -> None:
     case = model_cases()["gpt_tied"]
     cfg = engine_config(MODES["accum2"], device="cuda")

@@ -134,12 +134,19 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
         if not any(p.is_meta for p in self.parameters()):
-            self.apply(self._init_weights)
-            # GPT-2's scaled init of the residual projections keeps the residual stream's
-            # variance independent of depth.
-            for name, p in self.named_parameters():
-                if name.endswith("proj.weight"):
-                    nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """GPT-2's initialization, in place: what the constructor does, and what a model
+        built on the meta device and materialized (``to_empty``, each rank its shard) calls
+        to get weights. On sharded parameters each rank initializes its own shard."""
+        self.apply(self._init_weights)
+        # GPT-2's scaled init of the residual projections keeps the residual stream's
+        # variance independent of depth.
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
 
     def _apply(self, fn: Any, recurse: bool = True) -> GPT:
         # ``to_empty`` (materialising a meta-device build) makes a new parameter per module,
@@ -157,6 +164,9 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, nn.LayerNorm):  # the constructor's values (no random draw)
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
 
     # Tensor parallel: the plan lives with the model (as in torchtitan) and
     # hybridtrain.parallel.tensor discovers these methods by name, so parallel code never

@@ -9,6 +9,8 @@ adds ``kind``.
 
 from __future__ import annotations
 
+from hybridtrain.runtime import transfer as _transfer
+
 PREFIX = "hybridtrain_"
 
 METRICS: dict[str, str] = {
@@ -23,7 +25,8 @@ METRICS: dict[str, str] = {
     "hybridtrain_tflops": "Achieved model TFLOP/s of the latest step over all ranks (FLOPs per token × tokens/s).",
     "hybridtrain_mfu": "Model FLOPs utilisation: tflops / (device bf16 dense peak × world size); absent when the peak is unknown (CPU).",
     "hybridtrain_step_seconds": "Seconds of the latest step by part (all but data and total need wall_clock_breakdown).",
-    "hybridtrain_device_memory_bytes": "Device memory by kind: allocated, reserved (CUDA caching allocator), peak (CUDA peak allocated; peak RSS on CPU).",
+    "hybridtrain_device_memory_bytes": "Device memory by kind: allocated, reserved (CUDA caching allocator), peak (CUDA peak allocated; peak RSS on CPU), peak_reserved (CUDA peak reserved: what a memory cap counts).",
+    "hybridtrain_transfer_bytes": "Bytes copied between host and device in the latest step, by kind (activations_out/in, weights_up, gradients_down, device_map).",
     "hybridtrain_device_alloc_retries_total": "CUDA caching-allocator retries (cudaMalloc failed, cache flushed, retried).",
     "hybridtrain_device_ooms_total": "CUDA out-of-memory errors raised by the caching allocator.",
     "hybridtrain_pinned_host_bytes": "Page-locked host memory held by torch's caching pinned allocator.",
@@ -37,8 +40,11 @@ STEP_PARTS: tuple[str, ...] = ("forward", "backward", "interleaved", "optimizer"
                                "communication", "host_optimizer", "data", "total")
 """Values of the ``part`` label of ``hybridtrain_step_seconds``."""
 
-MEMORY_KINDS: tuple[str, ...] = ("allocated", "reserved", "peak")
+MEMORY_KINDS: tuple[str, ...] = ("allocated", "reserved", "peak", "peak_reserved")
 """Values of the ``kind`` label of ``hybridtrain_device_memory_bytes``."""
+
+TRANSFER_KINDS: tuple[str, ...] = _transfer.TRANSFER_KINDS
+"""Values of the ``kind`` label of ``hybridtrain_transfer_bytes``."""
 
 COUNTERS: frozenset[str] = frozenset(name for name in METRICS if name.endswith("_total"))
 """The names exposed as Prometheus counters (the rest are gauges)."""

@@ -18,7 +18,13 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from hybridtrain.monitoring.metric_names import COUNTERS, MEMORY_KINDS, METRICS, STEP_PARTS
+from hybridtrain.monitoring.metric_names import (
+    COUNTERS,
+    MEMORY_KINDS,
+    METRICS,
+    STEP_PARTS,
+    TRANSFER_KINDS,
+)
 
 Key = tuple[str, str | None]
 """(metric name, value of its second label or None)."""
@@ -46,9 +52,11 @@ RECORD_FIELDS: dict[str, Key] = {
     "memory_allocated_bytes": ("hybridtrain_device_memory_bytes", "allocated"),
     "memory_reserved_bytes": ("hybridtrain_device_memory_bytes", "reserved"),
     "peak_memory_bytes": ("hybridtrain_device_memory_bytes", "peak"),
+    "peak_memory_reserved_bytes": ("hybridtrain_device_memory_bytes", "peak_reserved"),
     "alloc_retries": ("hybridtrain_device_alloc_retries_total", None),
     "ooms": ("hybridtrain_device_ooms_total", None),
     "pinned_host_bytes": ("hybridtrain_pinned_host_bytes", None),
+    "transfer_bytes": ("hybridtrain_transfer_bytes", None),  # an object: one series per kind
     "checkpoint_s": ("hybridtrain_checkpoint_seconds", None),
     "checkpoint_bytes": ("hybridtrain_checkpoint_bytes", None),
     "restarts": ("hybridtrain_restarts_total", None),
@@ -67,12 +75,16 @@ DEFAULTS: dict[Key, float] = {
 they are at their resting value: no fp16, nothing skipped, no CUDA allocator)."""
 
 _SECOND_LABEL = {"hybridtrain_step_seconds": ("part", STEP_PARTS),
-                 "hybridtrain_device_memory_bytes": ("kind", MEMORY_KINDS)}
+                 "hybridtrain_device_memory_bytes": ("kind", MEMORY_KINDS),
+                 "hybridtrain_transfer_bytes": ("kind", TRANSFER_KINDS)}
 
 
 def snapshot_of(record: Mapping[str, Any]) -> dict[Key, float]:
     """The series values a metrics.jsonl record sets (unknown and non-numeric fields ignored)."""
     out: dict[Key, float] = {}
+    for kind, nbytes in (record.get("transfer_bytes") or {}).items():  # one object, a series per kind
+        if kind in TRANSFER_KINDS:
+            out[("hybridtrain_transfer_bytes", kind)] = float(nbytes)
     for field, value in record.items():
         key = RECORD_FIELDS.get(field)
         if key is not None and isinstance(value, int | float) and not isinstance(value, bool):

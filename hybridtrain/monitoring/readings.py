@@ -44,7 +44,7 @@ def memory_readings(device: torch.device) -> dict[str, int]:
     """This process's memory figures, as step-record fields.
 
     CUDA: ``memory_allocated_bytes``, ``memory_reserved_bytes``, ``peak_memory_bytes``
-    (peak allocated since the last reset), ``alloc_retries``, ``ooms`` and
+    (peak allocated since the last reset), ``peak_memory_reserved_bytes``, ``alloc_retries``, ``ooms`` and
     ``pinned_host_bytes`` (torch's caching pinned allocator). CPU: ``peak_memory_bytes``
     (peak resident set size), the figure ``metrics.jsonl`` always had.
     """
@@ -56,6 +56,8 @@ def memory_readings(device: torch.device) -> dict[str, int]:
         "memory_allocated_bytes": int(stats.get("allocated_bytes.all.current", 0)),
         "memory_reserved_bytes": int(stats.get("reserved_bytes.all.current", 0)),
         "peak_memory_bytes": int(stats.get("allocated_bytes.all.peak", 0)),
+        # What set_per_process_memory_fraction caps and an OOM is measured against.
+        "peak_memory_reserved_bytes": int(stats.get("reserved_bytes.all.peak", 0)),
         "alloc_retries": int(stats.get("num_alloc_retries", 0)),
         "ooms": int(stats.get("num_ooms", 0)),
     }

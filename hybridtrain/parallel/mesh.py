@@ -77,12 +77,20 @@ def resolve_sizes(world_size: int, dp: int, tp: int, pp: int,
     return sizes[names[0]], sizes[names[1]], sizes[names[2]]
 
 
-def backend_for(device: torch.device) -> str:
-    """The collective backend for a device: NCCL on CUDA, gloo on CPU."""
-    return "nccl" if device.type == "cuda" else "gloo"
+def backend_for(device: torch.device, host_collectives: bool = False) -> str:
+    """The collective backend for a device: NCCL on CUDA, gloo on CPU.
+
+    ``host_collectives``: CUDA ranks also reduce host tensors (ZeRO with CPU offload: FSDP2's
+    ``CPUOffloadPolicy`` keeps the shards and gradients in host memory, so gradient-norm
+    clipping and ``full_tensor()`` run collectives on CPU tensors, which NCCL refuses with
+    "No backend type associated with device type cpu"); then each device type gets its
+    backend, as torchtitan does."""
+    if device.type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if host_collectives else "nccl"
 
 
-def init_process_group(device: torch.device, timeout_s: float = 600.0) -> None:
+def init_process_group(device: torch.device, timeout_s: float = 600.0, host_collectives: bool = False) -> None:
     """Join the process group ``torchrun`` described in the environment (idempotent).
 
     A finite timeout turns a peer that died mid-collective into an error instead of a hang.
@@ -96,9 +104,9 @@ def init_process_group(device: torch.device, timeout_s: float = 600.0) -> None:
     timeout = timedelta(seconds=timeout_s)
     store = restart_store(timeout)
     if store is None:
-        dist.init_process_group(backend_for(device), timeout=timeout)
+        dist.init_process_group(backend_for(device, host_collectives), timeout=timeout)
     else:
-        dist.init_process_group(backend_for(device), timeout=timeout, store=store,
+        dist.init_process_group(backend_for(device, host_collectives), timeout=timeout, store=store,
                                 rank=int(os.environ["RANK"]), world_size=env_world_size())
 
 

@@ -18,10 +18,20 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from hybridtrain.runtime import transfer
+from hybridtrain.runtime.device import normalize_device
+
 
 def _move(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
+        if value.device == device:
+            return value
+        if (value.device.type == "cpu") != (device.type == "cpu"):
+            transfer.count_bytes("device_map", value.numel() * value.element_size())
+        # A copy to the host must have landed before the host reads it: only copies to a
+        # device are stream-ordered (a non-blocking device→host copy returns at once and
+        # the CPU module would read memory still being written).
+        return value.to(device, non_blocking=device.type != "cpu")
     if isinstance(value, Mapping):
         return type(value)({k: _move(v, device) for k, v in value.items()})  # type: ignore[call-arg]
     if isinstance(value, tuple) and hasattr(value, "_fields"):
@@ -52,7 +62,7 @@ def resolve_device_map(model: nn.Module, device_map: Mapping[str, str]) -> dict[
         if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
             raise ValueError(f"device_map[{path!r}] = {spec!r} but this machine has "
                              f"{torch.cuda.device_count()} CUDA device(s); use cpu or an existing cuda:N")
-        resolved[path] = device
+        resolved[path] = normalize_device(device)
     for path in resolved:
         outer = [o for o in resolved if o != path and path.startswith(o + ".")]
         if outer:
@@ -73,7 +83,9 @@ def apply_device_map(model: nn.Module, device_map: Mapping[str, torch.device],
         The hook handles (``handle.remove()`` undoes the transfers, not the placement).
     """
     handles: list[RemovableHandle] = []
+    main_device = normalize_device(main_device)
     for path, device in device_map.items():
+        device = normalize_device(device)
         module = model.get_submodule(path)
         module.to(device)
 

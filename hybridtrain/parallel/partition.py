@@ -22,15 +22,22 @@ from torch import nn
 def time_blocks(model: nn.Module, blocks: Sequence[nn.Module], run_step: Callable[[], torch.Tensor]) -> list[float]:
     """Forward + backward seconds of each block over one step of ``run_step`` (a forward
     of ``model`` returning a loss) and its backward; a warm-up step first, so allocation is
-    not timed. The model's gradients are cleared and the RNG state restored afterwards."""
+    not timed. The model's gradients are cleared and the RNG state restored afterwards.
+
+    On CUDA the marks are events on the running stream, read after a synchronize: the host
+    only queues kernels, so host clocks would measure launch time, not the blocks' work."""
     index = {id(b): i for i, b in enumerate(blocks)}
-    seconds = [0.0] * len(blocks)
+    on_cuda = any(p.device.type == "cuda" for p in model.parameters())
+    marks: list[list[Any]] = [[] for _ in blocks]  # start, stop, start, stop, …
 
-    def start(module: nn.Module, *_: Any) -> None:
-        seconds[index[id(module)]] -= time.perf_counter()
-
-    def stop(module: nn.Module, *_: Any) -> None:
-        seconds[index[id(module)]] += time.perf_counter()
+    def mark(module: nn.Module, *_: Any) -> None:
+        if on_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            marks[index[id(module)]].append(event)
+        else:
+            marks[index[id(module)]].append(time.perf_counter())
+    start = stop = mark
 
     handles = [h for b in blocks for h in (b.register_forward_pre_hook(start), b.register_forward_hook(stop),
                                            b.register_full_backward_pre_hook(start),
@@ -39,13 +46,22 @@ def time_blocks(model: nn.Module, blocks: Sequence[nn.Module], run_step: Callabl
     try:
         with torch.random.fork_rng(devices=cuda):
             for _ in range(2):
-                seconds[:] = [0.0] * len(blocks)
+                for m in marks:
+                    m.clear()
                 run_step().backward()
+        if on_cuda:
+            torch.cuda.synchronize()
     finally:
         for handle in handles:
             handle.remove()
         model.zero_grad(set_to_none=True)
-    return seconds
+    return [sum(_elapsed(a, b) for a, b in zip(m[::2], m[1::2], strict=True)) for m in marks]
+
+
+def _elapsed(start: Any, stop: Any) -> float:
+    if isinstance(start, torch.cuda.Event):
+        return float(start.elapsed_time(stop)) / 1000.0  # milliseconds
+    return float(stop - start)
 
 
 def stage_bounds(counts: Sequence[int]) -> list[tuple[int, int]]:

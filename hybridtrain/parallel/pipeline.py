@@ -32,6 +32,7 @@ used by stages on several ranks has its gradient summed over those ranks after b
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,8 @@ from hybridtrain.runtime.batch import (
 )
 from hybridtrain.runtime.precision import autocast
 from hybridtrain.runtime.step_runner import StepContext
+
+log = logging.getLogger("hybridtrain")
 
 SCHEDULES: dict[str, Any] = {
     "gpipe": ScheduleGPipe,
@@ -169,6 +172,9 @@ def split_pipeline(model: nn.Module, blocks: BlockList, settings: PipelinePlan, 
               f"(partition by {settings.partition if isinstance(settings.partition, str) else 'config'})",
               flush=True)
     router = StageRouter(blocks, list(layout.bounds), local, settings.usage.tuple_output)
+    # Other ranks' blocks are hollow now: only this rank's stage (and what lives outside the
+    # blocks) goes to the device (a no-op where the whole model was placed to be timed).
+    model.to(device)
     if shard is not None:  # after hollowing: only this rank's blocks become units
         shard(model, [b for b in blocks if not isinstance(b, HollowBlock)])
     router.install_exits(blocks)
@@ -193,11 +199,32 @@ def _counts_by_time(model: nn.Module, blocks: BlockList, num_stages: int, topolo
     def one_loss() -> torch.Tensor:
         with autocast(device, compute_dtype):
             return compute_loss(run_model(model, example), example, loss_fn).float()
-    # On the device: NCCL reduces device tensors only.
+    params = [float(sum(p.numel() for p in b.parameters())) for b in blocks]
+    # Timing runs the whole model on this rank: only where it fits, decided by all ranks
+    # together (on the device: NCCL reduces device tensors only).
+    fits = torch.tensor([1.0 if _whole_model_fits(model, device) else 0.0], device=device)
+    dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+    if not fits.item():
+        if topology.rank == 0:
+            log.warning("pipeline.partition: time needs the whole model on one device, which does not fit on "
+                        "every rank; partitioning by parameters instead")
+        return tuple(choose_partition("params", num_stages, params, None))
     times = torch.tensor(time_blocks(model, list(blocks), one_loss), dtype=torch.float64, device=device)
     dist.all_reduce(times)  # every rank must choose the same split
-    params = [float(sum(p.numel() for p in b.parameters())) for b in blocks]
     return tuple(choose_partition("time", num_stages, params, (times / topology.world_size).tolist()))
+
+
+def _whole_model_fits(model: nn.Module, device: torch.device) -> bool:
+    """Whether a forward and backward of the whole model can run here: its parameters are
+    materialized on ``device`` and (on CUDA) the free memory holds their gradients twice
+    over (gradients and activations, a rough bound)."""
+    params = list(model.parameters())
+    if any(p.device != device for p in params):  # on meta, or elsewhere: nothing to time
+        return False
+    if device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    return 2 * sum(p.numel() * p.element_size() for p in params) <= free
 
 
 def _agree(topology: Topology, shared: list[Any]) -> None:

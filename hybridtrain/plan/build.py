@@ -64,7 +64,7 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
     # them, and the forward is wrapped before the parallel wrappers see the modules.
     if streamed:
         place_for_streaming(model, streamed, device)  # the blocks stay in host memory
-    else:
+    elif not sharded_build(plan):
         model.to(device)
     if checkpointed:
         disable_caches(model)
@@ -77,7 +77,7 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
     apply_device_map(model, dict(plan.device_map), device)
     parallel, runner, observers = _parallelize(plan, model, loss_fn, example_batch)
     if optimizer is None:
-        optimizer = build_optimizer(model.parameters(), cfg.optimizer.type, cfg.optimizer.params)
+        optimizer = build_optimizer(model.parameters(), cfg.optimizer.type, optimizer_params(plan))
     elif plan.pipeline is not None:
         _keep_held(optimizer, model)
     setup = _resume_fingerprint(plan, optimizer)
@@ -124,7 +124,7 @@ def _parallelize(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None,
     sizes, device = plan.sizes, plan.device
     if plan.sizes.world == 1:
         return ParallelRuntime(model), None, []
-    mesh.init_process_group(device, plan.config.distributed.timeout_s)
+    mesh.init_process_group(device, plan.config.distributed.timeout_s, host_collectives=_zero_offload(plan))
     # Made now, while the rendezvous store is alive: the save after a lost launcher (whose
     # process held that store) needs no store then.
     checkpoint_group()
@@ -161,14 +161,85 @@ def _parallelize(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None,
     return runtime, PipelineRunner(split, plan.pipeline, topology, device, plan.compute_dtype), []
 
 
+def sharded_build(plan: TrainingPlan) -> bool:
+    """Whether each rank places only its part, so the whole model never lands on one device:
+    under ZeRO across processes (nothing else splitting the model) ``fully_shard`` moves each
+    unit's parameters to the device and keeps this rank's shard, and a model built on the
+    meta device is materialized shard by shard (:func:`materialize_shards`); a pipeline
+    (without tensor parallel) moves only this rank's stage, after hollowing the other
+    ranks' blocks — unless ``partition: time`` must run the whole model first."""
+    if plan.device_map:
+        return False
+    if plan.pipeline is not None:
+        return not plan.tensor_plan and plan.pipeline.counts is not None
+    return plan.replication == "zero"
+
+
+def materialize_shards(model: nn.Module, device: torch.device) -> None:
+    """After ``fully_shard`` of a meta-device model: allocate each rank's shards (and the
+    buffers) on ``device`` and initialize them with the model's ``init_weights()`` (the
+    torchtitan convention), else each module's ``reset_parameters()``.
+
+    Raises:
+        ValueError: the model has neither (its meta weights would stay uninitialized).
+    """
+    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return
+    model.to_empty(device=device)
+    # DTensor's random ops draw each shard from its own offset of one stream on CUDA; on a
+    # CPU mesh each rank draws its shard locally, so every rank would get the same values:
+    # a seed per rank (derived from the common state, which is left as it was) avoids that.
+    with torch.random.fork_rng(devices=[]):
+        if device.type == "cpu" and torch.distributed.is_initialized():
+            torch.manual_seed(int(torch.randint(2**62, ())) + torch.distributed.get_rank())
+        _initialize(model)
+
+
+def _initialize(model: nn.Module) -> None:
+    init = getattr(model, "init_weights", None)
+    if callable(init):
+        init()
+        return
+    resets = [m for m in model.modules() if callable(getattr(m, "reset_parameters", None))]
+    owned = {id(p) for m in resets for p in m.parameters(recurse=False)}
+    missing = [n for n, p in model.named_parameters() if id(p) not in owned]
+    if missing:
+        raise ValueError(f"model built on the meta device: {type(model).__name__} has no init_weights() and "
+                         f"{missing[0]} has no reset_parameters(); give the model an init_weights() method, or "
+                         "build it on the CPU")
+    with torch.no_grad():
+        for module in resets:
+            module.reset_parameters()  # type: ignore[operator]  # callable: checked above
+
+
+def _zero_offload(plan: TrainingPlan) -> bool:
+    """ZeRO across processes with FSDP2's CPU offload (shards and optimizer in host memory)."""
+    zero = plan.config.zero_optimization
+    return bool(plan.zero_stage) and plan.sizes.world > 1 and \
+        "cpu" in (zero.offload_param.device, zero.offload_optimizer.device)
+
+
+def optimizer_params(plan: TrainingPlan) -> dict[str, Any]:
+    """``optimizer.params`` as built: under ZeRO with CPU offload the step runs on host
+    DTensors, where torch's fused CPU Adam is several times faster than the default
+    per-tensor loop (same math); a ``fused`` the user set is kept."""
+    params = dict(plan.config.optimizer.params)
+    fusable = plan.config.optimizer.type.lower() in ("adam", "adamw") and params.get("bias_correction", True)
+    if _zero_offload(plan) and fusable and "fused" not in params and "foreach" not in params:
+        params["fused"] = True
+    return params
+
+
 def _zero_sharder(plan: TrainingPlan, topology: mesh.Topology) -> Sharder:
     """``shard(model, blocks)``: ZeRO over the data-parallel mesh dimension, as planned."""
-    zero = plan.config.zero_optimization
-    offload = "cpu" in (zero.offload_param.device, zero.offload_optimizer.device)
+    offload = _zero_offload(plan)
     dp_mesh = topology.submesh("dp")
 
     def shard(model: nn.Module, blocks: list[nn.Module]) -> None:
         apply_zero(model, blocks, dp_mesh, plan.zero_stage, plan.compute_dtype, offload)
+        if sharded_build(plan):
+            # Offloaded shards live in host memory (FSDP2 moves them to the device per unit).
+            materialize_shards(model, torch.device("cpu") if offload else plan.device)
     return shard
 
 

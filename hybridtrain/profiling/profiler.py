@@ -45,6 +45,7 @@ from hybridtrain.profiling.breakdown import (
 from hybridtrain.profiling.counting import StepCount, count_step, profiled_modules
 from hybridtrain.profiling.diagnosis import diagnose
 from hybridtrain.profiling.peaks import peak_flops
+from hybridtrain.runtime.device import peak_reserved_bytes
 from hybridtrain.runtime.step_parts import PartClock
 
 
@@ -84,7 +85,9 @@ class Profile:
             ``peak_source`` (``table: H100 SXM`` or ``measured matmul``).
         modules: per-module rows.
         peak_live_bytes: the most tensor bytes alive on the device during the counted step;
-            ``allocator_peak_bytes``: CUDA's peak allocated bytes (None on CPU).
+            ``allocator_peak_bytes``: CUDA's peak allocated bytes and
+            ``allocator_reserved_peak_bytes`` its peak reserved bytes, what the device's
+            capacity and a memory fraction cap (None on CPU).
         diagnosis: one line per finding.
         notes: what this profile could not measure.
         files: what was written (name → path).
@@ -105,6 +108,7 @@ class Profile:
     modules: list[ModuleProfile]
     peak_live_bytes: int
     allocator_peak_bytes: int | None = None
+    allocator_reserved_peak_bytes: int | None = None
     device_parts: dict[str, float] | None = None
     techniques: list[str] = field(default_factory=list)
     diagnosis: list[str] = field(default_factory=list)
@@ -328,6 +332,7 @@ def _summarise(engine: Any, count: StepCount, per_step: list[list[Event]], steps
         achieved_tflops=achieved / 1e12, peak_tflops=peak / 1e12, peak_source=source, mfu=achieved / peak,
         modules=rows, peak_live_bytes=count.peak_live_bytes,
         allocator_peak_bytes=int(torch.cuda.max_memory_allocated(engine.device)) if on_cuda else None,
+        allocator_reserved_peak_bytes=peak_reserved_bytes(engine.device),
         device_parts=on_device or None, techniques=_techniques(engine), notes=notes,
     )
     profile.diagnosis = [finding.message for finding in diagnose(profile.to_dict())]

@@ -46,6 +46,8 @@ def format_profile(profile: Profile) -> str:
     memory = f"  peak live tensor bytes {format_bytes(profile.peak_live_bytes)}"
     if profile.allocator_peak_bytes is not None:
         memory += f", CUDA peak allocated {format_bytes(profile.allocator_peak_bytes)}"
+    if profile.allocator_reserved_peak_bytes is not None:
+        memory += f", peak reserved {format_bytes(profile.allocator_reserved_peak_bytes)}"
     lines += [memory, ""]
     header = f"  {'module':<28}{'kind':<10}{'params':>11}{'fwd FLOPs':>12}{'bwd FLOPs':>12}" \
              f"{'saved act.':>12}{'fwd time':>11}{'bwd time':>11}"

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from hybridtrain.runtime import transfer
+from hybridtrain.runtime.device import normalize_device
 from hybridtrain.runtime.forward_wrap import wrap_forward
 from hybridtrain.runtime.recompute import tensor_call, without_kv_cache
 from hybridtrain.runtime.step_parts import step_part
@@ -69,16 +70,35 @@ class SwapStats:
 
 
 class _Swapped:
-    """A saved tensor living in host memory (and, once prefetched, on its way back)."""
+    """A saved tensor's storage living in host memory (and, once prefetched, on its way
+    back): the bytes of the whole storage, so views (a transposed bf16 weight cast, the
+    q/k/v slices of one projection) travel once and come back as the same views."""
 
-    __slots__ = ("host", "copied", "seq", "device_tensor", "ready", "__weakref__")
+    __slots__ = ("host", "copied", "seq", "device_bytes", "ready", "views", "unpacked", "__weakref__")
 
     def __init__(self, host: torch.Tensor, copied: torch.cuda.Event | None, seq: int) -> None:
         self.host = host
         self.copied = copied
         self.seq = seq
-        self.device_tensor: torch.Tensor | None = None
+        self.device_bytes: torch.Tensor | None = None
         self.ready: torch.cuda.Event | None = None
+        self.views = 0
+        """Saved tensors viewing this storage; the device copy is kept until all are unpacked."""
+        self.unpacked = 0
+
+
+class _SwappedView:
+    """One saved tensor: its layout over a swapped storage."""
+
+    __slots__ = ("storage", "dtype", "offset", "size", "stride")
+
+    def __init__(self, storage: _Swapped, tensor: torch.Tensor) -> None:
+        self.storage = storage
+        self.dtype = tensor.dtype
+        self.offset = tensor.storage_offset()
+        self.size = tensor.shape
+        self.stride = tensor.stride()
+        storage.views += 1
 
 
 class ActivationSwapper:
@@ -95,7 +115,8 @@ class ActivationSwapper:
 
     def __init__(self, device: torch.device, prefetch_blocks: int = 1, pin_memory: bool = True,
                  min_bytes: int = 1024, copies_in_flight: int = 2) -> None:
-        self.device = device
+        # Compared with every saved tensor's device: "cuda" or "cpu:0" would match none.
+        self.device = normalize_device(device)
         self.prefetch_blocks = prefetch_blocks
         self.pin_memory = pin_memory
         self.min_bytes = min_bytes
@@ -144,9 +165,9 @@ class ActivationSwapper:
         self._pending[seq] = []
         self._last_scope = (id(module), seq)
         skip = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
-        # Keyed by tensor identity and holding the tensor until the block's forward ends
-        # (an id could be reused by a new tensor once the swapped one is freed); no pack
-        # happens after that, so the dict is emptied then.
+        # Keyed by storage address and holding the tensor until the block's forward ends
+        # (an address could be reused by a new tensor once the swapped one is freed); no
+        # pack happens after that, so the dict is emptied then.
         seen: dict[int, tuple[torch.Tensor, _Swapped]] = {}
         # Bound the device memory held by copies not yet run (see the module docstring).
         with step_part("transfer"):
@@ -165,41 +186,49 @@ class ActivationSwapper:
 
     def _pack(self, seq: int, skip: set[int], seen: dict[int, tuple[torch.Tensor, _Swapped]],
               tensor: torch.Tensor) -> Any:
-        if (tensor.device != self.device or tensor.is_sparse or not tensor.is_contiguous()
-                or tensor.numel() * tensor.element_size() < self.min_bytes
-                or tensor.untyped_storage().data_ptr() in skip):
+        storage = tensor.untyped_storage() if not tensor.is_sparse else None
+        if (storage is None or tensor.device != self.device or storage.nbytes() == 0
+                or storage.nbytes() < self.min_bytes or storage.data_ptr() in skip):
             self.stats.kept_on_device += 1
             return tensor
-        # The same tensor saved by several ops travels once.
-        if id(tensor) in seen:
-            return seen[id(tensor)][1]
-        host = transfer.host_empty(tensor.numel(), tensor.dtype, self.pin_memory, self.device).view(tensor.shape)
+        # Whole storages travel, views included: a non-contiguous saved tensor (the bf16
+        # cast of a weight that ``linear`` saves transposed when autocast's cache is off,
+        # attention's q/k/v slices) would otherwise keep its storage on the device: for
+        # weight casts, 2 bytes per parameter of every swapped or streamed block. The same
+        # storage saved by several ops (or views) travels once.
+        if storage.data_ptr() in seen:
+            return _SwappedView(seen[storage.data_ptr()][1], tensor)
+        flat = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)  # (nbytes,)
+        host = transfer.host_empty(flat.numel(), torch.uint8, self.pin_memory, self.device)
         with step_part("transfer"), self._d2h.after_compute():
-            host.copy_(tensor, non_blocking=True)
+            host.copy_(flat, non_blocking=True)
             self._d2h.keep_alive(tensor)
             copied = self._d2h.record()
+        transfer.count_bytes("activations_out", flat.numel())
         handle = _Swapped(host, copied, seq)
-        seen[id(tensor)] = (tensor, handle)
+        seen[storage.data_ptr()] = (tensor, handle)
         self._pending[seq].append(weakref.ref(handle))
         self.stats.tensors_out += 1
-        self.stats.bytes_out += host.numel() * host.element_size()
-        return handle
+        self.stats.bytes_out += flat.numel()
+        return _SwappedView(handle, tensor)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
-        handle: _Swapped = packed
+        view: _SwappedView = packed
+        handle = view.storage
         if handle.seq != self._current:
             self._begin_block(handle.seq)
-        if handle.device_tensor is None:  # unpacked twice (retain_graph): copy again
+        if handle.device_bytes is None:  # unpacked twice (retain_graph): copy again
             self._prefetch_one(handle)
-        tensor, handle.device_tensor = handle.device_tensor, None
-        assert tensor is not None
+        flat = handle.device_bytes
+        assert flat is not None
+        handle.unpacked += 1
+        if handle.unpacked >= handle.views:  # the last view: the views now hold the memory
+            handle.device_bytes, handle.unpacked = None, 0
         transfer.compute_waits(handle.ready, self.device)
-        if tensor.is_cuda:
-            # Allocated on the copy stream, used (and freed) on the compute stream.
-            tensor.record_stream(torch.cuda.current_stream(self.device))
-        return tensor
+        return torch.empty(0, dtype=view.dtype, device=flat.device).set_(
+            flat.untyped_storage(), view.offset, view.size, view.stride)
 
     def last_scope(self, module: nn.Module) -> int | None:
         """The swap scope of ``module``'s forward that just ran (None if another ran since)."""
@@ -234,10 +263,18 @@ class ActivationSwapper:
         self.stats.prefetch_ahead.append(len(self._prefetched - {seq}))
 
     def _prefetch_one(self, handle: _Swapped) -> None:
-        with step_part("transfer"), self._h2d.after(handle.copied):
-            handle.device_tensor = handle.host.to(self.device, non_blocking=True)
+        # Allocated on the compute stream, which uses and frees it: memory from the copy
+        # stream's pool would be a second pool the compute stream never reuses. The copy
+        # waits for the compute work queued so far (the memory may be a just-freed tensor
+        # that kernels still read) and for the copy to the host.
+        flat = torch.empty(handle.host.numel(), dtype=torch.uint8, device=self.device)
+        with step_part("transfer"), self._h2d.after_compute(), self._h2d.after(handle.copied):
+            flat.copy_(handle.host, non_blocking=True)
+            self._h2d.keep_alive(flat)
             handle.ready = self._h2d.record()
-        self.stats.bytes_in += handle.host.numel() * handle.host.element_size()
+        handle.device_bytes = flat
+        transfer.count_bytes("activations_in", flat.numel())
+        self.stats.bytes_in += flat.numel()
 
 
 class _SwappedRecompute(torch.autograd.Function):

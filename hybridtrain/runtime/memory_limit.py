@@ -35,7 +35,9 @@ import torch
 
 # The documented extension point for seeing every aten op ("Extending all of torch API
 # with modes", torch docs); the module is underscored but the class is the public API.
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+from hybridtrain.runtime.device import normalize_device
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -137,9 +139,7 @@ class LiveTensorBytes:
     def __init__(self, device: str | torch.device = "cpu", limit_bytes: int | None = None,
                  record_timeline: bool = False, *, ignore: Iterable[torch.Tensor] = (),
                  held: Callable[[], Iterable[torch.Tensor]] | None = None) -> None:
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = normalize_device(device)
         if limit_bytes is not None and limit_bytes < 0:
             raise ValueError(f"limit_bytes = {limit_bytes} is negative; use a byte count >= 0 or None")
         self.device = device
@@ -188,6 +188,11 @@ class LiveTensorBytes:
         self.peak_bytes = self.current_bytes
 
     def _storage_of(self, tensor: torch.Tensor) -> torch.UntypedStorage | None:
+        if is_traceable_wrapper_subclass(tensor):
+            # A DTensor (or another wrapper) owns no memory: its inner tensors do, and this
+            # mode sees them as the subclass's own ops run; its nominal storage has the full,
+            # unsharded size, and would count a shard as the whole tensor.
+            return None
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):  # sparse, some wrapper subclasses

@@ -87,14 +87,20 @@ class OnebitLamb(OneProcessOptimizer):
         if frozen:
             self._compressed_step()
             return loss
+        # Two passes with one device→host read between them (not three per tensor): the
+        # trust ratios' inputs for every tensor, then the updates with the ratios as floats.
+        todo = []
         for group, p in self._tensors():
             state = self.state[p]
             if not state:
                 state.update(self._fresh(p), step=0)
-            self._warmup_one(group, p, state)
+            todo.append((group, p, state, self._warmup_norms(group, p, state)))
+        for (group, p, state, _), (weight_norm, update_norm, ratio) in zip(todo, _read([n for *_, n in todo]),
+                                                                            strict=True):
+            self._warmup_apply(group, p, state, weight_norm, update_norm, ratio)
         return loss
 
-    def _warmup_one(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]) -> None:
+    def _warmup_norms(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]) -> list[torch.Tensor]:
         beta1, beta2 = group["betas"]
         exp_avg, exp_avg_sq, grad = state["exp_avg"], state["exp_avg_sq"], p.grad
         state["step"] += 1
@@ -102,17 +108,24 @@ class OnebitLamb(OneProcessOptimizer):
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         if state["step"] == self.freeze_step:
             state["exp_avg_sq_fresh"] = exp_avg_sq.detach().clone()
-        weight_norm = _norm(p)
-        update = exp_avg / (exp_avg_sq.sqrt() + group["eps"])
+        weight_norm, update_norm = _norm(p), _norm(self._warmup_update(group, p, state))
+        return [weight_norm, update_norm, weight_norm / update_norm]
+
+    @staticmethod
+    def _warmup_update(group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+        update = state["exp_avg"] / (state["exp_avg_sq"].sqrt() + group["eps"])
         if group["weight_decay"] > 0.0:
             update += group["weight_decay"] * p
-        update_norm = _norm(update)
+        return update
+
+    def _warmup_apply(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any], weight_norm: float,
+                      update_norm: float, ratio: float) -> None:
         coeff = 1.0
         if weight_norm != 0 and update_norm != 0:
-            coeff = max(min((weight_norm / update_norm).item(), group["max_coeff"]), group["min_coeff"])
+            coeff = max(min(ratio, group["max_coeff"]), group["min_coeff"])
         if coeff != 1.0:
             state["lamb_coeff_freeze"] = self.coeff_beta * state["lamb_coeff_freeze"] + (1 - self.coeff_beta) * coeff
-        p.add_(-group["lr"] * coeff * update)
+        p.add_(-group["lr"] * coeff * self._warmup_update(group, p, state))
 
     def _compressed_step(self) -> None:
         stated = [(g, p) for g in self.param_groups for p in g["params"] if self.state[p]]
@@ -120,10 +133,12 @@ class OnebitLamb(OneProcessOptimizer):
         if "scaling_coeff" not in self.state[stated[0][1]]:
             # Once, at the first compressed step: equalise the momenta's scales for compression
             # (summed group by group, as DeepSpeed does, for the same rounding).
-            scales = [[(torch.linalg.vector_norm(self.state[p]["exp_avg"]) / math.sqrt(p.numel())).item()
-                       for p in g["params"] if self.state[p]] for g in self.param_groups]
+            norms = [[torch.linalg.vector_norm(self.state[p]["exp_avg"]) / math.sqrt(p.numel())
+                      for p in g["params"] if self.state[p]] for g in self.param_groups]
+            flat = [s for (s,) in _read([[n] for group_norms in norms for n in group_norms])]
+            sizes = [len(group_norms) for group_norms in norms]
+            scales = [flat[sum(sizes[:k]):sum(sizes[:k + 1])] for k in range(len(sizes))]
             united = sum(sum(s) for s in scales) / sum(len(s) for s in scales)
-            flat = [s for group_scales in scales for s in group_scales]
             for (_, p), scale in zip(stated, flat, strict=True):
                 self.state[p]["scaling_coeff"] = united / scale
         for group, p in self._tensors():
@@ -134,30 +149,55 @@ class OnebitLamb(OneProcessOptimizer):
             beta1 = group["betas"][0]
             state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
             state["exp_avg"].mul_(state["scaling_coeff"])
-        for group, p in stated:
-            self._compressed_one(group, p, self.state[p], last_momentum[id(p)])
+        scalars = [self._compressed_scalars(group, p, self.state[p], last_momentum[id(p)]) for group, p in stated]
+        for (group, p), read in zip(stated, _read(scalars), strict=True):
+            self._compressed_apply(group, p, self.state[p], *read)
 
-    def _compressed_one(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any],
-                        last_momentum: torch.Tensor) -> None:
+    def _compressed_scalars(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any],
+                            last_momentum: torch.Tensor) -> list[torch.Tensor]:
         beta1, beta2 = group["betas"]
-        exp_avg, exp_avg_sq, fresh = state["exp_avg"], state["exp_avg_sq"], state["exp_avg_sq_fresh"]
+        exp_avg, fresh = state["exp_avg"], state["exp_avg_sq_fresh"]
         exp_avg.div_(state["scaling_coeff"])
         if "exp_avg_mask" in group:
             exp_avg.mul_(group["exp_avg_mask"].to(exp_avg.device))
         grad_reconstruct = (exp_avg - last_momentum * beta1) / (1 - beta1)
         fresh.mul_(beta2).addcmul_(grad_reconstruct, grad_reconstruct, value=1 - beta2)
-        denom = exp_avg_sq.sqrt() + group["eps"]
-        update_prelim = exp_avg / denom
+        denom, update_prelim, update = self._compressed_update(group, p, state)
+        factor = (denom / (fresh.sqrt() + group["eps"])).max()
+        if group["weight_decay"] > 0.0:
+            return [factor, _norm(update_prelim) / _norm(update)]
+        return [factor]
+
+    @staticmethod
+    def _compressed_update(group: dict[str, Any], p: torch.Tensor,
+                           state: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        denom = state["exp_avg_sq"].sqrt() + group["eps"]
+        update_prelim = state["exp_avg"] / denom
         decay = group["weight_decay"]
-        update = update_prelim + decay * p if decay > 0.0 else update_prelim
-        update_norm = _norm(update)
-        factor = (denom / (fresh.sqrt() + group["eps"])).max().item()
-        if decay > 0.0:
-            ratio = min(1.0, (_norm(update_prelim) / update_norm).item())
+        return denom, update_prelim, update_prelim + decay * p if decay > 0.0 else update_prelim
+
+    def _compressed_apply(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any], factor: float,
+                          ratio: float | None = None) -> None:
+        if ratio is not None:
+            ratio = min(1.0, ratio)
             factor = factor * ratio + (1.0 - ratio)
         factor = max(min(factor, self.factor_max), self.factor_min)
         last = state["last_factor"]
         factor = max(min(factor, last * (1.0 + self.factor_threshold)), last * (1.0 - self.factor_threshold))
         state["last_factor"] = factor
         coeff = state["lamb_coeff_freeze"] * factor
-        p.add_(-group["lr"] * coeff * update)
+        p.add_(-group["lr"] * coeff * self._compressed_update(group, p, state)[2])
+
+
+def _read(scalars: list[list[torch.Tensor]]) -> list[list[float]]:
+    """Every 0-d tensor of ``scalars`` as a float, in one device→host copy (each ``.item()``
+    would wait for the device on its own)."""
+    flat = [t for row in scalars for t in row]
+    if not flat:
+        return [[] for _ in scalars]
+    values = torch.stack([t.reshape(()).to(flat[0].device) for t in flat]).tolist()
+    out, k = [], 0
+    for row in scalars:
+        out.append(values[k:k + len(row)])
+        k += len(row)
+    return out

@@ -25,6 +25,7 @@ no parameter is copied). The data position is the caller's: it passes the same b
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import tempfile
@@ -63,6 +64,7 @@ from hybridtrain.runtime.memory_plans import (
     draws_random_numbers,
     less_memory_configs,
 )
+from hybridtrain.runtime.step_runner import MicroBatchRunner
 
 log = logging.getLogger(__name__)
 
@@ -352,13 +354,25 @@ def engine_tensors(engine: Engine) -> Iterator[torch.Tensor]:
 
 def _release(engine: Engine) -> None:
     """Free a replaced engine's parameters, gradients and optimizer state, even while a
-    caller still holds the engine object."""
+    caller still holds the engine object (its host state too: the next engine's must not be
+    allocated beside it)."""
+    # Uploads and prefetches queued on side streams may still read or write the memory
+    # freed below; the allocator would hand it to the new engine while they run.
+    dev.synchronize(engine.device)
     engine.optimizer.zero_grad(set_to_none=True)
     engine.optimizer.state.clear()
     close = getattr(engine.optimizer, "close", None)  # the host optimizer: its worker thread and hooks
     if callable(close):
         close()
     engine.module.to_empty(device="meta")
+    # A streamer holds views of its blocks' host masters (and hooks on the model that hold
+    # it): close it, then drop the runner and observers.
+    for observer in engine.options.observers:
+        closing = getattr(observer, "close", None)
+        if callable(closing) and observer is not engine.optimizer:
+            closing()
+    engine.options = dataclasses.replace(engine.options, runner=None, observers=())
+    engine.runner = MicroBatchRunner(engine.parallel.set_grad_sync)
 
 
 def initialize_guarded(model_factory: ModelFactory, config: ConfigSource, loss_fn: LossFn | None = None,

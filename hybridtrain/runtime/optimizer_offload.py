@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import inspect
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +45,15 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hybridtrain.runtime import transfer
+from hybridtrain.runtime.device import normalize_device
+from hybridtrain.runtime.offload_layout import (
+    POOLED_BUFFERS,
+    bucket_dtype,
+    check_host_memory,
+    chunks,
+    device_kept,
+    master_dtype,
+)
 from hybridtrain.runtime.step_parts import step_part
 
 _NOT_HYPERPARAMS = ("params", "fused", "foreach", "capturable", "differentiable")
@@ -128,7 +137,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                  host_ratio: float = 1.0, bucket_numel: int = 500_000_000, defer: bool = False,
                  streamed: Sequence[Sequence[nn.Parameter]] = (), lasting_grads: bool = True,
                  late: frozenset[int] = frozenset()) -> None:
-        self.device = device
+        self.device = device = normalize_device(device)
         self.pin_memory = pin_memory
         self.defer = defer
         self._d2h = transfer.SideStream(device)
@@ -143,20 +152,20 @@ class OffloadOptimizer(torch.optim.Optimizer):
         several backward passes per micro-batch, so hook arrival counts mean nothing)."""
         streamed_ids = {id(p) for block in streamed for p in block}
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        on_device = _device_kept(params, host_ratio, streamed_ids)
+        on_device = device_kept(params, host_ratio, streamed_ids)
         group_index = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
         auto = [p for p in params if id(p) not in streamed_ids and id(p) not in on_device]
         plan = [(list(block), True) for block in streamed] + \
-            [(chunk, False) for chunk in _chunks(list(reversed(auto)), bucket_numel)]
+            [(chunk, False) for chunk in chunks(list(reversed(auto)), bucket_numel)]
         largest = max((sum(p.numel() * master_dtype(p).itemsize for p in ps) for ps, _ in plan), default=0)
-        _check_host_memory(params, on_device, optimizer, lasting_grads or defer, _POOLED_BUFFERS * largest)
+        check_host_memory(params, on_device, optimizer, lasting_grads or defer, POOLED_BUFFERS * largest)
 
         self.buckets: list[Bucket] = []
         for bucket_params, is_streamed in plan:
             self.buckets.append(self._make_bucket(bucket_params, is_streamed, group_index))
         master_of = {id(p): m for b in self.buckets for p, m in zip(b.params, b.masters, strict=True)}
         # Pooled buffers are bytes viewed as each bucket's master type (fp64 models keep fp64).
-        self._pool = transfer.HostBufferPool(largest, torch.uint8, pin_memory, device, _POOLED_BUFFERS)
+        self._pool = transfer.HostBufferPool(largest, torch.uint8, pin_memory, device, POOLED_BUFFERS)
 
         groups = []
         for g in optimizer.param_groups:
@@ -190,14 +199,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
                                 for p in bucket.trained]
         self._final = False
         self._eager = False
-        self._finite = True
+        self._finite: torch.Tensor | None = None
+        """Whether every loss of this step so far was finite, on the device: reading it in
+        ``before_backward`` would drain the device before every micro-batch."""
         self.register_load_state_dict_post_hook(lambda opt: opt._after_load())  # type: ignore[attr-defined]
         transfer.note_cpu_offload(device, "optimizer offload")
 
     # ------------------------------------------------------------------ construction
     def _make_bucket(self, params: list[nn.Parameter], streamed: bool, group_index: dict[int, int]) -> Bucket:
         numel = sum(p.numel() for p in params)
-        dtype = _bucket_dtype(params)
+        dtype = bucket_dtype(params)
         flat_master = transfer.host_buffer(numel, dtype, self.pin_memory, self.device)
         bucket = Bucket(len(self.buckets), params, [], flat_master, streamed,
                         group_of=[group_index[id(p)] for p in params], has_grad=[False] * len(params))
@@ -236,16 +247,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """Called before each micro-batch's backward (``final``: last of the step).
 
         The eager step needs every micro-batch's loss to be finite: a step the engine
-        will skip or refuse must not have touched the host masters.
+        will skip or refuse must not have touched the host masters. That is decided on the
+        host worker, from a flag copied down with the gradients, never here (no sync).
         """
         with step_part("host_optimizer"):
             self._wait()
         for bucket in self.buckets:
             bucket.arrived = 0
         if not self.defer:
-            self._finite = self._finite and bool(torch.isfinite(loss.detach()).all())
+            finite = torch.isfinite(loss.detach()).all()
+            self._finite = finite if self._finite is None else self._finite & finite
         self._final = final
-        self._eager = final and not self.defer and self._finite
+        self._eager = final and not self.defer
 
     def after_backward(self, final: bool) -> None:
         """Called after each micro-batch's backward: land what no hook landed (unused
@@ -278,9 +291,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
             bucket.flat_grad = transfer.host_buffer(bucket.numel, bucket.flat_master.dtype, self.pin_memory,
                                                     self.device)
         through: torch.Tensor | None = None
+        finite: torch.Tensor | None = None
         landed: list[tuple[int, bool]] = []
         try:
             with step_part("transfer"), self._d2h.after_compute():
+                if self._eager and self._finite is not None:
+                    finite = transfer.host_empty(1, torch.bool, self.pin_memory, self.device)
+                    finite.copy_(self._finite.reshape(1), non_blocking=True)
+                    self._d2h.keep_alive(self._finite)  # the next micro-batch replaces it
                 for j, p in enumerate(bucket.params):
                     grad = p.grad
                     if grad is None:
@@ -294,6 +312,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                         through = self._pool.acquire(bucket.flat_master.nbytes).view(bucket.flat_master.dtype)
                     target = bucket.views(bucket.flat_grad if first and lasting else through)[j]  # type: ignore[arg-type]
                     target.copy_(grad, non_blocking=True)
+                    transfer.count_bytes("gradients_down", grad.numel() * grad.element_size())
                     self._d2h.keep_alive(grad)
                     p.grad = None
                     bucket.has_grad[j] = True
@@ -304,7 +323,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 then()
             if landed:
                 self._jobs.append(self._worker.submit(self._accumulate, bucket, landed, copied, through,
-                                                      self._eager))
+                                                      self._eager, finite))
         except BaseException:
             if through is not None:  # a lost pool buffer would block every later landing
                 transfer.host_waits(self._d2h.record())  # copies into it may be queued
@@ -320,13 +339,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ host side (worker)
     def _accumulate(self, bucket: Bucket, landed: list[tuple[int, bool]], copied: torch.cuda.Event | None,
-                    through: torch.Tensor | None, step: bool) -> None:
+                    through: torch.Tensor | None, step: bool, finite: torch.Tensor | None = None) -> None:
         try:
             transfer.host_waits(copied)
+            # A non-finite loss this step: the engine skips or refuses the step, so the
+            # masters stay as they are (the flag landed with the gradients).
+            step = step and (finite is None or bool(finite))
             if bucket.flat_grad is None:
                 # The step's only gradients, in a pooled buffer: step with them at once.
-                assert through is not None and step
-                self._step_bucket(bucket, bucket.views(through))
+                assert through is not None
+                if step:
+                    self._step_bucket(bucket, bucket.views(through))
                 return
             if through is not None:
                 grads, staged = bucket.views(bucket.flat_grad), bucket.views(through)
@@ -360,6 +383,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             with step_part("transfer"), self._h2d.after(bucket.copied):
                 for p, m in zip(bucket.params, bucket.masters, strict=True):
                     p.data.copy_(m.detach(), non_blocking=True)
+                    transfer.count_bytes("weights_up", p.numel() * p.element_size())
                 bucket.uploaded = self._h2d.record()
 
     @staticmethod
@@ -414,7 +438,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             bucket.stepped = False
             for p in bucket.params:
                 p.grad = None
-        self._finite = True
+        self._finite = None
 
     def _after_load(self) -> None:
         """After ``load_state_dict``: re-share the state and refresh masters from the
@@ -429,11 +453,23 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._device_optimizer.state = self.state
 
     def close(self) -> None:
-        """Stop the host worker thread and remove the gradient hooks from the parameters."""
+        """Stop the host worker thread, remove the gradient hooks from the parameters and
+        drop the host state (masters, gradient buffers, pool): a closed optimizer cannot
+        step, and whoever still holds it (an engine being replaced after an OOM) no longer
+        holds its pinned host memory while the next one is built."""
         self._worker.shutdown(wait=True)
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        self.state.clear()
+        for group in self.param_groups:
+            group["params"] = []
+        for bucket in self.buckets:
+            bucket.masters.clear()
+            bucket.flat_master = torch.empty(0, dtype=bucket.flat_master.dtype)
+            bucket.flat_grad = None
+            bucket.optimizer = None
+        self._pool = transfer.HostBufferPool(0, torch.uint8, False, torch.device("cpu"), 0)
 
     @property
     def host_numel(self) -> int:
@@ -454,67 +490,3 @@ def _sync_hyperparams(inner: torch.optim.Optimizer, outer: torch.optim.Optimizer
         for key, value in outer.param_groups[group["_outer"]].items():
             if key not in _NOT_HYPERPARAMS:
                 group[key] = value
-
-
-def _device_kept(params: list[nn.Parameter], host_ratio: float, streamed: set[int]) -> set[int]:
-    """Twin-flow: the last parameters, ``1 - host_ratio`` of the elements, stay on the device."""
-    candidates = [p for p in params if id(p) not in streamed]
-    budget = (1.0 - host_ratio) * sum(p.numel() for p in candidates)
-    kept: set[int] = set()
-    for p in reversed(candidates):
-        if budget <= 0:
-            break
-        kept.add(id(p))
-        budget -= p.numel()
-    return kept
-
-
-def master_dtype(param: torch.Tensor) -> torch.dtype:
-    """The host master's type: fp64 for an fp64 parameter (an fp64 model trains in fp64, as
-    the plain loop does), fp32 for every other (mixed precision's fp32 masters; fp8 too)."""
-    return torch.float64 if param.dtype == torch.float64 else torch.float32
-
-
-def _bucket_dtype(params: list[nn.Parameter]) -> torch.dtype:
-    dtypes = {master_dtype(p) for p in params}
-    if len(dtypes) > 1:
-        raise ValueError(f"a streamed block's parameters need one master type, found {sorted(map(str, dtypes))}: "
-                         "give the block's parameters one dtype")
-    return dtypes.pop() if dtypes else torch.float32
-
-
-def _chunks(params: list[nn.Parameter], numel: int) -> Iterable[list[nn.Parameter]]:
-    """Runs of ``params`` of about ``numel`` elements, each of one master type."""
-    chunk: list[nn.Parameter] = []
-    size = 0
-    for p in params:
-        if chunk and (size + p.numel() > numel or master_dtype(p) != master_dtype(chunk[0])):
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(p)
-        size += p.numel()
-    if chunk:
-        yield chunk
-
-
-_POOLED_BUFFERS = 3
-"""Host buffers gradients pass through: one being copied down, one stepped with, one spare."""
-
-
-def host_state_bytes(numel: int, optimizer: torch.optim.Optimizer, lasting_grads: bool = True) -> int:
-    """Host bytes for ``numel`` offloaded elements: the fp32 master, the fp32 gradient when
-    gradients wait in host memory, and the optimizer's per-element state (two fp32 moments
-    for the Adam family)."""
-    name = type(optimizer).__name__.lower()
-    state = 8 if "adam" in name else 4
-    return numel * (4 + (4 if lasting_grads else 0) + state)
-
-
-def _check_host_memory(params: list[nn.Parameter], on_device: set[int], optimizer: torch.optim.Optimizer,
-                       lasting_grads: bool, pool_bytes: int) -> None:
-    # in fp32 elements: an fp64 master, its gradient and state take twice the bytes
-    numel = sum(p.numel() * master_dtype(p).itemsize // 4 for p in params if id(p) not in on_device)
-    cpu_resident = sum(p.numel() * p.element_size() for p in params if p.device.type == "cpu")
-    # Parameters already in host memory (CPU device, streamed blocks) are replaced, not added to.
-    needed = host_state_bytes(numel, optimizer, lasting_grads) + min(pool_bytes, 4 * numel) - cpu_resident
-    transfer.check_host_memory(needed, "optimizer offload")

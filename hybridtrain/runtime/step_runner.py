@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -50,6 +50,7 @@ class StepTimings:
             waits for the offloaded optimizer's host step inside the parts above, counted
             here instead of there (:mod:`hybridtrain.runtime.step_parts`).
         total: the whole ``train_batch``.
+        transfer_bytes: see below.
     """
 
     forward: float = 0.0
@@ -60,6 +61,10 @@ class StepTimings:
     communication: float = 0.0
     host_optimizer: float = 0.0
     total: float = 0.0
+    transfer_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes copied between host and device in the step, by kind
+    (:data:`hybridtrain.runtime.transfer.TRANSFER_KINDS`); counted in every step, also
+    without ``wall_clock_breakdown``."""
 
 
 @dataclass(frozen=True)

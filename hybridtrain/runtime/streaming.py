@@ -41,8 +41,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
+from torch.utils.hooks import RemovableHandle
 
 from hybridtrain.runtime import transfer
+from hybridtrain.runtime.device import normalize_device
 from hybridtrain.runtime.optimizer_offload import Bucket, OffloadOptimizer
 from hybridtrain.runtime.residency import Residency
 from hybridtrain.runtime.step_parts import step_part
@@ -91,7 +93,7 @@ class LayerStreamer:
 
     def __init__(self, blocks: Sequence[nn.Module], optimizer: OffloadOptimizer, device: torch.device,
                  prefetch_blocks: int = 1) -> None:
-        self.device = device
+        self.device = normalize_device(device)
         self.optimizer = optimizer
         self.prefetch_blocks = prefetch_blocks
         self.residency = Residency()
@@ -99,14 +101,24 @@ class LayerStreamer:
         """True while a whole-step runner moves the blocks itself (the hooks stand aside)."""
         self._h2d = transfer.SideStream(device)
         self.blocks = [_StreamedBlock(i, m, optimizer.buckets[i], device) for i, m in enumerate(blocks)]
+        self._handles: list[RemovableHandle] = []
         for block in self.blocks:
             block.point_at(block.host_views)
-            block.module.register_forward_pre_hook(
-                lambda _m, args, kwargs, b=block: self._before_forward(b, args, kwargs), with_kwargs=True)
-            block.module.register_forward_hook(lambda _m, _a, out, b=block: self._after_forward(b, out))
+            self._handles.append(block.module.register_forward_pre_hook(
+                lambda _m, args, kwargs, b=block: self._before_forward(b, args, kwargs), with_kwargs=True))
+            self._handles.append(block.module.register_forward_hook(
+                lambda _m, _a, out, b=block: self._after_forward(b, out)))
             for p in block.bucket.trained:
-                p.register_post_accumulate_grad_hook(lambda _p, b=block: self._grad_arrived(b))
+                self._handles.append(p.register_post_accumulate_grad_hook(lambda _p, b=block: self._grad_arrived(b)))
         transfer.note_cpu_offload(device, "layer streaming")
+
+    def close(self) -> None:
+        """Remove the hooks and drop the blocks' host and device views (an engine being
+        replaced: its host masters must not outlive it through the model's hooks)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.blocks.clear()
 
     # ------------------------------------------------------------------ residency
     def _upload(self, block: _StreamedBlock) -> None:
@@ -117,6 +129,7 @@ class LayerStreamer:
         block.device_flat.untyped_storage().resize_(block.nbytes)
         with step_part("transfer"), self._h2d.after_compute():
             block.device_flat.copy_(block.bucket.flat_master, non_blocking=True)
+            transfer.count_bytes("weights_up", block.nbytes)
             block.ready = self._h2d.record()
         block.loaded = True
         self.residency.load(block.index)

@@ -34,6 +34,33 @@ log = logging.getLogger("hybridtrain")
 GIB = 1024**3
 
 
+TRANSFER_KINDS = ("activations_out", "activations_in", "weights_up", "gradients_down", "device_map")
+"""The kinds of host⇄device traffic every step report lists (zero when nothing of that kind
+moved): saved activations swapped to the host and back, weights uploaded (streamed blocks,
+weights the host optimizer updated), gradients copied to the host optimizer, and tensors
+crossing between the host and a device under ``device_map``."""
+
+_counts: dict[str, int] = {}
+_counts_lock = threading.Lock()  # the host optimizer's worker thread counts too
+
+
+def count_bytes(kind: str, nbytes: int) -> None:
+    """Record ``nbytes`` copied between the device and host memory, by ``kind``. Called by the
+    code that issues the copy (at issue time: on CUDA the copy may still be running)."""
+    with _counts_lock:
+        _counts[kind] = _counts.get(kind, 0) + nbytes
+
+
+def take_counts() -> dict[str, int]:
+    """The bytes counted since the last call, every kind of :data:`TRANSFER_KINDS` included,
+    and start counting anew (the engine calls it around each step)."""
+    with _counts_lock:
+        out = {kind: 0 for kind in TRANSFER_KINDS}
+        out.update(_counts)
+        _counts.clear()
+    return out
+
+
 class HostMemoryError(MemoryError):
     """The offloaded state does not fit in the host memory that is available."""
 
@@ -72,10 +99,14 @@ class SideStream:
             yield
 
     def record(self) -> torch.cuda.Event | None:
-        """An event marking everything queued on this stream so far (None on CPU)."""
+        """An event marking everything queued on this stream so far (None on CPU).
+
+        A blocking-sync event: a host thread waiting for it (the host optimizer's worker,
+        the swapper's copies-in-flight bound) sleeps instead of spinning a core that the
+        host Adam step needs; streams waiting for it are unaffected."""
         if self.stream is None:
             return None
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)
         event.record(self.stream)
         return event
 

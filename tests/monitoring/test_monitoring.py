@@ -33,16 +33,19 @@ CUDA_RECORD: dict[str, Any] = {
     "data_s": 0.001, "step_time_s": 0.4, "memory_allocated_bytes": 1 << 30, "memory_reserved_bytes": 2 << 30,
     "peak_memory_bytes": 3 << 30, "alloc_retries": 1, "ooms": 0, "pinned_host_bytes": 4096,
     "checkpoint_s": 1.5, "checkpoint_bytes": 12345, "restarts": 3, "eval_loss": 2.7,
+    "peak_memory_reserved_bytes": 4 << 30,
+    "transfer_bytes": {"activations_out": 10, "activations_in": 10, "weights_up": 20, "gradients_down": 30,
+                       "device_map": 0},
 }
 
 
 def test_metric_names_are_the_dashboard_contract() -> None:
-    assert len(METRICS) == 18 and all(n.startswith("hybridtrain_") for n in METRICS)
+    assert len(METRICS) == 19 and all(n.startswith("hybridtrain_") for n in METRICS)
     assert sorted(COUNTERS) == ["hybridtrain_device_alloc_retries_total", "hybridtrain_device_ooms_total",
                                 "hybridtrain_restarts_total", "hybridtrain_skipped_steps_total"]
     assert set(STEP_PARTS) == {"forward", "backward", "interleaved", "optimizer", "transfer", "communication",
                                "host_optimizer", "data", "total"}
-    assert MEMORY_KINDS == ("allocated", "reserved", "peak")
+    assert MEMORY_KINDS == ("allocated", "reserved", "peak", "peak_reserved")
     # Every name has a metrics.jsonl field that feeds it, and nothing else is exposed.
     assert {name for name, _ in RECORD_FIELDS.values()} == set(METRICS)
 
@@ -67,7 +70,9 @@ def test_endpoint_renders_every_series_with_rank_and_its_own_registry() -> None:
     parts = {s.labels["part"]: s.value for s in families["hybridtrain_step_seconds"].samples}
     assert set(parts) == set(STEP_PARTS) and parts["total"] == 0.4
     kinds = {s.labels["kind"]: s.value for s in families["hybridtrain_device_memory_bytes"].samples}
-    assert kinds == {"allocated": 1 << 30, "reserved": 2 << 30, "peak": 3 << 30}
+    assert kinds == {"allocated": 1 << 30, "reserved": 2 << 30, "peak": 3 << 30, "peak_reserved": 4 << 30}
+    moved = {s.labels["kind"]: s.value for s in families["hybridtrain_transfer_bytes"].samples}
+    assert moved == CUDA_RECORD["transfer_bytes"]
     value = {s.name: s.value for s in samples if len(s.labels) == 1}
     assert value["hybridtrain_step"] == 8 and value["hybridtrain_mfu"] == 0.42
     assert value["hybridtrain_skipped_steps_total"] == 2 and value["hybridtrain_restarts_total"] == 3
@@ -227,3 +232,24 @@ def test_mfu_is_recorded_against_the_configured_peak(tiny: dict[str, Any]) -> No
     for row in rows:
         assert math.isclose(row["mfu"], row["tflops"] / 0.5)
         assert math.isclose(row["samples_per_s"] * 32, row["tokens_per_s"])
+
+
+def test_transfer_bytes_reach_metrics_jsonl_and_the_prometheus_series(tiny: dict[str, Any]) -> None:
+    """Optimizer offload of the tiny GPT: every gradient down and every weight up once per
+    step, by the model's size; the Prometheus snapshot shows the same numbers per kind."""
+    from hybridtrain.models.factory import parameter_count
+    from hybridtrain.monitoring.prometheus import snapshot_of
+
+    tiny["zero_optimization"] = {"stage": 1, "offload_optimizer": {"device": "cpu"}}
+    tiny["train"].update(steps=1, eval_every=0, checkpoint_every=0)
+    cfg = load_config(tiny)
+    run_training(cfg, progress=False)
+    rows = [json.loads(line) for line in (Path(tiny["train"]["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    moved = next(r for r in rows if "loss" in r)["transfer_bytes"]
+    # fp32 parameters; the demo data are bytes, so the vocabulary is 256
+    size = 4 * parameter_count(cfg.model.name, cfg.model.overrides, 256, cfg.data.seq_len)
+    assert moved == {"activations_out": 0, "activations_in": 0, "weights_up": size, "gradients_down": size,
+                     "device_map": 0}
+    series = snapshot_of({"transfer_bytes": moved})
+    assert series[("hybridtrain_transfer_bytes", "gradients_down")] == size
+    assert series[("hybridtrain_transfer_bytes", "activations_in")] == 0

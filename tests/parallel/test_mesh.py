@@ -72,3 +72,11 @@ def test_batch_that_does_not_split_over_replicas_fails_before_any_collective(
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="data-parallel size=2"):
         ht.initialize(torch.nn.Linear(2, 2), {"device": "cpu", "train_batch_size": 3})
+
+
+def test_zero_with_cpu_offload_on_cuda_gets_a_host_backend_beside_nccl() -> None:
+    """FSDP2's CPU offload reduces host tensors (clipping, full_tensor): NCCL alone refuses them."""
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert mesh.backend_for(cuda) == "nccl"
+    assert mesh.backend_for(cuda, host_collectives=True) == "cuda:nccl,cpu:gloo"
+    assert mesh.backend_for(cpu, host_collectives=True) == "gloo"

@@ -29,7 +29,7 @@ def test_device_map_on_cpu_matches_plain_loop(case: str, device_map: dict[str, s
     assert_same_training(expected, actual, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_device_map_splits_blocks_between_cpu_and_cuda() -> None:
     mode = MODES["plain"]
     expected = plain_run(CASES["gpt_tied"], mode)

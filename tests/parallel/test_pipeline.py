@@ -118,3 +118,19 @@ def _pipelined_eval() -> float:
     engine = ht.initialize(case.build(), {"device": "cpu", **_pp("1f1b", 2)}, loss_fn=case.loss_fn,
                            example_batch=batch)
     return engine.eval_batch(batch)
+
+
+@pytest.mark.cuda
+def test_cuda_block_times_are_device_time_not_launch_time() -> None:
+    """``partition: time`` on CUDA: host clocks around a block measure how long its kernels
+    took to *queue*; events measure the work. A block of 8 large matmuls must time far
+    above a block of one small one (their launch times are alike)."""
+    from hybridtrain.parallel.partition import time_blocks
+
+    torch.manual_seed(0)
+    small = torch.nn.Linear(64, 64)
+    large = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(8)])
+    model = torch.nn.Sequential(small, torch.nn.Linear(64, 4096), large).cuda()
+    x = torch.randn(2048, 64, device="cuda")
+    seconds = time_blocks(model, [small, large], lambda: model(x).square().mean())
+    assert seconds[1] > 20 * seconds[0] > 0, seconds

@@ -99,13 +99,13 @@ def _peak_activation_bytes(swap: bool) -> int:
     return torch.cuda.max_memory_allocated() - static
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_swapping_cuts_peak_activation_memory_3x() -> None:
     plain, swapped = _peak_activation_bytes(False), _peak_activation_bytes(True)
     assert plain >= 3 * swapped, (plain, swapped)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_result_equals_cpu_result() -> None:
     grads = []
     for device in ("cpu", "cuda"):
@@ -155,3 +155,49 @@ def test_swapped_tensors_leave_the_device_when_the_forward_ends(recompute: bool)
     # the only tensors saved, are the ones that travel).
     assert _device_bytes_after_forward(model, swapper) == nothing_saved
     assert swapper.stats.bytes_out > 0
+
+
+def test_bf16_weight_casts_saved_as_transposed_views_travel_once_and_come_back_as_views() -> None:
+    """Autocast's cache is off in training, so ``linear`` saves a fresh bf16 cast of its
+    weight, transposed (not contiguous): it used to stay on the device, 2 bytes per
+    parameter of every swapped or streamed block. Views of one storage travel once."""
+    grads = []
+    for swap in (False, True):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(64, 64, bias=False)
+        swapper = ActivationSwapper(torch.device("cpu"), min_bytes=0)
+        if swap:
+            swapper.wrap(lin)
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            out = lin(torch.randn(4, 64, requires_grad=True))
+        out.float().sum().backward()
+        grads.append(lin.weight.grad)
+    # The bf16 input cast (4·64·2) and the bf16 weight cast (64·64·2) travel, nothing stays.
+    assert swapper.stats.bytes_out == swapper.stats.bytes_in == 4 * 64 * 2 + 64 * 64 * 2
+    assert swapper.stats.kept_on_device == 0
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
+class _QKV(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 24, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.proj(x).split(8, dim=-1)  # three views of one (2, 24) storage
+        return q * k + v.exp()
+
+
+def test_views_of_one_storage_travel_once() -> None:
+    outs = []
+    for swap in (False, True):
+        torch.manual_seed(0)
+        block, x = _QKV(), torch.randn(2, 8, requires_grad=True)
+        swapper = ActivationSwapper(torch.device("cpu"), min_bytes=0)
+        if swap:
+            swapper.wrap(block)
+        block(x).sum().backward()
+        outs.append((x.grad, block.proj.weight.grad))
+    # x (2·8·4), the projection's output once for q, k and v (2·24·4), and exp's output (2·8·4).
+    assert swapper.stats.bytes_out == swapper.stats.bytes_in == 64 + 192 + 64
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)

@@ -21,6 +21,7 @@ import torch
 from hybridtrain.runtime.onebit_adam import OnebitAdam, ZeroOneAdam
 from hybridtrain.runtime.onebit_lamb import OnebitLamb
 from hybridtrain.runtime.optim import build_optimizer, zero_grad_step
+from tests.runtime.host_reads import HostReads
 
 REFERENCE = Path(__file__).parent / "deepspeed_onebit"
 SHAPES = [(7, 5), (5,), (3, 4, 2)]
@@ -190,3 +191,15 @@ def test_engine_resumes_exactly_from_its_checkpoint(name: str, kwargs: dict[str,
         resumed.train_batch(batch)
     for a, b in zip(straight.module.parameters(), resumed.module.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_onebit_lamb_reads_the_device_once_per_step_not_per_tensor() -> None:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(5)]
+    opt = OnebitLamb(params, lr=1e-2, freeze_step=3, weight_decay=0.01)
+    for step in range(5):  # set-up, warm-up and compressed steps
+        for p in params:
+            p.grad = torch.randn_like(p)
+        with HostReads() as reads:
+            opt.step()
+        assert len(reads.calls) <= 2, (step, reads.calls)  # + once, at the first compressed step

@@ -7,6 +7,7 @@ import functools
 import gc
 import json
 import logging
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from hybridtrain.engine import Engine
 from hybridtrain.plan.build import build
 from hybridtrain.plan.resolve import resolve
 from hybridtrain.runtime.memory_limit import DeviceMemoryLimitError, LiveTensorBytes, tensors_alive
-from hybridtrain.runtime.oom_recovery import MemoryGuard, initialize_guarded
+from hybridtrain.runtime.oom_recovery import MemoryGuard, _release, initialize_guarded
 from tests.equivalence import OPTIMIZER, SEED, gpt_case
 
 STEPS = 3
@@ -283,3 +284,17 @@ def test_initialize_refuses_what_only_a_guard_can_do_and_initialize_guarded_does
         loss = guard.train_batch((torch.ones(2, 4), torch.zeros(2, 1)))
         assert guard.live is not None and guard.live.peak_bytes > 0
     assert loss > 0 and guard.engine.global_step == 1 and not guard.switches
+
+
+def test_release_drops_the_old_engines_host_state_while_the_engine_is_still_held() -> None:
+    """The guard still holds the replaced engine while it builds the next one: the old host
+    masters and gradient buffers must be gone by then (else twice the host state)."""
+    config = load_config({**PLAIN, "layer_streaming": {"enabled": True}})
+    engine = _engine(config, 0.0)
+    engine.train_batch(gpt_case(0.0).batches(1)[0])
+    masters = [weakref.ref(b.flat_master) for b in engine.optimizer.buckets]  # type: ignore[attr-defined]
+    assert masters and all(m() is not None for m in masters)
+    _release(engine)
+    gc.collect()
+    assert all(m() is None for m in masters)
+    assert all(p.is_meta for p in engine.module.parameters())

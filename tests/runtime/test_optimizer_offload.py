@@ -31,6 +31,7 @@ from tests.equivalence import (
     gpt_case,
     plain_run,
 )
+from tests.runtime.host_reads import HostReads
 
 CASE = gpt_case()
 OFFLOAD = {"zero_optimization": {"stage": 1, "reduce_bucket_size": 2000, "offload_optimizer": {"device": "cpu"}}}
@@ -130,7 +131,7 @@ def test_incompatible_settings_are_rejected_with_the_reason(raw: dict, needle: s
         ht.initialize(CASE.build(), {"device": "cpu", **raw}, loss_fn=CASE.loss_fn)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_result_equals_cpu_result() -> None:
     results = []
     for device in ("cpu", "cuda"):
@@ -418,3 +419,17 @@ def test_close_removes_the_gradient_hooks() -> None:
     batch = CASE.batches(1)[0]
     CASE.loss_fn(engine.module(batch[0]), batch).backward()
     assert all(p.grad is not None for p in engine.module.parameters())
+
+
+def test_before_backward_does_not_read_the_loss_on_the_host() -> None:
+    """Reading the loss's finiteness before each micro-batch's backward drains the device;
+    the flag goes down with the gradients instead, and a non-finite loss still leaves the
+    host masters untouched (``test_nonfinite*`` above)."""
+    engine = _engine(gradient_accumulation_steps=2)
+    opt = engine.optimizer
+    assert isinstance(opt, OffloadOptimizer)
+    loss = torch.tensor(1.5)
+    with HostReads() as reads:
+        opt.before_backward(False, loss)
+        opt.before_backward(True, loss)
+    assert reads.calls == []

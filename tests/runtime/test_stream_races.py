@@ -20,7 +20,7 @@ import torch
 
 from tests.equivalence import MODES
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.cuda
 
 RACE_MODES = ["swap", "swap_checkpoint_bf16", "offload_opt", "offload_opt_accum2_clip", "offload_opt_twinflow_fp16",
               "stream", "stream_host_accum2_clip", "stream_device_bf16", "stream_layer_major_accum4",

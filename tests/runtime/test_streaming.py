@@ -108,7 +108,7 @@ def _peak_bytes(n_layer: int, precision: str) -> int:
     return torch.cuda.max_memory_allocated()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_cuda_device_memory_is_independent_of_depth(precision: str) -> None:
     # bf16 also checks that no half-precision weight copy outlives its block (autocast's
@@ -117,7 +117,7 @@ def test_cuda_device_memory_is_independent_of_depth(precision: str) -> None:
     assert deep <= 1.10 * shallow, (shallow, deep)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_result_equals_cpu_result() -> None:
     results = []
     for device in ("cpu", "cuda"):

@@ -127,7 +127,7 @@ def test_no_worker_thread_outlives_the_step() -> None:
     assert not [t for t in threading.enumerate() if t.name.startswith("hybridtrain-micro")]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 @pytest.mark.parametrize("boundary", ["recompute", "host"])
 def test_cuda_result_equals_cpu_result(boundary: str) -> None:
     results = []

@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# The GPU check: everything a GPU machine must tell us, in one command that fits one device
+# call (8 minutes on one H100 80 GB, 16 cores, 128 GiB host, the image's torch, `.whl`
+# carried; fill it here first with `../shared/device/wheels.sh pytest pluggy iniconfig packaging`:
+# the image lacks pydantic and pytest).
+#
+#   bash scripts/gpu_check.sh            # on the GPU machine; rows go to $OUT/gpu_results.jsonl
+#   bash scripts/gpu_check.sh --dry-run  # every part at toy sizes on the CPU (CI runs this)
+#
+# Parts, in the order worth spending device time on. Each appends its JSON rows to
+# $OUT/gpu_results.jsonl as soon as it has them (a run cut off still returns what it
+# measured), runs under its own time limit, and starts only if the budget left allows it
+# (else one row says it was skipped):
+#   env          device, driver, torch, CUDA, cores, host memory
+#   cuda_tests   every test marked `cuda` (engine == plain loop on CUDA, swap cuts activation
+#                memory >= 3x, streaming memory independent of depth, offload CUDA == CPU,
+#                device_map, byte counts on `device: cuda`, CUDA-event partition timing), and
+#                beside them a short stream-race run (asynchronous == CUDA_LAUNCH_BLOCKING for
+#                three modes, the CUDA sanitizer for one): one row per test
+#   modes        GPT-1.3B, bf16, 16k tokens/step: tokens/s, MFU, peak allocated and reserved,
+#                host<->device bytes by kind, for plain, checkpointing, swap, optimizer offload,
+#                layer streaming (both orders), and FSDP2 CPUOffloadPolicy measured in the same run
+#   host_adam    the host optimizer step (torch's fused CPU AdamW), Gparam/s at this machine's threads
+#   depth        with the time left: the largest depth layer-major streaming trains at 1.3B's width
+#
+# Environment: OUT (default ./gpu-logs), GPU_CHECK_BUDGET_S (default 480; dry run 150).
+set -uo pipefail
+dry=0
+if [[ "${1:-}" == "--dry-run" ]]; then dry=1; elif [[ -n "${1:-}" ]]; then
+  echo "usage: scripts/gpu_check.sh [--dry-run]" >&2; exit 2
+fi
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-logs}
+mkdir -p "$out"
+results="$out/gpu_results.jsonl"
+budget=${GPU_CHECK_BUDGET_S:-$([[ $dry == 1 ]] && echo 150 || echo 480)}
+start=$SECONDS
+py=${PYTHON:-python3}
+
+left() { echo $(( budget - (SECONDS - start) )); }
+
+row() {  # row PART KEY=VALUE... : one JSON line (values are JSON where they parse, else strings)
+  "$py" - "$results" "$@" <<'EOF'
+import json, sys
+path, part, *pairs = sys.argv[1:]
+row = {"part": part}
+for pair in pairs:
+    key, _, value = pair.partition("=")
+    try:
+        row[key] = json.loads(value)
+    except ValueError:
+        row[key] = value
+with open(path, "a") as fh:
+    fh.write(json.dumps(row) + "\n")
+EOF
+}
+
+# part NAME MIN_SECONDS CAP_SECONDS CMD...: run CMD if MIN_SECONDS are left, for at most CAP_SECONDS.
+part() {
+  local name=$1 need=$2 cap=$3; shift 3
+  local have; have=$(left)
+  if (( have < need )); then
+    row "$name" status=skipped reason="\"$have s left, needs $need s\""; echo "[gpu_check] $name skipped ($have s left)"
+    return 0
+  fi
+  (( cap > have )) && cap=$have
+  echo "[gpu_check] $name (at most $cap s)"
+  local t0=$SECONDS rc=0
+  timeout --kill-after=10 "$cap" "$@" > "$out/$name.log" 2>&1 || rc=$?
+  row "$name" status="$([[ $rc == 0 ]] && echo done || ([[ $rc == 124 || $rc == 137 ]] && echo timed_out || echo failed))" \
+      rc=$rc seconds=$(( SECONDS - t0 ))
+  tail -n 5 "$out/$name.log"
+  return 0
+}
+
+if [[ $dry == 0 ]] && ls .whl/*.whl >/dev/null 2>&1; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1
+
+"$py" - "$results" "$dry" <<'EOF'
+import json, os, sys, torch
+gpu = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
+import importlib.util
+missing = [m for m in ("pydantic", "yaml", "pytest") if importlib.util.find_spec(m) is None]
+row = {"part": "env", "dry_run": sys.argv[2] == "1", "torch": torch.__version__, "cuda": torch.version.cuda,
+       "missing_modules": missing,
+       "device": gpu.name if gpu else "cpu", "device_memory_gib": round(gpu.total_memory / 2**30, 1) if gpu else None,
+       "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+       "host_memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
+open(sys.argv[1], "a").write(json.dumps(row) + "\n")
+print(row)
+EOF
+
+# (a) CUDA tests and a short stream-race run, side by side (memory figures are per process).
+cuda_tests() {
+  local files; files=$(grep -rl --include='test_*.py' "pytest.mark.cuda" tests | grep -v test_stream_races | sort)
+  local race="(asynchronous and (swap_checkpoint_bf16 or stream_layer_major_host_accum2_clip or offload_opt_accum2_clip))"
+  race="$race or (sanitizer and stream_host_accum2_clip)"
+  # shellcheck disable=SC2086 # one path per word
+  "$py" -m pytest -q -rs -p no:cacheprovider -m cuda --junitxml="$out/cuda_tests.xml" $files &
+  local tests=$!
+  "$py" -m pytest -q -rs -p no:cacheprovider -k "$race" --junitxml="$out/stream_races.xml" \
+    tests/runtime/test_stream_races.py > "$out/stream_races.log" 2>&1 &
+  local races=$!
+  local rc=0
+  wait $tests || rc=$?
+  wait $races || rc=$?
+  "$py" - "$results" "$out/cuda_tests.xml" "$out/stream_races.xml" <<'EOF'
+import json, sys
+import xml.etree.ElementTree as ET
+with open(sys.argv[1], "a") as fh:
+    for path in sys.argv[2:]:
+        try:
+            cases = ET.parse(path).getroot().iter("testcase")
+        except (OSError, ET.ParseError) as exc:
+            fh.write(json.dumps({"part": "cuda_tests", "test": path, "outcome": "no report", "detail": str(exc)}) + "\n")
+            continue
+        for case in cases:
+            outcome, detail = "passed", ""
+            for tag in ("failure", "error", "skipped"):
+                found = case.find(tag)
+                if found is not None:
+                    outcome, detail = {"failure": "failed"}.get(tag, tag), (found.get("message") or "")[:300]
+            fh.write(json.dumps({"part": "cuda_tests", "test": f"{case.get('classname')}::{case.get('name')}",
+                                 "outcome": outcome, "seconds": float(case.get("time") or 0), "detail": detail}) + "\n")
+EOF
+  return $rc
+}
+export py out results
+part cuda_tests 60 150 bash -c "$(declare -f cuda_tests); cuda_tests"
+
+# (b) one size where plain PyTorch also fits: GPT-1.3B (d_model 2048, 24 layers), bf16,
+# 8 x 1024 tokens x 2 micro-batches = 16,384 tokens per step.
+if [[ $dry == 1 ]]; then
+  size=(--size tiny --n-layer 2 --batch 2 --accumulation 2 --steps 1 --device cpu)
+else
+  size=(--size 1.3b --seq-len 1024 --batch 8 --accumulation 2 --steps 2 --device cuda)
+fi
+part modes 90 240 "$py" benchmarks/offload.py "${size[@]}" --part modes --jsonl "$results" \
+  --modes plain checkpointing activation_swap optimizer_offload layer_streaming layer_major \
+  --baselines fsdp2_cpu_offload
+
+# (c) the host optimizer step at this machine's thread count, as a fraction of its memory
+# bandwidth (a STREAM triad in the same run).
+if [[ $dry == 1 ]]; then numel=200_000; triad=1_000_000; else numel=200_000_000; triad=268_435_456; fi
+part host_adam 20 60 "$py" benchmarks/cpu_adam.py --numel "$numel" --steps 3 --triad-numel "$triad" \
+  --only torch_fused --jsonl "$results"
+
+# (d) with what is left: the deepest model layer-major streaming trains at 1.3B's width.
+depth_budget=$(( $(left) - 25 ))
+if [[ $dry == 1 ]]; then
+  search=(--size tiny --batch 2 --accumulation 2 --device cpu --search-max-layers 3)
+else
+  search=(--size 1.3b --seq-len 1024 --batch 8 --accumulation 2 --device cuda --search-max-layers 1024)
+fi
+part depth 40 $(( depth_budget > 0 ? depth_budget + 20 : 1 )) "$py" benchmarks/offload.py "${search[@]}" --search \
+  --search-only --modes layer_major --search-budget-s "$(( depth_budget > 0 ? depth_budget : 1 ))" \
+  --part depth --jsonl "$results"
+
+echo "[gpu_check] done in $(( SECONDS - start )) s; rows in $results"

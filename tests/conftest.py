@@ -1,0 +1,16 @@
+"""Suite-wide: tests marked ``cuda`` need a CUDA device and are skipped without one
+(``scripts/gpu_check.sh`` runs them on a GPU machine with ``-m cuda``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,90 @@
+"""Devices are normalized once (``cuda`` → ``cuda:N``, ``cpu:0`` → ``cpu``), so every
+technique that compares a tensor's device with the training device moves what it should
+whatever spelling the config used; the bytes each technique moves per step, by kind, are
+computed here from the model's sizes and compared with what the transfer code counted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hybridtrain as ht
+from hybridtrain.runtime.device import normalize_device, resolve_device
+from tests.equivalence import MODES, SEED, assert_same_training, engine_config, gpt_case, plain_run
+
+CASE = gpt_case()
+STEPS = 2
+MICRO = 8  # the suite's batch (tests/equivalence.BATCH) in one micro-batch
+SEQ, WIDTH, LAYERS = 16, 32, 3
+
+
+def test_normalize_device_gives_the_spelling_tensors_report() -> None:
+    assert normalize_device("cpu:0") == torch.device("cpu") == torch.empty(0, device="cpu:0").device
+    assert normalize_device(torch.device("cpu", 3)) == torch.device("cpu")
+    assert normalize_device("meta") == torch.device("meta")
+    assert normalize_device("cuda").index is not None  # the current device's index
+    assert normalize_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device("cpu:0") == torch.device("cpu")
+
+
+def _param_bytes(modules: list[torch.nn.Module]) -> int:
+    seen = {id(p): p for m in modules for p in m.parameters() if p.requires_grad}
+    return sum(p.numel() * p.element_size() for p in seen.values())
+
+
+def _expected(mode: str, model: torch.nn.Module) -> dict[str, int]:
+    """Bytes per step by kind, from the model's sizes and the mode's settings."""
+    blocks = list(model.blocks)  # type: ignore[attr-defined]
+    block = _param_bytes(blocks[:1])
+    everything = _param_bytes([model])
+    resident = everything - _param_bytes(blocks)
+    accum = MODES[mode].config.get("gradient_accumulation_steps", 1)
+    block_input = MICRO // accum * SEQ * WIDTH * 4  # (B, T, C) fp32 residual stream
+    zero = {"activations_out": 0, "activations_in": 0, "weights_up": 0, "gradients_down": 0, "device_map": 0}
+    if mode == "swap_checkpoint_bf16":  # checkpointed and swapped: only block inputs travel
+        return {**zero, "activations_out": LAYERS * block_input, "activations_in": LAYERS * block_input}
+    if mode == "offload_opt":  # every gradient down once, every updated weight up once
+        return {**zero, "gradients_down": everything, "weights_up": everything}
+    if mode == "stream_host_accum2_clip":
+        # Per micro-batch: each block up in forward and again in backward, except the last
+        # (kept for backward); its input out and back; every gradient down. The resident
+        # parameters' updated weights go up once, after the (deferred) step.
+        return {**zero, "activations_out": accum * LAYERS * block_input,
+                "activations_in": accum * LAYERS * block_input,
+                "weights_up": accum * (2 * LAYERS - 1) * block + resident,
+                "gradients_down": accum * everything}
+    raise AssertionError(mode)
+
+
+# "cpu" itself: the equivalence suite, and the swap test below (same bytes as "cpu:0").
+@pytest.mark.parametrize("device", ["cpu:0", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("mode", ["swap_checkpoint_bf16", "offload_opt", "stream_host_accum2_clip"])
+def test_techniques_move_the_bytes_their_sizes_say_on_every_spelling_of_the_device(mode: str, device: str) -> None:
+    """On CUDA too: ``device: cuda`` used to stay index-less, and swapping kept everything
+    (``cuda:0 != cuda``); there the batches are moved by the engine and the plain loop runs
+    on the CPU (hence the looser tolerance)."""
+    expected = plain_run(CASE, MODES[mode], steps=STEPS)
+    torch.manual_seed(SEED)
+    model = CASE.build()
+    engine = ht.initialize(model, engine_config(MODES[mode], device=device), loss_fn=CASE.loss_fn)
+    assert engine.device == normalize_device(device) and engine.device.index == (0 if device == "cuda" else None)
+    torch.manual_seed(SEED + 1)
+    losses = [engine.train_batch(batch) for batch in CASE.batches(STEPS)]
+    on_cuda = device == "cuda"
+    rtol, atol = (max(MODES[mode].rtol, 1e-3), max(MODES[mode].atol, 1e-4)) if on_cuda else \
+        (MODES[mode].rtol, MODES[mode].atol)
+    state = {k: v.cpu() for k, v in engine.model_state_dict().items()}
+    assert_same_training(expected, (losses, state), rtol, atol)
+    assert engine.last_timings.transfer_bytes == _expected(mode, model)
+
+
+def test_swap_moves_every_saved_activation_on_cpu0() -> None:
+    """``cpu:0`` used to keep every saved tensor (``cpu != cpu:0``): nothing travelled."""
+    sent = {}
+    for device in ("cpu", "cpu:0"):
+        torch.manual_seed(SEED)
+        engine = ht.initialize(CASE.build(), engine_config(MODES["swap"], device=device), loss_fn=CASE.loss_fn)
+        engine.train_batch(CASE.batches(1)[0])
+        sent[device] = engine.last_timings.transfer_bytes
+    assert sent["cpu:0"] == sent["cpu"]
+    assert sent["cpu"]["activations_out"] == sent["cpu"]["activations_in"] > LAYERS * MICRO * SEQ * WIDTH * 4
