@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -145,16 +146,35 @@ def _wants_launch(args: argparse.Namespace) -> bool:
 
 def _launch_ranks(args: argparse.Namespace) -> int:
     from hybridtrain.config import explain_config
-    from hybridtrain.parallel.launch import launch
-    from hybridtrain.parallel.launch_cli import spec_from_args
+    from hybridtrain.run_lock import TOKEN_ENV, acquire
     from hybridtrain.trainer import check_output_dir
 
-    # What every rank would refuse, refused once here before any rank starts.
+    # What every rank would refuse, refused once here before any rank starts. The
+    # launcher owns the run directory for the whole launch, restarts included; its ranks
+    # find its token in the lock (hybridtrain.run_lock).
+    lock = None
     try:
         cfg, _ = explain_config(args.config, _overrides(args))  # the ranks say what keys did
+        if getattr(args, "node_rank", 0) == 0:
+            lock = acquire(Path(cfg.train.output_dir))
+            os.environ[TOKEN_ENV] = lock.token
         check_output_dir(cfg, args.resume, args.overwrite)
     except Exception as exc:  # noqa: BLE001 - one line, as in a worker
+        if lock is not None:
+            lock.release()
         return _report_failure(exc)
+    try:
+        return _launch_workers(args)
+    finally:
+        if lock is not None:
+            lock.release()
+        os.environ.pop(TOKEN_ENV, None)
+
+
+def _launch_workers(args: argparse.Namespace) -> int:
+    from hybridtrain.parallel.launch import launch
+    from hybridtrain.parallel.launch_cli import spec_from_args
+
     worker = ["train", *([args.config] if args.config else [])]
     for item in args.overrides:
         worker += ["--set", item]

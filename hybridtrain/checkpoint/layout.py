@@ -145,10 +145,40 @@ def remove_partial(root: Path, now: Callable[[], float] = time.time) -> list[Pat
     return removed
 
 
-def prune(root: Path, keep: int, pattern: str = "step-*") -> None:
-    """Delete all but the ``keep`` newest checkpoints under ``root`` (by name)."""
-    for old in sorted(root.glob(pattern))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+def prune(root: Path, keep: int, pattern: str = "step-*", start: int | None = None,
+          own: Iterable[str | Path] = ()) -> list[Path]:
+    """Delete all but the ``keep`` newest complete checkpoints under ``root``.
+
+    Never deleted: the newest complete checkpoints (at least one: a run whose other
+    checkpoints are corrupt keeps its only good one), and, when ``start`` is given, any
+    checkpoint of a step after ``start`` that is not in ``own`` (a run resumed from an
+    older checkpoint leaves the newer ones of the earlier timeline alone).
+
+    Args:
+        root: the checkpoints directory.
+        keep: how many complete checkpoints to keep.
+        pattern: which directories are checkpoints (``step-NNNNNNN``).
+        start: the step the run started from (None: every checkpoint may go).
+        own: the checkpoints this run wrote.
+
+    Returns:
+        What was deleted.
+    """
+    mine = {Path(p).name for p in own}
+
+    def foreign_and_newer(path: Path) -> bool:
+        tail = path.name.rpartition("-")[2]
+        return start is not None and path.name not in mine and (not tail.isdigit() or int(tail) > start)
+
+    candidates = [(path, problem) for path, problem in complete_checkpoints(root, pattern)
+                  if not foreign_and_newer(path)]
+    kept = [path for path, problem in candidates if problem is None][:max(keep, 1)]
+    if not kept:
+        return []  # nothing good among them: deleting would leave the run with nothing
+    removed = [path for path, _ in candidates if path not in kept]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
 
 
 def _maybe_in_progress(tmp: Path, now: float) -> bool:
