@@ -31,11 +31,12 @@ from hybridtrain.config.loading import resolve_batch_sizes
 from hybridtrain.data import TokenBatches, load_tokens
 from hybridtrain.engine import Engine
 from hybridtrain.errors import peer_failure
-from hybridtrain.metrics import MetricsLog
+from hybridtrain.metrics import METRICS_ENV, MetricsLog
 from hybridtrain.models.factory import build_model, parameter_count
 from hybridtrain.models.gpt import causal_lm_loss
 from hybridtrain.monitoring.readings import device_peak_tflops, flops_per_token, memory_readings
 from hybridtrain.monitoring.telemetry import Telemetry, check_monitoring
+from hybridtrain.outputs import check_metrics_file
 from hybridtrain.parallel.mesh import (
     end_process_group,
     env_world_size,
@@ -192,6 +193,8 @@ def check_output_dir(cfg: Config, resume: bool | str = False, overwrite: bool = 
         ValueError: see :func:`hybridtrain.run_dir.decide_start`.
     """
     out = Path(cfg.train.output_dir)
+    if os.environ.get(METRICS_ENV):  # never truncate another run's records
+        check_metrics_file(os.environ[METRICS_ENV], out / "metrics.jsonl")
     return decide_start(out, latest_checkpoint(out), resume, overwrite, restart_count(),
                         newest_checkpoint_dir(out / CHECKPOINTS))
 

@@ -150,7 +150,8 @@ def prune(root: Path, keep: int, pattern: str = "step-*", start: int | None = No
     """Delete all but the ``keep`` newest complete checkpoints under ``root``.
 
     Never deleted: the newest complete checkpoints (at least one: a run whose other
-    checkpoints are corrupt keeps its only good one), and, when ``start`` is given, any
+    checkpoints are corrupt keeps its only good one), directories newer than the newest
+    complete one, and, when ``start`` is given, any
     checkpoint of a step after ``start`` that is not in ``own`` (a run resumed from an
     older checkpoint leaves the newer ones of the earlier timeline alone).
 
@@ -175,7 +176,9 @@ def prune(root: Path, keep: int, pattern: str = "step-*", start: int | None = No
     kept = [path for path, problem in candidates if problem is None][:max(keep, 1)]
     if not kept:
         return []  # nothing good among them: deleting would leave the run with nothing
-    removed = [path for path, _ in candidates if path not in kept]
+    # Directories newer than the newest good one are left alone: not ours to judge (a copy
+    # still arriving, a damaged one a user may repair); resume skips them, saying why.
+    removed = [path for path, _ in candidates if path not in kept and path.name < kept[0].name]
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
     return removed
