@@ -46,11 +46,11 @@ class RunDirBusyError(ValueError):
 class RunDirLock:
     """The held lock of one run directory; :meth:`release` (or process exit) lets it go."""
 
-    def __init__(self, out: Path, handle: IO[str], token: str, created_dir: bool) -> None:
+    def __init__(self, out: Path, handle: IO[str], token: str, created_dirs: list[Path]) -> None:
         self.out = out
         self.token = token
         self._handle: IO[str] | None = handle
-        self._created_dir = created_dir
+        self._created_dirs = created_dirs
 
     def release(self) -> None:
         """Let the lock go; a directory this lock created and nobody used is removed again,
@@ -58,11 +58,12 @@ class RunDirLock:
         if self._handle is None:
             return
         handle, self._handle = self._handle, None
-        if self._created_dir:
+        if self._created_dirs:
             with contextlib.suppress(OSError):
                 if [p.name for p in self.out.iterdir()] == [LOCK_FILE]:
                     (self.out / LOCK_FILE).unlink()
-                    self.out.rmdir()
+                    for path in reversed(self._created_dirs):
+                        path.rmdir()  # only while empty: stops at the first that is not
         handle.close()  # closing the descriptor drops the flock
 
 
@@ -77,7 +78,8 @@ def acquire(out: Path, wait_s: float = 0.0) -> RunDirLock:
         RunDirBusyError: another live process holds it; the message names it.
         OSError: the directory cannot be created or written.
     """
-    created = not out.exists()
+    # The directories this start creates (outermost first), removed again if unused.
+    created = [p for p in [*reversed(out.parents), out] if not p.exists()]
     out.mkdir(parents=True, exist_ok=True)
     path = out / LOCK_FILE
     handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the run's life

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hybridtrain.terminate import Terminated
+
 if TYPE_CHECKING:
     from hybridtrain.trainer import TrainSummary
 
@@ -65,18 +67,21 @@ def _add_overrides(parser: argparse.ArgumentParser) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from hybridtrain.config import load_config
-    from hybridtrain.trainer import run_training
-
     if _wants_launch(args):
         return _launch_ranks(args)
     try:
+        from hybridtrain.config import load_config
+        from hybridtrain.trainer import run_training
+
         cfg = load_config(args.config, _overrides(args))
         summary = run_training(cfg, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
-    except KeyboardInterrupt:  # Ctrl-C before training started, or a second one while saving
-        if os.environ.get("RANK", "0") == "0":
-            print("interrupted: stopped without saving a checkpoint", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, Terminated) as exc:  # before training started, or a second one while saving
+        # SIGTERM outside the steps (hybridtrain.terminate); under torchrun the launcher
+        # says why it stopped the ranks (and which failed first).
+        if os.environ.get("RANK", "0") == "0" and not (isinstance(exc, Terminated) and "LOCAL_RANK" in os.environ):
+            how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+            print(f"{how}: stopped without saving a checkpoint", file=sys.stderr)
+        return 143 if isinstance(exc, Terminated) else 130
     except Exception as exc:  # noqa: BLE001 - every failure a user can cause ends in one line
         return _report_failure(exc)
     if os.environ.get("RANK", "0") != "0":
@@ -146,6 +151,7 @@ def _wants_launch(args: argparse.Namespace) -> bool:
 
 def _launch_ranks(args: argparse.Namespace) -> int:
     from hybridtrain.config import explain_config
+    from hybridtrain.parallel.launch_cli import spec_from_args
     from hybridtrain.run_lock import TOKEN_ENV, acquire
     from hybridtrain.trainer import check_output_dir
 
@@ -155,6 +161,7 @@ def _launch_ranks(args: argparse.Namespace) -> int:
     lock = None
     try:
         cfg, _ = explain_config(args.config, _overrides(args))  # the ranks say what keys did
+        spec_from_args(args, module=True).validate()  # bad launch options: one line, nothing created
         if getattr(args, "node_rank", 0) == 0:
             lock = acquire(Path(cfg.train.output_dir))
             os.environ[TOKEN_ENV] = lock.token

@@ -238,7 +238,7 @@ def data_and_model(cfg: Config, fits_host: bool = False) -> tuple[TokenBatches, 
     model's weights fit in host memory (a typo such as ``n_layer: 100000`` is one line, not
     an allocation that runs the machine into swap)."""
     tokens = load_tokens(cfg.data.path)
-    data = TokenBatches(tokens, cfg.data.seq_len, cfg.data.val_fraction, cfg.seed)
+    data = TokenBatches(tokens, cfg.data.seq_len, cfg.data.val_fraction, cfg.seed, cfg.data.path)
     vocab = int(cfg.model.overrides.get("vocab_size", max(256, data.max_token + 1)))
     if data.max_token >= vocab:
         raise ValueError(f"data tokens go up to {data.max_token} but model.overrides.vocab_size = {vocab}")

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from hybridtrain.checkpoint import CheckpointError
-from hybridtrain.checkpoint.layout import MARKER, commit, temporary_dir
+from hybridtrain.checkpoint.layout import MARKER, commit, file_digests, temporary_dir
 from hybridtrain.cli import main
 from hybridtrain.config import Config, load_config
 from hybridtrain.run_lock import LOCK_FILE, TOKEN_ENV, RunDirBusyError, acquire, own_run_dir
@@ -129,7 +129,9 @@ def test_no_start_replaces_a_run_whose_checkpoints_are_all_unusable(trained: Pat
 
 def _fake_checkpoint(root: Path, step: int, complete: bool = True) -> Path:
     path = root / f"step-{step:07d}"
-    commit(temporary_dir(path), path, {"step": step}, {})
+    tmp = temporary_dir(path)
+    (tmp / "shard").write_bytes(b"weights")
+    commit(tmp, path, {"step": step, "params": {}, "setup": {}, "world_size": 1}, file_digests(tmp, ["shard"]))
     if not complete:
         (path / MARKER).unlink()
     return path
