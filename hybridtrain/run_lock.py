@@ -16,6 +16,10 @@ Who holds it:
 - a rank started some other way (plain ``torchrun``): the writer rank (rank 0) alone.
   After a restart it waits briefly for its previous round's process to let go.
 - one process: itself.
+
+Every rank of the live run also holds ``.hybridtrain.ranks.lock`` shared while it runs:
+the workers of a launcher killed with ``kill -9`` still save their last checkpoint and
+stop on their own, and until they have, a new owner is refused.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ from pathlib import Path
 from typing import IO
 
 LOCK_FILE = ".hybridtrain.lock"
+RANKS_FILE = ".hybridtrain.ranks.lock"
+"""Held shared by every rank of the live run (so ranks that outlive a killed launcher still
+own the directory until they have saved and exited)."""
 TOKEN_ENV = "HYBRIDTRAIN_RUN_LOCK_TOKEN"
 """Set by the launcher for its ranks: the token it wrote into the lock file it holds."""
 RESTART_WAIT_S = 30.0
@@ -60,8 +67,9 @@ class RunDirLock:
         handle, self._handle = self._handle, None
         if self._created_dirs:
             with contextlib.suppress(OSError):
-                if [p.name for p in self.out.iterdir()] == [LOCK_FILE]:
-                    (self.out / LOCK_FILE).unlink()
+                if {p.name for p in self.out.iterdir()} <= {LOCK_FILE, RANKS_FILE}:
+                    for name in (LOCK_FILE, RANKS_FILE):
+                        (self.out / name).unlink(missing_ok=True)
                     for path in reversed(self._created_dirs):
                         path.rmdir()  # only while empty: stops at the first that is not
         handle.close()  # closing the descriptor drops the flock
@@ -94,6 +102,15 @@ def acquire(out: Path, wait_s: float = 0.0) -> RunDirLock:
                 raise RunDirBusyError(f"output directory {out} is in use by {describe_holder(path)}: wait for "
                                       "it to end (or stop it), or choose another train.output_dir") from None
             time.sleep(0.2)
+    # The owner of an earlier run may be gone (kill -9 of its launcher) while its ranks still
+    # finish their last save: they hold the ranks lock shared until they exit.
+    while not _ranks_gone(out):
+        if time.monotonic() >= deadline:
+            handle.close()
+            raise RunDirBusyError(f"output directory {out} is in use by ranks of an earlier run that are still "
+                                  "running (their launcher is gone; they save and stop on their own): wait for "
+                                  "them, or choose another train.output_dir")
+        time.sleep(0.2)
     token = uuid.uuid4().hex
     holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), "token": token}
     handle.seek(0)
@@ -101,6 +118,25 @@ def acquire(out: Path, wait_s: float = 0.0) -> RunDirLock:
     handle.write(json.dumps(holder) + "\n")
     handle.flush()
     return RunDirLock(out, handle, token, created)
+
+
+def _ranks_gone(out: Path) -> bool:
+    """Whether no rank holds ``out``'s ranks lock (checked by taking it exclusively, at once released)."""
+    with open(out / RANKS_FILE, "a", encoding="utf-8") as fh:
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+    return True
+
+
+@contextlib.contextmanager
+def _rank_share(out: Path) -> Iterator[None]:
+    """Hold ``out``'s ranks lock shared while this rank lives in the run."""
+    with open(out / RANKS_FILE, "a", encoding="utf-8") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_SH)  # waits out a new owner's momentary check only
+        yield
 
 
 def describe_holder(path: Path) -> str:
@@ -133,10 +169,13 @@ def own_run_dir(out: Path, rank: int = 0, restart: int = 0) -> Iterator[RunDirLo
         RunDirBusyError: another run owns ``out``.
     """
     if held_by_launcher(out) or rank != 0:
-        yield None
+        out.mkdir(parents=True, exist_ok=True)
+        with _rank_share(out):
+            yield None
         return
     lock = acquire(out, RESTART_WAIT_S if restart > 0 else 0.0)
     try:
-        yield lock
+        with _rank_share(out):
+            yield lock
     finally:
         lock.release()

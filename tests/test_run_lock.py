@@ -18,7 +18,14 @@ from hybridtrain.checkpoint import CheckpointError
 from hybridtrain.checkpoint.layout import MARKER, commit, file_digests, temporary_dir
 from hybridtrain.cli import main
 from hybridtrain.config import Config, load_config
-from hybridtrain.run_lock import LOCK_FILE, TOKEN_ENV, RunDirBusyError, acquire, own_run_dir
+from hybridtrain.run_lock import (
+    LOCK_FILE,
+    RANKS_FILE,
+    TOKEN_ENV,
+    RunDirBusyError,
+    acquire,
+    own_run_dir,
+)
 from hybridtrain.trainer import run_training
 
 
@@ -39,7 +46,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _snapshot(run: Path) -> dict[str, bytes]:
     return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*"))
-            if p.is_file() and p.name != LOCK_FILE}
+            if p.is_file() and p.name not in (LOCK_FILE, RANKS_FILE)}
 
 
 @pytest.mark.parametrize("way_in", [{}, {"resume": True}, {"overwrite": True}],
@@ -87,6 +94,10 @@ def test_the_launchers_ranks_share_its_lock_and_nobody_elses(tmp_path: Path,
             pass
     finally:
         lock.release()
+    # Ranks that outlive their killed launcher still own the directory until they exit.
+    with own_run_dir(tmp_path / "orphans", rank=1), pytest.raises(RunDirBusyError, match="ranks of an earlier run"):
+        acquire(tmp_path / "orphans")
+    acquire(tmp_path / "orphans").release()
     # A start refused before it wrote anything leaves no directory behind.
     fresh = tmp_path / "never-used"
     acquire(fresh).release()
