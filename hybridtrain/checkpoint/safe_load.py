@@ -62,14 +62,15 @@ class MetadataUnpickler(pickle.Unpickler):
         raise UnsafeCheckpointError(f"{module}.{name} is not part of a checkpoint's metadata")
 
 
-def read_metadata_safely(path: str | Path) -> dcp_metadata.Metadata:
-    """The DCP metadata of checkpoint directory ``path``, read with :class:`MetadataUnpickler`.
+def read_metadata_safely(path: str | Path, name: str = METADATA_FILE) -> dcp_metadata.Metadata:
+    """The DCP metadata file ``name`` of checkpoint directory ``path``, read with
+    :class:`MetadataUnpickler`.
 
     Raises:
         UnsafeCheckpointError: the file names a class a checkpoint does not hold.
         pickle.UnpicklingError / OSError / EOFError: unreadable.
     """
-    with open(Path(path) / METADATA_FILE, "rb") as fh:
+    with open(Path(path) / name, "rb") as fh:
         found = MetadataUnpickler(fh).load()
     if not isinstance(found, dcp_metadata.Metadata):
         raise UnsafeCheckpointError(f"{METADATA_FILE} holds a {type(found).__name__}, not checkpoint metadata")
@@ -79,12 +80,14 @@ def read_metadata_safely(path: str | Path) -> dcp_metadata.Metadata:
 class SafeReader(dcp.FileSystemReader):
     """``FileSystemReader`` whose ``read_metadata`` runs no code from the file.
 
-    ``*args, **kwargs``: torch 2.6 calls ``read_metadata()``, later versions may pass a
-    rank; this reader always reads the one ``.metadata`` a coordinated save writes.
+    ``*args, **kwargs``: torch 2.6 declares ``read_metadata()``, torch 2.7 and later
+    (2.11, 2.13) ``read_metadata(*args, **kwargs)`` with an optional ``rank`` whose own
+    ``__<rank>.metadata`` is read, as torch's reader does.
     """
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        found = read_metadata_safely(Path(self.path))
+        rank = kwargs.get("rank")
+        found = read_metadata_safely(Path(self.path), METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
         if getattr(found, "storage_meta", None) is None:
             found.storage_meta = dcp_metadata.StorageMeta()
         if found.storage_meta is not None and hasattr(self, "load_id"):
