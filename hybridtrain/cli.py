@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hybridtrain import __version__
+from hybridtrain.terminate import Terminated, raise_on_sigterm
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -76,16 +77,23 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hybridtrain`` console script; returns the exit code."""
     _show_info_lines()
+    args: argparse.Namespace | None = None
     try:
-        parser = build_parser()  # imports torch: seconds in which a Ctrl-C lands here
-        args = parser.parse_args(argv)
-        code: int = args.func(args)
+        with raise_on_sigterm():  # SIGTERM during start-up or a command: one line, exit 143
+            parser = build_parser()  # imports torch: seconds in which a Ctrl-C lands here
+            args = parser.parse_args(argv)
+            code: int = args.func(args)
     except KeyboardInterrupt:
         # A Ctrl-C no command caught (start-up, or a command without its own handling) is
         # one line, not a traceback; under torchrun rank 0 says it for the run.
         if os.environ.get("RANK", "0") == "0":
             print("interrupted: stopped by Ctrl-C", file=sys.stderr, flush=True)
         return 130
+    except Terminated:
+        if os.environ.get("RANK", "0") == "0" and "LOCAL_RANK" not in os.environ:
+            when = " during start-up: nothing was done" if args is None else ""
+            print(f"terminated (SIGTERM){when}", file=sys.stderr, flush=True)
+        return 143
     return code
 
 

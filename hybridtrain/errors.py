@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 
 import torch
 
@@ -37,8 +38,25 @@ def describe_failure(exc: BaseException) -> tuple[str, int] | None:
         return describe_os_error(exc), 1
     if isinstance(exc, MemoryError | torch.OutOfMemoryError):
         return f"out of memory: {_one_line(str(exc))}", 1
+    host = _host_allocation_failure(exc)
+    if host is not None:
+        return host, 1
     failure = peer_failure(exc)
     return (str(failure), 1) if failure is not None else None
+
+
+_HOST_ALLOC = re.compile(r"can't allocate memory: you tried to allocate (\d+) bytes")
+
+
+def _host_allocation_failure(exc: BaseException) -> str | None:
+    """torch's CPU allocator failing (a ``RuntimeError`` with an ``enforce fail`` banner:
+    the machine, its overcommit policy or ``ulimit -v`` refused) as one line."""
+    found = _HOST_ALLOC.search(str(exc)) if isinstance(exc, RuntimeError) else None
+    if found is None:
+        return None
+    return (f"out of host memory: an allocation of {int(found.group(1)) / 2**30:.2f} GiB was refused (the machine's "
+            "memory or a ulimit -v); use a smaller train_micro_batch_size_per_gpu (gradient_accumulation_steps "
+            "keeps the global batch), activation_checkpointing, or a smaller model")
 
 
 def describe_os_error(exc: OSError) -> str:

@@ -47,8 +47,11 @@ class Start:
     restart: int = 0
 
 
-def decide_start(out: Path, newest: Path | None, resume: bool | str, overwrite: bool, restart: int) -> Start:
-    """Decide how to start in ``out`` whose newest complete checkpoint is ``newest``.
+def decide_start(out: Path, newest: Path | None, resume: bool | str, overwrite: bool, restart: int,
+                 present: Path | None = None) -> Start:
+    """Decide how to start in ``out`` whose newest complete checkpoint is ``newest``;
+    ``present`` is its newest checkpoint directory, complete or not: a fresh start must
+    not replace a run whose checkpoints are all incomplete either.
 
     Raises:
         ValueError: ``--resume`` with ``--overwrite``, or a fresh start into a directory
@@ -68,7 +71,15 @@ def decide_start(out: Path, newest: Path | None, resume: bool | str, overwrite: 
     if newest is not None:
         raise ValueError(f"output directory {out} has checkpoints up to step {checkpoint_step(newest)}: "
                          "use --resume to continue or --overwrite to start over")
+    if present is not None:
+        raise ValueError(f"output directory {out} has checkpoint directories up to {present.name}, none of them "
+                         "complete: use --overwrite to start over (or move them away)")
     return Start("fresh")
+
+
+def newest_checkpoint_dir(root: Path) -> Path | None:
+    """The newest ``step-*`` directory under ``root``, complete or not (None when there is none)."""
+    return max((p for p in root.glob("step-*") if p.is_dir()), default=None)
 
 
 def checkpoint_step(path: Path) -> str:

@@ -6,7 +6,10 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from hybridtrain.terminate import Terminated
 
 if TYPE_CHECKING:
     from hybridtrain.trainer import TrainSummary
@@ -64,18 +67,21 @@ def _add_overrides(parser: argparse.ArgumentParser) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from hybridtrain.config import load_config
-    from hybridtrain.trainer import run_training
-
     if _wants_launch(args):
         return _launch_ranks(args)
     try:
+        from hybridtrain.config import load_config
+        from hybridtrain.trainer import run_training
+
         cfg = load_config(args.config, _overrides(args))
         summary = run_training(cfg, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
-    except KeyboardInterrupt:  # Ctrl-C before training started, or a second one while saving
-        if os.environ.get("RANK", "0") == "0":
-            print("interrupted: stopped without saving a checkpoint", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, Terminated) as exc:  # before training started, or a second one while saving
+        # SIGTERM outside the steps (hybridtrain.terminate); under torchrun the launcher
+        # says why it stopped the ranks (and which failed first).
+        if os.environ.get("RANK", "0") == "0" and not (isinstance(exc, Terminated) and "LOCAL_RANK" in os.environ):
+            how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+            print(f"{how}: stopped without saving a checkpoint", file=sys.stderr)
+        return 143 if isinstance(exc, Terminated) else 130
     except Exception as exc:  # noqa: BLE001 - every failure a user can cause ends in one line
         return _report_failure(exc)
     if os.environ.get("RANK", "0") != "0":
@@ -145,16 +151,37 @@ def _wants_launch(args: argparse.Namespace) -> bool:
 
 def _launch_ranks(args: argparse.Namespace) -> int:
     from hybridtrain.config import explain_config
-    from hybridtrain.parallel.launch import launch
     from hybridtrain.parallel.launch_cli import spec_from_args
+    from hybridtrain.run_lock import TOKEN_ENV, acquire
     from hybridtrain.trainer import check_output_dir
 
-    # What every rank would refuse, refused once here before any rank starts.
+    # What every rank would refuse, refused once here before any rank starts. The
+    # launcher owns the run directory for the whole launch, restarts included; its ranks
+    # find its token in the lock (hybridtrain.run_lock).
+    lock = None
     try:
         cfg, _ = explain_config(args.config, _overrides(args))  # the ranks say what keys did
+        spec_from_args(args, module=True).validate()  # bad launch options: one line, nothing created
+        if getattr(args, "node_rank", 0) == 0:
+            lock = acquire(Path(cfg.train.output_dir))
+            os.environ[TOKEN_ENV] = lock.token
         check_output_dir(cfg, args.resume, args.overwrite)
     except Exception as exc:  # noqa: BLE001 - one line, as in a worker
+        if lock is not None:
+            lock.release()
         return _report_failure(exc)
+    try:
+        return _launch_workers(args)
+    finally:
+        if lock is not None:
+            lock.release()
+        os.environ.pop(TOKEN_ENV, None)
+
+
+def _launch_workers(args: argparse.Namespace) -> int:
+    from hybridtrain.parallel.launch import launch
+    from hybridtrain.parallel.launch_cli import spec_from_args
+
     worker = ["train", *([args.config] if args.config else [])]
     for item in args.overrides:
         worker += ["--set", item]

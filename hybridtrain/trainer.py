@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import shutil
 import sys
 import time
@@ -30,11 +31,12 @@ from hybridtrain.config.loading import resolve_batch_sizes
 from hybridtrain.data import TokenBatches, load_tokens
 from hybridtrain.engine import Engine
 from hybridtrain.errors import peer_failure
-from hybridtrain.metrics import MetricsLog
+from hybridtrain.metrics import METRICS_ENV, MetricsLog
 from hybridtrain.models.factory import build_model, parameter_count
 from hybridtrain.models.gpt import causal_lm_loss
 from hybridtrain.monitoring.readings import device_peak_tflops, flops_per_token, memory_readings
 from hybridtrain.monitoring.telemetry import Telemetry, check_monitoring
+from hybridtrain.outputs import check_metrics_file
 from hybridtrain.parallel.mesh import (
     end_process_group,
     env_world_size,
@@ -50,10 +52,12 @@ from hybridtrain.run_dir import (
     Start,
     clear_run,
     decide_start,
+    newest_checkpoint_dir,
     previous_global_batch,
     record_global_batch,
     remove_trash,
 )
+from hybridtrain.run_lock import own_run_dir
 from hybridtrain.runtime.device import peak_memory_bytes, reset_peak_memory, resolve_device
 from hybridtrain.runtime.memory_plans import check_limit_reachable, planner_fallback
 from hybridtrain.runtime.oom_recovery import MemoryGuard
@@ -97,6 +101,19 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 def run_training(cfg: Config, resume: bool | str = False, progress: bool = True,
                  overwrite: bool = False) -> TrainSummary:
+    """Train as ``cfg`` says, as the one owner of ``train.output_dir``
+    (:mod:`hybridtrain.run_lock`; another live run there is one line, before anything
+    is read or built); arguments and errors as :func:`_run_training`.
+
+    Raises:
+        RunDirBusyError: another live run owns ``train.output_dir`` (a ``ValueError``).
+    """
+    with own_run_dir(Path(cfg.train.output_dir), int(os.environ.get("RANK", "0")), restart_count()):
+        return _run_training(cfg, resume, progress, overwrite)
+
+
+def _run_training(cfg: Config, resume: bool | str = False, progress: bool = True,
+                  overwrite: bool = False) -> TrainSummary:
     """Train as ``cfg`` says; see the module docstring.
 
     Args:
@@ -176,7 +193,10 @@ def check_output_dir(cfg: Config, resume: bool | str = False, overwrite: bool = 
         ValueError: see :func:`hybridtrain.run_dir.decide_start`.
     """
     out = Path(cfg.train.output_dir)
-    return decide_start(out, latest_checkpoint(out), resume, overwrite, restart_count())
+    if os.environ.get(METRICS_ENV):  # never truncate another run's records
+        check_metrics_file(os.environ[METRICS_ENV], out / "metrics.jsonl")
+    return decide_start(out, latest_checkpoint(out), resume, overwrite, restart_count(),
+                        newest_checkpoint_dir(out / CHECKPOINTS))
 
 
 def _same_global_batch(cfg: Config, previous: int | None) -> Config:
@@ -218,7 +238,7 @@ def data_and_model(cfg: Config, fits_host: bool = False) -> tuple[TokenBatches, 
     model's weights fit in host memory (a typo such as ``n_layer: 100000`` is one line, not
     an allocation that runs the machine into swap)."""
     tokens = load_tokens(cfg.data.path)
-    data = TokenBatches(tokens, cfg.data.seq_len, cfg.data.val_fraction, cfg.seed)
+    data = TokenBatches(tokens, cfg.data.seq_len, cfg.data.val_fraction, cfg.seed, cfg.data.path)
     vocab = int(cfg.model.overrides.get("vocab_size", max(256, data.max_token + 1)))
     if data.max_token >= vocab:
         raise ValueError(f"data tokens go up to {data.max_token} but model.overrides.vocab_size = {vocab}")
@@ -278,7 +298,7 @@ def _resume(engine: Engine, out: Path, resume: bool | str, metrics: MetricsLog |
         path, client = Path(resume), engine.load_checkpoint(resume)
     else:
         say = (lambda line: print(line, file=sys.stderr)) if engine.parallel.is_writer else (lambda line: None)
-        found = ckpt.resume_newest(out / CHECKPOINTS, engine.load_checkpoint, say)
+        found = ckpt.resume_newest(out / CHECKPOINTS, engine.load_checkpoint, say, refuse=True)
         if found is None:
             say(f"resume: no checkpoint in {out / CHECKPOINTS}; starting at step 0")
             return 0, 0
@@ -370,7 +390,7 @@ def _loop(engine: Engine, cfg: Config, data: TokenBatches, metrics: MetricsLog |
                 t_save = time.perf_counter()
                 try:
                     path = _save(engine, Path(cfg.train.output_dir), step, cfg.train.keep_checkpoints, restarts,
-                                 cfg.train.checkpoint_async)
+                                 cfg.train.checkpoint_async, start, saved)
                 except (RuntimeError, OSError) as exc:  # CheckpointError is a RuntimeError
                     raise _disk_full(exc, engine, Path(cfg.train.output_dir), step) from exc
                 saved.append(str(path))
@@ -450,14 +470,16 @@ def _evaluate(engine: Engine, data: TokenBatches, batches: int, batch_size: int)
                for i in range(batches)) / batches
 
 
-def _save(engine: Engine, out: Path, step: int, keep: int, restarts: int = 0, async_save: bool = False) -> Path:
+def _save(engine: Engine, out: Path, step: int, keep: int, restarts: int = 0, async_save: bool = False,
+          start: int | None = None, own: list[str] | None = None) -> Path:
     root = out / CHECKPOINTS
     if engine.parallel.is_writer:  # saves that can no longer finish (this process's own in flight stays)
         ckpt.remove_partial(root)
     path = engine.save_checkpoint(root / f"step-{step:07d}", client_state={"data_step": step, "restarts": restarts},
                                   async_save=async_save)
     if engine.parallel.is_writer:
-        ckpt.prune(root, keep)
+        # Never a checkpoint newer than the run's start that it did not write, never the only good one.
+        ckpt.prune(root, keep, start=start, own=[*(own or []), str(path)])
     return path
 
 

@@ -21,6 +21,8 @@ def add_checkpoint_command(sub: Any) -> None:
     export.add_argument("out", metavar="OUT", help="output directory")
     export.add_argument("--config", default=None,
                         help="the run's config (default: config.json of the run directory)")
+    export.add_argument("--overwrite", action="store_true",
+                        help="replace what OUT holds (without it, an OUT that holds files is refused)")
     export.set_defaults(func=_export)
 
 
@@ -29,7 +31,7 @@ def _export(args: argparse.Namespace) -> int:
     from hybridtrain.checkpoint.layout import CheckpointError
 
     try:
-        written = export(args.checkpoint, args.out, args.config)
+        written = export(args.checkpoint, args.out, args.config, args.overwrite)
     except (CheckpointError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

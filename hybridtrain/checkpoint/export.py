@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from hybridtrain.checkpoint import legacy, sharded
 from hybridtrain.checkpoint.layout import CheckpointError, read_meta
 from hybridtrain.checkpoint.training_state import MODEL, saved_names
+from hybridtrain.outputs import check_new_dir, check_not_an_input
 from hybridtrain.parallel.tensor import qkv_to_user
 
 
@@ -63,18 +64,26 @@ def run_config(path: Path, config: str | Path | None) -> dict[str, Any] | None:
     return loaded
 
 
-def export(path: str | Path, out: str | Path, config: str | Path | None = None) -> Path:
+def export(path: str | Path, out: str | Path, config: str | Path | None = None, overwrite: bool = False) -> Path:
     """Write the model of checkpoint ``path`` to the directory ``out`` (see the module docstring).
+
+    Args:
+        path: the checkpoint directory.
+        out: the export directory: new or empty, unless ``overwrite``.
+        config: the run's config (default: the run directory's ``config.json``).
+        overwrite: replace what ``out`` holds.
 
     Returns:
         The main file written.
 
     Raises:
-        CheckpointError: the checkpoint or config cannot be read, or ``out`` is a file.
+        CheckpointError: the checkpoint or config cannot be read.
+        ValueError: ``out`` is a file, holds files (without ``overwrite``), or is or holds
+            the checkpoint or config read.
     """
     path, out = Path(path), Path(out)
-    if out.exists() and not out.is_dir():
-        raise CheckpointError(f"export target {out} is a file; give a directory")
+    check_not_an_input(out, [path, *([config] if config else [])], "export target", nothing_inside=True)
+    check_new_dir(out, "export target", overwrite)
     state, meta = model_state(path)
     cfg = run_config(path, config)
     model_cfg: dict[str, Any] = (cfg or {}).get("model", {})

@@ -97,12 +97,17 @@ def read_meta(path: str | Path) -> tuple[Path, dict[str, Any]]:
         meta: dict[str, Any] = json.loads(text)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path} is not a hybridtrain checkpoint ({META} unreadable: {exc})") from None
-    if meta.get("format") == 1:
+    known = isinstance(meta, dict) and meta.get("format") in (1, FORMAT_VERSION)
+    # An unfinished save says so first, whatever its meta.json holds.
+    problem = _uncommitted(path, text) if known and meta["format"] == FORMAT_VERSION else None
+    if problem:
+        raise IncompleteCheckpointError(f"checkpoint {path} is incomplete: {problem}")
+    shape = _shape_problem(meta)
+    if shape:
+        raise CheckpointError(f"{path} is not a hybridtrain checkpoint ({META}: {shape})")
+    if meta["format"] == 1:
         return path, meta  # the previous layout (hybridtrain.checkpoint.legacy) has no marker
-    if meta.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{path} has checkpoint format {meta.get('format')!r}; this version reads "
-                              f"1 and {FORMAT_VERSION}")
-    problem = _incomplete(path, text, meta)
+    problem = _incomplete(path, meta)
     if problem:
         raise IncompleteCheckpointError(f"checkpoint {path} is incomplete: {problem}")
     return path, meta
@@ -145,10 +150,43 @@ def remove_partial(root: Path, now: Callable[[], float] = time.time) -> list[Pat
     return removed
 
 
-def prune(root: Path, keep: int, pattern: str = "step-*") -> None:
-    """Delete all but the ``keep`` newest checkpoints under ``root`` (by name)."""
-    for old in sorted(root.glob(pattern))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+def prune(root: Path, keep: int, pattern: str = "step-*", start: int | None = None,
+          own: Iterable[str | Path] = ()) -> list[Path]:
+    """Delete all but the ``keep`` newest complete checkpoints under ``root``.
+
+    Never deleted: the newest complete checkpoints (at least one: a run whose other
+    checkpoints are corrupt keeps its only good one), directories newer than the newest
+    complete one, and, when ``start`` is given, any
+    checkpoint of a step after ``start`` that is not in ``own`` (a run resumed from an
+    older checkpoint leaves the newer ones of the earlier timeline alone).
+
+    Args:
+        root: the checkpoints directory.
+        keep: how many complete checkpoints to keep.
+        pattern: which directories are checkpoints (``step-NNNNNNN``).
+        start: the step the run started from (None: every checkpoint may go).
+        own: the checkpoints this run wrote.
+
+    Returns:
+        What was deleted.
+    """
+    mine = {Path(p).name for p in own}
+
+    def foreign_and_newer(path: Path) -> bool:
+        tail = path.name.rpartition("-")[2]
+        return start is not None and path.name not in mine and (not tail.isdigit() or int(tail) > start)
+
+    candidates = [(path, problem) for path, problem in complete_checkpoints(root, pattern)
+                  if not foreign_and_newer(path)]
+    kept = [path for path, problem in candidates if problem is None][:max(keep, 1)]
+    if not kept:
+        return []  # nothing good among them: deleting would leave the run with nothing
+    # Directories newer than the newest good one are left alone: not ours to judge (a copy
+    # still arriving, a damaged one a user may repair); resume skips them, saying why.
+    removed = [path for path, _ in candidates if path not in kept and path.name < kept[0].name]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
 
 
 def _maybe_in_progress(tmp: Path, now: float) -> bool:
@@ -174,19 +212,57 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _incomplete(path: Path, text: str, meta: dict[str, Any]) -> str | None:
+def _uncommitted(path: Path, text: str) -> str | None:
     try:
         marker = json.loads((path / MARKER).read_text())
     except (OSError, ValueError):
         return f"no commit marker {MARKER} (a save that did not finish)"
-    if marker.get("meta_sha256") != hashlib.sha256(text.encode()).hexdigest():
+    if not isinstance(marker, dict) or marker.get("meta_sha256") != hashlib.sha256(text.encode()).hexdigest():
         return f"{META} does not match its commit marker"
+    return None
+
+
+def _incomplete(path: Path, meta: dict[str, Any]) -> str | None:
     for name, (size, _) in meta["files"].items():
         target = path / name
         if not target.is_file():
             return f"{name} is missing"
         if target.stat().st_size != size:
             return f"{name} has {target.stat().st_size} bytes, {size} were written"
+    return None
+
+
+def _shape_problem(meta: Any) -> str | None:
+    """What is wrong with the shape of a parsed ``meta.json`` (None: nothing), checked
+    before any field is used: a hand-edited or crafted file is one line, not a KeyError."""
+    if not isinstance(meta, dict):
+        return f"a JSON {type(meta).__name__}, not an object"
+    fmt = meta.get("format")
+    if fmt not in (1, FORMAT_VERSION) or isinstance(fmt, bool):
+        return f"format {fmt!r}; this version reads 1 and {FORMAT_VERSION}"
+    files = meta.get("files")
+
+    def entry(value: Any) -> bool:  # format 1: the SHA-256; format 2: [bytes, SHA-256]
+        if fmt == 1:
+            return isinstance(value, str)
+        return (isinstance(value, list) and len(value) == 2 and isinstance(value[0], int)
+                and not isinstance(value[0], bool) and value[0] >= 0 and isinstance(value[1], str))
+
+    if not isinstance(files, dict) or not files or not all(
+            isinstance(k, str) and k not in ("", ".", "..") and "/" not in k and "\\" not in k and entry(v)
+            for k, v in files.items()):
+        what = "its SHA-256" if fmt == 1 else "[bytes, SHA-256]"
+        return f"'files' must map each file name of the checkpoint to {what}"
+    params = meta.get("params")
+    if not isinstance(params, dict) or not all(
+            isinstance(v, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in v)
+            for v in params.values()):
+        return "'params' must map each parameter name to its shape (a list of integers)"
+    if not isinstance(meta.get("setup"), dict):
+        return "'setup' must be an object"
+    world = meta.get("world_size")
+    if fmt == FORMAT_VERSION and not (isinstance(world, int) and not isinstance(world, bool) and world >= 1):
+        return f"'world_size' must be an integer >= 1, got {world!r}"
     return None
 
 

@@ -7,9 +7,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from hybridtrain.checkpoint.layout import IncompleteCheckpointError, complete_checkpoints
+from hybridtrain.checkpoint.layout import (
+    CheckpointError,
+    IncompleteCheckpointError,
+    complete_checkpoints,
+)
 
 T = TypeVar("T")
+
+
+class NoUsableCheckpointError(CheckpointError):
+    """A resume found checkpoint directories but none it can load: refused, nothing changed."""
 
 
 def latest_complete(root: Path) -> Path | None:
@@ -18,7 +26,8 @@ def latest_complete(root: Path) -> Path | None:
     return next((path for path, problem in complete_checkpoints(root) if problem is None), None)
 
 
-def resume_newest(root: Path, load: Callable[[Path], T], say: Callable[[str], None]) -> tuple[Path, T] | None:
+def resume_newest(root: Path, load: Callable[[Path], T], say: Callable[[str], None],
+                  refuse: bool = False) -> tuple[Path, T] | None:
     """Load the newest usable checkpoint under ``root`` with ``load`` (every rank calls it).
 
     A checkpoint that is incomplete, or that ``load`` finds corrupt
@@ -27,8 +36,16 @@ def resume_newest(root: Path, load: Callable[[Path], T], say: Callable[[str], No
     Other errors (a checkpoint of another model or setup) propagate: an older checkpoint
     of the same run would not fit either.
 
+    Args:
+        refuse: raise instead of returning None when there are checkpoint directories
+            but none is usable (a resume must never start over silently).
+
     Returns:
         ``(path, load's result)``, or None when no checkpoint is usable.
+
+    Raises:
+        NoUsableCheckpointError: with ``refuse``, every checkpoint was skipped; the
+            message names them and why.
     """
     skipped: list[tuple[Path, str]] = []
     for path, problem in complete_checkpoints(root):
@@ -42,6 +59,10 @@ def resume_newest(root: Path, load: Callable[[Path], T], say: Callable[[str], No
                     say(_skipped_line(skipped, f"continuing from {path.name}"))
                 return path, result
         skipped.append((path, problem))
+    if skipped and refuse:
+        why = _skipped_line(skipped, "nothing was changed")[len("resume: "):]
+        raise NoUsableCheckpointError(f"--resume found no usable checkpoint in {root}: {why}; repair or move them "
+                                      "away, or use --overwrite to start over")
     if skipped:
         say(_skipped_line(skipped, "no complete checkpoint is left"))
     return None

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from hybridtrain.checkpoint import layout
 from hybridtrain.checkpoint.layout import CheckpointError, IncompleteCheckpointError
+from hybridtrain.checkpoint.safe_load import SafePlanner, SafeReader
 
 # DCP warns on every call in one process that it "assumes" a single process; that is
 # exactly what a one-process run means, so the line would only be noise on each save.
@@ -121,7 +122,7 @@ def storage_metadata(path: Path) -> Metadata:
         IncompleteCheckpointError: ``.metadata`` is unreadable.
     """
     try:
-        return dcp.FileSystemReader(path).read_metadata()
+        return SafeReader(path).read_metadata()  # no code from the file runs (safe_load)
     except (Exception, dcp.CheckpointException) as exc:
         raise IncompleteCheckpointError(f"checkpoint {path} is unreadable: {_one_line(exc)}") from None
 
@@ -131,7 +132,8 @@ def load(path: Path, targets: dict[str, Any]) -> None:
     on every rank (a collective; each rank may ask for different keys)."""
     try:
         group = checkpoint_group()
-        dcp.load(targets, storage_reader=dcp.FileSystemReader(path), process_group=group, no_dist=group is None)
+        dcp.load(targets, storage_reader=SafeReader(path), planner=SafePlanner(), process_group=group,
+                 no_dist=group is None)
     except (Exception, dcp.CheckpointException) as exc:
         raise IncompleteCheckpointError(f"reading checkpoint {path} failed: {_one_line(exc)}") from exc
 

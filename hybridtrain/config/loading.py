@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from hybridtrain.bounded_parse import TooLargeError, check_bounds, load_json, load_yaml
 from hybridtrain.config.deepspeed_keys import Applied, apply_treatments, log_treatments
 from hybridtrain.config.schema import Config
 
@@ -29,8 +30,11 @@ _YAMLLoader.add_implicit_resolver(
 )
 
 
-def _yaml_load(text: str) -> Any:
-    return yaml.load(text, Loader=_YAMLLoader)  # noqa: S506 - a SafeLoader subclass
+def _yaml_load(text: str, source: str = "a --set value") -> Any:
+    try:
+        return load_yaml(text, source, _YAMLLoader)
+    except TooLargeError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 class ConfigError(ValueError):
@@ -77,7 +81,10 @@ def explain_config(source: ConfigSource | None = None,
     if source is None:
         raw: dict[str, Any] = {}
     elif isinstance(source, Mapping):
-        raw = plain_copy(source)
+        try:
+            raw = plain_copy(check_bounds(source, "the config"))
+        except TooLargeError as exc:
+            raise ConfigError(str(exc)) from None
     else:
         raw = read_config_file(Path(source))
     for item in overrides:
@@ -127,7 +134,10 @@ def read_config_file(path: Path) -> dict[str, Any]:
     if not text.strip():
         raise empty
     try:
-        data = json.loads(text) if path.suffix == ".json" else _yaml_load(text)
+        source = f"config file {str(path)!r}"
+        data = load_json(text, source) if path.suffix == ".json" else _yaml_load(text, source)
+    except TooLargeError as exc:
+        raise ConfigError(str(exc)) from None
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         detail = " ".join(str(exc).split())
         raise ConfigError(f"config file {str(path)!r} is not valid JSON/YAML: {detail}") from None

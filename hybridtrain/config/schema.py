@@ -272,7 +272,7 @@ class ModelConfig(Section):
 class DataConfig(Section):
     """The training text for the CLI."""
 
-    path: str | None = None
+    path: str | None = Field(default=None, pattern=r"^[^\x00]*$")
     """A UTF-8 text file, or a ``.npy``/``.bin`` token file (uint8/uint16/int32/int64);
     empty = the embedded corpus."""
     seq_len: int = Field(default=128, ge=2)
@@ -286,8 +286,8 @@ class TrainConfig(Section):
 
     steps: int = Field(default=100, ge=1)
     """Optimizer steps to train for."""
-    output_dir: str = "runs/default"
-    """Where metrics (``metrics.jsonl``) and checkpoints go."""
+    output_dir: str = Field(default="runs/default", min_length=1, pattern=r"^[^\x00]*$")
+    """Where metrics (``metrics.jsonl``) and checkpoints go (a path: no NUL character)."""
     checkpoint_every: int = Field(default=0, ge=0)
     """Save a checkpoint every n steps (0 = only at the end)."""
     keep_checkpoints: int = Field(default=2, ge=1)
@@ -453,8 +453,8 @@ class Config(Section):
     counted apart (``engine.last_timings``)."""
     zero_allow_untested_optimizer: bool = True
     """Accepted for DeepSpeed compatibility: any ``torch.optim`` optimizer is allowed."""
-    seed: int = 0
-    """Seed of model initialisation (CLI), data sampling and dropout."""
+    seed: int = Field(default=0, ge=0, le=2**32 - 1)
+    """Seed of model initialisation (CLI), data sampling and dropout (0 … 2^32 - 1)."""
     device: str = "auto"
     """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
     nonfinite_loss: Literal["error", "skip"] = "error"

@@ -136,7 +136,7 @@ def create_app(store: ExperimentStore, token: str, launcher: Launcher | None = l
     def create_experiment(spec: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
         """Validate a spec, store the experiment (or resume it) and start a worker."""
         parsed = load_spec(spec)
-        record = store.create(parsed)
+        record = store.create(parsed, exact=True)
         if launcher is not None and record.state == "running":
             launcher(parsed, store.url)
         return store.status(parsed.name)

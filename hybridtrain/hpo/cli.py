@@ -67,12 +67,30 @@ def _run_controller(args: argparse.Namespace, live: bool) -> int:
     except KeyboardInterrupt:
         print(f"interrupted; resume with: hybridtrain hpo run {args.spec}", file=sys.stderr)
         return 130
+    except HPOError:
+        raise  # bad spec or storage gone: one line from _errors_to_exit, nothing to record
+    except Exception as exc:  # noqa: BLE001 - a dead worker must not leave its experiment "running"
+        return _worker_died(store, spec.name, exc)
     finally:
         if table is not None:
             table.stop()
     status = store.status(spec.name)
     print(json.dumps(status))
     return 0 if record.state in ("succeeded", "stopped") else 1
+
+
+def _worker_died(store: Any, name: str, exc: Exception) -> int:
+    """Record the experiment as failed with the reason (when the storage still answers)
+    and say it in one line; exit code 1."""
+    import socket
+
+    reason = f"controller on {socket.gethostname()} died: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+    try:
+        store.records.finish(name, "failed", reason)
+    except Exception as also:  # noqa: BLE001 - the storage itself is gone: nothing can be recorded
+        reason += f" (not recorded: {type(also).__name__})"
+    print(f"error: experiment {name!r}: {reason}", file=sys.stderr)
+    return 1
 
 
 @_errors_to_exit

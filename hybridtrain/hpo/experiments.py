@@ -83,17 +83,23 @@ class ExperimentStore:
             self._optuna = open_optuna_storage(self.url)
         return self._optuna
 
-    def create(self, spec: ExperimentSpec) -> ExperimentRecord:
+    def create(self, spec: ExperimentSpec, exact: bool = False) -> ExperimentRecord:
         """Store a new experiment (or resume a stored one) without running it.
 
+        Args:
+            spec: the validated spec.
+            exact: the stored experiment must have exactly this spec, every field (the REST
+                API: a second caller re-posting a name with another command is a conflict,
+                not a success whose command never runs).
+
         Raises:
-            SpecError: it exists with a different search spec.
+            SpecError: it exists with a different search spec (with ``exact``: any difference).
         """
         import optuna
 
         from hybridtrain.hpo.algorithms import build_pruner, build_sampler
 
-        record = self.records.ensure_experiment(spec)
+        record = self.records.ensure_experiment(spec, exact)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         optuna.create_study(storage=self.optuna_storage, study_name=spec.name,
                             sampler=build_sampler(spec), pruner=build_pruner(spec),

@@ -11,6 +11,7 @@ by ``(metric, step)`` and the second copy is dropped.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -26,6 +27,24 @@ _PAIR = re.compile(
     re.IGNORECASE,
 )
 STEP_KEY = "step"
+MAX_STEP = 2**63 - 1
+"""Steps are stored as 64-bit integers (Optuna's intermediate values): larger is a bad line."""
+
+log = logging.getLogger(__name__)
+
+
+class BadMetricLine(ValueError):
+    """A metrics line that names a metric but cannot be recorded (the reason says why)."""
+
+
+def _step(raw: float) -> int | None:
+    """``raw`` as a step; non-finite values give no step (as before), out-of-range ones
+    (negative, past 64 bits) make the line bad."""
+    if not math.isfinite(raw):
+        return None
+    if raw < 0 or raw > MAX_STEP:
+        raise BadMetricLine(f"step {raw:g} is outside 0..2^63-1")
+    return int(raw)
 
 
 def parse_line(line: str) -> tuple[dict[str, float], int | None]:
@@ -43,8 +62,7 @@ def parse_line(line: str) -> tuple[dict[str, float], int | None]:
     for name, raw in _PAIR.findall(line):
         value = float(raw)
         if name == STEP_KEY:
-            if math.isfinite(value):
-                step = int(value)
+            step = _step(value)
         else:
             metrics[name] = value
     return metrics, step
@@ -55,20 +73,30 @@ def parse_json_line(line: str) -> tuple[dict[str, float], int | None]:
 
     Returns:
         ``(metrics, step)`` as :func:`parse_line`.
+
+    Raises:
+        BadMetricLine: nested too deep to parse, a step out of range, or a number no
+            float holds.
     """
     try:
         obj = json.loads(line)
+    except RecursionError:
+        raise BadMetricLine("JSON nested too deeply") from None
     except ValueError:
         return {}, None
     if not isinstance(obj, dict):
         return {}, None
     raw_step = obj.get(STEP_KEY)
-    step = int(raw_step) if isinstance(raw_step, int | float) and math.isfinite(raw_step) else None
-    metrics = {
-        k: float(v)
-        for k, v in obj.items()
-        if k != STEP_KEY and isinstance(v, int | float) and not isinstance(v, bool)
-    }
+    try:
+        step = _step(float(raw_step)) if isinstance(raw_step, int | float) and not isinstance(raw_step, bool) \
+            else None
+        metrics = {
+            k: float(v)
+            for k, v in obj.items()
+            if k != STEP_KEY and isinstance(v, int | float) and not isinstance(v, bool)
+        }
+    except OverflowError:
+        raise BadMetricLine("a number too large for a float") from None
     return metrics, step
 
 
@@ -119,6 +147,8 @@ class MetricsCollector:
     stdout_path: Path
     jsonl_path: Path
     latest: dict[str, float] = field(default_factory=dict)
+    bad_lines: int = 0
+    """Lines skipped because they could not be recorded (the first one is logged)."""
     _series: dict[str, dict[int, float]] = field(default_factory=dict)
     _tails: list[tuple[_Tail, bool]] = field(default_factory=list)
 
@@ -138,12 +168,23 @@ class MetricsCollector:
         for tail, is_json in self._tails:
             parse = parse_json_line if is_json else parse_line
             for line in tail.read_lines(final):
-                metrics, step = parse(line)
+                try:
+                    metrics, step = parse(line)
+                except BadMetricLine as exc:
+                    self._bad(tail.path, line, exc)
+                    continue
                 for name, value in metrics.items():
                     obs = self._add(name, value, step)
                     if obs is not None:
                         new.append(obs)
         return new
+
+    def _bad(self, path: Path, line: str, why: BadMetricLine) -> None:
+        # One warning per trial: a trial printing a bad line every step must not flood the log.
+        self.bad_lines += 1
+        if self.bad_lines == 1:
+            log.warning("%s: skipped a metrics line (%s): %.80r; later bad lines are only counted", path, why,
+                        line)
 
     def _add(self, name: str, value: float, step: int | None) -> Observation | None:
         series = self._series.setdefault(name, {})

@@ -163,7 +163,7 @@ class Records:
                                f"{first_line(exc)}") from None
 
     # -- experiments ---------------------------------------------------------------
-    def ensure_experiment(self, spec: ExperimentSpec) -> ExperimentRecord:
+    def ensure_experiment(self, spec: ExperimentSpec, exact: bool = False) -> ExperimentRecord:
         """Create the experiment and its slots, or resume the stored one.
 
         A resumed experiment in a paused state (stopping, stopped, interrupted) becomes
@@ -171,7 +171,8 @@ class Records:
 
         Raises:
             ExperimentConflictError: an experiment of that name exists with a different
-                search definition (parameters, objective, algorithm, …).
+                search definition (parameters, objective, algorithm, …); with ``exact``,
+                with any other field different (a second caller's command would never run).
         """
         search = spec.search_fields()
         now = time.time()
@@ -190,6 +191,8 @@ class Records:
         with self.engine.connect() as conn:
             row = conn.execute(EXPERIMENTS.select().where(EXPERIMENTS.c.name == spec.name)).one()
         changed = _diff(json.loads(row.search_json), search)
+        if exact and not changed:
+            changed = _diff(json.loads(row.spec_json), json.loads(spec.model_dump_json()))
         if changed:
             raise ExperimentConflictError(
                 f"experiment {spec.name!r} already exists with a different spec "
@@ -315,5 +318,14 @@ class Records:
         if counts["pending"] == 0 and counts["running"] == 0:
             self.set_state(name, "succeeded", f"{counts['done']} trials finished",
                            only_from=("running",))
-        if counts["running"] == 0:
+        # A slot whose lease expired has no live controller left to stop it (a worker that
+        # died): it does not hold a stop back; the next controller settles the slot itself.
+        if counts["running"] == 0 or not self._live_slots(name):
             self.set_state(name, "stopped", "stopped on request", only_from=("stopping",))
+
+    def _live_slots(self, name: str) -> int:
+        """Running slots of ``name`` whose lease has not expired."""
+        with self.engine.connect() as conn:
+            return int(conn.execute(sa.select(sa.func.count()).where(
+                SLOTS.c.experiment == name, SLOTS.c.state == "running",
+                SLOTS.c.lease_expires >= time.time())).scalar_one())

@@ -193,6 +193,19 @@ class TrialSpec(_Strict):
     retries: int = Field(default=0, ge=0, le=MAX_RETRIES)
     kill_grace: float = Field(default=10.0, ge=0, le=3600)
 
+    @model_validator(mode="after")
+    def _check_runnable(self) -> TrialSpec:
+        # What the OS cannot pass to a process (execve): refused here, not by a worker
+        # that dies after the experiment was created.
+        for field in ("command", "workdir"):
+            _no_nul(f"trial.{field}", getattr(self, field))
+        for name, value in self.env.items():
+            if not name or "=" in name or "\0" in name:
+                raise _FieldError(f"trial.env.{json.dumps(name)[1:-1]}", "an environment variable name must be non-empty and "
+                                  "hold neither '=' nor a NUL character", name)
+            _no_nul(f"trial.env.{json.dumps(name)[1:-1]}", value)
+        return self
+
 
 class ResourcesSpec(_Strict):
     """A pool of GPU indices shared by the parallel trials of one controller.
@@ -258,6 +271,7 @@ class ExperimentSpec(_Strict):
 
     @model_validator(mode="after")
     def _check_names(self) -> ExperimentSpec:
+        _no_nul("output_dir", self.output_dir)
         for name in self.parameters:
             if not _IDENT.match(name) or name in BUILTIN_PLACEHOLDERS:
                 raise _FieldError(
@@ -291,6 +305,11 @@ class ExperimentSpec(_Strict):
             for key in ("objective", "parameters", "algorithm", "early_stopping", "max_trials",
                         "max_failed_trials")
         } | {"retries": data["trial"]["retries"]}
+
+
+def _no_nul(field: str, value: str) -> None:
+    if "\0" in value:
+        raise _FieldError(field, "must not hold a NUL character (no process or path can take it)", value)
 
 
 def render_command(command: str, values: Mapping[str, str]) -> str:

@@ -33,11 +33,16 @@ def serve(host: str = "127.0.0.1", port: int = 8080, storage: str | None = None,
         The exit code (0).
 
     Raises:
-        HPOError: bad token or storage.
+        HPOError: bad token, storage or port.
     """
     import uvicorn
 
     from hybridtrain.hpo.api import create_app
+    from hybridtrain.hpo.errors import HPOError
+    from hybridtrain.hpo.slow_clients import guarded_protocol
+
+    if not 0 <= port <= 65535:
+        raise HPOError(f"--port {port} is not a TCP port: give 0..65535 (0 = any free port)")
     from hybridtrain.hpo.experiments import ExperimentStore
 
     token, created = resolve_token(token_file)
@@ -53,5 +58,7 @@ def serve(host: str = "127.0.0.1", port: int = 8080, storage: str | None = None,
           f"dashboard: {base}/dashboard?token=<token>\n"
           f"metrics:   {base}/metrics  "
           f"({'no token needed' if metrics_public else 'bearer token needed'})", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    # Slow or greedy clients are cut off (hybridtrain.hpo.slow_clients): no unauthenticated
+    # client can hold the server's connections.
+    uvicorn.run(app, host=host, port=port, log_level="warning", http=guarded_protocol())
     return 0

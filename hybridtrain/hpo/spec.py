@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from hybridtrain.bounded_parse import TooLargeError, check_bounds, load_yaml
 from hybridtrain.hpo.algorithms import check_algorithms
 from hybridtrain.hpo.errors import SpecError
 from hybridtrain.hpo.katib import is_katib, katib_to_spec
@@ -77,17 +78,19 @@ def load_spec(source: str | Path | Mapping[str, Any],
     Raises:
         SpecError: one line naming the first malformed field, its value and what is allowed.
     """
-    if isinstance(source, Mapping):
-        data: Any = dict(source)
-    else:
-        path = Path(source)
-        try:
-            data = yaml.safe_load(path.read_text())
-        except OSError as exc:
-            raise SpecError(f"cannot read spec file {str(path)!r}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            line = str(exc).replace("\n", " ")
-            raise SpecError(f"spec file {str(path)!r} is not valid YAML/JSON: {line}") from None
+    try:
+        if isinstance(source, Mapping):
+            data: Any = dict(check_bounds(source, "the spec"))
+        else:
+            path = Path(source)
+            data = load_yaml(path.read_text(), f"spec file {str(path)!r}")
+    except TooLargeError as exc:
+        raise SpecError(str(exc)) from None
+    except (OSError, yaml.YAMLError) as exc:
+        if isinstance(exc, OSError):
+            raise SpecError(f"cannot read spec file {str(source)!r}: {exc.strerror}") from None
+        line = str(exc).replace("\n", " ")
+        raise SpecError(f"spec file {str(source)!r} is not valid YAML/JSON: {line}") from None
     if is_katib(data):
         data, katib_notes = katib_to_spec(data)
         if notes is not None:

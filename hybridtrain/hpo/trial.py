@@ -9,6 +9,7 @@ trial is over the poll returns an :class:`Outcome`; the controller records it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shlex
@@ -153,7 +154,10 @@ class RunningTrial:
 
     def _collect(self, final: bool) -> bool:
         """Report new values to Optuna; returns whether the pruner says stop."""
+        bad = self.collector.bad_lines
         new = self.collector.poll(final)
+        if self.collector.bad_lines != bad:  # recorded as bad, skipped (metrics.MetricsCollector)
+            self._record_bad_lines()
         if not new:
             return False
         metric = self.spec.objective.metric
@@ -170,6 +174,10 @@ class RunningTrial:
         except UpdateFinishedTrialError:
             return False  # recorded by the controller that took our slot over; it settles
         return bool(values) and self._prunes and self.trial.should_prune()
+
+    def _record_bad_lines(self) -> None:
+        with contextlib.suppress(UpdateFinishedTrialError):
+            self.trial.set_user_attr("bad_metric_lines", self.collector.bad_lines)
 
     def _value(self) -> float | None:
         return self.collector.final_value(self.spec.objective.metric,

@@ -18,6 +18,7 @@ def build_model(name: str, overrides: dict[str, Any], vocab_size: int, seq_len: 
         ValueError: unknown name or override (one line naming it).
         ImportError: an ``hf:`` model without the ``hf`` extra installed.
     """
+    check_data_keys(overrides, seq_len)
     torch.manual_seed(seed)
     if name.startswith("gpt-"):
         settings = {"vocab_size": vocab_size, "seq_len": seq_len, **overrides}
@@ -35,10 +36,26 @@ def parameter_count(name: str, overrides: dict[str, Any], vocab_size: int, seq_l
     Raises:
         ValueError / ImportError: as :func:`build_model`.
     """
+    check_data_keys(overrides, seq_len)
     if name.startswith("gpt-"):
-        return gpt_param_count(gpt_config(name, vocab_size=vocab_size, seq_len=seq_len, **overrides))
+        return gpt_param_count(gpt_config(name, **{"vocab_size": vocab_size, "seq_len": seq_len, **overrides}))
     with torch.device("meta"):
         return sum(p.numel() for p in build_model(name, overrides, vocab_size, seq_len, 0).parameters())
+
+
+def check_data_keys(overrides: dict[str, Any], seq_len: int) -> None:
+    """Refuse overrides that contradict what the data fixes: the window (``data.seq_len``)
+    must fit the model's positions. ``vocab_size`` comes from the data too (its largest
+    token + 1, at least 256); an override may only raise it (checked against the tokens).
+
+    Raises:
+        ValueError: one line naming the key, its value and the data's.
+    """
+    for key in ("seq_len", "n_positions", "max_position_embeddings"):
+        value = overrides.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and 0 < value < seq_len:
+            raise ValueError(f"model.overrides.{key} = {value} is shorter than data.seq_len = {seq_len}: the data "
+                             f"fixes the window; leave {key} out (it follows data.seq_len) or set data.seq_len")
 
 
 def _build_hf(model_type: str, overrides: dict[str, Any], vocab_size: int, seq_len: int) -> nn.Module:

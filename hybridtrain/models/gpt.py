@@ -54,10 +54,33 @@ def gpt_config(size: str, **overrides: Any) -> GPTConfig:
     unknown = sorted(set(overrides) - names)
     if unknown:
         raise ValueError(f"model.overrides {unknown} are not GPT fields; allowed: {sorted(names)}")
+    for name, value in overrides.items():
+        check_override(name, value)
     cfg = replace(GPT_SIZES[key], **overrides)
     if cfg.d_model % cfg.n_head:
         raise ValueError(f"model d_model={cfg.d_model} is not divisible by n_head={cfg.n_head}")
     return cfg
+
+
+_POSITIVE_INTS = ("n_layer", "n_head", "d_model", "seq_len", "vocab_size")
+
+
+def check_override(name: str, value: Any) -> None:
+    """Refuse a GPT field value of the wrong type or range, in one line naming it.
+
+    Raises:
+        ValueError: ``model.overrides.<name> = <value>`` and what is allowed.
+    """
+    if name in _POSITIVE_INTS:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        allowed = "an integer ≥ 1"
+    elif name == "dropout":
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and 0.0 <= value < 1.0
+        allowed = "a number in [0, 1)"
+    else:  # tie_embeddings
+        ok, allowed = isinstance(value, bool), "true or false"
+    if not ok:
+        raise ValueError(f"model.overrides.{name} = {value!r}: must be {allowed}")
 
 
 class CausalSelfAttention(nn.Module):

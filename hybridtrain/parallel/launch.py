@@ -63,6 +63,9 @@ class LaunchSpec:
                              "(the address of node 0) so the nodes can find each other")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts {self.max_restarts} must be >= 0")
+        count = self.nproc_per_node
+        if count not in ("auto", "gpu", "cpu", "xpu") and not (count.isdigit() and int(count) >= 1):
+            raise ValueError(f"--nproc-per-node {count}: give a number of processes >= 1, or auto, gpu or cpu")
 
 
 def torchrun_argv(spec: LaunchSpec, script: str, script_args: Sequence[str]) -> list[str]:

@@ -41,6 +41,9 @@ def _profile(args: argparse.Namespace) -> int:
         return 2
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.output_dir and Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
+            raise ValueError(f"-o {args.output_dir} is a file: give a directory for profile.json, trace.json "
+                             "and memory.png")
         profile = _run(cfg, args.steps, args.output_dir)
     except (ConfigError, ValueError, ImportError, RuntimeError) as exc:
         # RuntimeError covers torch.OutOfMemoryError and a model that fails on the batch.

@@ -11,8 +11,19 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from hybridtrain.outputs import check_not_an_input
 from hybridtrain.report import plots
-from hybridtrain.report.runs import Run, config_differences, flatten, is_missing, load_runs
+from hybridtrain.report.runs import (
+    CONFIG,
+    METRICS,
+    SUMMARY,
+    ReportError,
+    Run,
+    config_differences,
+    flatten,
+    is_missing,
+    load_runs,
+)
 
 _COMPUTE_PARTS = ("forward_s", "backward_s", "forward_backward_interleaved_s")
 
@@ -96,7 +107,17 @@ def build_report(run_dirs: Sequence[str | Path], title: str | None = None) -> st
 
 
 def write_report(run_dirs: Sequence[str | Path], output: str | Path, title: str | None = None) -> Path:
-    """Write :func:`build_report` to ``output``; returns the path."""
+    """Write :func:`build_report` to ``output``; returns the path.
+
+    Raises:
+        ReportError: ``output`` is one of the files read (a run's ``metrics.jsonl``, …).
+    """
+    read = [Path(run) / name if Path(run).is_dir() else Path(run) for run in run_dirs
+            for name in (METRICS, CONFIG, SUMMARY, "")]
+    try:
+        check_not_an_input(output, read, "-o")
+    except ValueError as exc:
+        raise ReportError(str(exc)) from None
     text = build_report(run_dirs, title)
     out = Path(output)
     out.write_text(text, encoding="utf-8")

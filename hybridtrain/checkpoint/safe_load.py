@@ -1,0 +1,109 @@
+"""Reading a DCP checkpoint without running code from it.
+
+torch's ``FileSystemReader.read_metadata`` unpickles ``.metadata`` with plain ``pickle``,
+and ``DefaultLoadPlanner.load_bytes`` reads every non-tensor entry with
+``torch.load(weights_only=False)``: a crafted checkpoint (whose ``meta.json`` checksums
+match, since whoever crafted it wrote those too) would run its code on ``--resume`` or
+``checkpoint export``. Checksums catch accidents, not attackers, and users resume from
+shared buckets. Both extension points are public and overridden here:
+
+- :class:`SafeReader` reads ``.metadata`` with :class:`MetadataUnpickler`, which admits
+  only the classes DCP's metadata is made of (its dataclasses and enums, ``torch.Size``,
+  dtypes and layouts, paths); anything else is refused before it is called;
+- :class:`SafePlanner` first reads each non-tensor entry with torch's ``weights_only``
+  unpickler (tensors, containers, primitives), and only what passes it reaches DCP.
+
+Tensor data itself is already read with ``weights_only=True`` by DCP.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
+
+METADATA_FILE = ".metadata"
+
+_METADATA_MODULES = {
+    # Every dataclass and enum DCP's metadata is written with (and nothing else there).
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},  # a layout by its name
+    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "tuple", "list", "dict"},
+}
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint file names something outside what a checkpoint is made of."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only the names DCP metadata uses (see the module
+    docstring); any other global is an :class:`UnsafeCheckpointError`, raised before the
+    name is imported or called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_MODULES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype
+                                                               | torch.layout | torch.memory_format)):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+def read_metadata_safely(path: str | Path, name: str = METADATA_FILE) -> dcp_metadata.Metadata:
+    """The DCP metadata file ``name`` of checkpoint directory ``path``, read with
+    :class:`MetadataUnpickler`.
+
+    Raises:
+        UnsafeCheckpointError: the file names a class a checkpoint does not hold.
+        pickle.UnpicklingError / OSError / EOFError: unreadable.
+    """
+    with open(Path(path) / name, "rb") as fh:
+        found = MetadataUnpickler(fh).load()
+    if not isinstance(found, dcp_metadata.Metadata):
+        raise UnsafeCheckpointError(f"{METADATA_FILE} holds a {type(found).__name__}, not checkpoint metadata")
+    return found
+
+
+class SafeReader(dcp.FileSystemReader):
+    """``FileSystemReader`` whose ``read_metadata`` runs no code from the file.
+
+    ``*args, **kwargs``: torch 2.6 declares ``read_metadata()``, torch 2.7 and later
+    (2.11, 2.13) ``read_metadata(*args, **kwargs)`` with an optional ``rank`` whose own
+    ``__<rank>.metadata`` is read, as torch's reader does.
+    """
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        rank = kwargs.get("rank")
+        found = read_metadata_safely(Path(self.path), METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
+        if getattr(found, "storage_meta", None) is None:
+            found.storage_meta = dcp_metadata.StorageMeta()
+        if found.storage_meta is not None and hasattr(self, "load_id"):
+            found.storage_meta.load_id = self.load_id  # as torch's own reader does
+        return found
+
+
+class SafePlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` whose non-tensor entries must pass torch's ``weights_only``
+    unpickler before DCP reads them."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            torch.load(value, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise UnsafeCheckpointError(f"checkpoint entry {read_item.dest_index.fqn!r} is not plain data: "
+                                        f"{' '.join(str(exc).split())[:200]}") from None
+        value.seek(0)
+        super().load_bytes(read_item, value)

@@ -1,0 +1,85 @@
+"""Loading a checkpoint runs no code: a crafted checkpoint whose checksums and commit
+marker are consistent (an attacker writes those too) plants a payload, and neither
+``--resume`` nor ``checkpoint export`` runs it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from hybridtrain.checkpoint import sharded
+from hybridtrain.checkpoint.layout import MARKER, META, CheckpointError
+from hybridtrain.checkpoint.safe_load import read_metadata_safely
+from hybridtrain.cli import main
+from hybridtrain.config import load_config
+from hybridtrain.trainer import run_training
+
+
+class Payload:
+    """Unpickled with plain pickle, writes ``marker``: proof that code ran."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return exec, (f"open({str(self.marker)!r}, 'w').write('code ran')",)
+
+
+def _recommit(path: Path) -> None:
+    """Make ``meta.json`` and ``COMMITTED`` agree with the files as they are now."""
+    meta = json.loads((path / META).read_text())
+    for name in meta["files"]:
+        data = (path / name).read_bytes()
+        meta["files"][name] = [len(data), hashlib.sha256(data).hexdigest()]
+    text = json.dumps(meta, indent=1, sort_keys=True)
+    (path / META).write_text(text)
+    (path / MARKER).write_text(json.dumps({"meta_sha256": hashlib.sha256(text.encode()).hexdigest()}))
+
+
+def _plant_in_metadata(path: Path, marker: Path) -> None:
+    """A valid ``.metadata`` that also carries the payload (plain pickle would run it and
+    still return good metadata)."""
+    with open(path / ".metadata", "rb") as fh:
+        md = pickle.load(fh)  # our own file, written a moment ago by the test's run
+    md.planner_data = Payload(marker)
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    _recommit(path)
+
+
+def test_neither_resume_nor_export_runs_a_payload_in_the_metadata(tmp_path: Path) -> None:
+    run, marker = tmp_path / "run", tmp_path / "PWNED"
+    cfg = load_config({"device": "cpu", "model": {"overrides": {"n_layer": 1, "d_model": 32, "n_head": 2}},
+                       "data": {"seq_len": 16}, "train_batch_size": 2,
+                       "train": {"steps": 1, "output_dir": str(run), "eval_batches": 1}})
+    run_training(cfg, progress=False)
+    step = run / "checkpoints" / "step-0000001"
+    _plant_in_metadata(step, marker)
+
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint .* builtins\.exec is not part of a "
+                                              r"checkpoint's metadata"):
+        run_training(cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": 2})}), resume=True,
+                     progress=False)
+    assert main(["checkpoint", "export", str(step), str(tmp_path / "out")]) == 2
+    assert not marker.exists()
+    assert sorted(p.name for p in step.parent.iterdir()) == ["step-0000001"]  # refused, nothing pruned
+
+
+def test_a_payload_in_a_non_tensor_entry_does_not_run(tmp_path: Path) -> None:
+    marker = tmp_path / "PWNED"
+    # A checkpoint's non-tensor entries are read back by DCP with torch.load(weights_only=False).
+    dcp.save({"w": torch.ones(2), "blob": Payload(marker)}, storage_writer=dcp.FileSystemWriter(tmp_path / "ck"),
+             no_dist=True)
+    assert read_metadata_safely(tmp_path / "ck").state_dict_metadata.keys() == {"w", "blob"}
+    with pytest.raises(CheckpointError, match=r"checkpoint entry 'blob' is not plain data"):
+        sharded.load(tmp_path / "ck", {"w": torch.zeros(2), "blob": b""})
+    assert not marker.exists()
+    target: dict[str, Any] = {"w": torch.zeros(2)}
+    sharded.load(tmp_path / "ck", target)  # the plain-data part still loads
+    assert torch.equal(target["w"], torch.ones(2))
