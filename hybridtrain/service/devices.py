@@ -39,21 +39,37 @@ def detect_slots() -> Slots:
     """This machine's slots: ``$HYBRIDTRAIN_SERVICE_DEVICES``, else its GPUs, else the CPU
     cores this process may run on.
 
+    With ``CUDA_VISIBLE_DEVICES`` set, its ids are the slots (a job's own
+    ``CUDA_VISIBLE_DEVICES`` replaces the service's, so it names physical ids).
+
     Raises:
         ValueError: the variable is malformed (one line with the allowed forms).
     """
     text = os.environ.get(DEVICES_ENV, "").strip()
     if text:
         return parse_slots(text)
-    try:
-        import torch
-
-        count = torch.cuda.device_count()
-    except ImportError:
-        count = 0
-    if count:
-        return Slots("gpu", tuple(range(count)))
+    gpus = _nvidia_gpus()
+    if gpus:
+        return Slots("gpu", gpus)
     return Slots("cpu", tuple(sorted(os.sched_getaffinity(0))))
+
+
+def _nvidia_gpus() -> tuple[int, ...]:
+    """GPU ids this process may use, without importing torch (seconds that every HPO
+    controller would pay): ``CUDA_VISIBLE_DEVICES`` when set (numeric ids), else as many as
+    the NVIDIA driver lists in ``/proc``."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        ids = ids[:ids.index("-1")] if "-1" in ids else ids
+        if not all(v.isdigit() for v in ids):
+            raise ValueError(f"CUDA_VISIBLE_DEVICES={visible!r}: the service needs numeric GPU "
+                             f"ids; set {DEVICES_ENV}=gpu:0,1,… instead")
+        return tuple(int(v) for v in ids)
+    try:
+        return tuple(range(len(os.listdir("/proc/driver/nvidia/gpus"))))
+    except OSError:
+        return ()
 
 
 def parse_slots(text: str) -> Slots:

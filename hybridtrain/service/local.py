@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from hybridtrain.hpo.process import process_start_ticks
@@ -142,11 +143,16 @@ class LocalBackend(Backend):
         return Ended(137, "its supervising process was killed (SIGKILL)" +
                      ("; the job's processes left behind were killed" if left else ""))
 
-    def _sweep(self, job: JobRecord) -> None:
-        # Processes the job left in its group after its main process exited.
+    def _sweep(self, job: JobRecord, wait: float = 2.0) -> None:
+        """SIGKILL what the job left in its group after its main process exited, and wait
+        (briefly) until the group is gone, so an ended job holds no process."""
         pgid = self.pgid(job)
-        if pgid is not None and group_alive(pgid):
-            self._signal(job, signal.SIGKILL)
+        if pgid is None or not group_alive(pgid):
+            return
+        self._signal(job, signal.SIGKILL)
+        deadline = time.monotonic() + wait
+        while group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     @staticmethod
     def pgid(job: JobRecord) -> int | None:

@@ -320,8 +320,16 @@ class JobStore:
         process of this host that is gone (``kill -9``) is taken at once.
         """
         now = time.time()
-        with self.engine.begin() as conn:
+        with self.engine.connect() as conn:
             row = conn.execute(LEADER.select().where(LEADER.c.id == 1)).first()
+        # Most ticks only read: a lease is renewed once half of it has run out, and a live
+        # peer's lease is not touched (SQLite has one writer at a time).
+        if row is not None and row.owner == owner and row.expires - now > duration / 2:
+            return True
+        if row is not None and row.owner not in (None, owner) and row.expires >= now \
+                and not _dead_local_owner(row.owner):
+            return False
+        with self.engine.begin() as conn:
             if row is None:
                 try:
                     conn.execute(LEADER.insert().values(id=1, owner=owner,
@@ -329,14 +337,11 @@ class JobStore:
                     return True
                 except sa.exc.IntegrityError:
                     return False
-            free = (row.owner in (None, owner) or row.expires < now
-                    or _dead_local_owner(row.owner))
-            if not free:
-                return False
+            # Compare-and-set on the owner and expiry read: of two takers one wins.
             return conn.execute(LEADER.update().where(
-                LEADER.c.id == 1, LEADER.c.owner.is_(row.owner) if row.owner is None
-                else LEADER.c.owner == row.owner).values(
-                owner=owner, expires=now + duration, url=url)).rowcount == 1
+                LEADER.c.id == 1, LEADER.c.expires == row.expires,
+                LEADER.c.owner.is_(None) if row.owner is None else LEADER.c.owner == row.owner
+            ).values(owner=owner, expires=now + duration, url=url)).rowcount == 1
 
     def leader(self) -> tuple[str | None, str | None]:
         """``(owner, url)`` of the live leader, or ``(None, None)``."""
@@ -369,3 +374,4 @@ def _dead_local_owner(owner: str | None) -> bool:
     except PermissionError:
         return False
     return False
+
