@@ -110,7 +110,8 @@ class JobSpec(BaseModel):
         A training config runs ``hybridtrain train`` with ``--resume`` (a restart continues
         from the newest checkpoint in ``run_dir``) and, for several devices, its own
         ``--nproc-per-node`` (torchrun's rendezvous, as ``hybridtrain launch``). A Python
-        script on several devices runs under ``hybridtrain launch``; anything else as is.
+        script on several devices or nodes runs under ``hybridtrain launch``; anything else
+        as is.
         """
         per_node = max(self.devices, 1)
         if self.config is not None:
@@ -121,7 +122,7 @@ class JobSpec(BaseModel):
             return argv + (["--nproc-per-node", str(per_node)] if per_node > 1 else [])
         if self.shell:
             return ["/bin/sh", "-c", self.command[0]]
-        if per_node > 1 and self.command[0].endswith(".py"):
+        if (per_node > 1 or self.nodes > 1) and self.command[0].endswith(".py"):
             return [python, "-m", "hybridtrain.parallel.launch_cli", "--nproc-per-node",
                     str(per_node), *self.command]
         return list(self.command)

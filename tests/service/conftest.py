@@ -13,6 +13,9 @@ import pytest
 pytest.importorskip("optuna")
 pytest.importorskip("fastapi")
 
+# The HPO tests' experiment spec and storage fixtures, for trials run as jobs.
+from tests.hpo.conftest import make_spec, sqlite_url  # noqa: E402, F401
+
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "service-test-token-0123456789"
 
