@@ -32,7 +32,7 @@ from fastapi import APIRouter, Body, Depends, Query
 from hybridtrain.hpo.api import require_token
 from hybridtrain.service.errors import JobSpecError
 from hybridtrain.service.scheduler import Scheduler
-from hybridtrain.service.spec import JobSpec, load_job_spec
+from hybridtrain.service.spec import load_job_spec
 from hybridtrain.service.store import JobRecord, JobStore
 
 #: Largest chunk of a log one request returns (the client asks again from the offset).

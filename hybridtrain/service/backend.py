@@ -19,7 +19,6 @@ from pathlib import Path
 from hybridtrain.service.store import JobRecord
 
 
-
 @dataclass(frozen=True)
 class Started:
     """Where an attempt runs: a local process group, or a cluster's job reference."""

@@ -61,7 +61,7 @@ def pytorchjob(job: JobRecord, argv: list[str], env: dict[str, str], namespace: 
     command, args = _container_program(job, argv)
     gpus = spec.devices if spec.devices > 0 else 0
     resources: dict[str, Any] = {"limits": {"nvidia.com/gpu": str(gpus)}} if gpus else {}
-    mounts = [{"name": "checkpoints", "mountPath": "/checkpoints"}]
+    mounts: list[dict[str, Any]] = [{"name": "checkpoints", "mountPath": "/checkpoints"}]
     volumes: list[dict[str, Any]] = [
         {"name": "checkpoints", "persistentVolumeClaim": {"claimName": CHECKPOINTS_CLAIM}}]
     if spec.config is not None:

@@ -17,6 +17,7 @@ on the cluster, so a trainer has time to save its checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import sys
 import time
@@ -129,10 +130,8 @@ class RayBackend(Backend):
         (directory / job.spec.stdout_file).write_text("".join(p.read_text() for p in parts))
 
     def stop(self, job: JobRecord, force: bool) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # already ended, or never submitted
             self.client().stop_job(job.backend_ref or submission_id(job))
-        except RuntimeError:
-            pass  # already ended, or never submitted
 
 
 def submission_id(job: JobRecord) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -67,7 +68,5 @@ def group_members(pgid: int) -> list[int]:
 def kill_members(pgid: int) -> None:
     """SIGKILL the job's own processes, not its wrapper: a rank killed under it."""
     for pid in group_members(pgid):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass

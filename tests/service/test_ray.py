@@ -4,13 +4,13 @@ launch`` on each, and their ranks form one process group across the nodes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,14 +67,14 @@ def ray_head() -> Iterator[str]:
         assert proc.poll() is None, (temp / "head.log").read_text()[-2000:]
         yield address
     finally:
-        # --block: the head's processes are this group; stop them all, and only them.
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
+        # --block: `ray start` stops the head's processes when it gets SIGTERM; they are
+        # all in its session, so whatever is left after that is killed, and nothing else.
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(15)
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        time.sleep(0.5)
+        proc.wait()
         shutil.rmtree(temp, ignore_errors=True)
 
 
