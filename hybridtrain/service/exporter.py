@@ -11,13 +11,14 @@ series                                          type   labels
 ``hybridtrain_service_queue_length``            gauge
 ``hybridtrain_service_devices``                 gauge  ``kind`` (slots of this machine)
 ``hybridtrain_service_devices_busy``            gauge  ``kind``
-``hybridtrain_service_job_running``             gauge  ``job``, ``backend`` (1 per job)
-``hybridtrain_service_job_devices``             gauge  ``job`` (devices it holds)
-``hybridtrain_service_job_restarts``            gauge  ``job``
-``hybridtrain_service_job_queued_seconds``      gauge  ``job`` (time waiting so far)
+``hybridtrain_service_job_running``             gauge  ``job_name``, ``backend`` (1 per job)
+``hybridtrain_service_job_devices``             gauge  ``job_name`` (devices it holds)
+``hybridtrain_service_job_restarts``            gauge  ``job_name``
+``hybridtrain_service_job_queued_seconds``      gauge  ``job_name`` (time waiting so far)
 ==============================================  =====  ================================
 
-Per-job series cover queued and running jobs and the last :data:`RECENT` finished ones,
+The per-job label is ``job_name`` (Prometheus keeps ``job`` for the scrape job), as on the
+training pods' series. Per-job series cover queued and running jobs and the last :data:`RECENT` finished ones,
 so the number of series stays bounded however many jobs the storage has seen.
 """
 
@@ -36,6 +37,10 @@ PREFIX = "hybridtrain_service_"
 STATES = ("queued", "running", "succeeded", "failed", "cancelled")
 #: Finished jobs that keep their per-job series.
 RECENT = 50
+#: Every series name this module exposes (the Grafana dashboard's test checks against it).
+SERIES = tuple(PREFIX + name for name in (
+    "up", "jobs", "queue_length", "devices", "devices_busy", "job_running", "job_devices",
+    "job_restarts", "job_queued_seconds"))
 
 
 class JobCollector:
@@ -84,13 +89,13 @@ class JobCollector:
         busy.add_metric([kind], sum(len(j.devices) for j in jobs if j.state == "running"
                                     and j.spec.backend == "local"))
         running = GaugeMetricFamily(PREFIX + "job_running", "1 while the job runs",
-                                    labels=["job", "backend"])
+                                    labels=["job_name", "backend"])
         devices = GaugeMetricFamily(PREFIX + "job_devices", "Devices the job holds",
-                                    labels=["job"])
+                                    labels=["job_name"])
         restarts = GaugeMetricFamily(PREFIX + "job_restarts", "Restarts of the job so far",
-                                     labels=["job"])
+                                     labels=["job_name"])
         waited = GaugeMetricFamily(PREFIX + "job_queued_seconds",
-                                   "Seconds the queued job has waited", labels=["job"])
+                                   "Seconds the queued job has waited", labels=["job_name"])
         finished = [j for j in jobs if j.state not in ("queued", "running")]
         finished.sort(key=lambda j: j.finished_at or 0.0)
         shown = [j for j in jobs if j.state in ("queued", "running")] + finished[-RECENT:]
