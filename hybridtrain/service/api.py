@@ -81,6 +81,14 @@ class JobService:
             raise JobSpecError(f"job spec field backend = {spec.backend!r}: not enabled in this "
                                f"service (enabled: {', '.join(sorted(self.scheduler.backends))}"
                                f"; `hybridtrain serve --ray ADDRESS` or `--kubernetes`)")
+        if spec.backend == "local":
+            # Paths are this machine's: a missing one fails now, in one line, not at start.
+            if not Path(spec.workdir).is_dir():
+                raise JobSpecError(f"job spec field workdir = {spec.workdir!r}: not a directory "
+                                   "on the service's machine")
+            if spec.config is not None and not Path(spec.workdir, spec.config).is_file():
+                raise JobSpecError(f"job spec field config = {spec.config!r}: no such file on "
+                                   "the service's machine")
         record = self.store.submit(spec, str(self.job_dir(spec.name)))
         self.scheduler.wake.set()
         return record

@@ -63,6 +63,7 @@ class Scheduler:
         self.on_event = on_event or (lambda line: log.info("%s", line))
         self.leading = False
         self._lock = threading.Lock()  # one tick at a time (thread and API calls)
+        self._unwatched: set[str] = set()  # jobs already reported as not watchable here
         #: Set to tick at once (a job was submitted or cancelled) instead of at the interval.
         self.wake = threading.Event()
 
@@ -95,18 +96,15 @@ class Scheduler:
         self.store.resign(self.owner)
 
     # -- running jobs -----------------------------------------------------------------------
-    def _backend(self, job: JobRecord) -> Backend:
+    def _watch(self, job: JobRecord) -> None:
         backend = self.backends.get(job.spec.backend)
         if backend is None:
-            raise JobError(f"job {job.name!r}: backend {job.spec.backend!r} is not enabled in "
-                           f"this service (enabled: {', '.join(sorted(self.backends))})")
-        return backend
-
-    def _watch(self, job: JobRecord) -> None:
-        try:
-            backend = self._backend(job)
-        except JobError as exc:
-            self.store.end_attempt(job, "failed", str(exc), None)
+            # Started by a service that had this backend: it still runs there. Leave it to
+            # a leader that can watch it rather than call it failed.
+            if job.name not in self._unwatched:
+                self._unwatched.add(job.name)
+                self.on_event(f"job {job.name}: its backend {job.spec.backend!r} is not enabled "
+                              "here; start the service with it to watch the job")
             return
         now = time.time()
         if job.cancel_requested is not None and job.stop_sent_at is None:
@@ -169,15 +167,12 @@ class Scheduler:
             self._start(by_name[name], devices)
         local_names = {j.name for j in local}
         for job in queued:
-            if job.name not in local_names:
+            # A job for a backend this service lacks waits for a service that has it.
+            if job.name not in local_names and job.spec.backend in self.backends:
                 self._start(job, ())
 
     def _start(self, job: JobRecord, devices: tuple[int, ...]) -> None:
-        try:
-            backend = self._backend(job)
-        except JobError as exc:
-            self.store.cancel(job.id, str(exc))
-            return
+        backend = self.backends[job.spec.backend]
         if not self.store.mark_running(job, self.owner, devices):
             return  # cancelled or taken meanwhile
         job = self.store.get(job.id)

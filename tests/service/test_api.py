@@ -45,6 +45,13 @@ def test_jobs_api_needs_the_token_and_bounds_bodies(client: TestClient) -> None:
     logname = client.post("/v1/jobs", json={"command": ["true"], "stdout_file": "../x.log"},
                           headers=AUTH)
     assert logname.status_code == 422 and "stdout_file" in logname.json()["detail"]
+    nowhere = client.post("/v1/jobs", json={"command": ["true"], "workdir": "/no/such/dir"},
+                          headers=AUTH)
+    assert nowhere.status_code == 422 and "workdir = '/no/such/dir'" in nowhere.json()["detail"]
+    no_config = client.post("/v1/jobs", json={"config": "/no/such.yaml"}, headers=AUTH)
+    assert no_config.status_code == 422 and "config" in no_config.json()["detail"]
+    ray = client.post("/v1/jobs", json={"command": ["true"], "backend": "ray"}, headers=AUTH)
+    assert ray.status_code == 422 and "not enabled" in ray.json()["detail"]
     assert client.get("/v1/jobs/none", headers=AUTH).status_code == 404
     assert client.get("/v1/jobs", headers=AUTH).json() == []
 
