@@ -137,11 +137,11 @@ class LocalBackend(Backend):
         pgid = self.pgid(job)
         if pgid is None:
             return Ended(None, never_started=True)
-        # The wrapper died without writing (SIGKILL): stop what it left running.
+        # The wrapper died without writing (killed): stop what it left running.
         left = group_alive(pgid)
-        self._signal(job, signal.SIGKILL)
-        return Ended(137, "its supervising process was killed (SIGKILL)" +
-                     ("; the job's processes left behind were killed" if left else ""))
+        self._sweep(job)
+        return Ended(None, "its supervising process was killed before the job's exit was "
+                     "recorded" + ("; the job's processes left behind were stopped" if left else ""))
 
     def _sweep(self, job: JobRecord, wait: float = 2.0) -> None:
         """SIGKILL what the job left in its group after its main process exited, and wait

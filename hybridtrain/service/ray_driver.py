@@ -8,7 +8,8 @@ each bundle as one node of a static rendezvous (``--nnodes M --node-rank R --mas
 A --master-port P`` for ``hybridtrain train``/``launch``; the same values as ``NNODES``,
 ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` for any other program). Its exit code is
 the first failing node's. SIGTERM (``ray job stop``, a cancel) is passed to every node's
-processes, so a trainer saves its checkpoint and exits 130 as it does locally.
+processes (each node runs in an actor that can be told to stop while it waits), so a trainer
+saves its checkpoint and exits 130 as it does locally, and that code is what the job reports.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,15 +51,25 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run_node(argv: list[str], env: dict[str, str]) -> int:
-    """Run one node's program; on cancel (KeyboardInterrupt from ``ray.cancel``) SIGTERM
-    its process group and wait for it, so it can save a checkpoint."""
-    proc = subprocess.Popen(argv, env=os.environ | env, start_new_session=True)
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        os.killpg(proc.pid, signal.SIGTERM)
-        return proc.wait()
+class _Node:
+    """One node's program, as a Ray actor: ``run`` starts and waits for it, ``stop``
+    (called concurrently) SIGTERMs its process group, so ``run`` returns its real exit code
+    (130 for a trainer that saved a checkpoint), not a cancellation."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.stopped = False
+
+    def run(self, argv: list[str], env: dict[str, str]) -> int:
+        if self.stopped:
+            return 128 + signal.SIGTERM  # stopped before it started
+        self.proc = subprocess.Popen(argv, env=os.environ | env, start_new_session=True)
+        return self.proc.wait()
+
+    def stop(self) -> None:
+        self.stopped = True
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
 
 
 def main(args: Sequence[str] | None = None) -> int:
@@ -85,27 +97,31 @@ def main(args: Sequence[str] | None = None) -> int:
 
     where = ray.remote(num_cpus=0)(lambda: (ray.util.get_node_ip_address(), _free_port()))
     addr, port = ray.get(where.options(scheduling_strategy=on(0)).remote())
-    run = ray.remote(_run_node)
-    refs = []
+    node = ray.remote(_Node)
+    actors: list[Any] = []  # Ray's actor handles (untyped)
+    refs: list[Any] = []
     for rank in range(opts.nodes):
         env = {"NNODES": str(opts.nodes), "NODE_RANK": str(rank), "MASTER_ADDR": str(addr),
                "MASTER_PORT": str(port)}
         resources = {"num_gpus": opts.devices} if gpu else {
             "num_cpus": max(opts.devices, 1)}
-        refs.append(run.options(scheduling_strategy=on(rank), **resources).remote(
-            node_argv(argv, opts.nodes, rank, addr, port, opts.devices), env))
+        # Two calls at once: stop() while run() waits.
+        actor: Any = node.options(max_concurrency=2, scheduling_strategy=on(rank),
+                             **resources).remote()
+        actors.append(actor)
+        refs.append(actor.run.remote(node_argv(argv, opts.nodes, rank, addr, port,
+                                               opts.devices), env))
 
-    def stop(_signum: int, _frame: Any) -> None:
-        for ref in refs:
-            ray.cancel(ref, force=False)
-
-    signal.signal(signal.SIGTERM, stop)
-    codes = []
-    for ref in refs:
-        try:
-            codes.append(int(ray.get(ref)))
-        except (ray.exceptions.TaskCancelledError, ray.exceptions.RayTaskError):
-            codes.append(130)
+    # SIGTERM only sets a flag: the loop below, not the handler, talks to Ray.
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: stopping.set())
+    pending, stopped = list(refs), False
+    while pending:
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
+        if stopping.is_set() and not stopped:
+            stopped = True
+            ray.get([actor.stop.remote() for actor in actors])
+    codes = [int(code) for code in ray.get(refs)]
     failed = [c for c in codes if c != 0]
     return failed[0] if failed else 0
 

@@ -128,10 +128,20 @@ class Scheduler:
             self.on_event(f"job {job.name}: attempt {job.attempt} never started; queued again")
             return
         code = ended.code
+        if job.cancel_requested is not None and code == 0:
+            self.store.end_attempt(job, "succeeded", "exit 0 (it finished before the cancel "
+                                   "reached it)", 0)
+            self.on_event(f"job {job.name} succeeded before its cancel took effect")
+            return
         if job.cancel_requested is not None:
-            how = ("it saved a checkpoint and stopped (exit 130)" if code == STOPPED else
+            saved = ("it saved a checkpoint and stopped" if job.spec.config is not None
+                     else "it stopped on SIGTERM")
+            how = (f"{saved} (exit 130)" if code == STOPPED else
                    f"exit {code}" if code is not None else "exit unknown")
-            forced = " after kill_grace (SIGKILL)" if code == 137 else ""
+            forced = (" after kill_grace (SIGKILL)" if job.stop_sent_at is not None
+                      and time.time() - job.stop_sent_at > job.spec.kill_grace else "")
+            if ended.reason:
+                how += f"; {ended.reason}"
             self.store.end_attempt(job, "cancelled", f"cancelled on request: {how}{forced}", code)
             self.on_event(f"job {job.name} cancelled ({how})")
             return

@@ -26,13 +26,14 @@ import sys
 
 def main(argv: list[str]) -> int:
     """Run ``argv`` after ``--``; write ``{"code": N}`` to the exit file; return N."""
+    # First of all: a cancel that comes this early must not kill the wrapper.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda _s, _f: None)
     lock_fd, exit_path, cores = int(argv[0]), argv[1], argv[2]
     program = argv[argv.index("--") + 1:]
     # Who to signal, for a scheduler that adopts this attempt before it recorded the pid.
     with open(exit_path.replace(".exit", ".pid"), "w") as out:
         out.write(str(os.getpid()))
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda _s, _f: None)
     if cores:
         os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
     try:

@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -70,13 +71,16 @@ def test_jobs_commands_start_an_embedded_service(tmp_path: Path, jobs: Callable[
         # A second job, cancelled while it runs (SIGTERM), and the JSON forms.
         assert jobs("submit", "--name", "long", "--", sys.executable, "-S",
                      str(script), "600").returncode == 0
+        # Cancel once it runs (a cancel while queued would not reach a process).
+        while "tick 0" not in jobs("logs", "long").stdout:
+            time.sleep(0.2)
         cancel = jobs("cancel", "long", "--wait")
         assert cancel.returncode == 130, cancel
         listed = json.loads(jobs("list", "--json").stdout)
         assert {j["name"]: j["state"] for j in listed} == {"count": "succeeded",
                                                             "long": "cancelled"}
         shown = json.loads(jobs("show", "long", "--json").stdout)
-        assert shown["reason"].startswith("cancelled on request")
+        assert shown["reason"] == "cancelled on request: exit 143"  # python: no handler
         assert jobs("resubmit", "count").returncode == 0
         assert jobs("wait", "count", "--timeout", "60").returncode == 0
         bad = jobs("submit", "--devices", "9", "--", "true")

@@ -23,7 +23,7 @@ from hybridtrain.service.scheduler import Scheduler
 from hybridtrain.service.spec import load_job_spec
 from hybridtrain.service.store import JobStore
 from tests.hpo.conftest import free_port
-from tests.service.conftest import wait_for
+from tests.service.conftest import tiny_config, wait_for
 
 pytest.importorskip("ray.job_submission")
 pytestmark = pytest.mark.timeout(300)
@@ -99,3 +99,28 @@ def test_a_job_runs_launch_on_two_ray_nodes(ray_head: str, tmp_path: Path) -> No
     # Two nodes, each one rank of `hybridtrain launch`, in one group: 1 + 2 = 3.
     assert "hybridtrain.parallel.launch_cli" in log
     assert "rank 0 of 2: sum 3" in log and "rank 1 of 2: sum 3" in log
+
+
+def test_a_training_job_on_ray_is_cancelled_with_a_checkpoint(ray_head: str,
+                                                              tmp_path: Path) -> None:
+    from hybridtrain.service.ray_backend import RayBackend
+
+    cfg = tiny_config(tmp_path / "tiny.yaml", steps=400, checkpoint_every=3)
+    slots = parse_slots("cpu:2")
+    store = JobStore(f"sqlite:///{tmp_path / 'service.db'}")
+    scheduler = Scheduler(store, slots, {"local": LocalBackend(slots),
+                                         "ray": RayBackend(ray_head)})
+    store.submit(load_job_spec({"name": "train-on-ray", "config": str(cfg), "backend": "ray",
+                                "kill_grace": 60}), str(tmp_path / "jobs" / "train-on-ray"))
+    checkpoints = tmp_path / "jobs" / "train-on-ray" / "run" / "checkpoints"
+    wait_for(lambda: any(checkpoints.glob("step-*")), 150, "a checkpoint on Ray",
+             scheduler.tick)
+    store.cancel("train-on-ray")
+    wait_for(lambda: store.get("train-on-ray").state not in ("queued", "running"), 120,
+             "the cancel", scheduler.tick)
+    job = store.get("train-on-ray")
+    log = (tmp_path / "jobs" / "train-on-ray" / "output.log").read_text()
+    assert job.state == "cancelled", (job.reason, log[-3000:])
+    assert job.exit_code == 130 and "saved a checkpoint and stopped" in job.reason, job.reason
+    saved = sorted(checkpoints.glob("step-*"))
+    assert saved and int(saved[-1].name.split("-")[1]) < 400
