@@ -26,6 +26,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from hybridtrain.hpo.errors import StorageError
 from hybridtrain.hpo.storage import (
     create_tables_racing,
     first_line,
@@ -165,8 +166,6 @@ class JobStore:
             with setup_lock(self.url):
                 create_tables_racing(lambda: METADATA.create_all(self.engine, checkfirst=True))
         except (sa.exc.SQLAlchemyError, OSError) as exc:
-            from hybridtrain.hpo.errors import StorageError
-
             raise StorageError(f"cannot create the job tables in {safe_url(self.url)!r}: "
                                f"{first_line(exc)}") from None
 
