@@ -120,12 +120,17 @@ class JobService:
         return {"name": job.name, "state": job.state, "text": text, "offset": end}
 
     def curve(self, name: str) -> dict[str, Any]:
-        """``{"steps": [...], "loss": [...]}`` from the job's ``run/metrics.jsonl``."""
+        """``{"steps": [...], "loss": [...]}`` from the job's ``run/metrics.jsonl`` (a
+        training job) or ``metrics.jsonl`` (an HPO trial that reports with ``hpo.report``)."""
         job = self.store.get(name)
         steps: list[int] = []
         losses: list[float] = []
+        directory = Path(job.job_dir)
+        path = directory / "run" / "metrics.jsonl"
+        if not path.is_file():
+            path = directory / "metrics.jsonl"
         try:
-            with (Path(job.job_dir) / "run" / "metrics.jsonl").open() as f:
+            with path.open() as f:
                 for line in f:
                     try:
                         rec = json.loads(line)
