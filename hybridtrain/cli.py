@@ -1,4 +1,4 @@
-"""Command-line interface: ``hybridtrain train``, ``hybridtrain hpo …``.
+"""Command-line interface: ``hybridtrain train``, ``hybridtrain hpo …``, ``hybridtrain jobs …``.
 
 Every sub-command registers its own parser; the heavy imports (torch, optuna …) happen
 inside the command functions so ``hybridtrain --help`` stays fast.
@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     from hybridtrain.hpo.cli import add_hpo_commands
 
     add_hpo_commands(sub)
+
+    from hybridtrain.service.cli import add_service_commands
+
+    add_service_commands(sub)
 
     from hybridtrain.report.cli import add_report_command
 

@@ -50,6 +50,7 @@ from hybridtrain.hpo.records import ExperimentRecord, Records, TrialRun
 from hybridtrain.hpo.spec import ExperimentSpec
 from hybridtrain.hpo.storage import open_engine, open_optuna_storage, resolve_url
 from hybridtrain.hpo.trial import Outcome, RunningTrial
+from hybridtrain.service.trial_jobs import JobProcess, TrialJobs
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,10 @@ class Controller:
         self.leases = Leases(self.records.engine, spec.name, self.owner,
                              spec.durability.lease_duration)
         self.heartbeat = Heartbeat(self.leases, spec.durability.heartbeat_interval)
+        # Trials run as training-service jobs: one queue, one allocator, one runner.
+        self.trial_jobs = TrialJobs(self.url, spec.durability.lease_duration)
         self.running: dict[int, RunningTrial] = {}
+        self._attached: dict[int, int | None] = {}  # slot: process group recorded for it
         self._free_gpus = list(spec.resources.gpus)
         self._distributions = distributions(spec)
         self._interrupted = threading.Event()
@@ -158,6 +162,7 @@ class Controller:
                 if handler is not None:  # None: installed outside Python, cannot restore
                     signal.signal(sig, handler)
             self.heartbeat.stop()
+            self.trial_jobs.close()
             for fd in self._wake:
                 os.close(fd)
             self._wake = None
@@ -232,6 +237,11 @@ class Controller:
             outcome = rt.poll()
             if outcome is not None:
                 self._finish(rt, outcome)
+            elif rt.process.pid is not None and rt.process.pid != self._attached.get(rt.slot):
+                # A trial job queued at its start runs now: record its process group.
+                self._attached[rt.slot] = rt.process.pid
+                self.leases.attach(rt.slot, rt.number, rt.params, rt.process.pid,
+                                   rt.process.start_ticks)
 
     def _stop_all(self, reason: str, slot_state: str) -> None:
         # SIGTERM every trial first, so their grace periods run together, not one by one.
@@ -255,7 +265,11 @@ class Controller:
                 self.storage.set_trial_param(trial_id, name, dists[name].to_internal_repr(value),
                                              dists[name])
             trial = optuna.Trial(self.study, trial_id)
-        rt = RunningTrial(self.spec, trial, claim.slot, claim.attempt, self._take_gpus())
+        gpus = self._take_gpus()
+        rt = RunningTrial(self.spec, trial, claim.slot, claim.attempt, gpus,
+                          runner=lambda *args: JobProcess(
+                              self.trial_jobs, self.spec.name, trial.number, len(gpus),
+                              self.spec.trial.kill_grace, *args))
         # Record the trial in its slot before its process starts, so whoever takes the
         # slot over after a crash from here on finds the trial and settles it.
         run = TrialRun(claim.slot, claim.attempt, socket.gethostname(), rt.command,
@@ -277,6 +291,7 @@ class Controller:
         # takeover to stop.
         self.leases.attach(claim.slot, trial.number, rt.params, rt.process.pid,
                            rt.process.start_ticks)
+        self._attached[claim.slot] = rt.process.pid
         self.on_event(f"trial {trial.number} started (slot {claim.slot}, attempt "
                       f"{claim.attempt}): {rt.params}")
 
@@ -367,6 +382,7 @@ class Controller:
         if claim.host == socket.gethostname() and claim.pgid is not None:
             stop_orphan_group(claim.pgid, claim.start_ticks, self.spec.trial.kill_grace)
         number = claim.abandoned_trial
+        self.trial_jobs.cancel_trial(self.spec.name, number)  # still queued, or elsewhere
         told = self._tell(number, Outcome("interrupted", reason=_LEASE_EXPIRED))
         frozen = self.storage.get_trial(self._trial_id(number))
         if frozen.state in (TrialState.COMPLETE, TrialState.PRUNED):

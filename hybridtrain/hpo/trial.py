@@ -13,7 +13,7 @@ import contextlib
 import math
 import os
 import shlex
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -74,10 +74,13 @@ class RunningTrial:
         slot: the slot it runs in.
         attempt: its attempt number within the slot.
         gpus: GPU indices given to it (``CUDA_VISIBLE_DEVICES``).
+        runner: makes the trial's process from :class:`TrialProcess`'s arguments (the
+            controller passes one that runs the trial as a training-service job).
     """
 
     def __init__(self, spec: ExperimentSpec, trial: optuna.Trial, slot: int, attempt: int,
-                 gpus: tuple[int, ...] = ()) -> None:
+                 gpus: tuple[int, ...] = (),
+                 runner: Callable[..., TrialProcess] = TrialProcess) -> None:
         self.spec = spec
         self.trial = trial
         # Without a pruner, asking it would cost a storage read per poll for nothing.
@@ -101,7 +104,7 @@ class RunningTrial:
         argv = argv_without_shell(
             spec.trial.command, _placeholder_values(spec, self.params, trial.number, self.dir),
             env.get("PATH"), spec.trial.workdir)
-        self.process = TrialProcess(self.command, Path(spec.trial.workdir), env,
+        self.process = runner(self.command, Path(spec.trial.workdir), env,
                                     self.dir / "stdout.log", self.dir / "stderr.log", argv)
         self.collector = MetricsCollector(self.dir / "stdout.log", self.dir / "metrics.jsonl")
 

@@ -1,5 +1,5 @@
 """The Grafana dashboard (deploy/grafana/hybridtrain.json) queries only metric names the
-training job exposes, shows every one of them, and is a well-formed dashboard."""
+training job and the training service expose, shows every one of them, and is a well-formed dashboard."""
 
 from __future__ import annotations
 
@@ -25,13 +25,19 @@ except ImportError:  # pragma: no cover - before hybridtrain.monitoring existed
         "hybridtrain_device_ooms_total", "hybridtrain_pinned_host_bytes", "hybridtrain_checkpoint_seconds",
         "hybridtrain_checkpoint_bytes", "hybridtrain_restarts_total",
     }
+try:  # the training service's series (hybridtrain serve's /metrics)
+    from hybridtrain.service.exporter import SERIES as _SERVICE
+
+    EXPOSED |= set(_SERVICE)
+except ImportError:  # pragma: no cover - without the service's dependencies
+    pass
 # Label values the job sets (hybridtrain.monitoring.metric_names.STEP_PARTS / MEMORY_KINDS).
 STEP_PARTS = {"forward", "backward", "interleaved", "optimizer", "transfer", "communication", "host_optimizer",
               "data", "total"}
 MEMORY_KINDS = {"allocated", "reserved", "peak"}
 # Labels a series can carry: the job's own, and those Prometheus/the PodMonitor add.
 LABELS = {"rank", "part", "kind", "namespace", "pod", "container", "job", "instance", "endpoint",
-          "job_name", "replica"}
+          "job_name", "replica", "state", "backend"}
 
 _FUNCTIONS = {
     "abs", "absent", "avg_over_time", "ceil", "changes", "clamp", "clamp_max", "clamp_min", "delta",

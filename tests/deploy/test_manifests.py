@@ -108,7 +108,7 @@ def test_the_validators_reject_what_the_cluster_would() -> None:
     job = copy.deepcopy(_one("PyTorchJob"))
     job["spec"]["elasticPolicy"]["maxReplica"] = 4
     assert list(_crd_validator("kubeflow.org/v1", "PyTorchJob").iter_errors(job))
-    monitor = copy.deepcopy(_one("PodMonitor"))
+    monitor = copy.deepcopy(_one("PodMonitor", "hybridtrain-training"))
     monitor["spec"]["podMetricsEndpoints"][0]["interval"] = 15
     assert list(_crd_validator("monitoring.coreos.com/v1", "PodMonitor").iter_errors(monitor))
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
@@ -257,7 +257,7 @@ def test_pytorchjob_runs_hybridtrain_train_elastically_with_resume(tmp_path: Pat
 
 
 def test_podmonitor_scrapes_every_ranks_metrics_port() -> None:
-    monitor = _one("PodMonitor")
+    monitor = _one("PodMonitor", "hybridtrain-training")
     job = _one("PyTorchJob")
     template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
     assert monitor["metadata"]["namespace"] == job["metadata"]["namespace"]
@@ -293,3 +293,33 @@ def test_hpo_controller_serves_on_the_postgres_service_with_the_token() -> None:
     assert dashboard["args"][0] == "$(HYBRIDTRAIN_HPO_STORAGE)"
     assert {e["name"]: e.get("value") for e in dashboard["env"]}["HYBRIDTRAIN_HPO_STORAGE"] == storage
     assert shlex.join(dashboard["args"][1:]) == "--host 0.0.0.0 --port 8081"
+
+
+def test_training_service_serves_jobs_on_kubernetes_with_least_privilege() -> None:
+    """deploy/k8s/service: `hybridtrain serve --kubernetes` on the HPO storage, allowed to
+    manage PyTorchJobs (and their ConfigMaps, pod logs) in its namespace and nothing else."""
+    deployment = _one("Deployment", "training-service")
+    pod = _pod_spec(deployment)
+    (container,) = pod["containers"]
+    args = _train_parser_args(container["command"][1:] + container["args"])
+    assert (args.command, args.host, args.port, args.kubernetes) == ("serve", "0.0.0.0", 8080,
+                                                                   "hybridtrain")
+    assert args.image == container["image"]
+    hpo_env = {e["name"]: e for e in _pod_spec(_one("Deployment", "hpo-controller"))
+               ["containers"][0]["env"]}
+    env = {e["name"]: e for e in container["env"]}
+    for name in ("HYBRIDTRAIN_HPO_TOKEN", "POSTGRES_PASSWORD", "HYBRIDTRAIN_HPO_STORAGE"):
+        assert env[name] == hpo_env[name]  # one storage, one token: one service
+    role = _one("Role", "hybridtrain-service")
+    binding = _one("RoleBinding", "hybridtrain-service")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"][0]["name"] == pod["serviceAccountName"]
+    _one("ServiceAccount", pod["serviceAccountName"])
+    rules = {(g, r): set(rule["verbs"]) for rule in role["rules"]
+             for g in rule["apiGroups"] for r in rule["resources"]}
+    assert rules[("kubeflow.org", "pytorchjobs")] >= {"create", "get", "delete"}
+    assert all("*" not in verbs for verbs in rules.values())
+    monitor = _one("PodMonitor", "hybridtrain-service")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= _pod_labels(deployment).items()
+    credentials = monitor["spec"]["podMetricsEndpoints"][0]["authorization"]["credentials"]
+    assert credentials == env["HYBRIDTRAIN_HPO_TOKEN"]["valueFrom"]["secretKeyRef"]

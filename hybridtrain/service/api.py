@@ -1,0 +1,224 @@
+"""The REST API of the training service, served next to the HPO service's ``/v1``.
+
+=======  ================================  ============================================
+method   path                              what
+=======  ================================  ============================================
+GET      /v1/jobs                          jobs (``?state=queued&kind=job``)
+POST     /v1/jobs                          submit a :class:`~.spec.JobSpec` (201)
+GET      /v1/jobs/{name}                   one job: state, reason, devices, restarts
+POST     /v1/jobs/{name}/cancel            SIGTERM: the trainer saves a checkpoint, stops
+POST     /v1/jobs/{name}/resubmit          queue a finished job again (resumes)
+GET      /v1/jobs/{name}/logs              output from ``?offset=`` on (follow with it)
+GET      /v1/jobs/{name}/curve             the loss curve of a training job
+GET      /v1/service                       devices, leader, queue
+=======  ================================  ============================================
+
+Authentication, the body limit and the 401/404/409/413/422 answers are the HPO service's
+(:class:`~hybridtrain.hpo.guard.ApiGuard`, :func:`~hybridtrain.hpo.api.require_token` and
+its error handler): the routes are mounted on the app that
+:func:`hybridtrain.hpo.api.create_app` builds.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Depends, Query
+
+from hybridtrain.hpo.api import require_token
+from hybridtrain.service.errors import JobSpecError
+from hybridtrain.service.scheduler import Scheduler
+from hybridtrain.service.spec import load_job_spec
+from hybridtrain.service.store import JobRecord, JobStore
+
+#: Largest chunk of a log one request returns (the client asks again from the offset).
+LOG_CHUNK = 1 << 20
+#: Loss-curve points a request returns at most (evenly thinned beyond).
+CURVE_POINTS = 2000
+
+
+class JobService:
+    """What the routes, the page and the CLI's embedded service share.
+
+    Args:
+        store: the job storage.
+        scheduler: the scheduler of this process (woken on submit and cancel).
+        jobs_dir: the directory that holds every job's directory.
+    """
+
+    def __init__(self, store: JobStore, scheduler: Scheduler, jobs_dir: Path) -> None:
+        self.store = store
+        self.scheduler = scheduler
+        self.jobs_dir = jobs_dir.resolve()
+
+    def job_dir(self, name: str) -> Path:
+        """``JOBS_DIR/NAME``, checked to stay inside ``JOBS_DIR`` whatever the name."""
+        path = (self.jobs_dir / name).resolve()
+        if path.parent != self.jobs_dir:
+            raise JobSpecError(f"job name {name!r} would leave the jobs directory")
+        return path
+
+    def submit(self, data: dict[str, Any]) -> JobRecord:
+        """Validate and queue a job (a name is made up when none is given).
+
+        Raises:
+            JobSpecError: invalid spec, or more devices than this machine has.
+            JobConflictError: the name is taken.
+        """
+        if isinstance(data, dict) and not data.get("name"):
+            data = data | {"name": _make_name(data)}
+        spec = load_job_spec(data)
+        slots = self.scheduler.slots
+        if spec.backend == "local" and spec.devices > len(slots.ids):
+            raise JobSpecError(f"job spec field devices = {spec.devices}: this machine has "
+                               f"{len(slots.ids)} {slots.kind} slots; ask for at most that, or "
+                               "use --backend ray/kubernetes")
+        if spec.backend not in self.scheduler.backends:
+            raise JobSpecError(f"job spec field backend = {spec.backend!r}: not enabled in this "
+                               f"service (enabled: {', '.join(sorted(self.scheduler.backends))}"
+                               f"; `hybridtrain serve --ray ADDRESS` or `--kubernetes`)")
+        if spec.backend == "local":
+            # Paths are this machine's: a missing one fails now, in one line, not at start.
+            if not Path(spec.workdir).is_dir():
+                raise JobSpecError(f"job spec field workdir = {spec.workdir!r}: not a directory "
+                                   "on the service's machine")
+            if spec.config is not None and not Path(spec.workdir, spec.config).is_file():
+                raise JobSpecError(f"job spec field config = {spec.config!r}: no such file on "
+                                   "the service's machine")
+        record = self.store.submit(spec, str(self.job_dir(spec.name)))
+        self.scheduler.wake.set()
+        return record
+
+    def cancel(self, name: str) -> JobRecord:
+        """Cancel (see :meth:`JobStore.cancel`) and wake the scheduler."""
+        record = self.store.cancel(name)
+        self.scheduler.wake.set()
+        return record
+
+    def resubmit(self, name: str) -> JobRecord:
+        """Queue a finished job again and wake the scheduler."""
+        record = self.store.resubmit(name)
+        self.scheduler.wake.set()
+        return record
+
+    def logs(self, name: str, offset: int = 0) -> dict[str, Any]:
+        """The job's output from byte ``offset`` on (at most :data:`LOG_CHUNK`)."""
+        job = self.store.get(name)
+        path = Path(job.job_dir) / job.spec.stdout_file
+        text, end = "", offset
+        try:
+            with path.open("rb") as f:
+                f.seek(max(0, offset))
+                data = f.read(LOG_CHUNK)
+            text, end = data.decode("utf-8", "replace"), max(0, offset) + len(data)
+        except OSError:
+            pass
+        return {"name": job.name, "state": job.state, "text": text, "offset": end}
+
+    def curve(self, name: str) -> dict[str, Any]:
+        """``{"steps": [...], "loss": [...]}`` from the job's ``run/metrics.jsonl`` (a
+        training job) or ``metrics.jsonl`` (an HPO trial that reports with ``hpo.report``)."""
+        job = self.store.get(name)
+        steps: list[int] = []
+        losses: list[float] = []
+        directory = Path(job.job_dir)
+        path = directory / "run" / "metrics.jsonl"
+        if not path.is_file():
+            path = directory / "metrics.jsonl"
+        try:
+            with path.open() as f:
+                for line in f:
+                    try:
+                        rec = json.loads(line)
+                        step, loss = int(rec["step"]), float(rec["loss"])
+                    except (ValueError, KeyError, TypeError):
+                        continue
+                    steps.append(step)
+                    losses.append(loss)
+        except OSError:
+            pass
+        if len(steps) > CURVE_POINTS:
+            every = -(-len(steps) // CURVE_POINTS)
+            steps, losses = steps[::every], losses[::every]
+        return {"name": job.name, "steps": steps, "loss": losses}
+
+    def summary(self) -> dict[str, Any]:
+        """Devices, the leader and the number of jobs by state."""
+        jobs = self.store.jobs()
+        counts: dict[str, int] = {}
+        for job in jobs:
+            counts[job.state] = counts.get(job.state, 0) + 1
+        busy = sorted(d for j in jobs if j.state == "running" and j.spec.backend == "local"
+                      for d in j.devices)
+        owner, url = self.store.leader()
+        slots = self.scheduler.slots
+        return {"devices": {"kind": slots.kind, "ids": list(slots.ids), "busy": busy},
+                "leader": owner, "leader_url": url, "jobs": counts,
+                "backends": sorted(self.scheduler.backends)}
+
+
+def _make_name(data: dict[str, Any]) -> str:
+    source = data.get("config") or (data.get("command") or ["job"])[0]
+    stem = Path(str(source).split()[0] if source else "job").stem or "job"
+    stem = re.sub(r"[^A-Za-z0-9_-]", "-", stem).strip("-")[:40] or "job"
+    return f"{stem}-{secrets.token_hex(3)}"
+
+
+def job_router(service: JobService) -> APIRouter:
+    """The ``/v1/jobs`` routes (every one needs the bearer token)."""
+    router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)])
+
+    @router.get("/jobs")
+    def list_jobs(state: Annotated[str | None, Query()] = None,
+                  kind: Annotated[str | None, Query()] = None) -> list[dict[str, Any]]:
+        """Jobs, oldest first (``state``: comma-separated states)."""
+        states = tuple(state.split(",")) if state else None
+        return [_brief(j) for j in service.store.jobs(states, kind)]
+
+    @router.post("/jobs", status_code=201)
+    def submit(spec: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
+        """Queue a job; it starts when its devices are free."""
+        return service.submit(spec).as_dict()
+
+    @router.get("/jobs/{name}")
+    def show(name: str) -> dict[str, Any]:
+        """One job with its spec and history of attempts."""
+        return service.store.get(name).as_dict()
+
+    @router.post("/jobs/{name}/cancel")
+    def cancel(name: str) -> dict[str, Any]:
+        """Cancel: queued jobs at once, running ones by SIGTERM (checkpoint, exit 130)."""
+        return service.cancel(name).as_dict()
+
+    @router.post("/jobs/{name}/resubmit")
+    def resubmit(name: str) -> dict[str, Any]:
+        """Queue a finished job again (409 while it is queued or running)."""
+        return service.resubmit(name).as_dict()
+
+    @router.get("/jobs/{name}/logs")
+    def logs(name: str, offset: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
+        """Output from ``offset`` on; pass the returned ``offset`` to follow."""
+        return service.logs(name, offset)
+
+    @router.get("/jobs/{name}/curve")
+    def curve(name: str) -> dict[str, Any]:
+        """Loss by step of a training job."""
+        return service.curve(name)
+
+    @router.get("/service")
+    def summary() -> dict[str, Any]:
+        """Devices, leader, jobs by state."""
+        return service.summary()
+
+    return router
+
+
+def _brief(job: JobRecord) -> dict[str, Any]:
+    out = job.as_dict()
+    out.pop("spec")
+    out.pop("history")
+    return out

@@ -1,0 +1,285 @@
+"""``hybridtrain serve`` and ``hybridtrain jobs …``.
+
+Nothing heavy is imported at module level, so ``hybridtrain --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hybridtrain.hpo.errors import HPOError
+
+_STORAGE_HELP = "storage URL (default: $HYBRIDTRAIN_HPO_STORAGE or sqlite:///hpo.db)"
+_CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+#: ``jobs wait`` exit codes by final state.
+WAIT_CODES = {"succeeded": 0, "failed": 1, "cancelled": 130}
+
+
+def _errors_to_exit(func: Callable[[argparse.Namespace], int]) -> Callable[..., int]:
+    def wrapper(args: argparse.Namespace) -> int:
+        try:
+            return func(args)
+        except (HPOError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+
+    wrapper.__doc__ = func.__doc__
+    return wrapper
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from hybridtrain.service.client import connect
+
+    return connect(args.server, args.storage,
+                   Path(args.token_file) if args.token_file else None,
+                   Path(args.jobs_dir) if args.jobs_dir else None,
+                   say=lambda line: print(f"info: {line}", file=sys.stderr))
+
+
+def _pairs(items: list[str], what: str) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{what} {item!r}: write KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The job spec dict a ``jobs submit`` command line describes (paths made absolute)."""
+    program = list(args.program)
+    spec: dict[str, Any] = {"devices": args.devices, "nodes": args.nodes,
+                            "priority": args.priority, "max_restarts": args.max_restarts,
+                            "backend": args.backend, "workdir": str(Path.cwd()),
+                            "env": _pairs(args.env, "--env")}
+    if args.name:
+        spec["name"] = args.name
+    if args.kill_grace is not None:
+        spec["kill_grace"] = args.kill_grace
+    if args.shell is not None:
+        if program:
+            raise ValueError("--shell takes the whole command as one line; give no other "
+                             "program")
+        spec |= {"command": [args.shell], "shell": True}
+    elif len(program) == 1 and program[0].endswith(_CONFIG_SUFFIXES) and not args.command:
+        if not Path(program[0]).is_file():
+            raise ValueError(f"config {program[0]!r} not found")
+        spec |= {"config": str(Path(program[0]).resolve()), "overrides": list(args.overrides)}
+    elif program:
+        if args.overrides:
+            raise ValueError("--set applies to a training config; for your own program pass "
+                             "its options after --")
+        spec["command"] = program
+    else:
+        raise ValueError("give a training config (jobs submit CONFIG) or a command "
+                         "(jobs submit -- PROGRAM ARGS)")
+    return spec
+
+
+def _line(job: dict[str, Any]) -> str:
+    devices = ",".join(map(str, job["devices"])) or "-"
+    return (f"{job['name']:<24} {job['state']:<10} devices {devices:<8} restarts "
+            f"{job['restarts']}/{job['max_restarts']}  {job['reason']}")
+
+
+def _out(args: argparse.Namespace, data: Any, text: str) -> None:
+    print(json.dumps(data) if args.json else text, flush=True)
+
+
+@_errors_to_exit
+def cmd_submit(args: argparse.Namespace) -> int:
+    """Queue a training config or a command as a job."""
+    spec = spec_from_args(args)
+    client = _client(args)
+    job = client.call("POST", "/v1/jobs", spec)
+    _out(args, job, f"submitted {job['name']}: {job['state']} ({job['reason']})")
+    if args.wait:
+        return _wait(client, args, job["name"], None)
+    return 0
+
+
+@_errors_to_exit
+def cmd_list(args: argparse.Namespace) -> int:
+    """List jobs: queued and running first, then finished."""
+    query = f"?state={args.state}" if args.state else ""
+    jobs = _client(args).call("GET", f"/v1/jobs{query}")
+    order = {"running": 0, "queued": 1}
+    jobs.sort(key=lambda j: (order.get(j["state"], 2), -j["id"]))
+    _out(args, jobs, "\n".join(_line(j) for j in jobs) if jobs else "no jobs")
+    return 0
+
+
+@_errors_to_exit
+def cmd_show(args: argparse.Namespace) -> int:
+    """Show one job: state, reason, devices, attempts."""
+    job = _client(args).call("GET", f"/v1/jobs/{args.name}")
+    lines = [_line(job), f"  program: {job['program']}", f"  backend: {job['backend']}, "
+             f"nodes {job['nodes']}, devices asked {job['devices_requested']}, "
+             f"priority {job['priority']}", f"  directory: {job['job_dir']}"]
+    lines += [f"  attempt {h['attempt']}: {h['outcome']} (exit {h['exit_code']}): {h['reason']}"
+              for h in job["history"]]
+    _out(args, job, "\n".join(lines))
+    return 0
+
+
+@_errors_to_exit
+def cmd_logs(args: argparse.Namespace) -> int:
+    """Print a job's output; -f follows it until the job ends."""
+    client = _client(args)
+    offset = 0
+    while True:
+        chunk = client.call("GET", f"/v1/jobs/{args.name}/logs?offset={offset}")
+        sys.stdout.write(chunk["text"])
+        sys.stdout.flush()
+        offset = chunk["offset"]
+        if chunk["text"]:
+            continue
+        if not args.follow or chunk["state"] not in ("queued", "running"):
+            return 0
+        time.sleep(1.0)
+
+
+@_errors_to_exit
+def cmd_cancel(args: argparse.Namespace) -> int:
+    """Cancel a job (SIGTERM: a trainer saves a checkpoint and stops)."""
+    client = _client(args)
+    job = client.call("POST", f"/v1/jobs/{args.name}/cancel")
+    _out(args, job, f"{job['name']}: {job['state']}"
+         + (" (SIGTERM sent; it saves a checkpoint and stops)" if job["state"] == "running"
+            else f" ({job['reason']})"))
+    if args.wait:
+        return _wait(client, args, job["name"], None)
+    return 0
+
+
+@_errors_to_exit
+def cmd_wait(args: argparse.Namespace) -> int:
+    """Wait until a job ends; exit 0 succeeded, 1 failed, 130 cancelled."""
+    return _wait(_client(args), args, args.name, args.timeout)
+
+
+def _wait(client: Any, args: argparse.Namespace, name: str, timeout: float | None) -> int:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        job = client.call("GET", f"/v1/jobs/{name}")
+        if job["state"] in WAIT_CODES:
+            _out(args, job, _line(job))
+            return WAIT_CODES[job["state"]]
+        if deadline is not None and time.monotonic() > deadline:
+            print(f"error: job {name} is still {job['state']} after {timeout:g} s",
+                  file=sys.stderr)
+            return 124
+        time.sleep(0.5)
+
+
+@_errors_to_exit
+def cmd_resubmit(args: argparse.Namespace) -> int:
+    """Queue a finished job again (a training job resumes from its newest checkpoint)."""
+    job = _client(args).call("POST", f"/v1/jobs/{args.name}/resubmit")
+    _out(args, job, f"{job['name']}: {job['state']} ({job['reason']})")
+    return 0
+
+
+@_errors_to_exit
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve the training service and the HPO service."""
+    from hybridtrain.service.server import DEFAULT_JOBS_DIR, serve
+
+    return serve(host=args.host, port=args.port, storage=args.storage,
+                 token_file=Path(args.token_file) if args.token_file else None,
+                 metrics_public=args.metrics_public,
+                 jobs_dir=Path(args.jobs_dir) if args.jobs_dir else DEFAULT_JOBS_DIR,
+                 ray_address=args.ray, kubernetes_namespace=args.kubernetes, image=args.image,
+                 lease=args.lease)
+
+
+def _common(p: argparse.ArgumentParser, server: bool = True) -> None:
+    p.add_argument("--storage", default=None, help=_STORAGE_HELP)
+    p.add_argument("--token-file", default=None,
+                   help="bearer token file (default: $HYBRIDTRAIN_HPO_TOKEN, else "
+                        "~/.config/hybridtrain/hpo-token)")
+    p.add_argument("--jobs-dir", default=None,
+                   help="directory of the jobs' directories (default ./hybridtrain-jobs)")
+    if server:
+        p.add_argument("--server", default=None,
+                       help="service address (default: $HYBRIDTRAIN_SERVER, else the one "
+                            "recorded in the storage, else one started in the background)")
+        p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def add_service_commands(sub: Any) -> None:
+    """Register ``serve`` and ``jobs …`` on the top-level sub-parsers."""
+    p = sub.add_parser("serve", help="run the training service and the HPO service",
+                       description="Serve /v1/jobs, /v1/experiments, the jobs page (/jobs), "
+                       "the HPO dashboard (/) and /metrics; run jobs on this machine's devices.")
+    _common(p, server=False)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    p.add_argument("--port", type=int, default=8080, help="TCP port (0: any free one)")
+    p.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without the token (read-only)")
+    p.add_argument("--ray", default=None, metavar="ADDRESS",
+                   help="enable the Ray backend: the cluster's job-server address "
+                        "(http://HEAD:8265)")
+    p.add_argument("--kubernetes", default=None, metavar="NAMESPACE",
+                   help="enable the Kubernetes backend (PyTorchJob) in NAMESPACE")
+    p.add_argument("--image", default="hybridtrain:latest",
+                   help="container image of Kubernetes jobs")
+    p.add_argument("--lease", type=float, default=10.0,
+                   help="seconds the scheduler's leader lease lives without renewal")
+    p.set_defaults(func=cmd_serve)
+
+    jobs = sub.add_parser("jobs", help="submit, watch and cancel training jobs",
+                          description="Training jobs of the service (started in the "
+                          "background when none runs).")
+    cmds = jobs.add_subparsers(dest="jobs_command", metavar="JOBS_COMMAND", required=True)
+
+    def add(name: str, func: Callable[..., int], help_text: str) -> argparse.ArgumentParser:
+        q: argparse.ArgumentParser = cmds.add_parser(name, help=help_text,
+                                                     description=help_text)
+        _common(q)
+        q.set_defaults(func=func)
+        return q
+
+    q = add("submit", cmd_submit, "queue a training config (jobs submit CONFIG --set k=v) or "
+            "your own program (jobs submit -- PROGRAM ARGS, run without a shell)")
+    q.add_argument("program", nargs="*", metavar="CONFIG | -- PROGRAM ARGS")
+    q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key (repeatable)")
+    q.add_argument("--command", action="store_true",
+                   help="treat a single .yaml/.json argument as a program, not a config")
+    q.add_argument("--shell", default=None, metavar="LINE",
+                   help="run LINE through /bin/sh (only this form uses a shell)")
+    q.add_argument("--devices", type=int, default=1,
+                   help="devices per node: GPUs, or CPU cores without GPUs (default 1)")
+    q.add_argument("--nodes", type=int, default=1, help="nodes (Ray, Kubernetes; default 1)")
+    q.add_argument("--name", default=None, help="job name (default: made up)")
+    q.add_argument("--priority", type=int, default=0, help="higher starts first (default 0)")
+    q.add_argument("--max-restarts", type=int, default=0,
+                   help="restarts after a failure, from the newest checkpoint (default 0)")
+    q.add_argument("--backend", default="local", choices=("local", "ray", "kubernetes"))
+    q.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment variable of the job (repeatable)")
+    q.add_argument("--kill-grace", type=float, default=None,
+                   help="seconds from SIGTERM to SIGKILL on cancel (default 120)")
+    q.add_argument("--wait", action="store_true", help="wait until it ends")
+    q = add("list", cmd_list, "list jobs (queued and running first)")
+    q.add_argument("--state", default=None, help="only these states (comma-separated)")
+    for name, func, help_text in (("show", cmd_show, "one job: state, devices, attempts"),
+                                  ("resubmit", cmd_resubmit, "queue a finished job again")):
+        add(name, func, help_text).add_argument("name")
+    q = add("logs", cmd_logs, "print a job's output")
+    q.add_argument("name")
+    q.add_argument("-f", "--follow", action="store_true", help="follow until the job ends")
+    q = add("cancel", cmd_cancel, "cancel a job (SIGTERM: checkpoint, then stop)")
+    q.add_argument("name")
+    q.add_argument("--wait", action="store_true", help="wait until it has stopped")
+    q = add("wait", cmd_wait, "wait for a job; exit 0 succeeded, 1 failed, 130 cancelled")
+    q.add_argument("name")
+    q.add_argument("--timeout", type=float, default=None, help="give up after this many s")

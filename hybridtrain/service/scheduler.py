@@ -1,0 +1,203 @@
+"""The scheduler: one tick starts, watches, stops and restarts jobs.
+
+Any number of processes may run a scheduler on one storage (``hybridtrain serve``, an
+HPO controller, an embedded service); the leader lease (:meth:`JobStore.lead`) lets
+exactly one act at a time. One tick of the leader:
+
+1. every running job: send a requested cancel (SIGTERM; SIGKILL after ``kill_grace``),
+   then poll it; an ended attempt is settled: succeeded, cancelled, failed with its reason
+   (:mod:`.failures`), or queued again for a restart while ``max_restarts`` allows (a
+   training job resumes from its newest checkpoint). Jobs started by an earlier leader
+   are polled the same way: that is how a restarted service adopts them.
+2. queued jobs start in the order of :func:`~hybridtrain.service.devices.plan_starts`
+   on the free slots of this machine (local backend), or at once on Ray and Kubernetes,
+   whose own schedulers queue them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from hybridtrain.hpo.leases import new_owner_id
+from hybridtrain.service.backend import Backend, Ended, job_log
+from hybridtrain.service.devices import Slots, Want, plan_starts
+from hybridtrain.service.errors import JobError
+from hybridtrain.service.failures import describe_exit
+from hybridtrain.service.store import JobRecord, JobStore
+
+log = logging.getLogger(__name__)
+
+#: Exit code of a trainer (or launcher) that stopped on SIGTERM after saving a checkpoint.
+STOPPED = 130
+
+
+class Scheduler:
+    """Runs the jobs of one storage while it holds the leader lease.
+
+    Args:
+        store: the job storage.
+        slots: this machine's device slots.
+        backends: backends by name (``local`` at least).
+        url: this service's REST address, published with the lease (clients find it).
+        lease: seconds the leader lease lives without renewal.
+        aging_s, reserve_after_s: see :func:`~hybridtrain.service.devices.plan_starts`.
+        on_event: called with one line per job event.
+    """
+
+    def __init__(self, store: JobStore, slots: Slots, backends: Mapping[str, Backend],
+                 url: str | None = None, lease: float = 10.0, aging_s: float = 300.0,
+                 reserve_after_s: float = 600.0,
+                 on_event: Callable[[str], None] | None = None) -> None:
+        self.store = store
+        self.slots = slots
+        self.backends = dict(backends)
+        self.url = url
+        self.lease = lease
+        self.aging_s = aging_s
+        self.reserve_after_s = reserve_after_s
+        self.owner = new_owner_id()
+        self.on_event = on_event or (lambda line: log.info("%s", line))
+        self.leading = False
+        self._lock = threading.Lock()  # one tick at a time (thread and API calls)
+        self._unwatched: set[str] = set()  # jobs already reported as not watchable here
+        #: Set to tick at once (a job was submitted or cancelled) instead of at the interval.
+        self.wake = threading.Event()
+
+    # -- the loop --------------------------------------------------------------------------
+    def tick(self) -> bool:
+        """One round (module docstring). Returns whether this scheduler leads."""
+        with self._lock:
+            leads = self.store.lead(self.owner, self.lease, self.url)
+            if leads != self.leading:
+                self.leading = leads
+                self.on_event("leading the job queue" if leads else "another service leads")
+            if not leads:
+                return False
+            for job in self.store.jobs(("running",)):
+                self._watch(job)
+            self._start_queued()
+            return True
+
+    def run(self, stop: threading.Event, interval: float = 0.5) -> None:
+        """Tick every ``interval`` seconds until ``stop`` is set, then resign the lease.
+
+        Running jobs are left running (the next leader adopts them)."""
+        while not stop.is_set():
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - a database hiccup must not end the service
+                log.exception("scheduler tick failed; retrying")
+            self.wake.wait(interval)
+            self.wake.clear()
+        self.store.resign(self.owner)
+
+    # -- running jobs -----------------------------------------------------------------------
+    def _watch(self, job: JobRecord) -> None:
+        backend = self.backends.get(job.spec.backend)
+        if backend is None:
+            # Started by a service that had this backend: it still runs there. Leave it to
+            # a leader that can watch it rather than call it failed.
+            if job.name not in self._unwatched:
+                self._unwatched.add(job.name)
+                self.on_event(f"job {job.name}: its backend {job.spec.backend!r} is not enabled "
+                              "here; start the service with it to watch the job")
+            return
+        now = time.time()
+        if job.cancel_requested is not None and job.stop_sent_at is None:
+            backend.stop(job, force=False)
+            self.store.mark_stop_sent(job)
+            self.on_event(f"job {job.name}: cancel requested, SIGTERM sent")
+        elif job.stop_sent_at is not None and now - job.stop_sent_at > job.spec.kill_grace:
+            backend.stop(job, force=True)
+        try:
+            ended = backend.poll(job)
+        except JobError as exc:
+            log.warning("job %s: poll failed (will retry): %s", job.name, exc)
+            return
+        if ended is not None:
+            self._settle(job, ended)
+
+    def _settle(self, job: JobRecord, ended: Ended) -> None:
+        if ended.never_started:
+            self.store.end_attempt(job, "interrupted", "queued again: its service stopped "
+                                   "before starting it", None, restart=True)
+            self.on_event(f"job {job.name}: attempt {job.attempt} never started; queued again")
+            return
+        code = ended.code
+        if job.cancel_requested is not None and code == 0:
+            self.store.end_attempt(job, "succeeded", "exit 0 (it finished before the cancel "
+                                   "reached it)", 0)
+            self.on_event(f"job {job.name} succeeded before its cancel took effect")
+            return
+        if job.cancel_requested is not None:
+            saved = ("it saved a checkpoint and stopped" if job.spec.config is not None
+                     else "it stopped on SIGTERM")
+            how = (f"{saved} (exit 130)" if code == STOPPED else
+                   f"exit {code}" if code is not None else "exit unknown")
+            forced = (" after kill_grace (SIGKILL)" if job.stop_sent_at is not None
+                      and time.time() - job.stop_sent_at > job.spec.kill_grace else "")
+            if ended.reason:
+                how += f"; {ended.reason}"
+            self.store.end_attempt(job, "cancelled", f"cancelled on request: {how}{forced}", code)
+            self.on_event(f"job {job.name} cancelled ({how})")
+            return
+        if code == 0:
+            self.store.end_attempt(job, "succeeded", "exit 0", 0)
+            self.on_event(f"job {job.name} succeeded")
+            return
+        reason, restartable = describe_exit(code, job_log(job))
+        if ended.reason:
+            reason = f"{reason}; {ended.reason}"
+        if restartable and job.restarts < job.spec.max_restarts:
+            resumes = " (it resumes from its newest checkpoint)" if job.spec.config else ""
+            line = f"restart {job.restarts + 1}/{job.spec.max_restarts}{resumes} after: {reason}"
+            self.store.end_attempt(job, "failed", line, code, restart=True)
+            self.on_event(f"job {job.name}: {line}")
+            return
+        self.store.end_attempt(job, "failed", reason, code)
+        self.on_event(f"job {job.name} failed: {reason}")
+
+    # -- queued jobs -------------------------------------------------------------------------
+    def _start_queued(self) -> None:
+        queued = self.store.jobs(("queued",))
+        if not queued:
+            return
+        local = [j for j in queued if self.backends.get(j.spec.backend, None) is not None
+                 and self.backends[j.spec.backend].uses_local_slots]
+        busy = {d for j in self.store.jobs(("running",)) for d in j.devices}
+        free = [s for s in self.slots.ids if s not in busy]
+        wants = [Want(j.name, j.spec.devices, j.priority, j.queued_at) for j in local]
+        by_name = {j.name: j for j in queued}
+        for name, devices in plan_starts(wants, free, time.time(), self.aging_s,
+                                         self.reserve_after_s):
+            self._start(by_name[name], devices)
+        local_names = {j.name for j in local}
+        for job in queued:
+            # A job for a backend this service lacks waits for a service that has it.
+            if job.name not in local_names and job.spec.backend in self.backends:
+                self._start(job, ())
+
+    def _start(self, job: JobRecord, devices: tuple[int, ...]) -> None:
+        backend = self.backends[job.spec.backend]
+        if not self.store.mark_running(job, self.owner, devices):
+            return  # cancelled or taken meanwhile
+        job = self.store.get(job.id)
+        run_dir = Path(job.job_dir) / "run"
+        env = job.spec.env | {"HYBRIDTRAIN_JOB_NAME": job.name,
+                              "HYBRIDTRAIN_JOB_DIR": job.job_dir,
+                              "HYBRIDTRAIN_JOB_ATTEMPT": str(job.attempt),
+                              "HYBRIDTRAIN_JOB_RESTARTS": str(job.restarts),
+                              "PYTHONUNBUFFERED": "1"}
+        try:
+            started = backend.start(job, job.spec.program(run_dir), env, devices)
+        except (OSError, JobError) as exc:
+            self.store.end_attempt(job, "failed", f"cannot start: {exc}", None)
+            self.on_event(f"job {job.name} failed to start: {exc}")
+            return
+        self.store.set_process(job, started.pgid, started.start_ticks, started.ref)
+        where = f"devices {list(devices)}" if devices else backend.name
+        self.on_event(f"job {job.name} started (attempt {job.attempt}, {where})")

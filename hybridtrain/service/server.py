@@ -1,0 +1,164 @@
+"""``hybridtrain serve``: the training service and the HPO service in one process.
+
+One uvicorn server, one storage, one token: ``/v1/experiments`` (the HPO service's app,
+:func:`hybridtrain.hpo.api.create_app`), ``/v1/jobs`` (:mod:`.api`), the jobs page at
+``/jobs``, the optuna-dashboard at ``/``, and ``/metrics`` with both services' series. A
+scheduler thread ticks beside it. Stopping the server (Ctrl-C, SIGTERM) leaves running
+jobs running: the next ``serve`` adopts them (see :mod:`.local`).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fastapi import HTTPException, Request
+from fastapi.responses import Response
+from fastapi.routing import APIRoute
+
+from hybridtrain.service.backend import Backend
+from hybridtrain.service.devices import Slots, detect_slots
+from hybridtrain.service.local import LocalBackend
+from hybridtrain.service.scheduler import Scheduler
+from hybridtrain.service.store import JobStore
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from hybridtrain.service.api import JobService
+
+log = logging.getLogger(__name__)
+DEFAULT_JOBS_DIR = Path("hybridtrain-jobs")
+
+
+def make_backends(slots: Slots, ray_address: str | None = None,
+                  kubernetes_namespace: str | None = None,
+                  image: str = "hybridtrain:latest") -> dict[str, Backend]:
+    """The backends a service enables: local always, Ray and Kubernetes when asked."""
+    backends: dict[str, Backend] = {"local": LocalBackend(slots)}
+    if ray_address:
+        from hybridtrain.service.ray_backend import RayBackend
+
+        backends["ray"] = RayBackend(ray_address)
+    if kubernetes_namespace:
+        from hybridtrain.service.kubernetes import KubernetesBackend
+
+        backends["kubernetes"] = KubernetesBackend(kubernetes_namespace, image)
+    return backends
+
+
+def build_app(service: JobService, token: str, metrics_public: bool = False,
+              dashboard: bool = True) -> FastAPI:
+    """The combined app: HPO routes, job routes, jobs page, dashboard, ``/metrics``."""
+    from hybridtrain.hpo.api import create_app, launch_worker
+    from hybridtrain.hpo.experiments import ExperimentStore
+    from hybridtrain.hpo.guard import METRICS_PATH
+    from hybridtrain.service.api import job_router
+    from hybridtrain.service.exporter import JobCollector
+    from hybridtrain.service.page import jobs_page_app
+
+    experiments = ExperimentStore(service.store.url)
+    app = create_app(experiments, token, launcher=launch_worker, dashboard=False,
+                     metrics_public=metrics_public)
+    app.title = "hybridtrain service"
+    app.include_router(job_router(service))
+    registry: Any = None
+
+    def metrics(request: Request) -> Response:
+        nonlocal registry
+        try:
+            from prometheus_client import CollectorRegistry
+            from prometheus_client.exposition import choose_encoder
+
+            from hybridtrain.hpo.exporter import HPOCollector
+        except ImportError:
+            raise HTTPException(501, "/metrics needs prometheus_client: pip install "
+                                     "prometheus-client") from None
+        if registry is None:
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(HPOCollector(experiments))
+            registry.register(JobCollector(service.store, service.scheduler.slots))
+        encode, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(encode(registry), headers={"content-type": content_type})
+
+    # Both services' series on one /metrics: this route goes before the HPO app's own
+    # (Starlette serves the first matching route). The guard in front already checked
+    # the token (unless --metrics-public) and refused other methods.
+    app.router.routes.insert(0, APIRoute(METRICS_PATH, metrics, methods=["GET", "HEAD"],
+                                         response_class=Response, include_in_schema=False))
+    app.mount("/jobs", jobs_page_app(service, token))
+    if dashboard:
+        from hybridtrain.hpo.dashboard import dashboard_app
+
+        app.mount("/", dashboard_app(experiments.optuna_storage, token))
+    return app
+
+
+def open_service(storage: str | None, jobs_dir: Path, url: str | None,
+                 backends: dict[str, Backend] | None = None, slots: Slots | None = None,
+                 lease: float = 10.0) -> JobService:
+    """A :class:`~.api.JobService` with its scheduler (not yet ticking)."""
+    from hybridtrain.service.api import JobService
+
+    slots = slots or detect_slots()
+    store = JobStore(storage)
+    scheduler = Scheduler(store, slots, backends or make_backends(slots), url=url,
+                          lease=lease, on_event=lambda line: print(line, flush=True))
+    return JobService(store, scheduler, jobs_dir)
+
+
+def serve(host: str = "127.0.0.1", port: int = 8080, storage: str | None = None,
+          token_file: Path | None = None, metrics_public: bool = False,
+          jobs_dir: Path = DEFAULT_JOBS_DIR, ray_address: str | None = None,
+          kubernetes_namespace: str | None = None, image: str = "hybridtrain:latest",
+          lease: float = 10.0) -> int:
+    """Serve until interrupted (port 0: a free port, printed).
+
+    Raises:
+        HPOError: bad token or storage; ValueError: bad ``$HYBRIDTRAIN_SERVICE_DEVICES``.
+    """
+    import uvicorn
+
+    from hybridtrain.hpo.auth import TOKEN_ENV, resolve_token
+    from hybridtrain.hpo.server import _is_loopback
+
+    token, created = resolve_token(token_file)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    port = sock.getsockname()[1]
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    base = f"http://{shown}:{port}"
+    slots = detect_slots()
+    service = open_service(storage, jobs_dir, base,
+                           make_backends(slots, ray_address, kubernetes_namespace, image),
+                           slots, lease)
+    app = build_app(service, token, metrics_public=metrics_public)
+    if created:
+        print(f"generated API token (saved; set ${TOKEN_ENV} to override): {token}", flush=True)
+    if not _is_loopback(host):
+        print(f"warning: binding {host}: jobs run commands on this machine; anyone who has "
+              "the token can start them", file=sys.stderr)
+    print(f"REST API:  {base}/v1/jobs  {base}/v1/experiments  (schema: {base}/openapi.json)\n"
+          f"jobs page: {base}/jobs?token=<token>\n"
+          f"dashboard: {base}/dashboard?token=<token>\n"
+          f"metrics:   {base}/metrics  "
+          f"({'no token needed' if metrics_public else 'bearer token needed'})\n"
+          f"devices:   {len(slots.ids)} {slots.kind} slots; jobs in {service.jobs_dir}",
+          flush=True)
+    stop = threading.Event()
+    thread = threading.Thread(target=service.scheduler.run, args=(stop,), name="scheduler",
+                              daemon=True)
+    thread.start()
+    try:
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        server.run(sockets=[sock])
+    finally:
+        stop.set()
+        service.scheduler.wake.set()
+        thread.join(30)
+    return 0

@@ -1,0 +1,376 @@
+"""Jobs in the HPO service's storage: one row per job, one row naming the scheduler.
+
+The jobs live in the same database as the experiments (:mod:`hybridtrain.hpo.storage`:
+SQLite by default, PostgreSQL for several service processes), so one service serves both
+and a trial is a job. Job states::
+
+    queued --devices free--> running --exit 0--> succeeded
+      ^  \\                     |  \\--cancel (SIGTERM, checkpoint)--> cancelled
+      |   \\--cancel--> cancelled  \\--exit != 0--> failed (reason named)
+      +------ restart (< max_restarts, from the newest checkpoint) ------+
+
+Every transition is a compare-and-set on ``(state, attempt)``, so two schedulers (or a
+scheduler and a cancel) never both move a job, and a job is started at most once per
+attempt. Exactly one scheduler at a time is the *leader* (a lease in ``LEADER``); only the
+leader starts, watches and stops jobs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+
+from hybridtrain.hpo.errors import StorageError
+from hybridtrain.hpo.storage import (
+    create_tables_racing,
+    first_line,
+    open_engine,
+    resolve_url,
+    safe_url,
+    setup_lock,
+)
+from hybridtrain.service.errors import JobConflictError, JobNotFoundError
+from hybridtrain.service.spec import JobSpec
+
+METADATA = sa.MetaData()
+
+JOBS = sa.Table(
+    "hybridtrain_service_jobs",
+    METADATA,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("name", sa.String(64), nullable=False, unique=True),
+    sa.Column("spec_json", sa.Text, nullable=False),
+    # queued | running | succeeded | failed | cancelled
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("reason", sa.Text, nullable=False, default=""),
+    sa.Column("priority", sa.Integer, nullable=False, default=0),
+    # "job" (submitted by a user) or "trial" (an HPO experiment's trial)
+    sa.Column("kind", sa.String(16), nullable=False, default="job"),
+    sa.Column("experiment", sa.String(128), nullable=True),
+    sa.Column("trial_number", sa.Integer, nullable=True),
+    sa.Column("job_dir", sa.Text, nullable=False),
+    # Starts so far (first run and restarts); the attempt running now is ``attempt``.
+    sa.Column("attempt", sa.Integer, nullable=False, default=0),
+    sa.Column("restarts", sa.Integer, nullable=False, default=0),
+    sa.Column("devices_json", sa.Text, nullable=False, default="[]"),
+    sa.Column("exit_code", sa.Integer, nullable=True),
+    sa.Column("host", sa.String(255), nullable=True),
+    sa.Column("pgid", sa.Integer, nullable=True),
+    sa.Column("start_ticks", sa.BigInteger, nullable=True),
+    # Ray submission id or Kubernetes object name of the running attempt.
+    sa.Column("backend_ref", sa.Text, nullable=True),
+    sa.Column("cancel_requested", sa.Float, nullable=True),
+    sa.Column("stop_sent_at", sa.Float, nullable=True),
+    sa.Column("history_json", sa.Text, nullable=False, default="[]"),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("queued_at", sa.Float, nullable=False),
+    sa.Column("started_at", sa.Float, nullable=True),
+    sa.Column("finished_at", sa.Float, nullable=True),
+)
+JOBS_BY_STATE = sa.Index("ix_hybridtrain_service_jobs_state", JOBS.c.state, JOBS.c.id)
+
+LEADER = sa.Table(
+    "hybridtrain_service_leader",
+    METADATA,
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("owner", sa.String(255), nullable=True),
+    sa.Column("expires", sa.Float, nullable=False, default=0.0),
+    sa.Column("url", sa.Text, nullable=True),
+)
+
+ACTIVE = ("queued", "running")
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """The stored row of one job (see the module docstring for the states)."""
+
+    id: int
+    name: str
+    spec: JobSpec
+    state: str
+    reason: str
+    priority: int
+    kind: str
+    experiment: str | None
+    trial_number: int | None
+    job_dir: str
+    attempt: int
+    restarts: int
+    devices: tuple[int, ...]
+    exit_code: int | None
+    host: str | None
+    pgid: int | None
+    start_ticks: int | None
+    backend_ref: str | None
+    cancel_requested: float | None
+    stop_sent_at: float | None
+    history: list[dict[str, Any]] = field(default_factory=list)
+    created_at: float = 0.0
+    queued_at: float = 0.0
+    started_at: float | None = None
+    finished_at: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON form for the REST API and ``--json``."""
+        return {
+            "id": self.id, "name": self.name, "state": self.state, "reason": self.reason,
+            "priority": self.priority, "kind": self.kind, "experiment": self.experiment,
+            "trial_number": self.trial_number, "backend": self.spec.backend,
+            "devices_requested": self.spec.devices, "nodes": self.spec.nodes,
+            "devices": list(self.devices), "attempt": self.attempt, "restarts": self.restarts,
+            "max_restarts": self.spec.max_restarts, "exit_code": self.exit_code,
+            "host": self.host, "pid": self.pgid, "backend_ref": self.backend_ref,
+            "cancel_requested": self.cancel_requested is not None,
+            "program": self.spec.display(), "job_dir": self.job_dir,
+            "history": self.history, "created_at": self.created_at,
+            "queued_at": self.queued_at, "started_at": self.started_at,
+            "finished_at": self.finished_at, "spec": self.spec.model_dump(mode="json"),
+        }
+
+
+def _record(row: sa.Row[Any]) -> JobRecord:
+    return JobRecord(
+        id=row.id, name=row.name, spec=JobSpec.model_validate_json(row.spec_json),
+        state=row.state, reason=row.reason, priority=row.priority, kind=row.kind,
+        experiment=row.experiment, trial_number=row.trial_number, job_dir=row.job_dir,
+        attempt=row.attempt, restarts=row.restarts,
+        devices=tuple(json.loads(row.devices_json)), exit_code=row.exit_code, host=row.host,
+        pgid=row.pgid, start_ticks=row.start_ticks, backend_ref=row.backend_ref,
+        cancel_requested=row.cancel_requested, stop_sent_at=row.stop_sent_at,
+        history=json.loads(row.history_json), created_at=row.created_at,
+        queued_at=row.queued_at, started_at=row.started_at, finished_at=row.finished_at)
+
+
+class JobStore:
+    """Submit, read and move jobs in one storage.
+
+    Args:
+        storage: storage URL (default ``$HYBRIDTRAIN_HPO_STORAGE`` or ``sqlite:///hpo.db``).
+
+    Raises:
+        StorageError: the storage cannot be opened.
+    """
+
+    def __init__(self, storage: str | None = None) -> None:
+        self.url = resolve_url(storage)
+        self.engine = open_engine(self.url)
+        try:
+            with setup_lock(self.url):
+                create_tables_racing(lambda: METADATA.create_all(self.engine, checkfirst=True))
+        except (sa.exc.SQLAlchemyError, OSError) as exc:
+            raise StorageError(f"cannot create the job tables in {safe_url(self.url)!r}: "
+                               f"{first_line(exc)}") from None
+
+    # -- users' side --------------------------------------------------------------------
+    def submit(self, spec: JobSpec, job_dir: str, kind: str = "job",
+               experiment: str | None = None, trial_number: int | None = None) -> JobRecord:
+        """Queue a new job.
+
+        Raises:
+            JobConflictError: a job of that name exists.
+        """
+        now = time.time()
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(JOBS.insert().values(
+                    name=spec.name, spec_json=spec.model_dump_json(), state="queued",
+                    reason="waiting for devices", priority=spec.priority, kind=kind,
+                    experiment=experiment, trial_number=trial_number, job_dir=job_dir,
+                    attempt=0, restarts=0, devices_json="[]", history_json="[]",
+                    created_at=now, queued_at=now))
+        except sa.exc.IntegrityError:
+            raise JobConflictError(f"a job named {spec.name!r} exists already; choose another "
+                                   "--name, or `jobs resubmit` it") from None
+        return self.get(spec.name)
+
+    def get(self, key: str | int) -> JobRecord:
+        """The job named ``key`` (or with id ``key``).
+
+        Raises:
+            JobNotFoundError: no such job.
+        """
+        cond = JOBS.c.name == str(key)
+        if isinstance(key, int) or str(key).isdigit():
+            cond = sa.or_(cond, JOBS.c.id == int(key))
+        with self.engine.connect() as conn:
+            row = conn.execute(JOBS.select().where(cond).order_by(JOBS.c.id)).first()
+        if row is None:
+            raise JobNotFoundError(f"job {str(key)!r} not found; `hybridtrain jobs list` "
+                                   "shows the jobs")
+        return _record(row)
+
+    def jobs(self, states: tuple[str, ...] | None = None, kind: str | None = None
+             ) -> list[JobRecord]:
+        """Jobs (in ``states``, of ``kind`` if given), oldest first."""
+        stmt = JOBS.select().order_by(JOBS.c.id)
+        if states is not None:
+            stmt = stmt.where(JOBS.c.state.in_(states))
+        if kind is not None:
+            stmt = stmt.where(JOBS.c.kind == kind)
+        with self.engine.connect() as conn:
+            return [_record(r) for r in conn.execute(stmt).all()]
+
+    def cancel(self, key: str | int, reason: str = "cancelled on request") -> JobRecord:
+        """Cancel a job: a queued one at once, a running one by SIGTERM (the trainer saves
+        a checkpoint and stops); the leader sends it. A finished job is left as it is."""
+        job = self.get(key)
+        now = time.time()
+        with self.engine.begin() as conn:
+            done = conn.execute(JOBS.update().where(
+                JOBS.c.id == job.id, JOBS.c.state == "queued").values(
+                state="cancelled", reason=reason, finished_at=now)).rowcount
+            if not done:
+                conn.execute(JOBS.update().where(
+                    JOBS.c.id == job.id, JOBS.c.state == "running",
+                    JOBS.c.cancel_requested.is_(None)).values(cancel_requested=now))
+        return self.get(job.id)
+
+    def resubmit(self, key: str | int) -> JobRecord:
+        """Queue a finished job again; a training job continues from its newest checkpoint.
+
+        Raises:
+            JobConflictError: the job is still queued or running.
+        """
+        job = self.get(key)
+        with self.engine.begin() as conn:
+            moved = conn.execute(JOBS.update().where(
+                JOBS.c.id == job.id, JOBS.c.state.in_(TERMINAL)).values(
+                state="queued", reason="resubmitted", restarts=0, exit_code=None,
+                cancel_requested=None, stop_sent_at=None, queued_at=time.time(),
+                finished_at=None, devices_json="[]")).rowcount
+        if not moved:
+            raise JobConflictError(f"job {job.name!r} is {job.state}; only a finished job "
+                                   "can be resubmitted")
+        return self.get(job.id)
+
+    # -- the leader's side ---------------------------------------------------------------
+    def mark_running(self, job: JobRecord, owner: str, devices: tuple[int, ...]) -> bool:
+        """Claim a queued job for a new attempt (before anything is started)."""
+        with self.engine.begin() as conn:
+            return conn.execute(JOBS.update().where(
+                JOBS.c.id == job.id, JOBS.c.state == "queued",
+                JOBS.c.attempt == job.attempt).values(
+                state="running", attempt=job.attempt + 1, reason=f"starting ({owner})",
+                devices_json=json.dumps(list(devices)), host=socket.gethostname(),
+                pgid=None, start_ticks=None, backend_ref=None, exit_code=None,
+                started_at=time.time())).rowcount == 1
+
+    def set_process(self, job: JobRecord, pgid: int | None, start_ticks: int | None,
+                    backend_ref: str | None, reason: str = "running") -> None:
+        """Record where the running attempt runs."""
+        with self.engine.begin() as conn:
+            conn.execute(JOBS.update().where(
+                JOBS.c.id == job.id, JOBS.c.state == "running",
+                JOBS.c.attempt == job.attempt).values(
+                pgid=pgid, start_ticks=start_ticks, backend_ref=backend_ref, reason=reason))
+
+    def mark_stop_sent(self, job: JobRecord) -> None:
+        """Note when SIGTERM went out (SIGKILL follows after ``kill_grace``)."""
+        with self.engine.begin() as conn:
+            conn.execute(JOBS.update().where(JOBS.c.id == job.id).values(
+                stop_sent_at=time.time()))
+
+    def end_attempt(self, job: JobRecord, state: str, reason: str, exit_code: int | None,
+                    restart: bool = False) -> bool:
+        """Close the running attempt: finish the job in ``state``, or queue it again.
+
+        Args:
+            job: the job as read while its attempt ran.
+            state: ``succeeded``/``failed``/``cancelled`` (the attempt's outcome).
+            reason: one line, kept in the job's history.
+            exit_code: the attempt's exit code (``None``: unknown).
+            restart: queue the job again (a restart after a failure, or an attempt that
+                never started because its scheduler died first).
+
+        Returns:
+            Whether the job was still in that attempt (compare-and-set).
+        """
+        now = time.time()
+        entry = {"attempt": job.attempt, "devices": list(job.devices), "host": job.host,
+                 "started_at": job.started_at, "ended_at": now, "exit_code": exit_code,
+                 "outcome": state, "reason": reason}
+        values: dict[str, Any] = {"exit_code": exit_code, "pgid": None,
+                                  "history_json": json.dumps([*job.history, entry])}
+        if restart:
+            values |= {"state": "queued", "reason": reason, "queued_at": now,
+                       "devices_json": "[]", "stop_sent_at": None}
+            if state == "failed":
+                values["restarts"] = job.restarts + 1
+        else:
+            values |= {"state": state, "reason": reason, "finished_at": now}
+        with self.engine.begin() as conn:
+            return conn.execute(JOBS.update().where(
+                JOBS.c.id == job.id, JOBS.c.state == "running",
+                JOBS.c.attempt == job.attempt).values(**values)).rowcount == 1
+
+    # -- leadership ------------------------------------------------------------------------
+    def lead(self, owner: str, duration: float, url: str | None) -> bool:
+        """Take or renew the leader lease; ``True`` while ``owner`` leads.
+
+        A lease expires ``duration`` seconds after its last renewal; one whose owner was a
+        process of this host that is gone (``kill -9``) is taken at once.
+        """
+        now = time.time()
+        with self.engine.connect() as conn:
+            row = conn.execute(LEADER.select().where(LEADER.c.id == 1)).first()
+        # Most ticks only read: a lease is renewed once half of it has run out, and a live
+        # peer's lease is not touched (SQLite has one writer at a time).
+        if row is not None and row.owner == owner and row.expires - now > duration / 2:
+            return True
+        if row is not None and row.owner not in (None, owner) and row.expires >= now \
+                and not _dead_local_owner(row.owner):
+            return False
+        with self.engine.begin() as conn:
+            if row is None:
+                try:
+                    conn.execute(LEADER.insert().values(id=1, owner=owner,
+                                                        expires=now + duration, url=url))
+                    return True
+                except sa.exc.IntegrityError:
+                    return False
+            # Compare-and-set on the owner and expiry read: of two takers one wins.
+            return conn.execute(LEADER.update().where(
+                LEADER.c.id == 1, LEADER.c.expires == row.expires,
+                LEADER.c.owner.is_(None) if row.owner is None else LEADER.c.owner == row.owner
+            ).values(owner=owner, expires=now + duration, url=url)).rowcount == 1
+
+    def leader(self) -> tuple[str | None, str | None]:
+        """``(owner, url)`` of the live leader, or ``(None, None)``."""
+        with self.engine.connect() as conn:
+            row = conn.execute(LEADER.select().where(LEADER.c.id == 1)).first()
+        if row is None or row.owner is None or row.expires < time.time() or _dead_local_owner(
+                row.owner):
+            return None, None
+        return row.owner, row.url
+
+    def resign(self, owner: str) -> None:
+        """Give the lease up (a clean shutdown), so the next service leads at once."""
+        with self.engine.begin() as conn:
+            conn.execute(LEADER.update().where(LEADER.c.id == 1, LEADER.c.owner == owner)
+                         .values(owner=None, expires=0.0, url=None))
+
+
+def _dead_local_owner(owner: str | None) -> bool:
+    """Whether ``owner`` (``host:pid:random``) names a process of this host that is gone."""
+    if not owner:
+        return False
+    host, _, rest = owner.partition(":")
+    pid_text = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid_text.isdigit():
+        return False
+    try:
+        os.kill(int(pid_text), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+

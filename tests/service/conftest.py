@@ -1,0 +1,72 @@
+"""Fixtures of the training-service tests: a storage, a tiny training config, helpers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("optuna")
+pytest.importorskip("fastapi")
+
+# The HPO tests' experiment spec and storage fixtures, for trials run as jobs.
+from tests.hpo.conftest import make_spec, sqlite_url  # noqa: E402, F401
+
+REPO = Path(__file__).resolve().parents[2]
+TOKEN = "service-test-token-0123456789"
+
+
+@pytest.fixture
+def storage(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'service.db'}"
+
+
+def tiny_config(path: Path, steps: int, checkpoint_every: int) -> Path:
+    """A one-layer GPT training config: a few seconds of CPU training."""
+    path.write_text(
+        "device: cpu\n"
+        "model: {name: gpt-tiny, overrides: {n_layer: 1}}\n"
+        "data: {seq_len: 16}\n"
+        "train_batch_size: 4\n"
+        f"train: {{steps: {steps}, checkpoint_every: {checkpoint_every}, eval_every: 0}}\n")
+    return path
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str,
+             tick: Callable[[], object] | None = None) -> None:
+    """Poll ``predicate`` (ticking ``tick`` between polls); fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if tick is not None:
+            tick()
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids of the process group ``pgid`` other than its leader."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == pgid:
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            out.append(int(entry.name))
+    return out
+
+
+def kill_members(pgid: int) -> None:
+    """SIGKILL the job's own processes, not its wrapper: a rank killed under it."""
+    for pid in group_members(pgid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

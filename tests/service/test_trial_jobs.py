@@ -1,0 +1,40 @@
+"""HPO trials run as training-service jobs: they queue with the other jobs, get devices
+from the same allocator, and an experiment file runs unchanged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hybridtrain.hpo.experiments import ExperimentStore, run_experiment
+from hybridtrain.service.store import JobStore
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_trials_are_jobs_with_devices_of_the_service(make_spec: Any, sqlite_url: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two device slots named as GPUs (each trial reads its CUDA_VISIBLE_DEVICES only), and
+    # three trials allowed at once by the experiment: the service's gang holds them to two.
+    monkeypatch.setenv("HYBRIDTRAIN_SERVICE_DEVICES", "gpu:0,1")
+    spec = make_spec(resources={"gpus": [0, 1, 2], "gpus_per_trial": 1}, parallel_trials=3,
+                     max_trials=5, trial={"command": "sleep 0.3; echo loss=${x1} "
+                                          '"gpu=$CUDA_VISIBLE_DEVICES"'})
+    status = run_experiment(spec, sqlite_url)
+    assert status["state"] == "succeeded" and status["trials"]["complete"] == 5
+    trials = {t["number"]: t for t in ExperimentStore(sqlite_url).trials("branin")}
+    jobs = JobStore(sqlite_url).jobs(kind="trial")
+    assert sorted(j.trial_number for j in jobs) == sorted(trials)
+    for job in jobs:
+        assert job.state == "succeeded" and job.experiment == "branin"
+        assert len(job.devices) == 1 and job.devices[0] in (0, 1)
+        # The trial saw the device the service gave its job.
+        assert trials[job.trial_number]["metrics"]["gpu"] == job.devices[0]
+        assert Path(job.job_dir) == Path(trials[job.trial_number]["trial_dir"])
+    for job in jobs:
+        overlapping = [o for o in jobs if o is not job and o.devices == job.devices
+                       and (o.started_at or 0) < (job.finished_at or 0)
+                       and (job.started_at or 0) < (o.finished_at or 0)]
+        assert not overlapping, (job.name, [o.name for o in overlapping])
