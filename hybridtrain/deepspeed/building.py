@@ -44,6 +44,12 @@ def build_engine(model: nn.Module, cfg: Config, wrapper_steps: bool, optimizer: 
         asked = {**cfg.optimizer.params, FP16_INIT_STEP: True}
         cfg = cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"params": asked})})
     engine = ht.initialize(model, cfg, loss_fn=loss_fn, optimizer=optimizer, example_batch=example_batch)
+    if isinstance(optimizer, torch.optim.Optimizer) and optimizer is not engine.optimizer:
+        # DeepSpeed's ZeRO optimizer updates through the caller's own param_groups, so a
+        # scheduler built on the caller's optimizer before initialize (Accelerate's, a
+        # Trainer's) sets the rates the update uses; the engine's optimizer (e.g. the host
+        # optimizer of an offload) has groups of its own, which the caller's now are.
+        optimizer.param_groups = engine.optimizer.param_groups
     if lr_scheduler is not None:
         engine.scheduler = lr_scheduler(engine.optimizer) if callable(lr_scheduler) and not hasattr(
             lr_scheduler, "step") else lr_scheduler

@@ -1,0 +1,81 @@
+"""Run a framework script twice — on the real DeepSpeed (CPU, no op build) and on hybridtrain's
+drop-in in an environment without DeepSpeed — and read what each run recorded."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def deepspeed_free_site(tmp: Path) -> Path:
+    """A copy of this interpreter's site-packages as links, without ``deepspeed``: the
+    drop-in run cannot import the real package, nor read its metadata."""
+    site = Path(sysconfig.get_paths()["purelib"])
+    target = tmp / "site-without-deepspeed"
+    target.mkdir(exist_ok=True)
+    for entry in site.iterdir():
+        if entry.name == "deepspeed" or entry.name.lower().startswith("deepspeed-"):
+            continue
+        link = target / entry.name
+        if not link.exists():
+            link.symlink_to(entry)
+    return target
+
+
+def run(script: str, args: list[str], tmp: Path, real: bool, env: dict[str, str] | None = None,
+        timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """``script`` on the real DeepSpeed (``real``) or under ``python -m hybridtrain.deepspeed``
+    with no DeepSpeed installed (``-S``: no site-packages but the copy without it)."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "PL_"))}
+    environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1",
+                    "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                    **(env or {})})
+    path = [str(SCRIPTS)]
+    if real:
+        command = [sys.executable, str(SCRIPTS / "real_deepspeed.py"), str(SCRIPTS / script), *args]
+        path.append(str(ROOT))
+    else:
+        command = [sys.executable, "-S", "-m", "hybridtrain.deepspeed", str(SCRIPTS / script), *args]
+        path += [str(ROOT), str(deepspeed_free_site(tmp))]
+    environ["PYTHONPATH"] = os.pathsep.join(path)
+    result = subprocess.run(command, env=environ, capture_output=True, text=True, timeout=timeout, cwd=tmp)
+    if result.returncode != 0:
+        raise AssertionError(f"{'real DeepSpeed' if real else 'hybridtrain'} run of {script} failed:\n"
+                             f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+    return result
+
+
+def record(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """What a run wrote: its record and its final parameters."""
+    return json.loads(path.read_text()), torch.load(str(path) + ".pt")
+
+
+def assert_same_run(ours: Path, theirs: Path, rtol: float = 1e-4) -> None:
+    """Same optimizer steps, learning rates, losses and final parameters (fp32, ``rtol``)."""
+    mine, my_params = record(ours)
+    real, real_params = record(theirs)
+    assert "+hybridtrain" in mine["deepspeed"] and "+hybridtrain" not in real["deepspeed"], (mine, real)
+    assert mine["steps"] == real["steps"], (mine["steps"], real["steps"])
+    torch.testing.assert_close(torch.tensor(mine["lrs"]), torch.tensor(real["lrs"]), rtol=rtol, atol=0)
+    torch.testing.assert_close(torch.tensor(mine["losses"]), torch.tensor(real["losses"]), rtol=rtol, atol=0)
+    assert my_params.keys() == real_params.keys()
+    for name, value in real_params.items():
+        torch.testing.assert_close(my_params[name], value, rtol=rtol, atol=1e-6, msg=name)
