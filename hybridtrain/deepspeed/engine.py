@@ -150,6 +150,11 @@ class DeepSpeedEngine:
     def lr_scheduler(self) -> Any:
         return self.engine.scheduler
 
+    @lr_scheduler.setter
+    def lr_scheduler(self, scheduler: Any) -> None:
+        # Lightning sets None to step the scheduler itself, as DeepSpeed lets it.
+        self.engine.scheduler = scheduler
+
     @property
     def global_steps(self) -> int:
         return self.engine.global_step

@@ -39,9 +39,9 @@ def deepspeed_free_site(tmp: Path) -> Path:
     return target
 
 
-def run(script: str, args: list[str], tmp: Path, real: bool, env: dict[str, str] | None = None,
-        timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """``script`` on the real DeepSpeed (``real``) or under ``python -m hybridtrain.deepspeed``
+def start(script: str, args: list[str], tmp: Path, real: bool,
+          env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """Start ``script`` on the real DeepSpeed (``real``) or under ``python -m hybridtrain.deepspeed``
     with no DeepSpeed installed (``-S``: no site-packages but the copy without it)."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "PL_"))}
     environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
@@ -56,11 +56,33 @@ def run(script: str, args: list[str], tmp: Path, real: bool, env: dict[str, str]
         command = [sys.executable, "-S", "-m", "hybridtrain.deepspeed", str(SCRIPTS / script), *args]
         path += [str(ROOT), str(deepspeed_free_site(tmp))]
     environ["PYTHONPATH"] = os.pathsep.join(path)
-    result = subprocess.run(command, env=environ, capture_output=True, text=True, timeout=timeout, cwd=tmp)
-    if result.returncode != 0:
-        raise AssertionError(f"{'real DeepSpeed' if real else 'hybridtrain'} run of {script} failed:\n"
-                             f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
-    return result
+    return subprocess.Popen(command, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp)
+
+
+def finish(process: subprocess.Popen[str], what: str, timeout: float = 240) -> str:
+    """Wait for a run; its output, or an AssertionError with its end."""
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+        raise AssertionError(f"{what} timed out:\n{err[-4000:]}") from None
+    if process.returncode != 0:
+        raise AssertionError(f"{what} failed:\n{out[-3000:]}\n{err[-6000:]}")
+    return out + err
+
+
+def run_both(script: str, args: list[str], tmp: Path, env: dict[str, str] | None = None) -> tuple[Path, Path]:
+    """``script ARGS… OUT`` on the real DeepSpeed and on hybridtrain, side by side (two
+    processes at once); returns the two OUT paths (``theirs``, ``ours``)."""
+    theirs, ours = tmp / "real", tmp / "hybridtrain"
+    theirs.mkdir()
+    ours.mkdir()
+    real = start(script, [*(a.format(work=theirs) for a in args), str(theirs / "record")], tmp, True, env)
+    mine = start(script, [*(a.format(work=ours) for a in args), str(ours / "record")], tmp, False, env)
+    finish(real, f"the real DeepSpeed's run of {script}")
+    finish(mine, f"hybridtrain's run of {script}")
+    return theirs / "record", ours / "record"
 
 
 def record(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -77,5 +99,8 @@ def assert_same_run(ours: Path, theirs: Path, rtol: float = 1e-4) -> None:
     torch.testing.assert_close(torch.tensor(mine["lrs"]), torch.tensor(real["lrs"]), rtol=rtol, atol=0)
     torch.testing.assert_close(torch.tensor(mine["losses"]), torch.tensor(real["losses"]), rtol=rtol, atol=0)
     assert my_params.keys() == real_params.keys()
+    if "grad_norms" in real:
+        torch.testing.assert_close(torch.tensor(mine["grad_norms"]), torch.tensor(real["grad_norms"]), rtol=rtol,
+                                   atol=0)
     for name, value in real_params.items():
-        torch.testing.assert_close(my_params[name], value, rtol=rtol, atol=1e-6, msg=name)
+        torch.testing.assert_close(my_params[name], value, rtol=rtol, atol=1e-6)
