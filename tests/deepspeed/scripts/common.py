@@ -4,6 +4,7 @@ and the record each run writes (steps, learning rates, losses, final parameters)
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,9 @@ def which_deepspeed() -> str:
 
 
 def write_record(path: str, record: dict[str, Any], model: torch.nn.Module) -> None:
-    """The run's record as JSON, its final parameters beside it (``.pt``)."""
+    """The run's record as JSON, its final parameters beside it (``.pt``); rank 0 writes."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
     record["deepspeed"] = which_deepspeed()
     torch.save({k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}, path + ".pt")
     Path(path).write_text(json.dumps(record))
