@@ -39,21 +39,47 @@ def deepspeed_free_site(tmp: Path) -> Path:
     return target
 
 
-def start(script: str, args: list[str], tmp: Path, real: bool,
-          env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    """Start ``script`` on the real DeepSpeed (``real``) or under ``python -m hybridtrain.deepspeed``
-    with no DeepSpeed installed (``-S``: no site-packages but the copy without it)."""
+def poisoned_deepspeed(tmp: Path) -> Path:
+    """A directory that, first on the path, makes the real DeepSpeed unusable: its
+    ``deepspeed`` raises on import and its metadata says version 0.0.0 (below every
+    framework's minimum). Ranks started by a launcher do not inherit ``-S``; with this first
+    on their path, only the drop-in can serve them."""
+    target = tmp / "poisoned-deepspeed"
+    (target / "deepspeed").mkdir(parents=True, exist_ok=True)
+    (target / "deepspeed" / "__init__.py").write_text(
+        'raise ImportError("the real deepspeed was imported; the drop-in should have served this import")\n')
+    info = target / "deepspeed-0.0.0.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: deepspeed\nVersion: 0.0.0\n")
+    return target
+
+
+def start(script: str, args: list[str], tmp: Path, real: bool, env: dict[str, str] | None = None,
+          nproc: int = 1) -> subprocess.Popen[str]:
+    """Start ``script`` on the real DeepSpeed (``real``) or on hybridtrain's drop-in with no
+    usable DeepSpeed: one process as ``python -S -m hybridtrain.deepspeed`` (no site-packages
+    but a copy without DeepSpeed), several as ``hybridtrain launch`` with a poisoned DeepSpeed
+    first on the path (:func:`poisoned_deepspeed`)."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "PL_"))}
     environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1",
                     "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                     **(env or {})})
+    if nproc > 1:
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            environ.pop(key)
     path = [str(SCRIPTS)]
+    target = [str(SCRIPTS / script), *args]
     if real:
-        command = [sys.executable, str(SCRIPTS / "real_deepspeed.py"), str(SCRIPTS / script), *args]
+        runner = [str(SCRIPTS / "real_deepspeed.py")]
+        command = [sys.executable, *(["-m", "torch.distributed.run", f"--nproc-per-node={nproc}"] if nproc > 1
+                                     else []), *runner, *target]
         path.append(str(ROOT))
+    elif nproc > 1:
+        command = [sys.executable, "-m", "hybridtrain.parallel.launch_cli", "--nproc-per-node", str(nproc), *target]
+        path = [str(poisoned_deepspeed(tmp)), *path, str(ROOT)]
     else:
-        command = [sys.executable, "-S", "-m", "hybridtrain.deepspeed", str(SCRIPTS / script), *args]
+        command = [sys.executable, "-S", "-m", "hybridtrain.deepspeed", *target]
         path += [str(ROOT), str(deepspeed_free_site(tmp))]
     environ["PYTHONPATH"] = os.pathsep.join(path)
     return subprocess.Popen(command, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp)
@@ -72,14 +98,15 @@ def finish(process: subprocess.Popen[str], what: str, timeout: float = 240) -> s
     return out + err
 
 
-def run_both(script: str, args: list[str], tmp: Path, env: dict[str, str] | None = None) -> tuple[Path, Path]:
+def run_both(script: str, args: list[str], tmp: Path, env: dict[str, str] | None = None,
+             nproc: int = 1) -> tuple[Path, Path]:
     """``script ARGS… OUT`` on the real DeepSpeed and on hybridtrain, side by side (two
     processes at once); returns the two OUT paths (``theirs``, ``ours``)."""
     theirs, ours = tmp / "real", tmp / "hybridtrain"
     theirs.mkdir()
     ours.mkdir()
-    real = start(script, [*(a.format(work=theirs) for a in args), str(theirs / "record")], tmp, True, env)
-    mine = start(script, [*(a.format(work=ours) for a in args), str(ours / "record")], tmp, False, env)
+    real = start(script, [*(a.format(work=theirs) for a in args), str(theirs / "record")], tmp, True, env, nproc)
+    mine = start(script, [*(a.format(work=ours) for a in args), str(ours / "record")], tmp, False, env, nproc)
     finish(real, f"the real DeepSpeed's run of {script}")
     finish(mine, f"hybridtrain's run of {script}")
     return theirs / "record", ours / "record"

@@ -94,3 +94,25 @@ def test_lightning_same_as_deepspeed(tmp_path: Path) -> None:
                      zero_optimization=zero)
     theirs, ours = run_both("lightning_script.py", [config, "{work}"], tmp_path)
     _assert_both_runs(theirs, ours)
+
+
+@pytest.mark.timeout(300)
+def test_hf_trainer_zero3_on_two_ranks_same_as_deepspeed(tmp_path: Path) -> None:
+    """``hybridtrain launch --nproc-per-node 2`` against ``torchrun`` on the real DeepSpeed:
+    ZeRO-3 with the optimizer offloaded, the Trainer's own AdamW (two parameter groups) rebuilt
+    over the shards; then ``save_model`` with ``stage3_gather_16bit_weights_on_model_save``
+    writes the trained weights whole, which ``from_pretrained`` loads (transformers#25368)."""
+    zero = {"stage": 3, "offload_optimizer": {"device": "cpu"}, "stage3_gather_16bit_weights_on_model_save": True}
+    scheduler = {"type": "WarmupDecayLR", "params": {k: "auto" for k in (
+        "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps")}}
+    config = _config(tmp_path, "zero3", zero_optimization=zero, scheduler=scheduler)
+    theirs, ours = run_both("trainer_script.py", [config, "{work}"], tmp_path, nproc=2)
+    _assert_both_runs(theirs, ours)
+
+    from transformers import AutoModelForCausalLM
+
+    final = torch.load(f"{ours}.full.pt")
+    for saved_by in (ours, theirs):
+        saved = AutoModelForCausalLM.from_pretrained(saved_by.parent / "final").state_dict()
+        for name, value in saved.items():
+            torch.testing.assert_close(value, final[name], rtol=1e-4, atol=1e-6)

@@ -55,11 +55,16 @@ def which_deepspeed() -> str:
 
 
 def write_record(path: str, record: dict[str, Any], model: torch.nn.Module) -> None:
-    """The run's record as JSON, its final parameters beside it (``.pt``); rank 0 writes."""
+    """The run's record as JSON, its final parameters beside it (``.pt``); rank 0 writes.
+    Call it on every rank: parameters sharded over the ranks are gathered first."""
+    from torch.distributed.tensor import DTensor
+
+    params = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().cpu().clone()
+              for k, v in model.state_dict().items()}
     if int(os.environ.get("RANK", "0")) != 0:
         return
     record["deepspeed"] = which_deepspeed()
-    torch.save({k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}, path + ".pt")
+    torch.save(params, path + ".pt")
     Path(path).write_text(json.dumps(record))
 
 
