@@ -6,6 +6,7 @@ test in test_frameworks.py, where the real DeepSpeed is unusable.)"""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -41,10 +42,8 @@ def test_python_m_hybridtrain_deepspeed_wins_over_the_installed_deepspeed(tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     _check(json.loads((tmp_path / "report.0").read_text()), world=1)
     # This process did not install it: whatever is installed here is what it sees.
-    try:
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
         assert "+hybridtrain" not in importlib.metadata.version("deepspeed")
-    except importlib.metadata.PackageNotFoundError:
-        pass
     assert "deepspeed" not in sys.modules or not sys.modules["deepspeed"].__name__.startswith("hybridtrain")
 
 

@@ -18,7 +18,7 @@ def clone_tensors_for_torch_save(item: Any, device: torch.device | str = "cpu") 
     whole, as DeepSpeed's ZeRO-1/2 module holds it: a collective, which the frameworks call
     on every rank (Accelerate's ``get_state_dict``, the Trainer's ``save_model``)."""
     if isinstance(item, DTensor):
-        return item.detach().full_tensor().clone().to(device)
+        return item.full_tensor().detach().clone().to(device)
     if torch.is_tensor(item):
         return item.detach().clone().to(device)
     if isinstance(item, list | tuple):

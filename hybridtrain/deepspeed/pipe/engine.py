@@ -283,6 +283,13 @@ class PipelineEngine(DeepSpeedEngine):
     def lr_scheduler(self) -> Any:
         return self._built.scheduler if self._built is not None else self._given[1]
 
+    @lr_scheduler.setter
+    def lr_scheduler(self, scheduler: Any) -> None:
+        if self._built is not None:
+            self._built.scheduler = scheduler
+        else:
+            self._given = (self._given[0], scheduler)
+
     @property
     def global_steps(self) -> int:
         return self._built.global_step if self._built is not None else 0

@@ -30,7 +30,7 @@ class _Schedule(DeepSpeedSchedule):
     def get_lr(self) -> list[float]:
         return self.get_last_lr()
 
-    def step(self, last_batch_iteration: int | None = None) -> None:  # type: ignore[override]
+    def step(self, last_batch_iteration: int | None = None) -> None:
         """The next iteration's rates (or those of ``last_batch_iteration``)."""
         if last_batch_iteration is None:
             super().step()

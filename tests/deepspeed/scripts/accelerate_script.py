@@ -11,7 +11,17 @@ import sys
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from common import ACCUMULATION, CLIP, LR, MICRO, WARMUP, out_path, tiny_llama, token_data, write_record
+from common import (
+    ACCUMULATION,
+    CLIP,
+    LR,
+    MICRO,
+    WARMUP,
+    out_path,
+    tiny_llama,
+    token_data,
+    write_record,
+)
 from transformers import get_linear_schedule_with_warmup
 
 

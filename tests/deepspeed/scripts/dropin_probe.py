@@ -8,10 +8,9 @@ import json
 import os
 import sys
 
-import torch
-
 import deepspeed
 import deepspeed.ops.adam
+import torch
 from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES, WarmupLR
 from deepspeed.utils import logger
 

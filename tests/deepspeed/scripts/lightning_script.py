@@ -11,7 +11,17 @@ import sys
 
 import lightning_on_cpu  # noqa: F401  (lifts the CUDA-only check; see the docstring)
 import torch
-from common import ACCUMULATION, CLIP, LR, MICRO, WARMUP, out_path, tiny_llama, token_data, write_record
+from common import (
+    ACCUMULATION,
+    CLIP,
+    LR,
+    MICRO,
+    WARMUP,
+    out_path,
+    tiny_llama,
+    token_data,
+    write_record,
+)
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from transformers import get_linear_schedule_with_warmup

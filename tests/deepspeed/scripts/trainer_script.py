@@ -7,7 +7,17 @@ to step 6 again; saves the final model with ``save_model``. Usage: SCRIPT DS_CON
 import sys
 
 import torch
-from common import ACCUMULATION, CLIP, LR, MICRO, WARMUP, out_path, tiny_llama, token_data, write_record
+from common import (
+    ACCUMULATION,
+    CLIP,
+    LR,
+    MICRO,
+    WARMUP,
+    out_path,
+    tiny_llama,
+    token_data,
+    write_record,
+)
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 
