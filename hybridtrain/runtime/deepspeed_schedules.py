@@ -68,10 +68,9 @@ def deepspeed_params(kind: str, params: dict[str, Any]) -> dict[str, Any]:
     if "warmup_type" in merged and merged["warmup_type"] not in ("log", "linear"):
         raise ValueError(f"scheduler.params.warmup_type = {merged['warmup_type']!r}; allowed: log, linear")
     if "warmup_num_steps" in merged and (not isinstance(merged["warmup_num_steps"], int)
-                                        or merged["warmup_num_steps"] < 0):
-        # 0 is DeepSpeed's too (it warms up over max(2, W) steps; Accelerate passes 0).
+                                        or merged["warmup_num_steps"] <= 0):
         raise ValueError(f"scheduler.params.warmup_num_steps = {merged['warmup_num_steps']!r} must be a "
-                         "non-negative integer (DeepSpeed)")
+                         "positive integer (DeepSpeed)")
     return merged
 
 
