@@ -22,10 +22,9 @@ class _Schedule(DeepSpeedSchedule):
     optimizer step, ``get_last_lr()``, ``state_dict()``/``load_state_dict()``."""
 
     kind = ""
-    defaults: dict[str, Any] = {}
 
     def __init__(self, optimizer: torch.optim.Optimizer, **params: Any) -> None:
-        super().__init__(optimizer, self.kind, {**self.defaults, **params})
+        super().__init__(optimizer, self.kind, params)
 
     def get_lr(self) -> list[float]:
         return self.get_last_lr()
@@ -41,7 +40,6 @@ class _Schedule(DeepSpeedSchedule):
 
 class WarmupLR(_Schedule):
     kind = WARMUP_LR
-    defaults = {"warmup_max_lr": 0.001}  # the class's default in DeepSpeed
 
 
 class WarmupDecayLR(_Schedule):

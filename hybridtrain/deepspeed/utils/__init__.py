@@ -8,10 +8,10 @@ from typing import Any
 
 from torch import nn
 
-from hybridtrain.deepspeed.utils import groups, logging
+from hybridtrain.deepspeed.utils import groups, logging, zero_to_fp32
 from hybridtrain.deepspeed.utils.logging import log_dist, logger
 
-__all__ = ["RepeatingLoader", "groups", "log_dist", "logger", "logging", "set_z3_leaf_modules"]
+__all__ = ["RepeatingLoader", "groups", "log_dist", "logger", "logging", "set_z3_leaf_modules", "zero_to_fp32"]
 
 
 class RepeatingLoader:
