@@ -22,7 +22,7 @@ from hybridtrain.engine import Engine
 LATEST = "latest"
 
 
-class DeepSpeedEngine:
+class DeepSpeedEngine(nn.Module):
     """What ``deepspeed.initialize`` returns first, backed by a hybridtrain ``Engine``.
 
     ``engine(x)`` runs the forward under the configured precision; ``backward(loss)``
@@ -33,7 +33,12 @@ class DeepSpeedEngine:
 
     def __init__(self, engine: Engine, config: Config, training_dataloader: Any = None,
                  raw_config: dict[str, Any] | None = None) -> None:
+        # An nn.Module holding the model as its child ``module``, as DeepSpeed's engine is:
+        # frameworks find it among a model's modules (Fabric) and read ``module.``-prefixed names.
+        super().__init__()
         self.engine = engine
+        if engine is not None:
+            self.add_module("module", engine.module)
         self._config = config
         self.config: dict[str, Any] = raw_config if raw_config is not None else config.model_dump()
         """The DeepSpeed config as given (a dict, as DeepSpeed's ``engine.config``)."""
@@ -103,12 +108,12 @@ class DeepSpeedEngine:
             param.grad = None
 
     def train(self, mode: bool = True) -> DeepSpeedEngine:
+        self.training = mode
         self.module.train(mode)
         return self
 
     def eval(self) -> DeepSpeedEngine:
-        self.module.eval()
-        return self
+        return self.train(False)
 
     def compile(self, backend: str | None = None, compile_kwargs: dict[str, Any] | None = None,
                 schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
@@ -134,10 +139,6 @@ class DeepSpeedEngine:
         """Nothing to release (the process group stays up, as in DeepSpeed)."""
 
     # ------------------------------------------------------------------ readings
-    @property
-    def module(self) -> nn.Module:
-        return self.engine.module
-
     @property
     def device(self) -> torch.device:
         return self.engine.device
@@ -308,8 +309,13 @@ class DeepSpeedEngine:
 
     # ------------------------------------------------------------------ internals
     def __getattr__(self, name: str) -> Any:
-        # DeepSpeed's engine forwards unknown attributes to the wrapped model.
-        if name.startswith("__") or name == "engine":
+        # nn.Module's children, parameters and buffers first; then, as DeepSpeed's engine,
+        # the wrapped model's attributes.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            pass
+        if name.startswith("__") or name in ("engine", "_modules", "_parameters", "_buffers"):
             raise AttributeError(name)
         module = self.engine.module
         if hasattr(module, name):
