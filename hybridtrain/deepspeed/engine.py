@@ -103,7 +103,8 @@ class DeepSpeedEngine(nn.Module):
         """Whether the latest boundary ``step()`` updated the parameters (no fp16 overflow)."""
         return self._step_applied
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the model's gradients (always to None, as DeepSpeed's engine)."""
         for param in self.module.parameters():
             param.grad = None
 
