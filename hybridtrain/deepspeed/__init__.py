@@ -159,3 +159,9 @@ def _data_loader(data: Any, engine: Any, collate_fn: Any, drop_last: bool) -> to
         sampler = RandomSampler(data)
     return DataLoader(data, batch_size=engine.options.batch.micro_batch, sampler=sampler, collate_fn=collate_fn,
                       drop_last=drop_last)
+
+
+def __getattr__(name: str) -> Any:
+    # `deepspeed.init_inference`, `deepspeed.tp_model_init`, …: one line naming what is missing.
+    raise AttributeError(f"deepspeed.{name} is not provided by hybridtrain's DeepSpeed drop-in "
+                         "(hybridtrain.deepspeed); see the README's DeepSpeed section for what is")
