@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from typing import Any
 
 import torch
 
@@ -65,13 +64,13 @@ def save_16bit_model(engine: Engine, config: Config, save_dir: str | os.PathLike
     return True
 
 
-def grad_norm(engine: Engine) -> float:
-    """The global norm of the gradients now (unscaled by the fp16 loss scale), without changing them."""
+def grad_norm(engine: Engine) -> float | None:
+    """The global norm of the gradients now (unscaled by the fp16 loss scale), without changing
+    them; None where no gradient is held to measure (an optimizer offload without clipping
+    updates each bucket on the host as its gradients arrive)."""
     params = [p for group in engine.optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if not params:
+        return None
     norm = engine.parallel.clip_grad_norm(params, float("inf"))
     return float(norm) / engine.loss_scale
 
-
-def module_state(engine: Engine) -> dict[str, Any]:
-    """The model's state dict as the caller's module holds it (``engine.module_state_dict()``)."""
-    return engine.module.state_dict()
