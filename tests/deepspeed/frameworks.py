@@ -55,7 +55,7 @@ def poisoned_deepspeed(tmp: Path) -> Path:
 
 
 def start(script: str, args: list[str], tmp: Path, real: bool, env: dict[str, str] | None = None,
-          nproc: int = 1) -> subprocess.Popen[str]:
+          nproc: int = 1, dropin: bool = True) -> subprocess.Popen[str]:
     """Start ``script`` on the real DeepSpeed (``real``) or on hybridtrain's drop-in with no
     usable DeepSpeed: one process as ``python -S -m hybridtrain.deepspeed`` (no site-packages
     but a copy without DeepSpeed), several as ``hybridtrain launch`` with a poisoned DeepSpeed
@@ -78,8 +78,8 @@ def start(script: str, args: list[str], tmp: Path, real: bool, env: dict[str, st
     elif nproc > 1:
         command = [sys.executable, "-m", "hybridtrain.parallel.launch_cli", "--nproc-per-node", str(nproc), *target]
         path = [str(poisoned_deepspeed(tmp)), *path, str(ROOT)]
-    else:
-        command = [sys.executable, "-S", "-m", "hybridtrain.deepspeed", *target]
+    else:  # without the drop-in's entry point (dropin False) the script installs it itself
+        command = [sys.executable, "-S", *(["-m", "hybridtrain.deepspeed"] if dropin else []), *target]
         path += [str(ROOT), str(deepspeed_free_site(tmp))]
     environ["PYTHONPATH"] = os.pathsep.join(path)
     return subprocess.Popen(command, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp)

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.deepspeed.frameworks import SCRIPTS, assert_same_run, run_both
+from tests.deepspeed.frameworks import SCRIPTS, assert_same_run, finish, run_both, start
 
 pytest.importorskip("deepspeed")  # the reference
 pytest.importorskip("transformers")
@@ -94,6 +94,13 @@ def test_lightning_same_as_deepspeed(tmp_path: Path) -> None:
                      zero_optimization=zero)
     theirs, ours = run_both("lightning_script.py", [config, "{work}"], tmp_path)
     _assert_both_runs(theirs, ours)
+
+    # hybridtrain's Lightning strategy: `python script.py`, the CPU allowed, same records.
+    work = tmp_path / "strategy"
+    work.mkdir()
+    finish(start("lightning_script.py", [config, str(work), str(work / "record")], tmp_path, False,
+                 {"HYBRIDTRAIN_LIGHTNING_STRATEGY": "1"}, dropin=False), "hybridtrain's Lightning strategy run")
+    _assert_both_runs(theirs, work / "record")
 
 
 @pytest.mark.timeout(300)

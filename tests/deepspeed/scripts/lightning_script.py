@@ -4,12 +4,14 @@ a new Trainer resumes from it (``fit(ckpt_path=…)``) to step 6. Usage: SCRIPT 
 
 Lightning's DeepSpeedStrategy accepts CUDA accelerators only; on a CPU machine the test
 runs it through :mod:`lightning_on_cpu`, which lifts that one check (for the real
-DeepSpeed and for hybridtrain alike).
+DeepSpeed and for hybridtrain alike). With ``HYBRIDTRAIN_LIGHTNING_STRATEGY`` set it uses
+hybridtrain's subclass instead (``hybridtrain.deepspeed.lightning``), started as a plain
+``python script.py``.
 """
 
+import os
 import sys
 
-import lightning_on_cpu  # noqa: F401  (lifts the CUDA-only check; see the docstring)
 import torch
 from common import (
     ACCUMULATION,
@@ -23,8 +25,13 @@ from common import (
     write_record,
 )
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.strategies import DeepSpeedStrategy
 from transformers import get_linear_schedule_with_warmup
+
+if os.environ.get("HYBRIDTRAIN_LIGHTNING_STRATEGY"):  # hybridtrain's subclass: the CPU is allowed
+    from hybridtrain.deepspeed.lightning import DeepSpeedStrategy
+else:
+    import lightning_on_cpu  # noqa: F401  (lifts the CUDA-only check; see the docstring)
+    from lightning.pytorch.strategies import DeepSpeedStrategy
 
 
 class TinyLlama(LightningModule):
