@@ -14,7 +14,8 @@ with no network, for both runs alike:
   for both, and are counted as "no network".
 - Lightning: nothing; tests that need a GPU skip themselves.
 
-The real DeepSpeed runs with its op table emptied (no JIT build of the shared-memory
+Accelerate's tests import ``parameterized`` (``pip install parameterized``). The real
+DeepSpeed runs with its op table emptied (no JIT build of the shared-memory
 all-reduce, as tests/deepspeed/scripts/real_deepspeed.py).
 """
 
