@@ -50,7 +50,8 @@ def build_engine(model: nn.Module, cfg: Config, wrapper_steps: bool, optimizer: 
         # The engine shards the parameters before it builds its optimizer: the caller's is
         # rebuilt over the shards (DeepSpeed wraps it instead; same math).
         spec = describe(optimizer, model)
-        cfg = with_optimizer(cfg, spec)
+        asked_step = {k: v for k, v in cfg.optimizer.params.items() if k == FP16_INIT_STEP}
+        cfg = with_optimizer(cfg, spec, asked_step)
     engine = ht.initialize(model, cfg, loss_fn=loss_fn, optimizer=None if spec else optimizer,
                            example_batch=example_batch)
     if spec is not None and lay_groups(engine.optimizer, engine.module, spec) and cfg.scheduler is not None:

@@ -75,9 +75,10 @@ def describe(optimizer: torch.optim.Optimizer, model: nn.Module) -> OptimizerSpe
     return OptimizerSpec(type_name, params, groups)
 
 
-def with_optimizer(cfg: Config, spec: OptimizerSpec) -> Config:
-    """``cfg`` whose optimizer section builds ``spec``'s class with its settings."""
-    section = cfg.optimizer.model_copy(update={"type": spec.type, "params": dict(spec.params)})
+def with_optimizer(cfg: Config, spec: OptimizerSpec, extra: dict[str, Any] | None = None) -> Config:
+    """``cfg`` whose optimizer section builds ``spec``'s class with its settings (and ``extra``
+    build options, such as the fp16 wrapper's zero-gradient step the caller's optimizer gets)."""
+    section = cfg.optimizer.model_copy(update={"type": spec.type, "params": {**spec.params, **(extra or {})}})
     return cfg.model_copy(update={"optimizer": section})
 
 
