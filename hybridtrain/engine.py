@@ -111,6 +111,9 @@ class Engine:
         self._nonfinite_skips = 0
         self._manual_micro_steps = 0
         self._manual_loss: torch.Tensor | None = None
+        self._boundary: bool | None = None
+        self.last_grad_norm: torch.Tensor | None = None
+        """The global gradient norm before clipping at the latest step (None without clipping)."""
 
     # ------------------------------------------------------------------ training step
     def train_batch(self, batch: Batch) -> float:
@@ -198,8 +201,9 @@ class Engine:
         Returns:
             True when this call ran an optimizer step (the boundary was reached).
         """
+        boundary = self.is_gradient_accumulation_boundary()
         self._manual_micro_steps += 1
-        if self._manual_micro_steps < self.options.batch.accumulation_steps:
+        if not boundary:
             return False
         value = float(self.parallel.mean_loss(self._manual_loss).item()) if self._manual_loss is not None else 0.0
         self._manual_micro_steps, self._manual_loss = 0, None
@@ -216,8 +220,19 @@ class Engine:
         return self._manual_micro_steps
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the next :meth:`step` call runs the optimizer."""
+        """Whether the next :meth:`step` call runs the optimizer: the caller's word when it
+        gave one (:meth:`set_gradient_accumulation_boundary`), else every
+        ``gradient_accumulation_steps``-th micro-batch."""
+        if self._boundary is not None:
+            return self._boundary
         return self._manual_micro_steps + 1 == self.options.batch.accumulation_steps
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Say whether the current micro-batch ends the accumulation window (its backward
+        synchronizes the gradients, its :meth:`step` updates), as a loop that counts the
+        micro-batches itself does (Accelerate, Hugging Face's Trainer); None: count them here.
+        Every backward is still scaled by 1/``gradient_accumulation_steps``, as in DeepSpeed."""
+        self._boundary = is_boundary
 
     # ------------------------------------------------------------------ internals
     @property
@@ -256,7 +271,7 @@ class Engine:
             self.optimizer.zero_grad(set_to_none=True)
             return False
         if self.options.gradient_clipping > 0:
-            self.parallel.clip_grad_norm(self._params, self.options.gradient_clipping)
+            self.last_grad_norm = self.parallel.clip_grad_norm(self._params, self.options.gradient_clipping)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()

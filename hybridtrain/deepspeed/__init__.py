@@ -17,7 +17,9 @@ line). Start several processes with ``hybridtrain launch --num_gpus N script.py 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -25,16 +27,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridtrain.deepspeed import comm, pipe, runtime, utils
+from hybridtrain.deepspeed import checkpointing, comm, ops, pipe, runtime, utils
 from hybridtrain.deepspeed.building import build_engine
 from hybridtrain.deepspeed.comm import init_distributed
+from hybridtrain.deepspeed.dropin import VERSION
 from hybridtrain.deepspeed.engine import DeepSpeedEngine
 from hybridtrain.deepspeed.pipe import PipelineEngine, PipelineModule
+from hybridtrain.deepspeed.runtime import zero
 
-__all__ = ["DeepSpeedEngine", "PipelineEngine", "PipelineModule", "add_config_arguments", "comm", "init_distributed",
-           "initialize", "pipe", "runtime", "utils"]
+__all__ = ["DeepSpeedEngine", "PipelineEngine", "PipelineModule", "add_config_arguments", "checkpointing", "comm",
+           "init_distributed", "initialize", "ops", "pipe", "runtime", "utils", "zero"]
 
-__version__ = "0.0.0+hybridtrain"
+__version__ = VERSION
 # Keys the data loader built here reads; the rest of the config goes to hybridtrain.
 _LOADER_KEYS = ("dataloader_drop_last",)
 
@@ -80,6 +84,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     """
     from hybridtrain.config import load_config
     from hybridtrain.config.deepspeed_keys import fp16_wrapper_steps
+    from hybridtrain.config.loading import plain_copy
 
     if model is None:
         raise ValueError("deepspeed.initialize requires a model")
@@ -87,6 +92,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         raise NotImplementedError("initialize(mpu=…/mesh_param=…): give the parallel sizes in the config instead "
                                   "(tensor_parallel.size, pipeline.stages)")
     raw = _raw_config(args, config, config_params)
+    raw_config = plain_copy(raw)
+    _never_print(raw)
     loader_options = {key: raw.pop(key) for key in _LOADER_KEYS if key in raw}
     drop_last = bool(loader_options.get("dataloader_drop_last"))
     params = list(model_parameters) if model_parameters is not None else None
@@ -106,8 +113,16 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     loader = None
     if training_data is not None:
         loader = _data_loader(training_data, engine, collate_fn, drop_last)
-    wrapped = DeepSpeedEngine(engine, cfg, loader)
+    wrapped = DeepSpeedEngine(engine, cfg, loader, raw_config=raw_config)
     return wrapped, engine.optimizer, loader, engine.scheduler
+
+
+def _never_print(raw: dict[str, Any]) -> None:
+    """``steps_per_print: inf`` (Accelerate always writes it) means never print, as in
+    DeepSpeed; hybridtrain's config takes a step count, so it gets one no run reaches."""
+    value = raw.get("steps_per_print")
+    if isinstance(value, float) and math.isinf(value) and value > 0:
+        raw["steps_per_print"] = sys.maxsize
 
 
 def _raw_config(args: Any, config: Any, config_params: Any) -> dict[str, Any]:
@@ -144,3 +159,9 @@ def _data_loader(data: Any, engine: Any, collate_fn: Any, drop_last: bool) -> to
         sampler = RandomSampler(data)
     return DataLoader(data, batch_size=engine.options.batch.micro_batch, sampler=sampler, collate_fn=collate_fn,
                       drop_last=drop_last)
+
+
+def __getattr__(name: str) -> Any:
+    # `deepspeed.init_inference`, `deepspeed.tp_model_init`, …: one line naming what is missing.
+    raise AttributeError(f"deepspeed.{name} is not provided by hybridtrain's DeepSpeed drop-in "
+                         "(hybridtrain.deepspeed); see the README's DeepSpeed section for what is")

@@ -7,6 +7,7 @@ first micro-batch shows the activation shapes, when ``initialize`` had no data).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from hybridtrain.config import Config
+from hybridtrain.deepspeed.client_optimizer import describe, lay_groups, with_optimizer
 from hybridtrain.engine import Engine
 from hybridtrain.runtime.batch import Batch, LossFn
 
@@ -31,7 +33,7 @@ def build_engine(model: nn.Module, cfg: Config, wrapper_steps: bool, optimizer: 
         loss_fn / example_batch: as :func:`hybridtrain.initialize`.
     """
     import hybridtrain as ht
-    from hybridtrain.runtime.optim import FP16_INIT_STEP, build_optimizer
+    from hybridtrain.runtime.optim import FP16_INIT_STEP, build_optimizer, build_scheduler
 
     client = optimizer is not None
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
@@ -43,11 +45,39 @@ def build_engine(model: nn.Module, cfg: Config, wrapper_steps: bool, optimizer: 
         # gradients (see fp16_wrapper_steps); initialize takes that step where the config asks.
         asked = {**cfg.optimizer.params, FP16_INIT_STEP: True}
         cfg = cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"params": asked})})
-    engine = ht.initialize(model, cfg, loss_fn=loss_fn, optimizer=optimizer, example_batch=example_batch)
+    spec = None
+    if isinstance(optimizer, torch.optim.Optimizer) and _replaces_parameters(cfg):
+        # The engine shards the parameters before it builds its optimizer: the caller's is
+        # rebuilt over the shards (DeepSpeed wraps it instead; same math).
+        spec = describe(optimizer, model)
+        asked_step = {k: v for k, v in cfg.optimizer.params.items() if k == FP16_INIT_STEP}
+        cfg = with_optimizer(cfg, spec, asked_step)
+    engine = ht.initialize(model, cfg, loss_fn=loss_fn, optimizer=None if spec else optimizer,
+                           example_batch=example_batch)
+    if spec is not None and lay_groups(engine.optimizer, engine.module, spec) and cfg.scheduler is not None:
+        # The config's schedule was built over the one group; it drives the caller's groups.
+        engine.scheduler = build_scheduler(engine.optimizer, cfg.scheduler.type, cfg.scheduler.params)
+    if isinstance(optimizer, torch.optim.Optimizer) and optimizer is not engine.optimizer:
+        # DeepSpeed's ZeRO optimizer updates through the caller's own param_groups, so a
+        # scheduler built on the caller's optimizer before initialize (Accelerate's, a
+        # Trainer's) sets the rates the update uses; the engine's optimizer (e.g. the host
+        # optimizer of an offload) has groups of its own, which the caller's now are.
+        optimizer.param_groups = engine.optimizer.param_groups
     if lr_scheduler is not None:
         engine.scheduler = lr_scheduler(engine.optimizer) if callable(lr_scheduler) and not hasattr(
             lr_scheduler, "step") else lr_scheduler
     return engine
+
+
+def _replaces_parameters(cfg: Config) -> bool:
+    """Whether this run's engine replaces the model's parameters (ZeRO over several
+    processes, tensor parallel), so that it must build the optimizer itself."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else \
+        int(os.environ.get("WORLD_SIZE", "1"))
+    tensor_parallel = max(cfg.tensor_parallel.size, cfg.tensor_model_parallel_size or 1)
+    return world > 1 and (cfg.zero_optimization.stage > 0 or tensor_parallel > 1)
 
 
 def _custom_groups(params: list[Any], model: nn.Module) -> bool:

@@ -16,12 +16,13 @@ import torch
 from torch import nn
 
 from hybridtrain.config import Config
+from hybridtrain.deepspeed import weights
 from hybridtrain.engine import Engine
 
 LATEST = "latest"
 
 
-class DeepSpeedEngine:
+class DeepSpeedEngine(nn.Module):
     """What ``deepspeed.initialize`` returns first, backed by a hybridtrain ``Engine``.
 
     ``engine(x)`` runs the forward under the configured precision; ``backward(loss)``
@@ -30,12 +31,21 @@ class DeepSpeedEngine:
     Attributes of the model are readable on the engine (``engine.config_attr``), as in DeepSpeed.
     """
 
-    def __init__(self, engine: Engine, config: Config, training_dataloader: Any = None) -> None:
+    def __init__(self, engine: Engine, config: Config, training_dataloader: Any = None,
+                 raw_config: dict[str, Any] | None = None) -> None:
+        # An nn.Module holding the model as its child ``module``, as DeepSpeed's engine is:
+        # frameworks find it among a model's modules (Fabric) and read ``module.``-prefixed names.
+        super().__init__()
         self.engine = engine
-        self.config = config
+        if engine is not None:
+            self.add_module("module", engine.module)
+        self._config = config
+        self.config: dict[str, Any] = raw_config if raw_config is not None else config.model_dump()
+        """The DeepSpeed config as given (a dict, as DeepSpeed's ``engine.config``)."""
         self.training_dataloader = training_dataloader
         self._step_applied = False
         self._compiled = False
+        self._grad_norm: float | None = None
 
     # ------------------------------------------------------------ forward / backward / step
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -64,28 +74,47 @@ class DeepSpeedEngine:
             raise NotImplementedError("step(lr_kwargs=…) is not supported by hybridtrain.deepspeed")
         boundary = self.engine.is_gradient_accumulation_boundary()
         skipped = self.engine.skipped_steps
+        if boundary and self._config.gradient_clipping <= 0:
+            # DeepSpeed reports the norm with clipping off too; the engine measures it only to clip.
+            self._grad_norm = weights.grad_norm(self.engine)
         self.engine.step()  # clears the gradients after the update, as DeepSpeed
         if boundary:
             self._step_applied = self.engine.skipped_steps == skipped
+            if self._config.gradient_clipping > 0 and self.engine.last_grad_norm is not None:
+                self._grad_norm = float(self.engine.last_grad_norm)
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-batch ends the accumulation window: as set by
+        :meth:`set_gradient_accumulation_boundary`, else every ``gradient_accumulation_steps``-th."""
         return self.engine.is_gradient_accumulation_boundary()
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Say whether the current micro-batch ends the accumulation window, as Accelerate
+        (and Hugging Face's Trainer through it) does before every ``backward``: its
+        ``step()`` updates then. Backward still scales by 1/``gradient_accumulation_steps``."""
+        self.engine.set_gradient_accumulation_boundary(bool(is_boundary))
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm (before clipping) of the latest optimizer step; None before
+        the first, as DeepSpeed."""
+        return self._grad_norm
 
     def was_step_applied(self) -> bool:
         """Whether the latest boundary ``step()`` updated the parameters (no fp16 overflow)."""
         return self._step_applied
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the model's gradients (always to None, as DeepSpeed's engine)."""
         for param in self.module.parameters():
             param.grad = None
 
     def train(self, mode: bool = True) -> DeepSpeedEngine:
+        self.training = mode
         self.module.train(mode)
         return self
 
     def eval(self) -> DeepSpeedEngine:
-        self.module.eval()
-        return self
+        return self.train(False)
 
     def compile(self, backend: str | None = None, compile_kwargs: dict[str, Any] | None = None,
                 schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
@@ -112,10 +141,6 @@ class DeepSpeedEngine:
 
     # ------------------------------------------------------------------ readings
     @property
-    def module(self) -> nn.Module:
-        return self.engine.module
-
-    @property
     def device(self) -> torch.device:
         return self.engine.device
 
@@ -126,6 +151,11 @@ class DeepSpeedEngine:
     @property
     def lr_scheduler(self) -> Any:
         return self.engine.scheduler
+
+    @lr_scheduler.setter
+    def lr_scheduler(self, scheduler: Any) -> None:
+        # Lightning sets None to step the scheduler itself, as DeepSpeed lets it.
+        self.engine.scheduler = scheduler
 
     @property
     def global_steps(self) -> int:
@@ -175,23 +205,53 @@ class DeepSpeedEngine:
         return [group.get("betas", (group.get("momentum"),))[0] for group in self.engine.optimizer.param_groups]
 
     def fp16_enabled(self) -> bool:
-        return self.config.fp16.enabled
+        return self._config.fp16.enabled
 
     def bfloat16_enabled(self) -> bool:
-        return self.config.bf16.enabled
+        return self._config.bf16.enabled
 
     def zero_optimization_stage(self) -> int:
-        return self.config.zero_optimization.stage
+        return self._config.zero_optimization.stage
 
     def gradient_clipping(self) -> float:
-        return self.config.gradient_clipping
+        return self._config.gradient_clipping
 
     def steps_per_print(self) -> int:
-        return self.config.steps_per_print
+        return self._config.steps_per_print
 
     @property
     def loss_scale(self) -> float:
         return self.engine.loss_scale
+
+    # ------------------------------------------------------------------ weights
+    def zero_optimization_partition_weights(self) -> bool:
+        return self._config.zero_optimization.stage == 3
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+    def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False) -> dict[str, Any]:
+        """The whole model's state dict (CPU copies; a collective under ZeRO/TP/PP)."""
+        state = self.engine.model_state_dict()
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return {prefix + k: v for k, v in state.items()}
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> Any:
+        """See :func:`hybridtrain.deepspeed.weights.consolidated_state_dict`."""
+        return weights.consolidated_state_dict(self.engine, self._config, exclude_frozen_parameters)
+
+    _consolidated_16bit_state_dict = _zero3_consolidated_16bit_state_dict
+
+    def save_16bit_model(self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """See :func:`hybridtrain.deepspeed.weights.save_16bit_model`."""
+        return weights.save_16bit_model(self.engine, self._config, save_dir, save_filename,
+                                        exclude_frozen_parameters)
+
+    save_fp16_model = save_16bit_model
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: Any = None,
@@ -236,17 +296,27 @@ class DeepSpeedEngine:
         scheduler = self.engine.scheduler
         scheduler_state = None if load_lr_scheduler_states or scheduler is None else copy.deepcopy(
             scheduler.state_dict())
+        groups = self.engine.optimizer.param_groups
         client_state = self.engine.load_checkpoint(path)
         if optimizer_state is not None:
             self.engine.optimizer.load_state_dict(optimizer_state)
+        # Loading gave the optimizer a new group list; the caller's optimizer and schedulers
+        # hold the old one (see building.build_engine): it gets the loaded groups.
+        groups[:] = self.engine.optimizer.param_groups
+        self.engine.optimizer.param_groups = groups
         if scheduler_state is not None and scheduler is not None:
             scheduler.load_state_dict(scheduler_state)
         return str(path), client_state
 
     # ------------------------------------------------------------------ internals
     def __getattr__(self, name: str) -> Any:
-        # DeepSpeed's engine forwards unknown attributes to the wrapped model.
-        if name.startswith("__") or name == "engine":
+        # nn.Module's children, parameters and buffers first; then, as DeepSpeed's engine,
+        # the wrapped model's attributes.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            pass
+        if name.startswith("__") or name in ("engine", "_modules", "_parameters", "_buffers"):
             raise AttributeError(name)
         module = self.engine.module
         if hasattr(module, name):

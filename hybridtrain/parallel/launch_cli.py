@@ -46,6 +46,9 @@ def add_launch_command(sub: Any) -> None:
     add_launch_options(parser)
     add_deepspeed_launcher_options(parser)
     parser.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name (python -m)")
+    parser.add_argument("--no-dropin", action="store_true",
+                        help="let `import deepspeed` in SCRIPT load the installed package instead of "
+                        "hybridtrain's drop-in (hybridtrain.deepspeed)")
     parser.add_argument("script", metavar="SCRIPT", help="the training script (or module with -m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments of SCRIPT")
     parser.set_defaults(func=_launch)
@@ -164,10 +167,12 @@ def _launch(args: argparse.Namespace) -> int:
     try:
         os.environ.update(apply_deepspeed_launcher_options(args))
         # Each rank runs the script through hybridtrain.parallel.worker, which records an
-        # uncaught exception where the launcher reads which rank failed first.
+        # uncaught exception where the launcher reads which rank failed first; by default
+        # through hybridtrain.deepspeed's entry first, so that in the ranks (and only there)
+        # `import deepspeed` is hybridtrain's drop-in, as under `python -m hybridtrain.deepspeed`.
         target = ["-m", args.script] if args.module else [args.script]
-        return launch(spec_from_args(args, module=True), "hybridtrain.parallel.worker",
-                      [*target, *args.script_args])
+        rank_module = "hybridtrain.parallel.worker" if args.no_dropin else "hybridtrain.deepspeed"
+        return launch(spec_from_args(args, module=True), rank_module, [*target, *args.script_args])
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

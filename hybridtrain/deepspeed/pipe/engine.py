@@ -283,6 +283,13 @@ class PipelineEngine(DeepSpeedEngine):
     def lr_scheduler(self) -> Any:
         return self._built.scheduler if self._built is not None else self._given[1]
 
+    @lr_scheduler.setter
+    def lr_scheduler(self, scheduler: Any) -> None:
+        if self._built is not None:
+            self._built.scheduler = scheduler
+        else:
+            self._given = (self._given[0], scheduler)
+
     @property
     def global_steps(self) -> int:
         return self._built.global_step if self._built is not None else 0
@@ -317,8 +324,13 @@ class PipelineEngine(DeepSpeedEngine):
         return self._batch.global_batch
 
     def __getattr__(self, name: str) -> Any:
-        # Unknown attributes read through to the module, built or not (as DeepSpeed's engine).
-        module = self.__dict__.get("_module")
+        # nn.Module's own (the module is a child), then unknown attributes read through to the
+        # module, built or not (as DeepSpeed's engine).
+        try:
+            return nn.Module.__getattr__(self, name)
+        except AttributeError:
+            pass
+        module = self._modules.get("_module") if "_modules" in self.__dict__ else None
         if not name.startswith("__") and module is not None and hasattr(module, name):
             return getattr(module, name)
         raise AttributeError(f"'PipelineEngine' (hybridtrain.deepspeed) has no attribute {name!r}, and the "

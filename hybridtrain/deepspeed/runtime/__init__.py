@@ -1,6 +1,6 @@
-"""``deepspeed.runtime``: the parts scripts reach through the ``deepspeed`` name
-(``deepspeed.runtime.utils.set_random_seed``)."""
+"""``deepspeed.runtime``: the parts scripts and frameworks reach through the ``deepspeed``
+name (``runtime.utils``, ``runtime.lr_schedules``, ``runtime.zero``, ``runtime.engine``)."""
 
-from hybridtrain.deepspeed.runtime import utils
+from hybridtrain.deepspeed.runtime import base_optimizer, engine, lr_schedules, utils, zero
 
-__all__ = ["utils"]
+__all__ = ["base_optimizer", "engine", "lr_schedules", "utils", "zero"]
