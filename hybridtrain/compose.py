@@ -16,7 +16,7 @@ from hybridtrain.plan.resolve import resolve
 from hybridtrain.planner.auto import planned_config
 from hybridtrain.runtime.batch import Batch, LossFn
 from hybridtrain.runtime.memory_limit import cap_cuda_memory
-from hybridtrain.runtime.oom_recovery import check_plain_initialize
+from hybridtrain.recovery.oom import check_plain_initialize
 from hybridtrain.runtime.optim import FP16_INIT_STEP, zero_grad_step
 
 
@@ -47,7 +47,7 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
             pipeline's or streaming's example forward runs, leaving parameters, buffers and
             random generators as they were); ``oom_recovery`` and a CPU
             ``device_memory_limit``, which need
-            :func:`~hybridtrain.runtime.oom_recovery.initialize_guarded`.
+            :func:`~hybridtrain.recovery.oom.initialize_guarded`.
     """
     config = planned_config(config, model, loss_fn, example_batch)  # "auto": the planner chooses
     plan = resolve(config, model, example_batch=example_batch, optimizer=optimizer)

@@ -55,8 +55,8 @@ from hybridtrain.run_dir import (
     remove_trash,
 )
 from hybridtrain.runtime.device import peak_memory_bytes, reset_peak_memory, resolve_device
-from hybridtrain.runtime.memory_plans import check_limit_reachable, planner_fallback
-from hybridtrain.runtime.oom_recovery import MemoryGuard
+from hybridtrain.recovery.memory_plans import check_limit_reachable, planner_fallback
+from hybridtrain.recovery.oom import MemoryGuard
 from hybridtrain.runtime.transfer import available_host_bytes
 from hybridtrain.stopping import StopRequest, on_any_rank
 

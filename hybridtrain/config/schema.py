@@ -373,7 +373,7 @@ class OOMRecoveryConfig(Section):
     planner's choice, or the next of: checkpoint every block, swap activations, offload the
     optimizer, stream layers, smaller micro-batches with more accumulation at the same global
     batch) and rerun the same step from the same state. In ``hybridtrain train``, or a loop
-    of your own through ``hybridtrain.runtime.oom_recovery.initialize_guarded`` (the model
+    of your own through ``hybridtrain.recovery.oom.initialize_guarded`` (the model
     is rebuilt, so ``initialize(model, …)`` refuses it)."""
 
     enabled: bool = False

@@ -171,7 +171,7 @@ def variants(cfg: Config, world_size: int, model: ModelSource | None = None
              ) -> Iterator[tuple[tuple[str, ...], Config, int]]:
     """Every same-math variant of ``cfg`` (see the module docstring), with the changes in
     words and the world size; the config itself first."""
-    from hybridtrain.runtime.oom_recovery import draws_random_numbers
+    from hybridtrain.recovery.oom import draws_random_numbers
 
     random_forward = draws_random_numbers(model.model if model is not None else meta_model(cfg))
     base = {**cfg.model_dump(exclude_unset=True), "auto": False}

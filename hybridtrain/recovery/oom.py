@@ -57,7 +57,7 @@ from hybridtrain.runtime.memory_limit import (
     format_bytes,
     tensors_alive,
 )
-from hybridtrain.runtime.memory_plans import (
+from hybridtrain.recovery.memory_plans import (
     Replanner,
     describe_changes,
     draws_random_numbers,
@@ -385,10 +385,10 @@ def check_plain_initialize(config: Config, device: torch.device) -> None:
     """
     if config.oom_recovery.enabled:
         raise ConfigError("oom_recovery.enabled: initialize(model, ...) cannot rebuild the model it was given under "
-                          "another plan; use hybridtrain.runtime.oom_recovery.initialize_guarded(model_factory, "
+                          "another plan; use hybridtrain.recovery.oom.initialize_guarded(model_factory, "
                           "config) or hybridtrain train")
     if config.device_memory_limit is not None and device.type == "cpu":
         raise ConfigError(f"device_memory_limit = {config.device_memory_limit} on cpu is counted around each "
-                          "training step; use hybridtrain.runtime.oom_recovery.initialize_guarded(model_factory, "
+                          "training step; use hybridtrain.recovery.oom.initialize_guarded(model_factory, "
                           "config) and guard.train_batch, or hybridtrain train")
 

@@ -7,7 +7,7 @@ import torch
 
 from hybridtrain.config import BatchSizes, load_config
 from hybridtrain.plan import resolve
-from hybridtrain.runtime.memory_plans import (
+from hybridtrain.recovery.memory_plans import (
     check_limit_reachable,
     describe_changes,
     draws_random_numbers,
