@@ -1,6 +1,6 @@
-"""``initialize``: :func:`~hybridtrain.plan.resolve.resolve` then
-:func:`~hybridtrain.plan.build.build`. (Named ``compose`` so that the submodule does not
-shadow the ``hybridtrain.initialize`` function.)"""
+"""``initialize``: the caller's model on the one road (:func:`hybridtrain.prepare.prepare`).
+(Named ``compose`` so that the submodule does not shadow the ``hybridtrain.initialize``
+function.)"""
 
 from __future__ import annotations
 
@@ -9,14 +9,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridtrain.config import ConfigSource
+from hybridtrain.config import Config, ConfigError, ConfigSource, load_config
 from hybridtrain.engine import Engine
-from hybridtrain.plan.build import build
-from hybridtrain.plan.resolve import resolve
-from hybridtrain.planner.auto import planned_config
+from hybridtrain.prepare import prepare
 from hybridtrain.runtime.batch import Batch, LossFn
-from hybridtrain.runtime.memory_limit import cap_cuda_memory
-from hybridtrain.recovery.oom import check_plain_initialize
+from hybridtrain.runtime.device import resolve_device
 from hybridtrain.runtime.optim import FP16_INIT_STEP, zero_grad_step
 
 
@@ -49,13 +46,11 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
             ``device_memory_limit``, which need
             :func:`~hybridtrain.recovery.oom.initialize_guarded`.
     """
-    config = planned_config(config, model, loss_fn, example_batch)  # "auto": the planner chooses
-    plan = resolve(config, model, example_batch=example_batch, optimizer=optimizer)
-    check_plain_initialize(plan.config, plan.device)
-    if plan.config.device_memory_limit is not None:  # CUDA here: the CPU count needs a guard
-        cap_cuda_memory(plan.config.device_memory_limit, plan.device)
+    cfg = load_config(config)
+    check_plain_initialize(cfg)
     given = hyperparameters(optimizer) if optimizer is not None else []
-    engine = build(plan, model, loss_fn, optimizer, example_batch)
+    prepared = prepare(cfg, model, loss_fn, optimizer, example_batch)
+    engine, plan = prepared.engine, prepared.plan
     if optimizer is not None and plan.config.optimizer.params.get(FP16_INIT_STEP) is True:
         # The config's optimizer takes this step when built (runtime.optim.build_optimizer); a
         # caller's gets the same, so a config trains alike whoever built its optimizer.
@@ -81,3 +76,19 @@ def deepspeed_wrapper_step(optimizer: torch.optim.Optimizer, given: list[dict[st
     zero_grad_step(optimizer)
     for group, now in zip(optimizer.param_groups, scheduled, strict=True):
         group.update(now)
+
+
+def check_plain_initialize(config: Config) -> None:
+    """What :func:`initialize` (which keeps the caller's model) cannot honour.
+
+    Raises:
+        ConfigError: one line pointing to :func:`~hybridtrain.recovery.oom.initialize_guarded`.
+    """
+    if config.oom_recovery.enabled:
+        raise ConfigError("oom_recovery.enabled: initialize(model, ...) cannot rebuild the model it was given under "
+                          "another plan; use hybridtrain.recovery.oom.initialize_guarded(model_factory, "
+                          "config) or hybridtrain train")
+    if config.device_memory_limit is not None and resolve_device(config.device).type == "cpu":
+        raise ConfigError(f"device_memory_limit = {config.device_memory_limit} on cpu is counted around each "
+                          "training step; use hybridtrain.recovery.oom.initialize_guarded(model_factory, "
+                          "config) and guard.train_batch, or hybridtrain train")

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from hybridtrain.runtime.memory_limit import parse_bytes
+from hybridtrain.units import parse_bytes
 
 
 class Section(BaseModel):

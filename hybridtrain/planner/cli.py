@@ -49,7 +49,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any]:
     """The config and the target; every error here is one line, before any tracing."""
     from hybridtrain.config import load_config
     from hybridtrain.planner.estimate import resolve_target
-    from hybridtrain.runtime.memory_limit import parse_bytes
+    from hybridtrain.units import parse_bytes
 
     if args.world_size < 1:
         raise ValueError(f"--world-size {args.world_size}: use a positive number of processes")
@@ -91,7 +91,7 @@ def _estimate(args: argparse.Namespace) -> int:
 
 def render_estimate(result: Any) -> str:
     """The human-readable estimate."""
-    from hybridtrain.runtime.memory_limit import format_bytes
+    from hybridtrain.units import format_bytes
 
     lines = [f"target: {result.target.name}" + (f", device memory {format_bytes(result.target.memory_bytes)}"
                                                 if result.target.memory_bytes else "")]
@@ -141,7 +141,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def render_plan(result: Any, target: Any, margin: float, top: int) -> str:
     """The ranking: the best few, each with its bytes, seconds and where the time goes."""
-    from hybridtrain.runtime.memory_limit import format_bytes
+    from hybridtrain.units import format_bytes
 
     total = len(result.ranked) + len(result.refused)
     host = f", host {format_bytes(target.host_memory_bytes)}" if target.host_memory_bytes else ""

@@ -31,7 +31,7 @@ from hybridtrain.planner.memory import MemoryEstimate, estimate_memory, passes_f
 from hybridtrain.planner.timing import MATMUL_EFFICIENCY, Hardware, StepTime, estimate_time
 from hybridtrain.planner.trace import PASSES, ModelTrace, trace_model
 from hybridtrain.runtime.batch import Batch, LossFn
-from hybridtrain.runtime.memory_limit import format_bytes
+from hybridtrain.units import format_bytes
 
 GPU_KERNEL_SECONDS = 8e-6
 """Launch and dispatch cost per kernel of an eager PyTorch step on a GPU."""

@@ -23,6 +23,27 @@ unless pipelined), call its ``step()`` once with zero gradients when they are bu
 (``deepspeed/runtime/fp16/fused_optimizer.py`` and ``unfused_optimizer.py``,
 ``initialize_optimizer_states``). True reproduces that step when the optimizer is built."""
 
+def optimizer_state_bytes(optimizer_type: str, params: dict[str, Any] | None = None) -> int:
+    """Bytes of optimizer state per fp32 parameter element: two moments for the Adam and Lamb
+    families (a third with ``amsgrad``), one for SGD with momentum, none without. The one
+    count the planner, optimizer offload's host-memory check and the trainer's model-size
+    check use.
+
+    Args:
+        optimizer_type: a config's ``optimizer.type`` or an optimizer's class name.
+        params: its settings (``momentum``, ``amsgrad``), or an optimizer's ``defaults``.
+    """
+    name = optimizer_type.lower()
+    params = params or {}
+    if "adam" in name:
+        return 8 + (4 if params.get("amsgrad") else 0)
+    if name == "sgd":
+        return 4 if float(params.get("momentum", 0.0) or 0.0) else 0
+    if name in ("adagrad", "rmsprop"):
+        return 4
+    return 8
+
+
 # DeepSpeed optimizers whose math torch does not have and hybridtrain does not implement.
 _REFUSED_OPTIMIZERS = {
     "muadam": "muP Adam", "muadamw": "muP AdamW", "musgd": "muP SGD",

@@ -45,6 +45,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hybridtrain.runtime import transfer
+from hybridtrain.runtime.optim import optimizer_state_bytes
 from hybridtrain.runtime.step_parts import step_part
 
 _NOT_HYPERPARAMS = ("params", "fused", "foreach", "capturable", "differentiable")
@@ -505,8 +506,7 @@ def host_state_bytes(numel: int, optimizer: torch.optim.Optimizer, lasting_grads
     """Host bytes for ``numel`` offloaded elements: the fp32 master, the fp32 gradient when
     gradients wait in host memory, and the optimizer's per-element state (two fp32 moments
     for the Adam family)."""
-    name = type(optimizer).__name__.lower()
-    state = 8 if "adam" in name else 4
+    state = optimizer_state_bytes(type(optimizer).__name__, optimizer.defaults)
     return numel * (4 + (4 if lasting_grads else 0) + state)
 
 

@@ -21,8 +21,8 @@ from hybridtrain.config import BatchSizes, Config, ConfigError, load_config
 from hybridtrain.engine import Engine
 from hybridtrain.plan.build import build
 from hybridtrain.plan.resolve import resolve
-from hybridtrain.runtime.memory_limit import DeviceMemoryLimitError, LiveTensorBytes, tensors_alive
 from hybridtrain.recovery.oom import MemoryGuard, initialize_guarded
+from hybridtrain.runtime.memory_limit import DeviceMemoryLimitError, LiveTensorBytes, tensors_alive
 from tests.equivalence import OPTIMIZER, SEED, gpt_case
 
 STEPS = 3

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hybridtrain.runtime.optim import build_optimizer, build_scheduler, lr_factor_fn
+from hybridtrain.runtime.optim import build_optimizer, build_scheduler, lr_factor_fn, optimizer_state_bytes
 
 
 def _params() -> list[torch.nn.Parameter]:
@@ -169,3 +169,16 @@ def test_after_the_init_step_adams_first_update_is_three_quarters_of_lr() -> Non
         p.grad = torch.tensor([1.0, -2.0, 3.0])
         opt.step()
         torch.testing.assert_close(p.detach(), -lr * factor * p.grad.sign(), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize(("name", "params"), [("Adam", {}), ("AdamW", {"amsgrad": True}), ("SGD", {"momentum": 0.9}),
+                                              ("SGD", {}), ("Adagrad", {}), ("RMSprop", {}), ("Lamb", {})])
+def test_optimizer_state_bytes_is_what_the_optimizer_allocates(name: str, params: dict) -> None:
+    p = torch.nn.Parameter(torch.ones(100))
+    optimizer = build_optimizer([p], name, {"lr": 0.1, **params})
+    p.grad = torch.ones(100)
+    optimizer.step()
+    held = sum(t.numel() * t.element_size() for t in optimizer.state[p].values()
+               if isinstance(t, torch.Tensor) and t.numel() == p.numel())
+    assert optimizer_state_bytes(name, params) * p.numel() == held
+    assert optimizer_state_bytes(type(optimizer).__name__, optimizer.defaults) * p.numel() == held
