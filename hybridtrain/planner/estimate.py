@@ -23,10 +23,10 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from hybridtrain.config import Config, ConfigError, ConfigSource, load_config
+from hybridtrain.hardware.links import cpu_links, links_for
 from hybridtrain.models.gpt import causal_lm_loss
 from hybridtrain.plan.resolve import resolve
 from hybridtrain.plan.types import TrainingPlan
-from hybridtrain.planner.links import cpu_links, links_for
 from hybridtrain.planner.memory import MemoryEstimate, estimate_memory, passes_for
 from hybridtrain.planner.timing import MATMUL_EFFICIENCY, Hardware, StepTime, estimate_time
 from hybridtrain.planner.trace import PASSES, ModelTrace, trace_model
@@ -64,7 +64,7 @@ def resolve_target(device: str | None = None, device_memory: int | None = None,
     Raises:
         ValueError: an unknown device name, naming the known ones.
     """
-    from hybridtrain.profiling.peaks import device_memory_bytes, find_device, known_devices
+    from hybridtrain.hardware.peaks import device_memory_bytes, find_device, known_devices
 
     if device is None:
         if torch.cuda.is_available():
@@ -285,7 +285,7 @@ def _trace(cfg: Config, source: ModelSource, plan: TrainingPlan, kind: str, pass
 
 def hardware(target: Target, dtype: torch.dtype | None) -> Hardware:
     """The time model's view of ``target`` computing in ``dtype`` (None = fp32)."""
-    from hybridtrain.profiling.peaks import device_peak_flops, measured_matmul_flops
+    from hybridtrain.hardware.peaks import device_peak_flops, measured_matmul_flops
 
     dtype = dtype or torch.float32
     if target.kind == "cpu":

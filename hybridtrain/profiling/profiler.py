@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybridtrain.hardware.peaks import peak_flops
 from hybridtrain.profiling.breakdown import (
     MODULE_LABEL,
     PARTS,
@@ -43,7 +44,6 @@ from hybridtrain.profiling.breakdown import (
 )
 from hybridtrain.profiling.counting import StepCount, count_step, profiled_modules
 from hybridtrain.profiling.diagnosis import diagnose
-from hybridtrain.profiling.peaks import peak_flops
 from hybridtrain.profiling.report import ModuleProfile, Profile
 from hybridtrain.runtime.step_parts import PartClock
 
