@@ -24,6 +24,7 @@ from hybridtrain.planner.estimate import (
     Target,
     estimate,
     meta_model,
+    resolve_target,
 )
 
 MARGIN = 0.10
@@ -152,8 +153,6 @@ def fallback(config: ConfigSource, measured_peak_bytes: int, limit_bytes: int,
     Returns:
         The variant's config, or None when none is predicted to fit.
     """
-    from hybridtrain.planner.estimate import resolve_target
-
     cfg = load_config(config)
     target = target or resolve_target("cpu" if cfg.device == "cpu" else None)
     target = Target(target.kind, target.name, None, target.host_memory_bytes)

@@ -45,6 +45,8 @@ from hybridtrain.profiling.breakdown import (
 from hybridtrain.profiling.counting import StepCount, count_step, profiled_modules
 from hybridtrain.profiling.diagnosis import diagnose
 from hybridtrain.profiling.report import ModuleProfile, Profile
+from hybridtrain.runtime.layer_major import LayerMajorRunner
+from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
 from hybridtrain.runtime.step_parts import PartClock
 
 _KINETO_MARKER = re.compile(rb"^USDT:.*\] profiler_(start|stop)\s*$")
@@ -200,9 +202,6 @@ def profile_engine(engine: Any, batch: Any, steps: int = 2, output_dir: str | Pa
 
 
 def _techniques(engine: Any) -> list[str]:
-    from hybridtrain.runtime.layer_major import LayerMajorRunner
-    from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
-
     used = []
     if isinstance(engine.runner, LayerMajorRunner):
         used.append("layer_major")
