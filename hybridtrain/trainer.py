@@ -226,7 +226,8 @@ def data_and_model(cfg: Config, fits_host: bool = False) -> tuple[TokenBatches, 
         per_param = 4 + 4 + optimizer_state_bytes(cfg.optimizer.type, cfg.optimizer.params) if on_cpu else 4
         needed, available = per_param * count, available_host_bytes()
         if needed > available:
-            what = f"fp32 weights, gradients and {cfg.optimizer.type} state" if on_cpu else "fp32 weights"
+            state = "Adam moments" if "adam" in cfg.optimizer.type.lower() else f"{cfg.optimizer.type} state"
+            what = f"fp32 weights, gradients and {state}" if on_cpu else "fp32 weights"
             raise ValueError(f"model {cfg.model.name} with model.overrides {cfg.model.overrides} has "
                              f"{count / 1e9:.2f} B parameters: {needed / 2**30:.1f} GiB of {what}, more than "
                              f"the {available / 2**30:.1f} GiB of host memory available")
