@@ -4,8 +4,6 @@ function.)"""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -14,7 +12,6 @@ from hybridtrain.engine import Engine
 from hybridtrain.prepare import prepare
 from hybridtrain.runtime.batch import Batch, LossFn
 from hybridtrain.runtime.device import resolve_device
-from hybridtrain.runtime.optim import FP16_INIT_STEP, zero_grad_step
 
 
 def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: LossFn | None = None,
@@ -48,34 +45,7 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
     """
     cfg = load_config(config)
     check_plain_initialize(cfg)
-    given = hyperparameters(optimizer) if optimizer is not None else []
-    prepared = prepare(cfg, model, loss_fn, optimizer, example_batch)
-    engine, plan = prepared.engine, prepared.plan
-    if optimizer is not None and plan.config.optimizer.params.get(FP16_INIT_STEP) is True:
-        # The config's optimizer takes this step when built (runtime.optim.build_optimizer); a
-        # caller's gets the same, so a config trains alike whoever built its optimizer.
-        deepspeed_wrapper_step(engine.optimizer, given)
-    return engine
-
-
-def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Each parameter group's settings (``lr``, ``weight_decay`` …), without its parameters."""
-    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-
-
-def deepspeed_wrapper_step(optimizer: torch.optim.Optimizer, given: list[dict[str, Any]]) -> None:
-    """DeepSpeed's fp16-wrapper step (one ``step()`` with zero gradients,
-    :func:`~hybridtrain.runtime.optim.zero_grad_step`) on a caller's optimizer once the
-    engine placed it (its state lives where its parameters do), with the settings ``given``
-    before ``initialize``: DeepSpeed takes it before it builds the config's LR schedule,
-    which has already set its first rate here (a warm-up from 0 would hide the weight
-    decay). The schedule's rates are back in place afterwards."""
-    scheduled = hyperparameters(optimizer)
-    for group, before in zip(optimizer.param_groups, given, strict=True):
-        group.update(before)
-    zero_grad_step(optimizer)
-    for group, now in zip(optimizer.param_groups, scheduled, strict=True):
-        group.update(now)
+    return prepare(cfg, model, loss_fn, optimizer, example_batch).engine
 
 
 def check_plain_initialize(config: Config) -> None:

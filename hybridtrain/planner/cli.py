@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hybridtrain.config.deepspeed_keys import FP16_INIT_STEP, fp16_wrapper_steps
+
 
 def add_planner_commands(sub: Any) -> None:
     """Register ``estimate`` and ``plan`` on the top-level sub-parsers."""
@@ -185,5 +187,10 @@ def write_config(config: Any, path: Path) -> None:
     # means the same model and optimizer if a default changes.
     full = config.model_dump(mode="json")
     data = {**data, **{key: full[key] for key in ("model", "optimizer")}}
+    params = data["optimizer"].get("params") or {}
+    if params.get(FP16_INIT_STEP) is True and fp16_wrapper_steps(data):
+        # DeepSpeed's fp16-wrapper step is a DeepSpeed rule the key treatments add again when
+        # the file loads; the file stays the user's config, without it.
+        data["optimizer"] = {**data["optimizer"], "params": {k: v for k, v in params.items() if k != FP16_INIT_STEP}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
