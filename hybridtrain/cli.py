@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 
 from hybridtrain import __version__
@@ -58,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hybridtrain`` console script; returns the exit code."""
     _show_info_lines()
+    # torch warns at import when numpy is missing (it is a dependency, but an environment may
+    # lack it); nothing hybridtrain runs needs numpy, and a .npy data file says so itself.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     try:
         parser = build_parser()  # imports torch: seconds in which a Ctrl-C lands here
         args = parser.parse_args(argv)

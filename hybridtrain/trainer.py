@@ -389,16 +389,31 @@ def _loop(engine: Engine, cfg: Config, data: TokenBatches, metrics: MetricsLog |
     except (RuntimeError, OSError) as exc:
         raise _disk_full(exc, engine, Path(cfg.train.output_dir), step) from exc
     done = step - start
+    if done == 0:
+        # Nothing left to train (a --resume of a finished run): the run's summary stays as its
+        # training wrote it, instead of one with no losses and 0 tokens/s.
+        earlier = _read_summary(Path(cfg.train.output_dir))
+        if earlier is not None:
+            return earlier
     summary = TrainSummary(
         steps=step, start_step=start, first_loss=first, last_loss=last, eval_loss=eval_loss,
         tokens_per_s=tokens_per_step * done / elapsed if elapsed else 0.0,
         peak_memory_bytes=peak_memory_bytes(engine.device), skipped_steps=engine.skipped_steps,
-        interrupted=interrupted, checkpoints=saved, device=str(engine.device),
+        # keep_checkpoints may have pruned earlier saves of this run: only those on disk are listed.
+        interrupted=interrupted, checkpoints=[p for p in saved if Path(p).is_dir()], device=str(engine.device),
         device_memory_limit=cfg.device_memory_limit, peak_tensor_bytes=tensor_peak,
     )
-    if writer:
+    if writer and done > 0:
         Path(cfg.train.output_dir, "summary.json").write_text(json.dumps(summary.__dict__, indent=1))
     return summary
+
+
+def _read_summary(out: Path) -> TrainSummary | None:
+    """The run's ``summary.json``, if one is there and reads as a summary."""
+    try:
+        return TrainSummary(**json.loads((out / "summary.json").read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def _micro_progress(bar: tqdm, postfix: dict[str, str]) -> Callable[[int, int], None]:
