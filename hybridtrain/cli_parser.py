@@ -5,8 +5,9 @@ the whole command tree."""
 from __future__ import annotations
 
 import argparse
-import re
 from typing import Any
+
+from hybridtrain.compat import take_dash_digit_words_as_values
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -23,4 +24,4 @@ class CommandParser(argparse.ArgumentParser):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._negative_number_matcher = re.compile(r"^-\.?\d")
+        take_dash_digit_words_as_values(self)

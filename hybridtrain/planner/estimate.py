@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
 
+from hybridtrain.compat import tree_leaves, tree_map
 from hybridtrain.config import Config, ConfigError, ConfigSource, load_config
 from hybridtrain.data import TokenBatches, load_tokens
 from hybridtrain.hardware.links import cpu_links, links_for

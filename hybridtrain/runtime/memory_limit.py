@@ -32,10 +32,7 @@ from typing import Any
 
 import torch
 
-# The documented extension point for seeing every aten op ("Extending all of torch API
-# with modes", torch docs); the module is underscored but the class is the public API.
-from torch.utils._python_dispatch import TorchDispatchMode
-
+from hybridtrain.compat import TorchDispatchMode
 from hybridtrain.units import format_bytes
 
 
