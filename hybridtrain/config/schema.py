@@ -468,7 +468,7 @@ class Config(Section):
     oom_recovery: OOMRecoveryConfig = Field(default_factory=OOMRecoveryConfig)
     """Out-of-memory recovery: rerun the step under a plan that needs less memory."""
     auto: bool = False
-    """Let the planner choose how to train: ``initialize`` (and ``hybridtrain train``)
+    """Let the planner choose how to train: ``initialize`` (``initialize_guarded``, ``hybridtrain train``)
     estimate every same-math variant of this config (micro-batch × accumulation,
     checkpointing, activation swapping, optimizer offload, layer streaming; the parallel
     split and ZeRO stage for several processes) on this machine's device and host memory
