@@ -85,7 +85,7 @@ def __getattr__(name: str) -> Any:
 def take_dash_digit_words_as_values(parser: argparse.ArgumentParser) -> None:
     """Make ``parser`` read a word that starts with ``-`` and a digit (``-5GB``, ``-1e-3``)
     as a value, as it reads ``-5``: valid where no option of its is named ``-<digit>``."""
-    parser._negative_number_matcher = re.compile(r"^-\.?\d")  # type: ignore[attr-defined]
+    parser._negative_number_matcher = re.compile(r"^-\.?\d")
 
 
 def unscale_and_check_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
