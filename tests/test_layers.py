@@ -27,9 +27,8 @@ LAYERS: list[list[str]] = [  # bottom first; a module may import its own layer a
     ["recovery"],                                              # memory policy above the engine
     ["errors", "trainer"],
     ["deepspeed", "report", "hpo", "service"],
-    ["", "cli", "train_cli", "parallel.launch", "parallel.launch_cli", "parallel.worker",
-     "planner.measure", "planner.cli", "profiling.cli", "checkpoint.cli", "report.cli", "hpo.cli",
-     "hpo.__main__"],                                          # commands and launchers
+    ["", "cli", "train_cli", "parallel.worker", "planner.measure", "planner.cli", "profiling.cli",
+     "checkpoint.cli", "report.cli", "hpo.cli", "hpo.__main__", "service.cli"],  # commands
 ]
 
 
