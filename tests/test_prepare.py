@@ -11,7 +11,7 @@ import torch
 import hybridtrain as ht
 from hybridtrain.config import Config
 from hybridtrain.models.gpt import build_gpt, causal_lm_loss
-from hybridtrain.planner import Target, estimate, planned_config
+from hybridtrain.planner import Target, estimate
 from hybridtrain.recovery.oom import initialize_guarded
 
 TINY = {"model": {"name": "gpt-tiny"}, "data": {"seq_len": 32}, "train_batch_size": 4,
@@ -30,11 +30,11 @@ def test_initialize_guarded_honours_auto_as_initialize_does() -> None:
     config = {**TINY, "auto": True, "device_memory_limit": limit}
     torch.manual_seed(1)
     batch = (torch.randint(0, 256, (4, 32)), torch.randint(0, 256, (4, 32)))
-    chosen = planned_config(config, _model(), causal_lm_loss, batch)
-    assert not chosen.auto and chosen.model_dump() != {**Config.model_validate(config).model_dump(), "auto": False}
-
     guard = initialize_guarded(_model, config, causal_lm_loss, example_batch=batch)
-    assert guard.config == chosen  # before: the config as given, "auto" ignored
+    chosen = guard.config  # before: the config as given, "auto" ignored and the limit not met
+    as_given = Config.model_validate({**config, "auto": False})
+    assert not chosen.auto and chosen != as_given
+    assert estimate(chosen, Target("cpu", "cpu")).device_peak_bytes <= limit
     with guard:
         guarded = [guard.train_batch(batch) for _ in range(2)]
     # The same plan built by initialize (no limit: initialize refuses a CPU limit) trains alike.
