@@ -188,7 +188,15 @@ def write_config(config: Any, path: Path) -> None:
     full = config.model_dump(mode="json")
     data = {**data, **{key: full[key] for key in ("model", "optimizer")}}
     params = data["optimizer"].get("params") or {}
-    if params.get(FP16_INIT_STEP) is True and fp16_wrapper_steps(data):
+    if fp16_wrapper_steps(data) and FP16_INIT_STEP not in params:
+        # DeepSpeed's fp16-wrapper rule applies to a written optimizer section on loading. A
+        # config that took the default optimizer (no section, no step) is written without one;
+        # another (a plan that left ZeRO for stage 0) says it takes no step: the same math.
+        if config.optimizer == type(config)().optimizer:
+            del data["optimizer"]
+        else:
+            data["optimizer"] = {**data["optimizer"], "params": {**params, FP16_INIT_STEP: False}}
+    elif params.get(FP16_INIT_STEP) is True and fp16_wrapper_steps(data):
         # DeepSpeed's fp16-wrapper step is a DeepSpeed rule the key treatments add again when
         # the file loads; the file stays the user's config, without it.
         data["optimizer"] = {**data["optimizer"], "params": {k: v for k, v in params.items() if k != FP16_INIT_STEP}}

@@ -85,3 +85,22 @@ def test_plan_writes_no_deepspeed_only_key(tmp_path: Path, capsys: pytest.Captur
     assert main(["plan", str(given), "--device", "H100", "-o", str(out)]) == 0
     assert "fp16_init_step" not in out.read_text()
     assert load_config(str(out)).optimizer.params == {"lr": 1e-3, "fp16_init_step": True}
+
+
+def test_a_written_config_loads_back_to_the_same_math(tmp_path: Path) -> None:
+    # A DeepSpeed file without an optimizer section trains the default optimizer without the
+    # fp16-wrapper step; written out, an optimizer section would make loading add it.
+    from hybridtrain.plan.resolve import optimizer_settings
+    from hybridtrain.planner.cli import write_config
+
+    for given in ({**TINY, "fp16": {"enabled": True}},
+                  {**TINY, "fp16": {"enabled": True}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                   "zero_optimization": {"stage": 1}}):
+        config = load_config(given)
+        if "zero_optimization" in given:  # a plan that moved it to stage 0
+            config = config.model_copy(update={"zero_optimization": load_config(TINY).zero_optimization})
+        write_config(config, tmp_path / "plan.yaml")
+        again = load_config(str(tmp_path / "plan.yaml"))
+        # The optimizer the plan builds, and whether it takes the zero-gradient step, are the same.
+        assert optimizer_settings(again) == optimizer_settings(config)
+        assert again.model_copy(update={"optimizer": config.optimizer}) == config
