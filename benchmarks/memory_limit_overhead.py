@@ -26,8 +26,9 @@ import torch
 
 from hybridtrain.config import Config
 from hybridtrain.models.gpt import GPT, causal_lm_loss, gpt_config
-from hybridtrain.runtime.memory_limit import LiveTensorBytes, format_bytes
-from hybridtrain.runtime.oom_recovery import initialize_guarded
+from hybridtrain.recovery.oom import initialize_guarded
+from hybridtrain.runtime.memory_limit import LiveTensorBytes
+from hybridtrain.units import format_bytes
 
 
 def _median_step(train: Any, batch: Any, steps: int) -> float:

@@ -9,30 +9,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import sys
+import warnings
 from collections.abc import Sequence
-from typing import Any
 
 from hybridtrain import __version__
+from hybridtrain.cli_parser import CommandParser
 from hybridtrain.terminate import Terminated, raise_on_sigterm
-
-
-class CommandParser(argparse.ArgumentParser):
-    """``argparse.ArgumentParser`` that takes a value written after its option with a space
-    and a leading minus (``--device-memory -5GB``, ``--margin -1e-3``) as that option's
-    value, as ``--device-memory=-5GB`` is taken.
-
-    Plain argparse reads only ``-5`` and ``-.5`` that way and calls ``-5GB`` or ``-1e-3``
-    an unknown option ("expected one argument"; CPython issues 105712 and 123945 widen it
-    to numbers only). No hybridtrain option is named like ``-<digit>``, so a word that
-    starts with ``-`` and a digit is always a value. Sub-command parsers are of this class
-    too (``add_subparsers`` makes them of the parent's class).
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._negative_number_matcher = re.compile(r"^-\.?\d")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hybridtrain`` console script; returns the exit code."""
     _show_info_lines()
+    # torch warns at import when numpy is missing (it is a dependency, but an environment may
+    # lack it); nothing hybridtrain runs needs numpy, and a .npy data file says so itself.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     args: argparse.Namespace | None = None
     try:
         with raise_on_sigterm():  # SIGTERM during start-up or a command: one line, exit 143

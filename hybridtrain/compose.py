@@ -1,23 +1,17 @@
-"""``initialize``: :func:`~hybridtrain.plan.resolve.resolve` then
-:func:`~hybridtrain.plan.build.build`. (Named ``compose`` so that the submodule does not
-shadow the ``hybridtrain.initialize`` function.)"""
+"""``initialize``: the caller's model on the one road (:func:`hybridtrain.prepare.prepare`).
+(Named ``compose`` so that the submodule does not shadow the ``hybridtrain.initialize``
+function.)"""
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 from torch import nn
 
-from hybridtrain.config import ConfigSource
+from hybridtrain.config import Config, ConfigError, ConfigSource, load_config
 from hybridtrain.engine import Engine
-from hybridtrain.plan.build import build
-from hybridtrain.plan.resolve import resolve
-from hybridtrain.planner.auto import planned_config
+from hybridtrain.prepare import prepare
 from hybridtrain.runtime.batch import Batch, LossFn
-from hybridtrain.runtime.memory_limit import cap_cuda_memory
-from hybridtrain.runtime.oom_recovery import check_plain_initialize
-from hybridtrain.runtime.optim import FP16_INIT_STEP, zero_grad_step
+from hybridtrain.runtime.device import resolve_device
 
 
 def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: LossFn | None = None,
@@ -47,37 +41,24 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
             pipeline's or streaming's example forward runs, leaving parameters, buffers and
             random generators as they were); ``oom_recovery`` and a CPU
             ``device_memory_limit``, which need
-            :func:`~hybridtrain.runtime.oom_recovery.initialize_guarded`.
+            :func:`~hybridtrain.recovery.oom.initialize_guarded`.
     """
-    config = planned_config(config, model, loss_fn, example_batch)  # "auto": the planner chooses
-    plan = resolve(config, model, example_batch=example_batch, optimizer=optimizer)
-    check_plain_initialize(plan.config, plan.device)
-    if plan.config.device_memory_limit is not None:  # CUDA here: the CPU count needs a guard
-        cap_cuda_memory(plan.config.device_memory_limit, plan.device)
-    given = hyperparameters(optimizer) if optimizer is not None else []
-    engine = build(plan, model, loss_fn, optimizer, example_batch)
-    if optimizer is not None and plan.config.optimizer.params.get(FP16_INIT_STEP) is True:
-        # The config's optimizer takes this step when built (runtime.optim.build_optimizer); a
-        # caller's gets the same, so a config trains alike whoever built its optimizer.
-        deepspeed_wrapper_step(engine.optimizer, given)
-    return engine
+    cfg = load_config(config)
+    check_plain_initialize(cfg)
+    return prepare(cfg, model, loss_fn, optimizer, example_batch).engine
 
 
-def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Each parameter group's settings (``lr``, ``weight_decay`` …), without its parameters."""
-    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+def check_plain_initialize(config: Config) -> None:
+    """What :func:`initialize` (which keeps the caller's model) cannot honour.
 
-
-def deepspeed_wrapper_step(optimizer: torch.optim.Optimizer, given: list[dict[str, Any]]) -> None:
-    """DeepSpeed's fp16-wrapper step (one ``step()`` with zero gradients,
-    :func:`~hybridtrain.runtime.optim.zero_grad_step`) on a caller's optimizer once the
-    engine placed it (its state lives where its parameters do), with the settings ``given``
-    before ``initialize``: DeepSpeed takes it before it builds the config's LR schedule,
-    which has already set its first rate here (a warm-up from 0 would hide the weight
-    decay). The schedule's rates are back in place afterwards."""
-    scheduled = hyperparameters(optimizer)
-    for group, before in zip(optimizer.param_groups, given, strict=True):
-        group.update(before)
-    zero_grad_step(optimizer)
-    for group, now in zip(optimizer.param_groups, scheduled, strict=True):
-        group.update(now)
+    Raises:
+        ConfigError: one line pointing to :func:`~hybridtrain.recovery.oom.initialize_guarded`.
+    """
+    if config.oom_recovery.enabled:
+        raise ConfigError("oom_recovery.enabled: initialize(model, ...) cannot rebuild the model it was given under "
+                          "another plan; use hybridtrain.recovery.oom.initialize_guarded(model_factory, "
+                          "config) or hybridtrain train")
+    if config.device_memory_limit is not None and resolve_device(config.device).type == "cpu":
+        raise ConfigError(f"device_memory_limit = {config.device_memory_limit} on cpu is counted around each "
+                          "training step; use hybridtrain.recovery.oom.initialize_guarded(model_factory, "
+                          "config) and guard.train_batch, or hybridtrain train")

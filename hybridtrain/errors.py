@@ -14,7 +14,9 @@ import re
 
 import torch
 
+from hybridtrain.checkpoint import CheckpointError
 from hybridtrain.engine import NonFiniteLossError
+from hybridtrain.parallel.mesh import stalled_ranks
 
 _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Connection refused", "Broken pipe",
               "connectFullMesh failed")
@@ -28,8 +30,6 @@ class PeerFailure(RuntimeError):
 
 def describe_failure(exc: BaseException) -> tuple[str, int] | None:
     """``(one-line message, exit code)`` for a failure a user can act on, else None."""
-    from hybridtrain.checkpoint import CheckpointError
-
     if isinstance(exc, ValueError | CheckpointError | ImportError | UnicodeDecodeError):
         return _one_line(str(exc)), 2
     if isinstance(exc, NonFiniteLossError | PeerFailure):
@@ -88,8 +88,6 @@ def peer_failure(exc: BaseException, timeout_s: float | None = None) -> PeerFail
         return PeerFailure(f"the ranks could not meet in the rendezvous store ({text[:200]}); check that every "
                            "rank was started and can reach MASTER_ADDR:MASTER_PORT")
     if timed_out and not lost:
-        from hybridtrain.parallel.mesh import stalled_ranks
-
         stalled = stalled_ranks()
         who = (f"rank{'s' if len(stalled) > 1 else ''} {', '.join(map(str, stalled))} never reached it"
                if stalled else "every rank was waiting (collectives called in a different order?)")

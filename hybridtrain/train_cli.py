@@ -103,7 +103,7 @@ def memory_words(summary: TrainSummary) -> str:
     """The summary's memory figures, each saying what it measures. On CPU the peak is the
     process's resident set size, while ``device_memory_limit`` counts live tensor bytes:
     side by side without words, a user would take the limit for broken."""
-    from hybridtrain.runtime.memory_limit import format_bytes
+    from hybridtrain.units import format_bytes
 
     limit = summary.device_memory_limit
     if summary.device.startswith("cuda"):

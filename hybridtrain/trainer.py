@@ -40,14 +40,14 @@ from hybridtrain.outputs import check_metrics_file
 from hybridtrain.parallel.mesh import (
     end_process_group,
     env_world_size,
-    init_process_group,
     restart_count,
 )
 from hybridtrain.plan import TrainingPlan, resolve
-from hybridtrain.plan.build import build
 from hybridtrain.plan.checks import parallel_sizes
-from hybridtrain.planner.auto import planned_config
+from hybridtrain.prepare import prepare
 from hybridtrain.profiling.scheduled import ScheduledProfile
+from hybridtrain.recovery.memory_plans import check_limit_reachable, planner_fallback
+from hybridtrain.recovery.oom import MemoryGuard
 from hybridtrain.run_dir import (
     Start,
     clear_run,
@@ -59,8 +59,7 @@ from hybridtrain.run_dir import (
 )
 from hybridtrain.run_lock import own_run_dir
 from hybridtrain.runtime.device import peak_memory_bytes, reset_peak_memory, resolve_device
-from hybridtrain.runtime.memory_plans import check_limit_reachable, planner_fallback
-from hybridtrain.runtime.oom_recovery import MemoryGuard
+from hybridtrain.runtime.optim import optimizer_state_bytes
 from hybridtrain.runtime.transfer import available_host_bytes
 from hybridtrain.stopping import StopRequest, on_any_rank
 
@@ -143,11 +142,8 @@ def _run_training(cfg: Config, resume: bool | str = False, progress: bool = True
         data, model = data_and_model(cfg, fits_host=True)
         rates = _Rates(flops_per_token(model), cfg.train.peak_tflops)
         example = example_batch(cfg, data)
-        cfg = planned_config(cfg, model, causal_lm_loss, example)  # "auto": the planner chooses
-        plan = resolve(cfg, model, example_batch=example)
-        if plan.sizes.world > 1:  # before build joins it with torch's default timeout
-            init_process_group(plan.device, cfg.distributed.timeout_s)
-        engine = build(plan, model, causal_lm_loss, None, example)
+        prepared = prepare(cfg, model, causal_lm_loss, None, example)  # the one road ("auto": the planner)
+        engine, plan, cfg = prepared.engine, prepared.plan, prepared.plan.config
         rates.peak_tflops = device_peak_tflops(engine.device, cfg.train.peak_tflops)
         rates.world_size = engine.topology.world_size
         # With several processes every rank trains, but only rank 0 writes files and prints.
@@ -245,11 +241,13 @@ def data_and_model(cfg: Config, fits_host: bool = False) -> tuple[TokenBatches, 
     if fits_host:
         count = parameter_count(cfg.model.name, cfg.model.overrides, vocab, cfg.data.seq_len)
         # The model is built in host memory; training on the CPU also keeps its gradients
-        # and two Adam moments there (a lower bound: activations come on top).
+        # and the optimizer's state there (a lower bound: activations come on top).
         on_cpu = resolve_device(cfg.device).type == "cpu"
-        needed, available = (16 if on_cpu else 4) * count, available_host_bytes()
+        per_param = 4 + 4 + optimizer_state_bytes(cfg.optimizer.type, cfg.optimizer.params) if on_cpu else 4
+        needed, available = per_param * count, available_host_bytes()
         if needed > available:
-            what = "fp32 weights, gradients and Adam moments" if on_cpu else "fp32 weights"
+            state = "Adam moments" if "adam" in cfg.optimizer.type.lower() else f"{cfg.optimizer.type} state"
+            what = f"fp32 weights, gradients and {state}" if on_cpu else "fp32 weights"
             raise ValueError(f"model {cfg.model.name} with model.overrides {cfg.model.overrides} has "
                              f"{count / 1e9:.2f} B parameters: {needed / 2**30:.1f} GiB of {what}, more than "
                              f"the {available / 2**30:.1f} GiB of host memory available")
@@ -411,16 +409,31 @@ def _loop(engine: Engine, cfg: Config, data: TokenBatches, metrics: MetricsLog |
     except (RuntimeError, OSError) as exc:
         raise _disk_full(exc, engine, Path(cfg.train.output_dir), step) from exc
     done = step - start
+    if done == 0:
+        # Nothing left to train (a --resume of a finished run): the run's summary stays as its
+        # training wrote it, instead of one with no losses and 0 tokens/s.
+        earlier = _read_summary(Path(cfg.train.output_dir))
+        if earlier is not None:
+            return earlier
     summary = TrainSummary(
         steps=step, start_step=start, first_loss=first, last_loss=last, eval_loss=eval_loss,
         tokens_per_s=tokens_per_step * done / elapsed if elapsed else 0.0,
         peak_memory_bytes=peak_memory_bytes(engine.device), skipped_steps=engine.skipped_steps,
-        interrupted=interrupted, checkpoints=saved, device=str(engine.device),
+        # keep_checkpoints may have pruned earlier saves of this run: only those on disk are listed.
+        interrupted=interrupted, checkpoints=[p for p in saved if Path(p).is_dir()], device=str(engine.device),
         device_memory_limit=cfg.device_memory_limit, peak_tensor_bytes=tensor_peak,
     )
-    if writer:
+    if writer and done > 0:
         Path(cfg.train.output_dir, "summary.json").write_text(json.dumps(summary.__dict__, indent=1))
     return summary
+
+
+def _read_summary(out: Path) -> TrainSummary | None:
+    """The run's ``summary.json``, if one is there and reads as a summary."""
+    try:
+        return TrainSummary(**json.loads((out / "summary.json").read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def _micro_progress(bar: tqdm, postfix: dict[str, str]) -> Callable[[int, int], None]:

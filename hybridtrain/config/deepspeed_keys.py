@@ -256,8 +256,10 @@ def apply_treatments(raw: dict[str, Any]) -> tuple[dict[str, Any], list[Applied]
 
 
 FP16_INIT_STEP = "fp16_init_step"
-"""The optimizer parameter that asks for DeepSpeed's fp16-wrapper step (read by
-``hybridtrain.runtime.optim.build_optimizer``; the config layer does not import the runtime)."""
+"""``optimizer.params.fp16_init_step``: asks for DeepSpeed's fp16-wrapper step, one optimizer
+step with zero gradients before training (see :func:`fp16_wrapper_steps`). No optimizer
+argument: :func:`hybridtrain.plan.resolve.optimizer_settings` reads it into the plan, and
+``hybridtrain plan -o`` leaves it out of a written config wherever loading adds it again."""
 # DeepSpeed's own optimizers (hybridtrain.runtime.optim.DEEPSPEED_OPTIMIZERS), as named in refusals.
 _DEEPSPEED_OPTIMIZER_NAMES = {"lamb": "LAMB", "onebitadam": "1-bit Adam", "zerooneadam": "0/1 Adam",
                               "onebitlamb": "1-bit LAMB"}

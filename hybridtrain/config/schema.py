@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from hybridtrain.runtime.memory_limit import parse_bytes
+from hybridtrain.units import parse_bytes
 
 
 class Section(BaseModel):
@@ -373,7 +373,7 @@ class OOMRecoveryConfig(Section):
     planner's choice, or the next of: checkpoint every block, swap activations, offload the
     optimizer, stream layers, smaller micro-batches with more accumulation at the same global
     batch) and rerun the same step from the same state. In ``hybridtrain train``, or a loop
-    of your own through ``hybridtrain.runtime.oom_recovery.initialize_guarded`` (the model
+    of your own through ``hybridtrain.recovery.oom.initialize_guarded`` (the model
     is rebuilt, so ``initialize(model, …)`` refuses it)."""
 
     enabled: bool = False
@@ -468,7 +468,7 @@ class Config(Section):
     oom_recovery: OOMRecoveryConfig = Field(default_factory=OOMRecoveryConfig)
     """Out-of-memory recovery: rerun the step under a plan that needs less memory."""
     auto: bool = False
-    """Let the planner choose how to train: ``initialize`` (and ``hybridtrain train``)
+    """Let the planner choose how to train: ``initialize`` (``initialize_guarded``, ``hybridtrain train``)
     estimate every same-math variant of this config (micro-batch × accumulation,
     checkpointing, activation swapping, optimizer offload, layer streaming; the parallel
     split and ZeRO stage for several processes) on this machine's device and host memory

@@ -81,8 +81,8 @@ class Accelerator:
         return self._compile_backend
 
     def set_compile_backend(self, backend: str) -> None:
-        """Set the default ``torch.compile`` backend; one ``torch._dynamo`` knows, else ValueError."""
-        supported = torch._dynamo.list_backends(exclude_tags=())
+        """Set the default ``torch.compile`` backend; one ``torch.compile`` knows, else ValueError."""
+        supported = torch.compiler.list_backends(exclude_tags=())
         if backend not in supported:
             raise ValueError(f"{backend} not supported by {self.device_name()}. Supported Backends are {supported}")
         self._compile_backend = backend

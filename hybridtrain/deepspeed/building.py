@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from hybridtrain.config import Config
+from hybridtrain.config.deepspeed_keys import FP16_INIT_STEP
 from hybridtrain.deepspeed.client_optimizer import describe, lay_groups, with_optimizer
 from hybridtrain.engine import Engine
 from hybridtrain.runtime.batch import Batch, LossFn
@@ -33,16 +34,19 @@ def build_engine(model: nn.Module, cfg: Config, wrapper_steps: bool, optimizer: 
         loss_fn / example_batch: as :func:`hybridtrain.initialize`.
     """
     import hybridtrain as ht
-    from hybridtrain.runtime.optim import FP16_INIT_STEP, build_optimizer, build_scheduler
+    from hybridtrain.plan.resolve import optimizer_settings
+    from hybridtrain.runtime.optim import build_optimizer, build_scheduler
 
     client = optimizer is not None
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(params if params is not None else model.parameters())
     elif optimizer is None and params is not None and _custom_groups(params, model):
-        optimizer = build_optimizer(params, cfg.optimizer.type, cfg.optimizer.params)
+        settings = optimizer_settings(cfg)
+        optimizer = build_optimizer(params, settings.type, dict(settings.params))
     if client and wrapper_steps and FP16_INIT_STEP not in cfg.optimizer.params:
         # DeepSpeed's fp16 wrapper holds a caller's optimizer too and steps it once with zero
-        # gradients (see fp16_wrapper_steps); initialize takes that step where the config asks.
+        # gradients (see fp16_wrapper_steps): a DeepSpeed rule, asked for here; the plan
+        # carries it and the build takes the step before the LR schedule, as DeepSpeed does.
         asked = {**cfg.optimizer.params, FP16_INIT_STEP: True}
         cfg = cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"params": asked})})
     spec = None

@@ -33,6 +33,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from hybridtrain.compat import optuna_rdb_models, prometheus_float
 from hybridtrain.hpo.leases import RENEWALS, RenewalCounter
 from hybridtrain.hpo.records import EXPERIMENTS, SLOTS
 
@@ -76,7 +77,7 @@ def _finished_trials(engine: Any, names: list[str]) -> list[tuple[str, str, floa
     them, with ``fail`` split into ``failed`` and ``interrupted``.
     """
     import sqlalchemy as sa
-    from optuna.storages._rdb import models
+    models = optuna_rdb_models()
 
     trials, studies = models.TrialModel.__table__, models.StudyModel.__table__
     attrs = models.TrialUserAttributeModel.__table__
@@ -192,14 +193,12 @@ class HPOCollector:
 
 def _buckets(values: list[float]) -> list[tuple[str, float]]:
     """Cumulative ``(le, count)`` pairs of ``values``, ending with ``+Inf``."""
-    from prometheus_client.utils import floatToGoString
-
     ordered = sorted(values)
     out, i = [], 0
     for bound in DURATION_BUCKETS:
         while i < len(ordered) and ordered[i] <= bound:
             i += 1
-        out.append((floatToGoString(bound), float(i)))
+        out.append((prometheus_float(bound), float(i)))
     out.append(("+Inf", float(len(ordered))))
     return out
 

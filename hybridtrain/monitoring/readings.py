@@ -14,12 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridtrain.profiling.peaks import device_peak_flops
+from hybridtrain.hardware.peaks import device_peak_flops
 
 
 def device_peak_tflops(device: torch.device, override: float | None = None) -> float | None:
     """Peak dense bf16 TFLOP/s of one ``device``: ``override`` when given, else from the GPU
-    table of :mod:`hybridtrain.profiling.peaks`; ``None`` when unknown (CPU, unlisted GPUs).
+    table of :mod:`hybridtrain.hardware.peaks`; ``None`` when unknown (CPU, unlisted GPUs).
     MFU is measured against the bf16 peak whatever the run's precision, as torchtitan and
     PaLM do."""
     if override:

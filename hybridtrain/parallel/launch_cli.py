@@ -10,6 +10,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from hybridtrain.cli_parser import CommandParser
+
 
 def add_launch_options(parser: argparse.ArgumentParser, with_restarts: bool = True) -> None:
     """The process-placement options shared by ``launch`` and ``train``."""
@@ -180,8 +182,6 @@ def _launch(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m hybridtrain.parallel.launch_cli …`` = ``hybridtrain launch …``."""
-    from hybridtrain.cli import CommandParser
-
     parser = CommandParser(prog="hybridtrain")
     add_launch_command(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["launch", *(argv if argv is not None else sys.argv[1:])])

@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils._pytree import tree_map_only
 
+from hybridtrain.compat import tree_map_only
 from hybridtrain.parallel.gradient_sync import full_tensor, local
 from hybridtrain.parallel.mesh import Topology
 from hybridtrain.parallel.replicated import ParallelRuntime, collective_device

@@ -33,7 +33,7 @@ from hybridtrain.runtime.activation_offload import (
 )
 from hybridtrain.runtime.batch import Batch, LossFn, to_device
 from hybridtrain.runtime.layer_major import LayerMajorRunner
-from hybridtrain.runtime.optim import build_optimizer, build_scheduler
+from hybridtrain.runtime.optim import build_optimizer, build_scheduler, zero_grad_step
 from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
 from hybridtrain.runtime.precision import LossScaler, precision_name
 from hybridtrain.runtime.recompute import apply_activation_checkpointing
@@ -76,10 +76,13 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
                                            swap.pin_memory, swap.min_bytes)
     apply_device_map(model, dict(plan.device_map), device)
     parallel, runner, observers = _parallelize(plan, model, loss_fn, example_batch)
+    settings = plan.optimizer_settings
     if optimizer is None:
-        optimizer = build_optimizer(model.parameters(), cfg.optimizer.type, optimizer_params(plan))
+        optimizer = build_optimizer(model.parameters(), settings.type, optimizer_params(plan))
     elif plan.pipeline is not None:
         _keep_held(optimizer, model)
+    if settings.zero_gradient_step:  # before the schedule sets its first rate, as DeepSpeed steps
+        zero_grad_step(optimizer)
     setup = _resume_fingerprint(plan, optimizer)
     offload = None
     if plan.optimizer.placement != "device":
@@ -220,11 +223,12 @@ def _zero_offload(plan: TrainingPlan) -> bool:
 
 
 def optimizer_params(plan: TrainingPlan) -> dict[str, Any]:
-    """``optimizer.params`` as built: under ZeRO with CPU offload the step runs on host
-    DTensors, where torch's fused CPU Adam is several times faster than the default
-    per-tensor loop (same math); a ``fused`` the user set is kept."""
-    params = dict(plan.config.optimizer.params)
-    fusable = plan.config.optimizer.type.lower() in ("adam", "adamw") and params.get("bias_correction", True)
+    """The optimizer's params as built (the plan's ``optimizer_settings``): under ZeRO with
+    CPU offload the step runs on host DTensors, where torch's fused CPU Adam is several times
+    faster than the default per-tensor loop (same math); a ``fused`` the user set is kept."""
+    settings = plan.optimizer_settings
+    params = dict(settings.params)
+    fusable = settings.type.lower() in ("adam", "adamw") and params.get("bias_correction", True)
     if _zero_offload(plan) and fusable and "fused" not in params and "foreach" not in params:
         params["fused"] = True
     return params

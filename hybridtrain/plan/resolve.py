@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from hybridtrain.config import Config, ConfigError, ConfigSource, load_config, resolve_batch_sizes
+from hybridtrain.config.deepspeed_keys import FP16_INIT_STEP
 from hybridtrain.models.blocks import BlockList, BlocksNotFoundError, block_names, find_block_lists
 from hybridtrain.models.usage import ModelUsage, trace_usage
 from hybridtrain.parallel import mesh
@@ -25,6 +26,7 @@ from hybridtrain.plan.checks import check_supported, map_deepspeed_offload, para
 from hybridtrain.plan.types import (
     BlockPlan,
     OptimizerPlan,
+    OptimizerSettings,
     ParallelSizes,
     PipelinePlan,
     Replication,
@@ -110,7 +112,16 @@ def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | Non
         device_map=tuple(device_map.items()),
         pipeline=pipeline,
         optimizer=_optimizer(cfg, sizes, bool(streamed), batch.accumulation_steps),
+        optimizer_settings=optimizer_settings(cfg),
     )
+
+
+def optimizer_settings(cfg: Config) -> OptimizerSettings:
+    """``cfg.optimizer`` as build uses it: ``fp16_init_step`` read out of the parameters
+    into :attr:`OptimizerSettings.zero_gradient_step`."""
+    params = dict(cfg.optimizer.params)
+    step = params.pop(FP16_INIT_STEP, False) is True
+    return OptimizerSettings(cfg.optimizer.type, tuple(params.items()), step)
 
 
 class _Blocks:
@@ -311,7 +322,8 @@ def check_optimizer(cfg: Config, user_optimizer: bool = False) -> None:
         ConfigError: an unknown optimizer or schedule, or a parameter it rejects.
     """
     try:
-        stand_in = build_optimizer([nn.Parameter(torch.zeros(1))], cfg.optimizer.type, cfg.optimizer.params) \
+        settings = optimizer_settings(cfg)
+        stand_in = build_optimizer([nn.Parameter(torch.zeros(1))], settings.type, dict(settings.params)) \
             if not user_optimizer else torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0)
         if cfg.scheduler:
             build_scheduler(stand_in, cfg.scheduler.type, cfg.scheduler.params)

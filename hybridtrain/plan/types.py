@@ -8,8 +8,8 @@ without having done any of it. :func:`hybridtrain.plan.resolve` makes one (and r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Literal
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
 import torch
 
@@ -104,6 +104,27 @@ class OptimizerPlan:
 
 
 @dataclass(frozen=True)
+class OptimizerSettings:
+    """The optimizer :func:`hybridtrain.plan.build` makes (unless the caller gave one) and
+    how it starts.
+
+    Attributes:
+        type: ``optimizer.type``.
+        params: its keyword arguments (``optimizer.params`` without
+            ``fp16_init_step``, which is no optimizer argument).
+        zero_gradient_step: step it once with zero gradients before training, before the LR
+            schedule is built. DeepSpeed's fp16 wrapper does this at ZeRO stage 0 (fp16, or
+            bf16 unless pipelined): the DeepSpeed key treatments ask for it with
+            ``optimizer.params.fp16_init_step`` (:func:`hybridtrain.config.deepspeed_keys.
+            fp16_wrapper_steps`), and the DeepSpeed drop-in for a caller's optimizer.
+    """
+
+    type: str = "AdamW"
+    params: tuple[tuple[str, Any], ...] = ()
+    zero_gradient_step: bool = False
+
+
+@dataclass(frozen=True)
 class TrainingPlan:
     """How :func:`hybridtrain.plan.build` will train a model (see the module docstring).
 
@@ -129,6 +150,7 @@ class TrainingPlan:
         device_map: module path → device (naive model parallel inside one process).
         pipeline: the pipeline split, or None.
         optimizer: where the optimizer step runs.
+        optimizer_settings: the optimizer build makes and how it starts.
     """
 
     config: Config
@@ -148,6 +170,7 @@ class TrainingPlan:
     device_map: tuple[tuple[str, torch.device], ...]
     pipeline: PipelinePlan | None
     optimizer: OptimizerPlan
+    optimizer_settings: OptimizerSettings = field(default_factory=OptimizerSettings)
 
     def blocks_where(self, flag: str) -> list[str]:
         """Names of the blocks whose ``flag`` (``checkpoint``/``swap``/``stream``) is set."""

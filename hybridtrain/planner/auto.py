@@ -14,6 +14,7 @@ from torch import nn
 
 from hybridtrain.config import Config, ConfigError, ConfigSource, load_config
 from hybridtrain.parallel import mesh
+from hybridtrain.plan.variants import changed_settings
 from hybridtrain.planner.estimate import Target, model_source, resolve_target
 from hybridtrain.planner.search import choose
 from hybridtrain.runtime.batch import Batch, LossFn
@@ -64,22 +65,5 @@ def this_machine(cfg: Config) -> Target:
 
 def _differences(before: Config, after: Config) -> str:
     """The settings the planner changed, as ``key: old → new``."""
-    changed = []
-    mine, theirs = _flat(before.model_dump()), _flat(after.model_dump())
-    for key in sorted(theirs):
-        if key != "auto" and mine.get(key) != theirs[key]:
-            changed.append(f"{key}: {mine.get(key)!r} → {theirs[key]!r}")
-    return ", ".join(changed)
-
-
-def _flat(node: dict[str, object], prefix: str = "") -> dict[str, object]:
-    out: dict[str, object] = {}
-    for key, value in node.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-
+    return ", ".join(f"{key}: {old!r} → {new!r}" for key, old, new in sorted(changed_settings(before, after))
+                     if key != "auto")

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hybridtrain.config.deepspeed_keys import FP16_INIT_STEP, fp16_wrapper_steps
+
 
 def add_planner_commands(sub: Any) -> None:
     """Register ``estimate`` and ``plan`` on the top-level sub-parsers."""
@@ -49,7 +51,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any]:
     """The config and the target; every error here is one line, before any tracing."""
     from hybridtrain.config import load_config
     from hybridtrain.planner.estimate import resolve_target
-    from hybridtrain.runtime.memory_limit import parse_bytes
+    from hybridtrain.units import parse_bytes
 
     if args.world_size < 1:
         raise ValueError(f"--world-size {args.world_size}: use a positive number of processes")
@@ -91,7 +93,7 @@ def _estimate(args: argparse.Namespace) -> int:
 
 def render_estimate(result: Any) -> str:
     """The human-readable estimate."""
-    from hybridtrain.runtime.memory_limit import format_bytes
+    from hybridtrain.units import format_bytes
 
     lines = [f"target: {result.target.name}" + (f", device memory {format_bytes(result.target.memory_bytes)}"
                                                 if result.target.memory_bytes else "")]
@@ -141,7 +143,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def render_plan(result: Any, target: Any, margin: float, top: int) -> str:
     """The ranking: the best few, each with its bytes, seconds and where the time goes."""
-    from hybridtrain.runtime.memory_limit import format_bytes
+    from hybridtrain.units import format_bytes
 
     total = len(result.ranked) + len(result.refused)
     host = f", host {format_bytes(target.host_memory_bytes)}" if target.host_memory_bytes else ""
@@ -185,5 +187,18 @@ def write_config(config: Any, path: Path) -> None:
     # means the same model and optimizer if a default changes.
     full = config.model_dump(mode="json")
     data = {**data, **{key: full[key] for key in ("model", "optimizer")}}
+    params = data["optimizer"].get("params") or {}
+    if fp16_wrapper_steps(data) and FP16_INIT_STEP not in params:
+        # DeepSpeed's fp16-wrapper rule applies to a written optimizer section on loading. A
+        # config that took the default optimizer (no section, no step) is written without one;
+        # another (a plan that left ZeRO for stage 0) says it takes no step: the same math.
+        if config.optimizer == type(config)().optimizer:
+            del data["optimizer"]
+        else:
+            data["optimizer"] = {**data["optimizer"], "params": {**params, FP16_INIT_STEP: False}}
+    elif params.get(FP16_INIT_STEP) is True and fp16_wrapper_steps(data):
+        # DeepSpeed's fp16-wrapper step is a DeepSpeed rule the key treatments add again when
+        # the file loads; the file stays the user's config, without it.
+        data["optimizer"] = {**data["optimizer"], "params": {k: v for k, v in params.items() if k != FP16_INIT_STEP}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(data, sort_keys=False))

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from hybridtrain.compat import cpu_flash_attention
 from hybridtrain.profiling.attention_flops import ATTENTION_FLOP_FORMULAS
 
 # Functions autocast runs in the low-precision dtype (CUDA's and CPU's lists agree on these).
@@ -110,15 +111,14 @@ def _flash_attention(target: str, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     if attn_mask is not None and attn_mask.dtype not in (q.dtype, torch.bool):
         attn_mask = attn_mask.to(q.dtype)
-    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    op = cpu_flash_attention()[0]
     out: torch.Tensor = op(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
     return out
 
 
 FLOP_FORMULAS = {
     op: ATTENTION_FLOP_FORMULAS[op]
-    for op in (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
-               torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
+    for op in cpu_flash_attention()
 }
 """FLOPs of the operators :class:`MetaAutocast` substitutes, for ``FlopCounterMode``."""
 

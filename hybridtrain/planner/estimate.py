@@ -20,18 +20,27 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
 
+from hybridtrain.compat import tree_leaves, tree_map
 from hybridtrain.config import Config, ConfigError, ConfigSource, load_config
+from hybridtrain.data import TokenBatches, load_tokens
+from hybridtrain.hardware.links import cpu_links, links_for
+from hybridtrain.hardware.peaks import (
+    device_memory_bytes,
+    device_peak_flops,
+    find_device,
+    known_devices,
+    measured_matmul_flops,
+)
+from hybridtrain.models.factory import build_model
 from hybridtrain.models.gpt import causal_lm_loss
 from hybridtrain.plan.resolve import resolve
 from hybridtrain.plan.types import TrainingPlan
-from hybridtrain.planner.links import cpu_links, links_for
 from hybridtrain.planner.memory import MemoryEstimate, estimate_memory, passes_for
 from hybridtrain.planner.timing import MATMUL_EFFICIENCY, Hardware, StepTime, estimate_time
 from hybridtrain.planner.trace import PASSES, ModelTrace, trace_model
 from hybridtrain.runtime.batch import Batch, LossFn
-from hybridtrain.runtime.memory_limit import format_bytes
+from hybridtrain.units import format_bytes
 
 GPU_KERNEL_SECONDS = 8e-6
 """Launch and dispatch cost per kernel of an eager PyTorch step on a GPU."""
@@ -64,8 +73,6 @@ def resolve_target(device: str | None = None, device_memory: int | None = None,
     Raises:
         ValueError: an unknown device name, naming the known ones.
     """
-    from hybridtrain.profiling.peaks import device_memory_bytes, find_device, known_devices
-
     if device is None:
         if torch.cuda.is_available():
             device = torch.cuda.get_device_name()
@@ -249,9 +256,6 @@ def _meta_model(name: str, overrides_json: str, seq_len: int, data_path: str | N
                 val_fraction: float) -> tuple[nn.Module, torch.Tensor]:
     """The model ``hybridtrain train`` would build, on the meta device, and one sample of
     token ids (the vocabulary is sized from the data as the trainer sizes it)."""
-    from hybridtrain.data import TokenBatches, load_tokens
-    from hybridtrain.models.factory import build_model
-
     overrides = json.loads(overrides_json)
     data = TokenBatches(load_tokens(data_path), seq_len, val_fraction, 0)
     vocab = int(overrides.get("vocab_size", max(256, data.max_token + 1)))
@@ -285,8 +289,6 @@ def _trace(cfg: Config, source: ModelSource, plan: TrainingPlan, kind: str, pass
 
 def hardware(target: Target, dtype: torch.dtype | None) -> Hardware:
     """The time model's view of ``target`` computing in ``dtype`` (None = fp32)."""
-    from hybridtrain.profiling.peaks import device_peak_flops, measured_matmul_flops
-
     dtype = dtype or torch.float32
     if target.kind == "cpu":
         bandwidth = _host_copy_bandwidth()

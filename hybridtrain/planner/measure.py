@@ -9,7 +9,11 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from hybridtrain.compose import initialize
 from hybridtrain.config import ConfigSource, load_config
+from hybridtrain.data import TokenBatches, load_tokens
+from hybridtrain.models.factory import build_model
+from hybridtrain.models.gpt import causal_lm_loss
 from hybridtrain.runtime.device import resolve_device
 from hybridtrain.runtime.memory_limit import LiveTensorBytes
 
@@ -34,11 +38,6 @@ class Measurement:
 def measure_step(config: ConfigSource, timed_steps: int = 2) -> Measurement:
     """Build the config's model and data as ``hybridtrain train`` does, run a warm-up
     step, count the live bytes of the next one, then time ``timed_steps`` more."""
-    from hybridtrain.compose import initialize
-    from hybridtrain.data import TokenBatches, load_tokens
-    from hybridtrain.models.factory import build_model
-    from hybridtrain.models.gpt import causal_lm_loss
-
     cfg = load_config(config)
     gc.collect()
     with LiveTensorBytes(resolve_device(cfg.device)) as before:

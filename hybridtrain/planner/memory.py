@@ -30,6 +30,7 @@ from dataclasses import dataclass, fields
 
 from hybridtrain.plan.types import TrainingPlan
 from hybridtrain.planner.trace import ModelTrace, PhaseProfile
+from hybridtrain.runtime.optim import optimizer_state_bytes
 
 _FP32 = 4
 
@@ -77,19 +78,6 @@ class MemoryEstimate:
     def host_bytes(self) -> int:
         """Host bytes in all."""
         return self.host.total
-
-
-def optimizer_state_bytes(optimizer_type: str, params: dict[str, object] | None = None) -> int:
-    """Bytes of optimizer state per fp32 parameter element (two moments for the Adam family)."""
-    name = optimizer_type.lower()
-    params = params or {}
-    if "adam" in name:
-        return 2 * _FP32 + (_FP32 if params.get("amsgrad") else 0)
-    if name == "sgd":
-        return _FP32 if float(params.get("momentum", 0.0) or 0.0) else 0  # type: ignore[arg-type]
-    if name in ("adagrad", "rmsprop", "adadelta", "adamax", "nadam", "radam"):
-        return 2 * _FP32 if name in ("adadelta", "nadam", "radam", "adamax") else _FP32
-    return 2 * _FP32
 
 
 class _Replay:

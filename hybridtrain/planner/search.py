@@ -15,15 +15,16 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from hybridtrain.config import Config, ConfigError, ConfigSource, load_config
+from hybridtrain.plan.variants import draws_random_numbers, grid
 from hybridtrain.planner.estimate import (
     Estimate,
     ModelSource,
     Target,
     estimate,
     meta_model,
+    resolve_target,
 )
 
 MARGIN = 0.10
@@ -152,8 +153,6 @@ def fallback(config: ConfigSource, measured_peak_bytes: int, limit_bytes: int,
     Returns:
         The variant's config, or None when none is predicted to fit.
     """
-    from hybridtrain.planner.estimate import resolve_target
-
     cfg = load_config(config)
     target = target or resolve_target("cpu" if cfg.device == "cpu" else None)
     target = Target(target.kind, target.name, None, target.host_memory_bytes)
@@ -169,102 +168,7 @@ def fallback(config: ConfigSource, measured_peak_bytes: int, limit_bytes: int,
 
 def variants(cfg: Config, world_size: int, model: ModelSource | None = None
              ) -> Iterator[tuple[tuple[str, ...], Config, int]]:
-    """Every same-math variant of ``cfg`` (see the module docstring), with the changes in
-    words and the world size; the config itself first."""
-    from hybridtrain.runtime.oom_recovery import draws_random_numbers
-
+    """Every same-math variant of ``cfg`` (:func:`hybridtrain.plan.variants.grid`), with the
+    changes in words and the world size; the config itself first."""
     random_forward = draws_random_numbers(model.model if model is not None else meta_model(cfg))
-    base = {**cfg.model_dump(exclude_unset=True), "auto": False}
-    for layout_words, layout in _layouts(cfg, world_size):
-        dp = layout.get("data_parallel", {}).get("size", world_size) if layout else _dp(cfg, world_size)
-        for batch_words, batch in _batches(cfg, dp, random_forward):
-            for tech_words, tech in _techniques(cfg, world_size):
-                raw = _merge(_merge(_merge(base, layout), batch), tech)
-                try:
-                    variant = Config.model_validate(raw)
-                except ValueError:
-                    continue
-                yield tuple(w for w in (*layout_words, *batch_words, *tech_words) if w), variant, world_size
-
-
-def _dp(cfg: Config, world: int) -> int:
-    tp = max(cfg.tensor_parallel.size, cfg.tensor_model_parallel_size)
-    pp = max(cfg.pipeline.stages, cfg.pipeline_model_parallel_size)
-    return max(1, world // (tp * pp))
-
-
-def _layouts(cfg: Config, world: int) -> Iterator[tuple[tuple[str, ...], dict[str, Any]]]:
-    """The config's own layout, then other dp × tp × pp splits and ZeRO stages."""
-    yield (), {}
-    if world == 1:
-        return
-    for tp in _divisors(world):
-        for pp in _divisors(world // tp):
-            dp = world // (tp * pp)
-            stages = (0, 1, 2, 3) if dp > 1 else (0,)
-            for stage in stages:
-                words = (f"dp {dp} × tp {tp} × pp {pp}", f"ZeRO-{stage}" if stage else "")
-                yield words, {"tensor_parallel": {"size": tp}, "tensor_model_parallel_size": 1,
-                              "pipeline": {"stages": pp}, "pipeline_model_parallel_size": 1,
-                              "data_parallel": {"size": dp}, "zero_optimization": {"stage": stage}}
-
-
-def _batches(cfg: Config, dp: int, random_forward: bool) -> Iterator[tuple[tuple[str, ...], dict[str, Any]]]:
-    """Micro-batch × accumulation splits of the same per-rank batch."""
-    from hybridtrain.config import resolve_batch_sizes
-
-    batch = resolve_batch_sizes(cfg, dp)
-    yield (), {}
-    if random_forward or cfg.pipeline.micro_batches is not None:
-        return
-    per_rank = batch.micro_batch * batch.accumulation_steps
-    for micro in _divisors(per_rank):
-        if micro != batch.micro_batch:
-            steps = per_rank // micro
-            yield (f"micro-batch {micro} × {steps} accumulation",), {
-                "train_batch_size": batch.global_batch, "train_micro_batch_size_per_gpu": micro,
-                "gradient_accumulation_steps": steps}
-
-
-def _techniques(cfg: Config, world: int) -> Iterator[tuple[tuple[str, ...], dict[str, Any]]]:
-    """Checkpointing × swapping × optimizer offload, and layer streaming (one process)."""
-    off = {"activation_checkpointing": {"enabled": False, "every_n_blocks": 1},
-           "activation_offload": {"enabled": False}, "layer_streaming": {"enabled": False}}
-    checkpoints: list[tuple[str, dict[str, Any]]] = [
-        ("no checkpointing", {"enabled": False}),
-        ("checkpoint every block", {"enabled": True, "every_n_blocks": 1}),
-        ("checkpoint every 2nd block", {"enabled": True, "every_n_blocks": 2}),
-        ("checkpoint every 4th block", {"enabled": True, "every_n_blocks": 4}),
-    ]
-    stage = max(1, cfg.zero_optimization.stage)
-    offloads: list[tuple[str, dict[str, Any]]] = [("", {"offload_optimizer": {"device": "none"}})]
-    if world == 1:
-        offloads += [("optimizer offload", {"stage": stage, "offload_optimizer": {"device": "cpu", "ratio": 1.0,
-                                                                                    "gpu_ratio": None}}),
-                     ("optimizer offload ratio 0.5", {"stage": stage, "offload_optimizer": {
-                         "device": "cpu", "ratio": 0.5, "gpu_ratio": None}})]
-    yield (), {}
-    for ck_words, ck in checkpoints:
-        for swap in (False, True):
-            for off_words, offload in offloads:
-                words = (ck_words if ck["enabled"] else "", "activation swapping" if swap else "", off_words)
-                yield words, {**off, "activation_checkpointing": ck, "activation_offload": {"enabled": swap},
-                              "zero_optimization": offload}
-    if world == 1:
-        for layer_major in (False, True):
-            for boundary in ("recompute", "host"):
-                yield (f"layer streaming{' layer-major' if layer_major else ''}",
-                       "boundary activations in host memory" if boundary == "host" else ""), {
-                    **off, "layer_streaming": {"enabled": True, "layer_major": layer_major,
-                                               "boundary_activations": boundary}}
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _merge(base: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in change.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
+    return grid(cfg, world_size, random_forward)

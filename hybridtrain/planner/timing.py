@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from hybridtrain.hardware.links import Links
 from hybridtrain.plan.types import TrainingPlan
-from hybridtrain.planner.links import Links
 from hybridtrain.planner.trace import ModelTrace
 
 MATMUL_EFFICIENCY = 0.55

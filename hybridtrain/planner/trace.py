@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils import flop_counter
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
+from hybridtrain.compat import tree_flatten, tree_leaves, tree_unflatten
 from hybridtrain.planner.emulation import FLOP_FORMULAS, MetaAutocast, Recompute, SwapEmulation
 from hybridtrain.runtime.batch import Batch, LossFn, compute_loss, run_model
 from hybridtrain.runtime.memory_limit import LiveTensorBytes

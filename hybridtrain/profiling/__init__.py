@@ -1,7 +1,7 @@
 """Measuring what training costs: FLOPs, memory and time per module, the step's parts,
 utilisation against the device's peak, and what to change (``hybridtrain profile``).
 
-- :mod:`~hybridtrain.profiling.peaks`: dense peak FLOP/s and memory per GPU model, a
+- :mod:`~hybridtrain.hardware.peaks`: dense peak FLOP/s and memory per GPU model, a
   measured matmul rate elsewhere.
 - :mod:`~hybridtrain.profiling.counting`: one step counted (FLOPs forward/backward and saved
   activations per module, live bytes over time).

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch.utils import flop_counter
 
+from hybridtrain.compat import ATTENTION_OP_NAMES
+
 _aten = torch.ops.aten
 
 
@@ -63,8 +65,7 @@ def raw_formula(formula: Callable[..., int]) -> Callable[..., int]:
     return formula
 
 
-_FORWARD = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-            "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+_FORWARD = ATTENTION_OP_NAMES
 
 ATTENTION_FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
     **{getattr(_aten, name): raw_formula(sdpa_flops) for name in _FORWARD if hasattr(_aten, name)},

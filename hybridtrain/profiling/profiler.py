@@ -23,13 +23,13 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from hybridtrain.hardware.peaks import peak_flops
 from hybridtrain.profiling.breakdown import (
     MODULE_LABEL,
     PARTS,
@@ -44,87 +44,11 @@ from hybridtrain.profiling.breakdown import (
 )
 from hybridtrain.profiling.counting import StepCount, count_step, profiled_modules
 from hybridtrain.profiling.diagnosis import diagnose
-from hybridtrain.profiling.peaks import peak_flops
+from hybridtrain.profiling.report import ModuleProfile, Profile
 from hybridtrain.runtime.device import peak_reserved_bytes
+from hybridtrain.runtime.layer_major import LayerMajorRunner
+from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
 from hybridtrain.runtime.step_parts import PartClock
-
-
-@dataclass
-class ModuleProfile:
-    """One row of the module table (FLOPs and times per step, bytes per micro-batch)."""
-
-    name: str
-    kind: str
-    params: int
-    forward_flops: int
-    backward_flops: int
-    saved_bytes: int
-    forward_seconds: float
-    backward_seconds: float
-
-
-@dataclass
-class Profile:
-    """A profile's numbers; :meth:`to_dict` is ``profile.json``.
-
-    Attributes:
-        device / dtype: where and in what precision the steps ran.
-        timed_steps: steps the times are averaged over.
-        step_seconds: mean wall time of a timed step (from the profiler's step ranges).
-        parts: mean seconds per part of :data:`~hybridtrain.profiling.breakdown.PARTS`
-            (they add up to ``step_seconds``).
-        collective_seconds: seconds per step in which a collective ran on some thread
-            (gloo/NCCL work that overlaps compute included; ``parts["communication"]`` is
-            what the step waited for).
-        device_utilisation: share of the step the device computed (CUDA: kernels and
-            copies; CPU: tensor ops on any thread).
-        device_parts: CUDA only: seconds per step of compute kernels, ``memcpy`` and NCCL
-            ``communication`` on the device (overlapping one another).
-        flops: ``forward`` / ``backward`` / ``total`` FLOPs of one step (this process).
-        achieved_tflops / peak_tflops / mfu: FLOPs per second against the peak, and
-            ``peak_source`` (``table: H100 SXM`` or ``measured matmul``).
-        modules: per-module rows.
-        peak_live_bytes: the most tensor bytes alive on the device during the counted step;
-            ``allocator_peak_bytes``: CUDA's peak allocated bytes and
-            ``allocator_reserved_peak_bytes`` its peak reserved bytes, what the device's
-            capacity and a memory fraction cap (None on CPU).
-        diagnosis: one line per finding.
-        notes: what this profile could not measure.
-        files: what was written (name → path).
-    """
-
-    device: str
-    dtype: str
-    timed_steps: int
-    step_seconds: float
-    parts: dict[str, float]
-    collective_seconds: float
-    device_utilisation: float
-    flops: dict[str, int]
-    achieved_tflops: float
-    peak_tflops: float
-    peak_source: str
-    mfu: float
-    modules: list[ModuleProfile]
-    peak_live_bytes: int
-    allocator_peak_bytes: int | None = None
-    allocator_reserved_peak_bytes: int | None = None
-    device_parts: dict[str, float] | None = None
-    techniques: list[str] = field(default_factory=list)
-    diagnosis: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    files: dict[str, str] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready values."""
-        return asdict(self)
-
-    def table(self) -> str:
-        """The profile as a readable text table."""
-        from hybridtrain.profiling.report import format_profile
-
-        return format_profile(self)
-
 
 _KINETO_MARKER = re.compile(rb"^USDT:.*\] profiler_(start|stop)\s*$")
 """The line libkineto's logger writes to stderr as a trace starts and as it stops."""
@@ -279,9 +203,6 @@ def profile_engine(engine: Any, batch: Any, steps: int = 2, output_dir: str | Pa
 
 
 def _techniques(engine: Any) -> list[str]:
-    from hybridtrain.runtime.layer_major import LayerMajorRunner
-    from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
-
     used = []
     if isinstance(engine.runner, LayerMajorRunner):
         used.append("layer_major")

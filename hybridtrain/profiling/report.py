@@ -1,14 +1,88 @@
-"""A profile as text: the step's parts, throughput against the peak, the module table and
-the diagnosis, in the order a reader asks."""
+"""A profile's numbers (:class:`Profile`, what :mod:`~hybridtrain.profiling.profiler`
+measures) and the profile as text: the step's parts, throughput against the peak, the module
+table and the diagnosis, in the order a reader asks."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
-from hybridtrain.runtime.memory_limit import format_bytes
+from hybridtrain.units import format_bytes
 
-if TYPE_CHECKING:
-    from hybridtrain.profiling.profiler import Profile
+
+@dataclass
+class ModuleProfile:
+    """One row of the module table (FLOPs and times per step, bytes per micro-batch)."""
+
+    name: str
+    kind: str
+    params: int
+    forward_flops: int
+    backward_flops: int
+    saved_bytes: int
+    forward_seconds: float
+    backward_seconds: float
+
+
+@dataclass
+class Profile:
+    """A profile's numbers; :meth:`to_dict` is ``profile.json``.
+
+    Attributes:
+        device / dtype: where and in what precision the steps ran.
+        timed_steps: steps the times are averaged over.
+        step_seconds: mean wall time of a timed step (from the profiler's step ranges).
+        parts: mean seconds per part of :data:`~hybridtrain.profiling.breakdown.PARTS`
+            (they add up to ``step_seconds``).
+        collective_seconds: seconds per step in which a collective ran on some thread
+            (gloo/NCCL work that overlaps compute included; ``parts["communication"]`` is
+            what the step waited for).
+        device_utilisation: share of the step the device computed (CUDA: kernels and
+            copies; CPU: tensor ops on any thread).
+        device_parts: CUDA only: seconds per step of compute kernels, ``memcpy`` and NCCL
+            ``communication`` on the device (overlapping one another).
+        flops: ``forward`` / ``backward`` / ``total`` FLOPs of one step (this process).
+        achieved_tflops / peak_tflops / mfu: FLOPs per second against the peak, and
+            ``peak_source`` (``table: H100 SXM`` or ``measured matmul``).
+        modules: per-module rows.
+        peak_live_bytes: the most tensor bytes alive on the device during the counted step;
+            ``allocator_peak_bytes``: CUDA's peak allocated bytes and
+            ``allocator_reserved_peak_bytes`` its peak reserved bytes, what the device's
+            capacity and a memory fraction cap (None on CPU).
+        diagnosis: one line per finding.
+        notes: what this profile could not measure.
+        files: what was written (name → path).
+    """
+
+    device: str
+    dtype: str
+    timed_steps: int
+    step_seconds: float
+    parts: dict[str, float]
+    collective_seconds: float
+    device_utilisation: float
+    flops: dict[str, int]
+    achieved_tflops: float
+    peak_tflops: float
+    peak_source: str
+    mfu: float
+    modules: list[ModuleProfile]
+    peak_live_bytes: int
+    allocator_peak_bytes: int | None = None
+    allocator_reserved_peak_bytes: int | None = None
+    device_parts: dict[str, float] | None = None
+    techniques: list[str] = field(default_factory=list)
+    diagnosis: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready values."""
+        return asdict(self)
+
+    def table(self) -> str:
+        """The profile as a readable text table (:func:`format_profile`)."""
+        return format_profile(self)
 
 
 def _flops(value: float) -> str:

@@ -32,8 +32,10 @@ def _report(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except ImportError as exc:
-        print(f"error: the report needs matplotlib ({exc.name or exc}); pip install matplotlib "
-              "(it comes with hybridtrain[hpo])", file=sys.stderr)
+        if not (exc.name or "").startswith("matplotlib"):
+            raise
+        print("error: hybridtrain report draws its figures with matplotlib, which is not installed; "
+              "pip install 'hybridtrain[report]'", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"error: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)

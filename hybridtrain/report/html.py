@@ -66,7 +66,7 @@ def build_report(run_dirs: Sequence[str | Path], title: str | None = None) -> st
         ("lr", "Learning rate", plots.lr_plot(runs)),
         ("throughput", "Tokens per second", plots.throughput_plot(runs)),
         ("tflops", "TFLOP/s", plots.tflops_plot(runs)),
-        ("memory", "Device memory", plots.memory_plot(runs)),
+        ("memory", plots.memory_title(runs), plots.memory_plot(runs)),
         ("loss-scale", "Loss scale", plots.loss_scale_plot(runs)),
     ]
     bars, totals = plots.timing_plots(runs)

@@ -92,8 +92,27 @@ def throughput_plot(runs: list[Run]) -> str | None:
     return _line_plot(runs, "tokens_per_s", "Throughput", "tokens/s")
 
 
+def on_cpu(run: Run) -> bool:
+    """Whether ``run`` trained on the CPU, where ``peak_memory_bytes`` is the process's peak
+    resident set size (everything it touched), not a device's memory. Its summary says the
+    device; without one, CUDA records always carry the allocator's ``memory_allocated_bytes``."""
+    device = (run.summary or {}).get("device")
+    if isinstance(device, str):
+        return device.startswith("cpu")
+    return not run.has("memory_allocated_bytes")
+
+
+def memory_title(runs: list[Run]) -> str:
+    """What the memory figure shows: device memory, the process's peak RSS on CPU, or both."""
+    cpu = [on_cpu(r) for r in runs]
+    if all(cpu):
+        return "Process memory (peak RSS: CPU runs have no device memory)"
+    return "Device memory" if not any(cpu) else "Memory: device peak allocated; process peak RSS for CPU runs"
+
+
 def memory_plot(runs: list[Run]) -> str | None:
-    """Peak device memory (solid); reserved (dashed) and allocated (dotted) where recorded."""
+    """Peak device memory (solid; a CPU run's process peak RSS); reserved (dashed) and
+    allocated (dotted) where recorded."""
     keys = [("peak_memory_bytes", "-", "peak"), ("memory_reserved_bytes", "--", "reserved"),
             ("memory_allocated_bytes", ":", "allocated")]
     if not any(r.has(k) for r in runs for k, _, _ in keys):
@@ -107,9 +126,10 @@ def memory_plot(runs: list[Run]) -> str | None:
         for key, style, label in keys:
             xs, ys = run.series(key)
             if xs:
+                shown = "peak RSS" if label == "peak" and on_cpu(run) else label
                 ax.plot(xs, [y / scale for y in ys], color=colour(i), ls=style, lw=1.6,
-                        label=f"{run.name} {label}", marker="o" if len(xs) <= 30 and style == "-" else None, ms=3)
-    _style(ax, "Device memory", unit)
+                        label=f"{run.name} {shown}", marker="o" if len(xs) <= 30 and style == "-" else None, ms=3)
+    _style(ax, memory_title(runs), unit)
     if several:
         ax.legend(fontsize=8, frameon=False)
     return _png(fig)

@@ -40,9 +40,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
+from hybridtrain.compat import tree_flatten, tree_unflatten
 from hybridtrain.runtime.activation_offload import ActivationSwapper
 from hybridtrain.runtime.batch import Batch
 from hybridtrain.runtime.precision import reported_loss

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from hybridtrain.runtime import transfer
+from hybridtrain.runtime.optim import optimizer_state_bytes
 
 
 def device_kept(params: list[nn.Parameter], host_ratio: float, streamed: set[int]) -> set[int]:
@@ -61,8 +62,7 @@ def host_state_bytes(numel: int, optimizer: torch.optim.Optimizer, lasting_grads
     """Host bytes for ``numel`` offloaded elements: the fp32 master, the fp32 gradient when
     gradients wait in host memory, and the optimizer's per-element state (two fp32 moments
     for the Adam family)."""
-    name = type(optimizer).__name__.lower()
-    state = 8 if "adam" in name else 4
+    state = optimizer_state_bytes(type(optimizer).__name__, optimizer.defaults)
     return numel * (4 + (4 if lasting_grads else 0) + state)
 
 

@@ -15,13 +15,27 @@ from hybridtrain.runtime.onebit_adam import OnebitAdam, ZeroOneAdam
 from hybridtrain.runtime.onebit_lamb import OnebitLamb
 from hybridtrain.runtime.uncorrected_adam import AdamWithoutBiasCorrection
 
-FP16_INIT_STEP = "fp16_init_step"
-"""Optimizer parameter (set by the DeepSpeed key treatments where DeepSpeed's engine would
-do this, see :func:`hybridtrain.config.deepspeed_keys.fp16_wrapper_steps`): DeepSpeed's fp16
-optimizer wrappers, which hold every optimizer at ZeRO stage 0 with fp16 (and with bf16
-unless pipelined), call its ``step()`` once with zero gradients when they are built
-(``deepspeed/runtime/fp16/fused_optimizer.py`` and ``unfused_optimizer.py``,
-``initialize_optimizer_states``). True reproduces that step when the optimizer is built."""
+
+def optimizer_state_bytes(optimizer_type: str, params: dict[str, Any] | None = None) -> int:
+    """Bytes of optimizer state per fp32 parameter element: two moments for the Adam and Lamb
+    families (a third with ``amsgrad``), one for SGD with momentum, none without. The one
+    count the planner, optimizer offload's host-memory check and the trainer's model-size
+    check use.
+
+    Args:
+        optimizer_type: a config's ``optimizer.type`` or an optimizer's class name.
+        params: its settings (``momentum``, ``amsgrad``), or an optimizer's ``defaults``.
+    """
+    name = optimizer_type.lower()
+    params = params or {}
+    if "adam" in name:
+        return 8 + (4 if params.get("amsgrad") else 0)
+    if name == "sgd":
+        return 4 if float(params.get("momentum", 0.0) or 0.0) else 0
+    if name in ("adagrad", "rmsprop"):
+        return 4
+    return 8
+
 
 # DeepSpeed optimizers whose math torch does not have and hybridtrain does not implement.
 _REFUSED_OPTIMIZERS = {
@@ -43,30 +57,27 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], type_name: str,
     :class:`AdamWithoutBiasCorrection`); ``Lamb``, ``OneBitAdam``, ``ZeroOneAdam`` and
     ``OneBitLamb`` are DeepSpeed's (:data:`DEEPSPEED_OPTIMIZERS`; the 1-bit ones on one
     process); any other name is the ``torch.optim`` class of that name (case-insensitive).
-    ``fp16_init_step: true`` (:data:`FP16_INIT_STEP`) steps the new optimizer once with
-    zero gradients (:func:`zero_grad_step`), as DeepSpeed's fp16 wrapper does: for Adam the
-    step count becomes 1 (later bias corrections use ``t + 1``) and weight decay acts once.
+    DeepSpeed's fp16-wrapper step is no optimizer argument: the plan asks for it
+    (:attr:`hybridtrain.plan.types.OptimizerSettings.zero_gradient_step`) and
+    :func:`zero_grad_step` takes it.
 
     Raises:
         ValueError: unknown optimizer, one whose math torch lacks, or an invalid keyword
             (one line naming it).
     """
     kwargs = dict(kwargs)
-    init_step = bool(kwargs.pop(FP16_INIT_STEP, False))
     if "max_grad_norm" in kwargs:  # deepspeed/runtime/engine.py, _configure_basic_optimizer
         raise ValueError(f"optimizer.params.max_grad_norm = {kwargs['max_grad_norm']!r}: DeepSpeed refuses it as an "
                          "optimizer parameter too ('please switch to using the deepspeed parameter "
                          "gradient_clipping'); use gradient_clipping")
-    optimizer = _build(params, type_name, kwargs)
-    if init_step:
-        zero_grad_step(optimizer)
-    return optimizer
+    return _build(params, type_name, kwargs)
 
 
 def zero_grad_step(optimizer: torch.optim.Optimizer) -> None:
     """One ``step()`` with every trained parameter's gradient zero, as DeepSpeed's fp16
-    wrappers do when built (see :data:`FP16_INIT_STEP`), at the learning rate the groups hold
-    then. Frozen parameters (``requires_grad`` False) get none and stay as they are: the
+    wrappers do when built (``deepspeed/runtime/fp16/fused_optimizer.py`` and
+    ``unfused_optimizer.py``, ``initialize_optimizer_states``; for Adam the step count
+    becomes 1 and weight decay acts once), at the learning rate the groups hold then. Frozen parameters (``requires_grad`` False) get none and stay as they are: the
     wrappers hold only ``p.requires_grad`` ones (``fused_optimizer.py``, ``unfused_optimizer.py``:
     ``trainable = [p for p in param_group['params'] if p.requires_grad]``). The zero gradients
     are made where each parameter lives (host masters stay in host memory); ``zero_grad``

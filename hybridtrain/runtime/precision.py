@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from hybridtrain.compat import unscale_and_check_
+
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
     """Autocast context for ``dtype`` (``None`` = full precision, no context).
@@ -75,7 +77,7 @@ class LossScaler:
         for (device, _), grads in groups.items():
             flag = torch.zeros(1, device=device)
             inv = torch.full((1,), 1.0 / self.scale, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)
+            unscale_and_check_(grads, flag, inv)
             found_inf |= bool(flag.item())
         return not found_inf
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
+from hybridtrain.compat import tree_flatten, tree_unflatten
 from hybridtrain.runtime.forward_wrap import unwrap_forward, wrap_forward
 
 _ORIGINAL_FORWARD = "_hybridtrain_original_forward"

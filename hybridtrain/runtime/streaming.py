@@ -40,9 +40,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
+from hybridtrain.compat import tree_leaves
 from hybridtrain.runtime import transfer
 from hybridtrain.runtime.device import normalize_device
 from hybridtrain.runtime.optimizer_offload import Bucket, OffloadOptimizer
@@ -240,7 +240,7 @@ def place_for_streaming(model: nn.Module, streamed: Sequence[nn.Module], device:
             if id(p) not in keep:
                 p.data = p.data.to(device)
         for name, b in list(module.named_buffers(recurse=False)):
-            module._buffers[name] = b.to(device)
+            setattr(module, name, b.to(device))  # a buffer stays a buffer (nn.Module.__setattr__)
 
 
 def check_not_shared(model: nn.Module, streamed: Sequence[nn.Module]) -> None:

@@ -114,11 +114,12 @@ def test_deepspeeds_own_optimizers_as_its_engine_takes_them() -> None:
     assert "fp16_init_step" not in load_config({"optimizer": {"type": "Lamb"}}).optimizer.params
 
 
-def test_the_init_step_key_is_the_one_the_optimizers_read() -> None:
-    from hybridtrain.config.deepspeed_keys import FP16_INIT_STEP as config_key
-    from hybridtrain.runtime.optim import FP16_INIT_STEP as runtime_key
+def test_the_init_step_key_is_read_into_the_plan_not_passed_to_the_optimizer() -> None:
+    from hybridtrain.plan.resolve import optimizer_settings
 
-    assert config_key == runtime_key
+    settings = optimizer_settings(load_config({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+                                               "fp16": {"enabled": True}}))
+    assert (settings.type, dict(settings.params), settings.zero_gradient_step) == ("AdamW", {"lr": 0.1}, True)
 
 
 @pytest.mark.parametrize(("raw", "steps"), [

@@ -70,3 +70,37 @@ def test_estimate_says_when_the_offloaded_state_does_not_fit_the_host(tmp_path: 
     assert main(["estimate", str(path), "--device", "A100", "--host-memory", "1MiB"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [err[0]] and err[0].startswith("does not fit: host memory: needs ") and "has 1.00 MiB" in err[0]
+
+
+def test_plan_writes_no_deepspeed_only_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A DeepSpeed file at ZeRO stage 0 with fp16: loading it asks for DeepSpeed's fp16-wrapper
+    # step (optimizer.params.fp16_init_step). The written plan is the user's config: the DeepSpeed
+    # layer's rule stays out of it, and loading the file asks for the step again.
+    deepspeed = {**TINY, "fp16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    given, out = tmp_path / "ds_config.json", tmp_path / "plan.yaml"
+    given.write_text(json.dumps(deepspeed))
+    assert load_config(str(given)).optimizer.params["fp16_init_step"] is True
+    # On an H100 the config as it is wins (ZeRO stage 0). A plan that moves to stage 1 keeps the
+    # key: it is no longer DeepSpeed's stage-0 rule there but the same math as the config given.
+    assert main(["plan", str(given), "--device", "H100", "-o", str(out)]) == 0
+    assert "fp16_init_step" not in out.read_text()
+    assert load_config(str(out)).optimizer.params == {"lr": 1e-3, "fp16_init_step": True}
+
+
+def test_a_written_config_loads_back_to_the_same_math(tmp_path: Path) -> None:
+    # A DeepSpeed file without an optimizer section trains the default optimizer without the
+    # fp16-wrapper step; written out, an optimizer section would make loading add it.
+    from hybridtrain.plan.resolve import optimizer_settings
+    from hybridtrain.planner.cli import write_config
+
+    for given in ({**TINY, "fp16": {"enabled": True}},
+                  {**TINY, "fp16": {"enabled": True}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                   "zero_optimization": {"stage": 1}}):
+        config = load_config(given)
+        if "zero_optimization" in given:  # a plan that moved it to stage 0
+            config = config.model_copy(update={"zero_optimization": load_config(TINY).zero_optimization})
+        write_config(config, tmp_path / "plan.yaml")
+        again = load_config(str(tmp_path / "plan.yaml"))
+        # The optimizer the plan builds, and whether it takes the zero-gradient step, are the same.
+        assert optimizer_settings(again) == optimizer_settings(config)
+        assert again.model_copy(update={"optimizer": config.optimizer}) == config

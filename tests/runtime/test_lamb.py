@@ -18,6 +18,7 @@ from torch import nn
 
 import hybridtrain as ht
 from hybridtrain.config import explain_config
+from hybridtrain.plan.resolve import optimizer_settings
 from hybridtrain.runtime.lamb import Lamb
 from hybridtrain.runtime.optim import build_optimizer, zero_grad_step
 
@@ -132,7 +133,10 @@ def test_fp16_config_takes_deepspeeds_construction_step() -> None:
     assert any(a.key == "optimizer.params.fp16_init_step" for a in applied)
     weight = nn.Parameter(torch.randn(5, 3))
     start = weight.detach().clone()
-    optimizer = build_optimizer([weight], cfg.optimizer.type, cfg.optimizer.params)
+    settings = optimizer_settings(cfg)  # what plan.build makes of the config's optimizer
+    optimizer = build_optimizer([weight], settings.type, dict(settings.params))
+    if settings.zero_gradient_step:
+        zero_grad_step(optimizer)
     torch.testing.assert_close(weight.detach(), start - lr * max_coeff * decay * start)
     assert optimizer.state[weight]["step"] == 1
     # Without fp16 (or with ZeRO, where DeepSpeed's ZeRO optimizer has no such step) nothing moves.

@@ -1,4 +1,4 @@
-"""Live tensor bytes: exact per-storage counts of a training step, the limit, parse_bytes."""
+"""Live tensor bytes: exact per-storage counts of a training step, the limit."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import torch
 from hybridtrain.runtime.memory_limit import (
     DeviceMemoryLimitError,
     LiveTensorBytes,
-    format_bytes,
-    parse_bytes,
     tensors_alive,
 )
 
@@ -162,22 +160,3 @@ def test_counting_stops_at_exit() -> None:
     del kept
     torch.ones(8)
     assert live.current_bytes == 32
-
-
-@pytest.mark.parametrize(("text", "expected"), [
-    ("24GiB", 24 * 2**30), ("512MB", 512 * 10**6), ("1.5 GiB", 3 * 2**29), ("1024", 1024), ("2kib", 2048),
-    (1e9, 10**9), (7, 7), ("1e3B", 1000), ("0", 0),
-])
-def test_parse_bytes(text: int | float | str, expected: int) -> None:
-    assert parse_bytes(text) == expected
-
-
-@pytest.mark.parametrize("bad", ["24 apples", "-1GB", "1.5", "", True, 0.5, None, "GiB", float("nan")])
-def test_parse_bytes_refuses_in_one_line(bad: object) -> None:
-    with pytest.raises(ValueError, match="byte") as caught:
-        parse_bytes(bad)  # type: ignore[arg-type]
-    assert "\n" not in str(caught.value)
-
-
-def test_format_bytes() -> None:
-    assert [format_bytes(n) for n in (512, 3 << 20, 3 << 29)] == ["512 B", "3.00 MiB", "1.50 GiB"]

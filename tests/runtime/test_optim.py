@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from hybridtrain.runtime.optim import build_optimizer, build_scheduler, lr_factor_fn
+from hybridtrain.runtime.optim import (
+    build_optimizer,
+    build_scheduler,
+    lr_factor_fn,
+    optimizer_state_bytes,
+    zero_grad_step,
+)
 
 
 def _params() -> list[torch.nn.Parameter]:
@@ -143,7 +149,8 @@ def test_fp16_init_step_is_deepspeeds_wrapper_step(deepspeed_wrappers: dict[str,
     inner = theirs(half, **{"weight_decay": 0.0, **{k: v for k, v in params.items() if k != "adam_w_mode"}})
     wrapped = deepspeed_wrappers[wrapper](inner, static_loss_scale=1.0)
     masters = [wrapped.fp32_groups_flat[0]] if wrapper == "fused" else wrapped.fp32_groups[0]
-    optimizer = build_optimizer(ours, name, {**params, "fp16_init_step": True})
+    optimizer = build_optimizer(ours, name, params)
+    zero_grad_step(optimizer)
     assert all(s["step"] == 1 for s in optimizer.state.values())
     gen = torch.Generator().manual_seed(1)
     for _ in range(4):
@@ -165,7 +172,22 @@ def test_after_the_init_step_adams_first_update_is_three_quarters_of_lr() -> Non
     lr = 1e-3
     for init, factor in ((False, 1.0), (True, 0.1 / 0.19 / math.sqrt(0.001 / (1 - 0.999**2)))):
         p = torch.nn.Parameter(torch.zeros(3))
-        opt = build_optimizer([p], "Adam", {"lr": lr, "fp16_init_step": init})
+        opt = build_optimizer([p], "Adam", {"lr": lr})
+        if init:
+            zero_grad_step(opt)
         p.grad = torch.tensor([1.0, -2.0, 3.0])
         opt.step()
         torch.testing.assert_close(p.detach(), -lr * factor * p.grad.sign(), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize(("name", "params"), [("Adam", {}), ("AdamW", {"amsgrad": True}), ("SGD", {"momentum": 0.9}),
+                                              ("SGD", {}), ("Adagrad", {}), ("RMSprop", {}), ("Lamb", {})])
+def test_optimizer_state_bytes_is_what_the_optimizer_allocates(name: str, params: dict) -> None:
+    p = torch.nn.Parameter(torch.ones(100))
+    optimizer = build_optimizer([p], name, {"lr": 0.1, **params})
+    p.grad = torch.ones(100)
+    optimizer.step()
+    held = sum(t.numel() * t.element_size() for t in optimizer.state[p].values()
+               if isinstance(t, torch.Tensor) and t.numel() == p.numel())
+    assert optimizer_state_bytes(name, params) * p.numel() == held
+    assert optimizer_state_bytes(type(optimizer).__name__, optimizer.defaults) * p.numel() == held

@@ -276,7 +276,7 @@ def test_a_weight_shared_by_swapped_checkpointed_blocks_gets_its_whole_gradient(
 # DeepSpeed's fp16 wrapper at ZeRO stage 0 steps the optimizer once with zero gradients when
 # built (deepspeed/runtime/fp16/fused_optimizer.py and unfused_optimizer.py,
 # initialize_optimizer_states): the host optimizer starts from that state.
-WRAPPER_STEPPED = {"lr": 0.1, "weight_decay": 0.1, "fp16_init_step": True}
+WRAPPER_STEPPED = {"lr": 0.1, "weight_decay": 0.1}
 
 
 def _two_layers() -> torch.nn.Module:
@@ -310,8 +310,8 @@ def test_a_zero_gradient_step_reaches_the_host_masters_and_the_device_weights() 
     model = _two_layers()
     plain = copy.deepcopy(model)
     reference = build_optimizer(plain.parameters(), "AdamW", WRAPPER_STEPPED)
-    params = {k: v for k, v in WRAPPER_STEPPED.items() if k != "fp16_init_step"}
-    offload = OffloadOptimizer(build_optimizer(model.parameters(), "AdamW", params), torch.device("cpu"),
+    zero_grad_step(reference)
+    offload = OffloadOptimizer(build_optimizer(model.parameters(), "AdamW", WRAPPER_STEPPED), torch.device("cpu"),
                                host_ratio=0.5, bucket_numel=20)
     try:
         zero_grad_step(offload)

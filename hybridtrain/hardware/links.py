@@ -58,7 +58,7 @@ _GEN3 = {"V100", "V100 32GB", "V100 PCIe", "V100 PCIe 32GB", "T4"}
 
 
 def links_for(device_name: str) -> Links:
-    """The links of a GPU model (a canonical name from ``profiling.peaks``); PCIe gen4
+    """The links of a GPU model (a canonical name from ``hardware.peaks``); PCIe gen4
     figures for GPUs not listed, gen3 for V100/T4."""
     if device_name in _LINKS:
         return _LINKS[device_name]

@@ -47,24 +47,20 @@ from hybridtrain.config import (
     resolve_batch_sizes,
 )
 from hybridtrain.engine import Engine
-from hybridtrain.plan.build import build
 from hybridtrain.plan.resolve import resolve
+from hybridtrain.plan.variants import describe_changes, draws_random_numbers, ladder
+from hybridtrain.prepare import prepare
+from hybridtrain.recovery.memory_plans import Replanner
 from hybridtrain.runtime import device as dev
 from hybridtrain.runtime.batch import Batch, LossFn, split_batch
 from hybridtrain.runtime.memory_limit import (
     DeviceMemoryLimitError,
     LiveTensorBytes,
     cap_cuda_memory,
-    format_bytes,
     tensors_alive,
 )
-from hybridtrain.runtime.memory_plans import (
-    Replanner,
-    describe_changes,
-    draws_random_numbers,
-    less_memory_configs,
-)
 from hybridtrain.runtime.step_runner import MicroBatchRunner
+from hybridtrain.units import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +156,7 @@ class MemoryGuard:
         replan: chooses the next config from the measured peak and the limit (the planner,
             when ``config.model`` is the model the factory builds, as in ``hybridtrain
             train``); without it, or when it finds none, the next rung of
-            :func:`less_memory_configs`.
+            :func:`hybridtrain.plan.variants.ladder`.
 
     Raises:
         ValueError: recovery asked for without a model factory, or with several processes
@@ -275,9 +271,9 @@ class MemoryGuard:
         chosen = self._replan(self.config, failure.needed_bytes or failure.peak_bytes, limit) \
             if self._replan is not None and limit else None
         planned = [(describe_changes(self.config, chosen), chosen)] if chosen is not None else []
-        ladder = less_memory_configs(self.config, self.engine.options.batch, self.engine.device,
-                                     draws_random_numbers(self.engine.module))
-        for change, config in [*planned, *ladder]:
+        rungs = ladder(self.config, self.engine.options.batch, self.engine.device,
+                       draws_random_numbers(self.engine.module))
+        for change, config in [*planned, *rungs]:
             assert self._factory is not None
             try:
                 with torch.device("meta"):
@@ -310,7 +306,7 @@ class MemoryGuard:
             survivors = tensors_alive() if self._live_wanted(config) else []
             model = self._factory(config)
             example = split_batch(batch, resolve_batch_sizes(config, 1).accumulation_steps)[0]
-            engine = build(resolve(config, model, world_size=1, example_batch=example), model, loss_fn, None, example)
+            engine = prepare(config, model, loss_fn, None, example, world_size=1).engine
             if not rebuild_fresh:
                 engine.load_checkpoint(state)
         start.restore(engine)
@@ -380,29 +376,13 @@ def initialize_guarded(model_factory: ModelFactory, config: ConfigSource, loss_f
     """:func:`hybridtrain.initialize` for a model made by ``model_factory``, with the guard
     that runs its steps under ``device_memory_limit`` and ``oom_recovery`` (enter it around
     the training loop; ``guard.engine`` is the engine in use). The optimizer is built from
-    ``config.optimizer`` (a rebuilt model needs a new one).
+    ``config.optimizer`` (a rebuilt model needs a new one). With ``auto: true`` the planner
+    chooses the plan, as for :func:`hybridtrain.initialize` (both take the one road,
+    :func:`hybridtrain.prepare.prepare`); ``guard.config`` is the config chosen.
 
     Raises:
         ConfigError / ValueError: as :func:`hybridtrain.initialize` and :class:`MemoryGuard`.
     """
-    model = model_factory(load_config(config))
-    plan = resolve(config, model, example_batch=example_batch)
-    engine = build(plan, model, loss_fn, None, example_batch)
-    return MemoryGuard(engine, plan.config, model_factory)
-
-
-def check_plain_initialize(config: Config, device: torch.device) -> None:
-    """What :func:`hybridtrain.initialize` (which keeps the caller's model) cannot honour.
-
-    Raises:
-        ConfigError: one line pointing to :func:`initialize_guarded`.
-    """
-    if config.oom_recovery.enabled:
-        raise ConfigError("oom_recovery.enabled: initialize(model, ...) cannot rebuild the model it was given under "
-                          "another plan; use hybridtrain.runtime.oom_recovery.initialize_guarded(model_factory, "
-                          "config) or hybridtrain train")
-    if config.device_memory_limit is not None and device.type == "cpu":
-        raise ConfigError(f"device_memory_limit = {config.device_memory_limit} on cpu is counted around each "
-                          "training step; use hybridtrain.runtime.oom_recovery.initialize_guarded(model_factory, "
-                          "config) and guard.train_batch, or hybridtrain train")
-
+    cfg = load_config(config)
+    prepared = prepare(cfg, model_factory(cfg), loss_fn, None, example_batch)
+    return MemoryGuard(prepared.engine, prepared.plan.config, model_factory)

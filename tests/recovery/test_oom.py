@@ -22,8 +22,8 @@ from hybridtrain.config import BatchSizes, Config, ConfigError, load_config
 from hybridtrain.engine import Engine
 from hybridtrain.plan.build import build
 from hybridtrain.plan.resolve import resolve
+from hybridtrain.recovery.oom import MemoryGuard, _release, initialize_guarded
 from hybridtrain.runtime.memory_limit import DeviceMemoryLimitError, LiveTensorBytes, tensors_alive
-from hybridtrain.runtime.oom_recovery import MemoryGuard, _release, initialize_guarded
 from tests.equivalence import OPTIMIZER, SEED, gpt_case
 
 STEPS = 3
@@ -96,7 +96,7 @@ def test_step_two_out_of_memory_reruns_with_checkpointing_and_keeps_the_trajecto
     # Adam's moments exist from step 2 on, so step 2 needs more than step 1
     assert plain[0] < plain[1] and max(checkpointed) < plain[1]
     limit = (max(plain[0], *checkpointed) + plain[1]) // 2
-    with caplog.at_level(logging.WARNING, logger="hybridtrain.runtime.oom_recovery"):
+    with caplog.at_level(logging.WARNING, logger="hybridtrain.recovery.oom"):
         losses, guard = _run(PLAIN, 0.1, device_memory_limit=limit, oom_recovery={"enabled": True})
     _same_run(guard, losses, _reference("checkpointed", 0.1))
     [switch] = guard.switches
@@ -258,7 +258,7 @@ def test_hybridtrain_train_recovers_and_keeps_the_fallback_plans_losses(tmp_path
                                     activation_checkpointing={"enabled": True})
     assert plain[0] < plain[1] and max(checkpointed) < plain[1]
     limit = (max(plain[0], *checkpointed) + plain[1]) // 2
-    with caplog.at_level(logging.WARNING, logger="hybridtrain.runtime.oom_recovery"):
+    with caplog.at_level(logging.WARNING, logger="hybridtrain.recovery.oom"):
         losses, _ = _train(tmp_path, "recovered", device_memory_limit=limit, oom_recovery={"enabled": True})
     torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
     # the planner's choice (it estimates the config's model) or the ladder's first rung:

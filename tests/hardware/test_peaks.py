@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridtrain.profiling.peaks import (
+from hybridtrain.hardware.peaks import (
     device_memory_bytes,
     device_peak_flops,
     find_device,

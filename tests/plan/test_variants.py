@@ -1,17 +1,19 @@
-"""Same-math configs that need less memory: the ladder, dropout, the limit check."""
+"""The space of same-math variants and its two walks: the ladder out-of-memory recovery
+climbs and the planner's grid; one dropout rule, one diff, one reading of parallel sizes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hybridtrain.config import BatchSizes, load_config
+from hybridtrain.config import BatchSizes, ConfigError, load_config
 from hybridtrain.plan import resolve
-from hybridtrain.runtime.memory_plans import (
-    check_limit_reachable,
+from hybridtrain.plan.variants import (
+    changed_settings,
     describe_changes,
     draws_random_numbers,
-    less_memory_configs,
+    grid,
+    ladder,
 )
 from tests.equivalence import gpt_case
 
@@ -20,13 +22,13 @@ PLAIN = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8, "device": "
 
 def test_the_ladder_beside_a_gpu_and_on_cpu() -> None:
     config, batch = load_config(PLAIN), BatchSizes(8, 8, 1, 1)
-    gpu = [change for change, _ in less_memory_configs(config, batch, torch.device("cuda"), False)]
+    gpu = [change for change, _ in ladder(config, batch, torch.device("cuda"), False)]
     assert gpu == ["activation checkpointing of every block", "activation swapping", "optimizer offload",
                    "layer streaming", "micro-batch 8 -> 4 with 1 -> 2 accumulation steps"]
-    cpu = dict(less_memory_configs(config, batch, torch.device("cpu"), True))
+    cpu = dict(ladder(config, batch, torch.device("cpu"), True))
     assert list(cpu) == ["activation checkpointing of every block"]
     assert cpu["activation checkpointing of every block"].activation_checkpointing.enabled
-    offload = dict(less_memory_configs(config, batch, torch.device("cuda"), True))["optimizer offload"]
+    offload = dict(ladder(config, batch, torch.device("cuda"), True))["optimizer offload"]
     assert offload.zero_optimization.offload_optimizer.device == "cpu"
     # Offload is ignored at stage 0, so the rung moves to stage 1: the plan puts the update on the host.
     assert resolve(offload.model_dump(), gpt_case(0.0).build(), world_size=1).optimizer.placement == "host"
@@ -37,6 +39,16 @@ def test_random_forwards_are_recognised() -> None:
     assert not draws_random_numbers(gpt_case(0.0).build())
 
 
+def test_both_walks_keep_the_micro_batch_of_a_random_forward() -> None:
+    config, batch = load_config(PLAIN), BatchSizes(8, 8, 1, 1)
+    walks = {"grid": {v.train_micro_batch_size_per_gpu for _, v, _ in grid(config, 1, True)},
+             "ladder": {v.train_micro_batch_size_per_gpu for _, v in ladder(config, batch, torch.device("cuda"), True)}}
+    assert walks == {"grid": {8}, "ladder": {8}}
+    assert {v.train_micro_batch_size_per_gpu for _, v, _ in grid(config, 1, False)} == {1, 2, 4, 8}
+    # Same math: every variant of either walk keeps the global batch.
+    assert {v.train_batch_size or 8 for _, v, _ in grid(config, 1, False)} == {8}
+
+
 def test_changes_are_described_by_their_settings() -> None:
     config = load_config(PLAIN)
     smaller = load_config({**PLAIN, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
@@ -45,14 +57,11 @@ def test_changes_are_described_by_their_settings() -> None:
         "train_micro_batch_size_per_gpu: 4, gradient_accumulation_steps: 2, activation_checkpointing.enabled: True, "
         "activation_checkpointing.every_n_blocks: 2")
     assert describe_changes(config, config) == "the same settings"
+    assert changed_settings(config, smaller)[0] == ("train_micro_batch_size_per_gpu", 8, 4)
 
 
-def test_a_limit_below_the_least_memory_plans_estimate_is_one_line_before_allocation() -> None:
-    raw = {"device": "cpu", "train_batch_size": 4, "model": {"name": "gpt-tiny"}, "data": {"seq_len": 32},
-           "device_memory_limit": "100kB", "oom_recovery": {"enabled": True}}
-    with pytest.raises(ValueError, match=r"device_memory_limit = 100000 bytes \(97.66 KiB\) is too small: even "
-                                         r"with activation checkpointing of every block, micro-batch 4 -> 2 .* a step "
-                                         r"needs about \d+ bytes") as caught:
-        check_limit_reachable(load_config(raw))
-    assert "\n" not in str(caught.value)
-    check_limit_reachable(load_config({**raw, "device_memory_limit": "64MiB"}))
+def test_conflicting_parallel_sizes_are_an_error_not_the_larger() -> None:
+    config = load_config({**PLAIN, "train_batch_size": 16, "tensor_parallel": {"size": 2},
+                          "tensor_model_parallel_size": 4})
+    with pytest.raises(ConfigError, match="^tensor_model_parallel_size=4 but tensor_parallel.size=2; "):
+        next(grid(config, 8, False))
