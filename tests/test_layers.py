@@ -11,9 +11,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS: list[list[str]] = [  # bottom first; a module may import its own layer and those below
-    ["units", "cli_parser", "hardware", "compat"],           # plain tables and parsers
+    ["units", "cli_parser", "hardware", "compat", "bounded_parse"],  # plain tables and parsers
     ["config"],
-    ["data", "models", "metrics", "stopping", "run_dir"],
+    ["data", "models", "metrics", "stopping", "terminate", "run_dir", "run_lock", "outputs"],
     ["runtime"],                                               # one-process techniques
     ["plan.types"],                                            # the plan, a value
     ["parallel"],
@@ -28,7 +28,7 @@ LAYERS: list[list[str]] = [  # bottom first; a module may import its own layer a
     ["errors", "trainer"],
     ["deepspeed", "report", "hpo", "service"],
     ["", "cli", "train_cli", "parallel.worker", "planner.measure", "planner.cli", "profiling.cli",
-     "checkpoint.cli", "report.cli", "hpo.cli", "hpo.__main__", "service.cli"],  # commands
+     "checkpoint.cli", "report.cli", "hpo.cli", "hpo.__main__", "service.cli", "deepspeed.__main__"],  # commands
 ]
 
 
