@@ -330,7 +330,8 @@ class PipelineEngine(DeepSpeedEngine):
             return nn.Module.__getattr__(self, name)
         except AttributeError:
             pass
-        module = self._modules.get("_module") if "_modules" in self.__dict__ else None
+        # (no children yet while nn.Module.__init__ runs: named_children would come back here)
+        module = dict(self.named_children()).get("_module") if "_modules" in self.__dict__ else None
         if not name.startswith("__") and module is not None and hasattr(module, name):
             return getattr(module, name)
         raise AttributeError(f"'PipelineEngine' (hybridtrain.deepspeed) has no attribute {name!r}, and the "
