@@ -38,7 +38,8 @@ def process_start_ticks(pid: int) -> int | None:
     return int(fields[19])
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
+    """Whether process group ``pgid`` has a member left (one we may not signal counts)."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
@@ -67,7 +68,7 @@ def stop_group(pgid: int, grace: float, leader: subprocess.Popen[bytes] | None =
     while time.monotonic() < deadline:
         if leader is not None:
             leader.poll()
-        if not _group_alive(pgid):
+        if not group_alive(pgid):
             return
         time.sleep(0.02)
     _signal_group(pgid, signal.SIGKILL)
@@ -88,7 +89,7 @@ def stop_orphan_group(pgid: int, start_ticks: int | None, grace: float) -> bool:
     ticks = process_start_ticks(pgid)
     if ticks is not None and ticks != start_ticks:
         return False
-    if not _group_alive(pgid):
+    if not group_alive(pgid):
         return False
     stop_group(pgid, grace)
     return True

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from hybridtrain.hpo.process import process_start_ticks
+from hybridtrain.hpo.process import group_alive, process_start_ticks
 from hybridtrain.service import wrap
 from hybridtrain.service.backend import Backend, Ended, Started
 from hybridtrain.service.devices import Slots
@@ -53,17 +53,6 @@ def _lock_held(path: Path) -> bool | None:
     finally:
         os.close(fd)  # also drops the lock if we got it
     return False
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether process group ``pgid`` has a member left."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class LocalBackend(Backend):
