@@ -19,6 +19,7 @@ from hybridtrain.checkpoint.layout import MARKER
 from hybridtrain.cli import main
 from hybridtrain.config import load_config
 from hybridtrain.trainer import run_training
+from tests.tiny_run import tiny_config
 
 TINY = ["--set", "device=cpu", "--set", "data.seq_len=16", "--set", "train_batch_size=2", "--set",
         "model.overrides.n_layer=1", "--set", "model.overrides.d_model=32", "--set", "model.overrides.n_head=2",
@@ -97,9 +98,7 @@ def test_a_set_value_too_deep_is_one_line(tmp_path: Path, capsys: pytest.Capture
 @pytest.fixture(scope="module")
 def checkpointed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("meta") / "run"
-    run_training(load_config({"device": "cpu", "model": {"overrides": {"n_layer": 1, "d_model": 32, "n_head": 2}},
-                              "data": {"seq_len": 16}, "train_batch_size": 2,
-                              "train": {"steps": 1, "output_dir": str(out), "eval_batches": 1}}), progress=False)
+    run_training(tiny_config(out), progress=False)
     return out
 
 

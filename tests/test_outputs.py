@@ -9,16 +9,14 @@ from typing import Any
 import pytest
 
 from hybridtrain.cli import main
-from hybridtrain.config import load_config
 from hybridtrain.trainer import run_training
+from tests.tiny_run import tiny_config
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("outputs") / "run"
-    run_training(load_config({"device": "cpu", "model": {"overrides": {"n_layer": 1, "d_model": 32, "n_head": 2}},
-                              "data": {"seq_len": 16}, "train_batch_size": 2,
-                              "train": {"steps": 1, "output_dir": str(out), "eval_batches": 1}}), progress=False)
+    run_training(tiny_config(out), progress=False)
     return out
 
 

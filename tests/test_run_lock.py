@@ -17,7 +17,7 @@ import pytest
 from hybridtrain.checkpoint import CheckpointError
 from hybridtrain.checkpoint.layout import MARKER, commit, file_digests, temporary_dir
 from hybridtrain.cli import main
-from hybridtrain.config import Config, load_config
+from hybridtrain.config import Config
 from hybridtrain.run_lock import (
     LOCK_FILE,
     RANKS_FILE,
@@ -27,13 +27,11 @@ from hybridtrain.run_lock import (
     own_run_dir,
 )
 from hybridtrain.trainer import run_training
+from tests.tiny_run import tiny_config
 
 
 def _cfg(out: Path, steps: int = 3, **train: Any) -> Config:
-    return load_config({"device": "cpu", "model": {"overrides": {"n_layer": 1, "d_model": 32, "n_head": 2}},
-                        "data": {"seq_len": 16}, "train_batch_size": 2,
-                        "train": {"steps": steps, "checkpoint_every": 1, "keep_checkpoints": 2, "output_dir": str(out),
-                                  "eval_batches": 1, **train}})
+    return tiny_config(out, steps, **{"checkpoint_every": 1, "keep_checkpoints": 2, **train})
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ from hybridtrain.checkpoint import sharded
 from hybridtrain.checkpoint.layout import MARKER, META, CheckpointError
 from hybridtrain.checkpoint.safe_load import read_metadata_safely
 from hybridtrain.cli import main
-from hybridtrain.config import load_config
 from hybridtrain.trainer import run_training
+from tests.tiny_run import tiny_config
 
 
 class Payload:
@@ -55,9 +55,7 @@ def _plant_in_metadata(path: Path, marker: Path) -> None:
 
 def test_neither_resume_nor_export_runs_a_payload_in_the_metadata(tmp_path: Path) -> None:
     run, marker = tmp_path / "run", tmp_path / "PWNED"
-    cfg = load_config({"device": "cpu", "model": {"overrides": {"n_layer": 1, "d_model": 32, "n_head": 2}},
-                       "data": {"seq_len": 16}, "train_batch_size": 2,
-                       "train": {"steps": 1, "output_dir": str(run), "eval_batches": 1}})
+    cfg = tiny_config(run)
     run_training(cfg, progress=False)
     step = run / "checkpoints" / "step-0000001"
     _plant_in_metadata(step, marker)
