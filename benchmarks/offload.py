@@ -39,6 +39,8 @@ import torch
 
 import hybridtrain as ht
 from hybridtrain.models.gpt import GPT, GPTConfig, causal_lm_loss, gpt_config, gpt_param_count
+from hybridtrain.planner.estimate import Estimate, estimate, model_source, resolve_target
+from hybridtrain.planner.search import MARGIN
 from hybridtrain.runtime.transfer import available_host_bytes
 
 GIB = 2**30
@@ -95,6 +97,10 @@ class Result:
     params: int = 0
     transfer_bytes: dict[str, int] | None = None
     """Host⇄device bytes of the last timed step by kind (our engine only)."""
+    planned_peak_gib: float = math.nan
+    """The planner's device peak for this configuration (our engine only), to hold against ``peak_gib``."""
+    planned_step_s: float = math.nan
+    """The planner's step time, to hold against ``step_s``."""
 
     @property
     def ok(self) -> bool:
@@ -112,6 +118,8 @@ class Depth:
     limit: str
     detail: str = ""
     lower_bound: bool = False
+    predicted_n_layer: int | None = None
+    """The planner's largest depth (device and host memory), where the search started."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +148,11 @@ class Setup:
         return {"train_batch_size": self.batch * self.accumulation, "train_micro_batch_size_per_gpu": self.batch,
                 "gradient_accumulation_steps": self.accumulation, "bf16": {"enabled": self.device == "cuda"},
                 "optimizer": copy.deepcopy(OPTIMIZER), **extra}
+
+    def example(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One global batch's shapes, allocating nothing."""
+        shape = (self.batch * self.accumulation, self.model.seq_len)
+        return torch.empty(shape, dtype=torch.long, device="meta"), torch.empty(shape, dtype=torch.long, device="meta")
 
     def data(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One global batch (``batch × accumulation`` sequences)."""
@@ -278,11 +291,51 @@ def _time(setup: Setup, name: str, step: Callable[[], object]) -> Result:
 def measure(setup: Setup, name: str) -> Result:
     """Our engine in mode ``name``; the engine lives in this frame only. ``model.blocks``
     is named because a 1-layer model has no repetition to find its blocks by."""
-    config = {"device": setup.device, "model": {"blocks": "blocks"}, **setup.settings(**copy.deepcopy(MODES[name]))}
-    engine = ht.initialize(build_model(setup.model), config, loss_fn=causal_lm_loss)
+    try:  # the planner's figures are a comparison: their failure must not cost the measurement
+        planned = planned_step(setup, name)
+        peak, step_s = planned.device_peak_bytes / GIB, planned.step_seconds
+    except Exception as exc:  # noqa: BLE001 - reported, and the row goes on without them
+        print(f"[offload] {name}: no planner estimate ({_why(exc)})", file=sys.stderr, flush=True)
+        peak, step_s = math.nan, math.nan
+    engine = ht.initialize(build_model(setup.model), engine_config(setup, name), loss_fn=causal_lm_loss)
     data = setup.data()
     result = _time(setup, name, lambda: engine.train_batch(data))
-    return replace(result, transfer_bytes=dict(engine.last_timings.transfer_bytes))
+    return replace(result, transfer_bytes=dict(engine.last_timings.transfer_bytes), planned_peak_gib=peak,
+                   planned_step_s=step_s)
+
+
+def engine_config(setup: Setup, name: str) -> dict[str, Any]:
+    """Our engine's configuration for mode ``name``."""
+    return {"device": setup.device, "model": {"blocks": "blocks"}, **setup.settings(**copy.deepcopy(MODES[name]))}
+
+
+def planned_step(setup: Setup, name: str) -> Estimate:
+    """The planner's estimate of mode ``name`` on this machine, from a meta copy of the model
+    (nothing allocated): what ``hybridtrain estimate`` would tell a user before the run."""
+    with torch.device("meta"):
+        model = GPT(setup.model)
+    example = tuple(t[: setup.batch].to("meta") for t in setup.example())
+    target = resolve_target() if setup.device == "cuda" else None
+    return estimate(engine_config(setup, name), target, model=model_source(model, example, causal_lm_loss))
+
+
+def predicted_depth(setup: Setup, name: str, limit: int) -> int:
+    """The planner's largest ``n_layer`` for mode ``name``: its device peak and host bytes at
+    1 and 2 layers, extended linearly to this device's memory (less the planner's margin) and
+    to :data:`HOST_MARGIN` of the available host memory less the fp32 model the benchmark
+    builds it from."""
+    one, two = (planned_step(setup.depth(n), name) for n in (1, 2))
+    params_one, params_two = (gpt_param_count(setup.depth(n).model) for n in (1, 2))
+    device = (torch.cuda.mem_get_info()[1] if setup.device == "cuda" else available_host_bytes()) * (1 - MARGIN)
+    host = HOST_MARGIN * available_host_bytes()
+    fits = [limit]
+    for have, at_one, at_two, model_bytes in (
+            (device, one.device_peak_bytes, two.device_peak_bytes, (0, 0)),
+            (host, one.host_bytes, two.host_bytes, (4 * params_one, 4 * params_two))):
+        per_layer = at_two + model_bytes[1] - at_one - model_bytes[0]
+        if per_layer > 0:
+            fits.append(1 + int((have - at_one - model_bytes[0]) // per_layer))
+    return max(1, min(fits))
 
 
 def measure_fsdp2(setup: Setup) -> Result:
@@ -354,32 +407,44 @@ def baseline_run(setup: Setup, name: str) -> Callable[[], Result] | str:
     return functools.partial(measure_deepspeed, setup, name)
 
 
-def largest_depth(setup: Setup, name: str, limit: int = 512, budget_s: float = math.inf) -> Depth:
-    """Largest ``n_layer`` of the model's width that trains one step in mode ``name``
-    (doubling, then bisection); a depth whose host lower bound does not fit is not built.
-    It stops before a probe predicted (from the last two probes' times) to end past
-    ``budget_s``, answering the deepest depth so far as a lower bound."""
+def largest_depth(setup: Setup, name: str, limit: int = 512, budget_s: float = math.inf,
+                  start: int | None = None, tolerance: float = 0.0) -> Depth:
+    """Largest ``n_layer`` of the model's width that trains one step in mode ``name``: from
+    ``start`` (the planner's guess) up by 1.25x or down by 1/1.25 until it brackets the
+    limit, without ``start`` doubling from 1, then bisection until the bracket is within
+    ``tolerance`` of the deepest that trained (0: exact). A depth whose host lower bound does
+    not fit is not built. It stops before a probe predicted (from the last two probes' times)
+    to end past ``budget_s``, answering the deepest depth so far as a lower bound."""
     deadline = time.perf_counter() + budget_s
+    grow = 2.0 if start is None else 1.25
     low, high, failed = 0, limit + 1, False  # low trains (0 trivially), high does not
     why, detail, lower_bound = "depth limit", f"n_layer <= {limit}", False
     timed: list[tuple[int, float]] = []
-    while high - low > 1:
-        n = (low + high) // 2 if failed else min(max(2 * low, 1), high - 1)
+    n = min(max(start or 1, 1), limit)
+    while high - low > max(1, int(tolerance * low)):
         (n0, t0), (n1, t1) = timed[-2] if len(timed) > 1 else (0, 0.0), timed[-1] if timed else (1, 0.0)
-        if time.perf_counter() + max(t1 + (t1 - t0) / (n1 - n0) * (n - n1), 0.0) >= deadline:
+        if time.perf_counter() + max(t1 + (t1 - t0) / max(n1 - n0, 1) * (n - n1), 0.0) >= deadline:
             why, detail, lower_bound = "time budget", f"{budget_s:.0f} s spent", True
             break
-        probe, start = setup.depth(n, steps=0), time.perf_counter()
+        probe, begun = setup.depth(n, steps=0), time.perf_counter()
         result = run_isolated(name, probe, functools.partial(measure, probe, name), host_bytes(probe, name))
         if not result.status.startswith(REFUSED):  # a refused depth took no time
-            timed.append((n, time.perf_counter() - start))
+            timed.append((n, time.perf_counter() - begun))
         if result.ok:
             low = n
         else:
             high, failed, detail = n, True, result.status
             why = ("device OOM" if result.status == "OOM (device)" else
                    "host memory" if result.status.startswith("host memory") else "failed")
-    return Depth(name, low, gpt_param_count(setup.depth(low).model) if low else 0, why, detail, lower_bound)
+        if not failed:
+            n = min(max(math.ceil(low * grow), low + 1), high - 1)
+        elif low == 0 and start is not None:
+            n = max(1, min(high - 1, int(high / grow)))
+        else:
+            n = (low + high) // 2
+    if not lower_bound and high - low > 1:
+        detail += f"; stopped within {tolerance:.0%}"
+    return Depth(name, low, gpt_param_count(setup.depth(low).model) if low else 0, why, detail, lower_bound, start)
 
 
 def _single_process_group(device: str) -> None:
@@ -444,10 +509,18 @@ def report(modes: list[Result], baselines: list[Result], depths: list[Depth]) ->
         ours = next((m for m in modes if m.name == peer), None)
         print(_row(r, f"ours ({peer}) {ours.tokens_s / r.tokens_s:.2f}x it" if ours and ours.ok
                    else f"ours ({peer}): {ours.status if ours else 'not measured'}"))
+    planned = [r for r in modes if r.ok and math.isfinite(r.planned_step_s)]
+    if planned:
+        print(f"{'planner vs measured':24s} {'peak GiB':>17s} {'measured/planned':>16s} {'step s':>15s} "
+              f"{'measured/planned':>16s}")
+    for r in planned:
+        print(f"{r.name:24s} {r.peak_gib:8.2f}/{r.planned_peak_gib:<8.2f} {r.peak_gib / r.planned_peak_gib:16.2f} "
+              f"{r.step_s:7.3f}/{r.planned_step_s:<7.3f} {r.step_s / r.planned_step_s:16.2f}")
     plain = next((d for d in depths if d.name == "plain" and d.params), None)
     for d in depths:
         ratio = f"{d.params / plain.params:5.2f}x plain" if plain else ""
-        print(f"largest {d.name:18s} n_layer {'>=' if d.lower_bound else '  '}{d.n_layer:4d} "
+        guess = f" (planner: {d.predicted_n_layer})" if d.predicted_n_layer else ""
+        print(f"largest {d.name:18s} n_layer {'>=' if d.lower_bound else '  '}{d.n_layer:4d}{guess} "
               f"{d.params / 1e9:7.3f}B params {ratio} limit: {d.limit} ({d.detail})")
 
 
@@ -468,6 +541,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--search-only", action="store_true", help="no throughput rows, no baselines")
     parser.add_argument("--search-budget-s", type=float, default=480.0, help="time for the whole search")
     parser.add_argument("--search-max-layers", type=int, default=512)
+    parser.add_argument("--search-tolerance", type=float, default=0.0,
+                        help="stop when the bracket is within this fraction of the deepest depth that trained")
+    parser.add_argument("--search-from-plan", action="store_true",
+                        help="start each search at the planner's largest depth instead of doubling from 1")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="device bf16 peak (H100 SXM: 989)")
     parser.add_argument("--jsonl", default=None, help="append each row to this file as soon as it is measured "
                                                       "(a run cut off by its time limit keeps what it measured)")
@@ -502,7 +579,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         deadline = time.perf_counter() + args.search_budget_s
         for index, name in enumerate(args.modes):  # each mode gets an equal share of what is left
             share = max(deadline - time.perf_counter(), 0.0) / (len(args.modes) - index)
-            depths.append(largest_depth(setup, name, args.search_max_layers, share))
+            start = None
+            if args.search_from_plan:
+                try:
+                    start = predicted_depth(setup, name, args.search_max_layers)
+                except Exception as exc:  # noqa: BLE001 - the search then doubles from 1
+                    print(f"[offload] {name}: no planner depth ({_why(exc)})", file=sys.stderr, flush=True)
+            depths.append(largest_depth(setup, name, args.search_max_layers, share, start, args.search_tolerance))
             emit({"kind": "depth", **asdict(depths[-1])})
     for name in [] if args.no_baselines or args.search_only else args.baselines:
         run = baseline_run(setup, name)

@@ -21,9 +21,15 @@
 #                host<->device bytes by kind, for plain, checkpointing, swap, optimizer offload,
 #                layer streaming (both orders), and FSDP2 CPUOffloadPolicy measured in the same run
 #   host_adam    the host optimizer step (torch's fused CPU AdamW), Gparam/s at this machine's threads
-#   depth        with the time left: the largest depth layer-major streaming trains at 1.3B's width
+#   depth        the largest depth plain training and layer-major streaming train at 1.3B's width
+#                (each search starts at the planner's prediction, stops within 5 %)
+#   big          GPT-6.7B, layer-major streaming, 16k tokens/step: tokens/s, MFU, bytes moved
+#   deepspeed    DeepSpeed ZeRO-Offload and ZeRO-3 offload at 1.3B beside our peers, in the same
+#                run (its CPU Adam op is compiled in the background from the start)
 #
-# Environment: OUT (default ./gpu-logs), GPU_CHECK_BUDGET_S (default 480; dry run 150).
+# Environment: OUT (default ./gpu-logs), GPU_CHECK_BUDGET_S (default 480; dry run 300),
+# GPU_CHECK_PARTS (the parts to run, default all), GPU_CHECK_RESUME=1 (skip the parts an
+# earlier call on this same machine finished: a follow-up call on a warm machine).
 set -uo pipefail
 dry=0
 if [[ "${1:-}" == "--dry-run" ]]; then dry=1; elif [[ -n "${1:-}" ]]; then
@@ -33,11 +39,18 @@ cd "$(dirname "$0")/.."
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
 results="$out/gpu_results.jsonl"
-budget=${GPU_CHECK_BUDGET_S:-$([[ $dry == 1 ]] && echo 150 || echo 480)}
+budget=${GPU_CHECK_BUDGET_S:-$([[ $dry == 1 ]] && echo 300 || echo 480)}
 start=$SECONDS
 py=${PYTHON:-python3}
 
 left() { echo $(( budget - (SECONDS - start) )); }
+parts=${GPU_CHECK_PARTS:-cuda_tests modes host_adam depth big deepspeed}
+# What outlives one call on a warm machine: the parts done (a follow-up call skips them) and
+# DeepSpeed's build status. A dry run keeps it beside its output.
+state=$([[ $dry == 1 ]] && echo "$out/.gpu_check" || echo /tmp/gpu_check)
+mkdir -p "$state"
+finished=$state/finished
+[[ ${GPU_CHECK_RESUME:-0} == 1 ]] || rm -f "$finished"
 
 row() {  # row PART KEY=VALUE... : one JSON line (values are JSON where they parse, else strings)
   "$py" - "$results" "$@" <<'EOF'
@@ -58,6 +71,8 @@ EOF
 # part NAME MIN_SECONDS CAP_SECONDS CMD...: run CMD if MIN_SECONDS are left, for at most CAP_SECONDS.
 part() {
   local name=$1 need=$2 cap=$3; shift 3
+  [[ " $parts " == *" $name "* ]] || return 0
+  if grep -qx "$name" "$finished" 2>/dev/null; then echo "[gpu_check] $name already done on this machine"; return 0; fi
   local have; have=$(left)
   if (( have < need )); then
     row "$name" status=skipped reason="\"$have s left, needs $need s\""; echo "[gpu_check] $name skipped ($have s left)"
@@ -69,6 +84,7 @@ part() {
   timeout --kill-after=10 "$cap" "$@" > "$out/$name.log" 2>&1 || rc=$?
   row "$name" status="$([[ $rc == 0 ]] && echo done || ([[ $rc == 124 || $rc == 137 ]] && echo timed_out || echo failed))" \
       rc=$rc seconds=$(( SECONDS - t0 ))
+  [[ $rc == 124 || $rc == 137 ]] || echo "$name" >> "$finished"
   tail -n 5 "$out/$name.log"
   return 0
 }
@@ -80,6 +96,15 @@ else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONUNBUFFERED=1
+
+# DeepSpeed's CPU Adam compiles just in time (a minute or more): start it now, on a few cores,
+# so the deepspeed part finds it built (the build cache outlives this call on a warm machine).
+if [[ $dry == 0 && " $parts " == *" deepspeed "* ]] && ! grep -qx deepspeed "$finished" 2>/dev/null \
+   && "$py" -c "import deepspeed" 2>/dev/null; then
+  rm -f "$state/deepspeed_built"
+  ( MAX_JOBS=4 "$py" -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
+      > "$out/deepspeed_build.log" 2>&1; echo $? > "$state/deepspeed_built" ) &
+fi
 
 "$py" - "$results" "$dry" <<'EOF'
 import json, os, sys, torch
@@ -150,15 +175,33 @@ if [[ $dry == 1 ]]; then numel=200_000; triad=1_000_000; else numel=200_000_000;
 part host_adam 20 60 "$py" benchmarks/cpu_adam.py --numel "$numel" --steps 3 --triad-numel "$triad" \
   --only torch_fused --jsonl "$results"
 
-# (d) with what is left: the deepest model layer-major streaming trains at 1.3B's width.
-depth_budget=$(( $(left) - 25 ))
+# (d) the largest depth plain training and layer-major streaming train at 1.3B's width, each
+# search starting at the planner's prediction and stopping within 5 %.
+depth_cap=150
 if [[ $dry == 1 ]]; then
   search=(--size tiny --batch 2 --accumulation 2 --device cpu --search-max-layers 3)
 else
   search=(--size 1.3b --seq-len 1024 --batch 8 --accumulation 2 --device cuda --search-max-layers 1024)
 fi
-part depth 40 $(( depth_budget > 0 ? depth_budget + 20 : 1 )) "$py" benchmarks/offload.py "${search[@]}" --search \
-  --search-only --modes layer_major --search-budget-s "$(( depth_budget > 0 ? depth_budget : 1 ))" \
+part depth 60 $depth_cap "$py" benchmarks/offload.py "${search[@]}" --search --search-only --search-from-plan \
+  --search-tolerance 0.05 --modes plain layer_major --search-budget-s $(( depth_cap - 20 )) \
   --part depth --jsonl "$results"
+
+# (e) GPT-6.7B (d_model 4096, 32 layers) streamed layer-major, 8 x 1024 tokens x 2 micro-batches.
+if [[ $dry == 1 ]]; then
+  big=(--size tiny --n-layer 3 --batch 2 --accumulation 2 --steps 1 --device cpu)
+else
+  big=(--size 6.7b --seq-len 1024 --batch 8 --accumulation 2 --steps 1 --device cuda)
+fi
+part big 90 150 "$py" benchmarks/offload.py "${big[@]}" --modes layer_major --no-baselines --part big \
+  --jsonl "$results"
+
+# (f) DeepSpeed's offloads at 1.3B beside our peers (it needs CUDA: on the CPU only its rows
+# saying why run).
+# Waits (within the part's limit) for the background build where one was started.
+part deepspeed 90 180 bash -c 'while [[ $1 == 1 && ! -s $2 ]]; do sleep 2; done
+  shift 2; exec "$@"' _ "$([[ -f "$out/deepspeed_build.log" ]] && echo 1 || echo 0)" "$state/deepspeed_built" \
+  "$py" benchmarks/offload.py "${size[@]}" --modes optimizer_offload layer_major \
+  --baselines deepspeed_zero_offload deepspeed_zero3_offload --part deepspeed --jsonl "$results"
 
 echo "[gpu_check] done in $(( SECONDS - start )) s; rows in $results"

@@ -11,11 +11,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PARTS = ("cuda_tests", "modes", "host_adam", "depth", "big", "deepspeed")
 MODES = ["plain", "checkpointing", "activation_swap", "optimizer_offload", "layer_streaming", "layer_major"]
 
 
-def _check(tmp_path: Path, *args: str, budget: int | None = None) -> list[dict]:
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+def _check(tmp_path: Path, *args: str, budget: int | None = None, extra: dict[str, str] | None = None) -> list[dict]:
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, **(extra or {})}
     if budget is not None:
         env["GPU_CHECK_BUDGET_S"] = str(budget)
     done = subprocess.run(["bash", "scripts/gpu_check.sh", *args], cwd=ROOT, env=env, capture_output=True,
@@ -29,8 +30,7 @@ def test_dry_run_runs_every_part_and_writes_its_rows(tmp_path: Path) -> None:
     env = rows[0]
     assert env["part"] == "env" and env["dry_run"] is True and env["missing_modules"] == []
     done = {r["part"]: r for r in rows if "status" in r and "rc" in r}
-    assert {p: r["status"] for p, r in done.items()} == {p: "done" for p in ("cuda_tests", "modes", "host_adam",
-                                                                             "depth")}
+    assert {p: r["status"] for p, r in done.items()} == {p: "done" for p in PARTS}
     tests = [r for r in rows if r["part"] == "cuda_tests" and "test" in r]
     assert len(tests) >= 10 and all(r["outcome"] == "skipped" for r in tests)  # no CUDA here
     assert any("stream_races" in r["test"] for r in tests)
@@ -43,14 +43,30 @@ def test_dry_run_runs_every_part_and_writes_its_rows(tmp_path: Path) -> None:
     assert moved["optimizer_offload"]["gradients_down"] > 0 and moved["layer_major"]["weights_up"] > 0
     (adam,) = [r for r in rows if r["part"] == "host_optimizer"]
     assert adam["name"] == "torch_fused" and adam["gparams_s"] > 0
-    (depth,) = [r for r in rows if r["part"] == "depth" and "n_layer" in r and "kind" in r]
-    assert depth["name"] == "layer_major" and depth["n_layer"] >= 1
+    assert all(r["planned_step_s"] > 0 and r["planned_peak_gib"] > 0 for r in measured.values()
+               if r["name"] != "fsdp2_cpu_offload")
+    depths = {r["name"]: r for r in rows if r["part"] == "depth" and r.get("kind") == "depth"}
+    assert list(depths) == ["plain", "layer_major"]
+    assert all(d["n_layer"] >= 1 and d["predicted_n_layer"] >= 1 for d in depths.values())
+    (big,) = [r for r in rows if r["part"] == "big" and r.get("kind") == "mode"]
+    assert big["name"] == "layer_major" and big["status"] == "ok" and big["n_layer"] == 3
+    ours = {r["name"]: r["status"] for r in rows if r["part"] == "deepspeed" and r.get("kind") == "mode"}
+    assert ours == {"optimizer_offload": "ok", "layer_major": "ok"}
+    incumbents = {r["name"]: r["status"] for r in rows if r["part"] == "deepspeed" and r.get("kind") == "baseline"}
+    assert set(incumbents) == {"deepspeed_zero_offload", "deepspeed_zero3_offload"}  # on the CPU: why not
+
+
+def test_a_follow_up_call_skips_the_parts_done(tmp_path: Path) -> None:
+    env = {"GPU_CHECK_PARTS": "host_adam"}
+    _check(tmp_path, "--dry-run", extra=env)
+    rows = _check(tmp_path, "--dry-run", extra={**env, "GPU_CHECK_RESUME": "1"})
+    assert [r["part"] for r in rows] == ["env", "host_optimizer", "host_adam", "env"]
 
 
 def test_parts_the_budget_cannot_fit_are_skipped_with_a_row(tmp_path: Path) -> None:
     rows = _check(tmp_path, "--dry-run", budget=5)
     skipped = {r["part"] for r in rows if r.get("status") == "skipped"}
-    assert skipped == {"cuda_tests", "modes", "host_adam", "depth"}
+    assert skipped == set(PARTS)
 
 
 def test_unknown_argument_is_one_line(tmp_path: Path) -> None:
