@@ -545,6 +545,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="stop when the bracket is within this fraction of the deepest depth that trained")
     parser.add_argument("--search-from-plan", action="store_true",
                         help="start each search at the planner's largest depth instead of doubling from 1")
+    parser.add_argument("--search-start", type=int, default=None,
+                        help="start each search at this depth (a depth already known to train, say)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="device bf16 peak (H100 SXM: 989)")
     parser.add_argument("--jsonl", default=None, help="append each row to this file as soon as it is measured "
                                                       "(a run cut off by its time limit keeps what it measured)")
@@ -579,8 +581,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         deadline = time.perf_counter() + args.search_budget_s
         for index, name in enumerate(args.modes):  # each mode gets an equal share of what is left
             share = max(deadline - time.perf_counter(), 0.0) / (len(args.modes) - index)
-            start = None
-            if args.search_from_plan:
+            start = args.search_start
+            if args.search_from_plan and start is None:
                 try:
                     start = predicted_depth(setup, name, args.search_max_layers)
                 except Exception as exc:  # noqa: BLE001 - the search then doubles from 1

@@ -275,10 +275,13 @@ def deepspeed_wrapper_steps(config: dict[str, Any]) -> bool:
     return stage == 0 and (fp16 or (bf16 and not pipelined))
 
 
-def plain_run(case: ModelCase, mode: Mode, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The specification: a hand-written full-batch PyTorch loop."""
+def plain_run(case: ModelCase, mode: Mode, steps: int = STEPS,
+              device: str = "cpu") -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The specification: a hand-written full-batch PyTorch loop, on ``device`` (the model
+    built and the batches drawn on the CPU, then moved, so every device sees the same ones);
+    the state comes back on the CPU."""
     torch.manual_seed(SEED)
-    model = case.build()
+    model = case.build().to(device)
     opt = torch.optim.AdamW(model.parameters(), **OPTIMIZER["params"])
     if deepspeed_wrapper_steps(mode.config):
         for p in model.parameters():
@@ -286,12 +289,14 @@ def plain_run(case: ModelCase, mode: Mode, steps: int = STEPS) -> tuple[list[flo
                 p.grad = torch.zeros_like(p)
         opt.step()  # opt.zero_grad() below drops the zero gradients
     sched = torch.optim.lr_scheduler.LambdaLR(opt, mode.lr_lambda) if mode.lr_lambda else None
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16) if mode.extra.get("grad_scaler") else None
+    kind = torch.device(device).type
+    scaler = torch.amp.GradScaler(kind, init_scale=2.0**16) if mode.extra.get("grad_scaler") else None
     losses = []
     torch.manual_seed(SEED + 1)
     for batch in case.batches(steps):
+        batch = _to(batch, device)
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=mode.autocast_dtype or torch.bfloat16, enabled=mode.autocast_dtype is not None):
+        with torch.autocast(kind, dtype=mode.autocast_dtype or torch.bfloat16, enabled=mode.autocast_dtype is not None):
             loss = case.plain_loss(model, batch)
         if scaler:
             scaler.scale(loss).backward()
@@ -308,7 +313,18 @@ def plain_run(case: ModelCase, mode: Mode, steps: int = STEPS) -> tuple[list[flo
         if sched:
             sched.step()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def _to(batch: Any, device: str) -> Any:
+    """A batch (tensors in tuples, lists and dicts) on ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to(v, device) for v in batch)
+    return batch
 
 
 def engine_config(mode: Mode, **extra: Any) -> dict[str, Any]:

@@ -19,7 +19,8 @@ CFG = GPTConfig(n_layer=4, n_head=2, d_model=32, seq_len=16, vocab_size=64)
 
 
 def _train_once(model: GPT, device: str = "cpu") -> None:
-    tokens = torch.randint(0, CFG.vocab_size, (4, CFG.seq_len + 1), device=device)
+    # Drawn on the CPU whatever the device: CUDA's generator draws other numbers from one seed.
+    tokens = torch.randint(0, CFG.vocab_size, (4, CFG.seq_len + 1)).to(device)
     causal_lm_loss(model(tokens[:, :-1]), (tokens[:, :-1], tokens[:, 1:])).backward()
 
 

@@ -25,7 +25,8 @@ def _engine(cfg: GPTConfig = CFG, **streaming: object) -> ht.Engine:
 
 
 def _batch(cfg: GPTConfig = CFG, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), device=device)
+    # Drawn on the CPU whatever the device: CUDA's generator draws other numbers from one seed.
+    tokens = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1)).to(device)
     return tokens[:, :-1], tokens[:, 1:]
 
 
