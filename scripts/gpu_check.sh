@@ -98,13 +98,27 @@ fi
 export PYTHONUNBUFFERED=1
 
 # DeepSpeed's CPU Adam compiles just in time (a minute or more): start it now, on a few cores,
-# so the deepspeed part finds it built (the build cache outlives this call on a warm machine).
+# beside the CUDA tests, so the deepspeed part finds it built (the build cache outlives this
+# call on a warm machine). It must not share the host with a timed part: `settle_build`
+# waits for it before one, and stops it after a while (the deepspeed part then builds inline).
+ds_build=none
 if [[ $dry == 0 && " $parts " == *" deepspeed "* ]] && ! grep -qx deepspeed "$finished" 2>/dev/null \
    && "$py" -c "import deepspeed" 2>/dev/null; then
   rm -f "$state/deepspeed_built"
-  ( MAX_JOBS=4 "$py" -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
-      > "$out/deepspeed_build.log" 2>&1; echo $? > "$state/deepspeed_built" ) &
+  setsid bash -c 'MAX_JOBS=4 "$1" -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
+      > "$2/deepspeed_build.log" 2>&1; echo $? > "$3/deepspeed_built"' _ "$py" "$out" "$state" &
+  ds_build=$!
 fi
+settle_build() {  # settle_build SECONDS: wait for the background build at most that long, then stop it
+  [[ $ds_build == none ]] && return 0
+  local waited=0
+  while [[ ! -s "$state/deepspeed_built" ]] && (( waited < $1 )); do sleep 2; waited=$(( waited + 2 )); done
+  if [[ ! -s "$state/deepspeed_built" ]]; then
+    kill -- -"$ds_build" 2>/dev/null
+    echo "[gpu_check] DeepSpeed's build stopped after $waited s more (it would disturb the timings)"
+  fi
+  ds_build=none
+}
 
 "$py" - "$results" "$dry" <<'EOF'
 import json, os, sys, torch
@@ -165,6 +179,7 @@ if [[ $dry == 1 ]]; then
 else
   size=(--size 1.3b --seq-len 1024 --batch 8 --accumulation 2 --steps 2 --device cuda)
 fi
+[[ " $parts " == *" modes "* ]] && settle_build 60
 part modes 90 240 "$py" benchmarks/offload.py "${size[@]}" --part modes --jsonl "$results" \
   --modes plain checkpointing activation_swap optimizer_offload layer_streaming layer_major \
   --baselines fsdp2_cpu_offload
@@ -198,9 +213,8 @@ part big 90 150 "$py" benchmarks/offload.py "${big[@]}" --modes layer_major --no
 
 # (f) DeepSpeed's offloads at 1.3B beside our peers (it needs CUDA: on the CPU only its rows
 # saying why run).
-# Waits (within the part's limit) for the background build where one was started.
-part deepspeed 90 180 bash -c 'while [[ $1 == 1 && ! -s $2 ]]; do sleep 2; done
-  shift 2; exec "$@"' _ "$([[ -f "$out/deepspeed_build.log" ]] && echo 1 || echo 0)" "$state/deepspeed_built" \
+settle_build 120
+part deepspeed 90 180 \
   "$py" benchmarks/offload.py "${size[@]}" --modes optimizer_offload layer_major \
   --baselines deepspeed_zero_offload deepspeed_zero3_offload --part deepspeed --jsonl "$results"
 
