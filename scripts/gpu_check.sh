@@ -26,6 +26,7 @@
 #   big          GPT-6.7B, layer-major streaming, 16k tokens/step: tokens/s, MFU, bytes moved
 #   deepspeed    DeepSpeed ZeRO-Offload and ZeRO-3 offload at 1.3B beside our peers, in the same
 #                run (its CPU Adam op is compiled in the background from the start)
+#   deepspeed_6p7b  GPT-6.7B layer-major against DeepSpeed ZeRO-3 offload, 16k tokens/step, same run
 #
 # Environment: OUT (default ./gpu-logs), GPU_CHECK_BUDGET_S (default 480; dry run 300),
 # GPU_CHECK_PARTS (the parts to run, default all), GPU_CHECK_RESUME=1 (skip the parts an
@@ -44,7 +45,7 @@ start=$SECONDS
 py=${PYTHON:-python3}
 
 left() { echo $(( budget - (SECONDS - start) )); }
-parts=${GPU_CHECK_PARTS:-cuda_tests modes host_adam depth big deepspeed}
+parts=${GPU_CHECK_PARTS:-cuda_tests modes host_adam depth big deepspeed deepspeed_6p7b}
 # What outlives one call on a warm machine: the parts done (a follow-up call skips them) and
 # DeepSpeed's build status. A dry run keeps it beside its output.
 state=$([[ $dry == 1 ]] && echo "$out/.gpu_check" || echo /tmp/gpu_check)
@@ -217,5 +218,10 @@ settle_build 120
 part deepspeed 90 180 \
   "$py" benchmarks/offload.py "${size[@]}" --modes optimizer_offload layer_major \
   --baselines deepspeed_zero_offload deepspeed_zero3_offload --part deepspeed --jsonl "$results"
+
+# (g) the headline comparison: GPT-6.7B layer-major against DeepSpeed ZeRO-3 offload, same run.
+settle_build 120
+part deepspeed_6p7b 150 300 "$py" benchmarks/offload.py "${big[@]}" --modes layer_major \
+  --baselines deepspeed_zero3_offload --part deepspeed_6p7b --jsonl "$results"
 
 echo "[gpu_check] done in $(( SECONDS - start )) s; rows in $results"

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("cuda_tests", "modes", "host_adam", "depth", "big", "deepspeed")
+PARTS = ("cuda_tests", "modes", "host_adam", "depth", "big", "deepspeed", "deepspeed_6p7b")
 MODES = ["plain", "checkpointing", "activation_swap", "optimizer_offload", "layer_streaming", "layer_major"]
 
 
@@ -54,6 +54,8 @@ def test_dry_run_runs_every_part_and_writes_its_rows(tmp_path: Path) -> None:
     assert ours == {"optimizer_offload": "ok", "layer_major": "ok"}
     incumbents = {r["name"]: r["status"] for r in rows if r["part"] == "deepspeed" and r.get("kind") == "baseline"}
     assert set(incumbents) == {"deepspeed_zero_offload", "deepspeed_zero3_offload"}  # on the CPU: why not
+    headline = {r["name"]: r["kind"] for r in rows if r["part"] == "deepspeed_6p7b" and "kind" in r}
+    assert headline == {"layer_major": "mode", "deepspeed_zero3_offload": "baseline"}
 
 
 def test_a_follow_up_call_skips_the_parts_done(tmp_path: Path) -> None:
