@@ -44,7 +44,7 @@ from hybridtrain.profiling.breakdown import (
 )
 from hybridtrain.profiling.counting import StepCount, count_step, profiled_modules
 from hybridtrain.profiling.diagnosis import diagnose
-from hybridtrain.profiling.report import ModuleProfile, Profile
+from hybridtrain.profiling.report import ModuleProfile, Profile, hidden_share
 from hybridtrain.runtime.device import peak_reserved_bytes
 from hybridtrain.runtime.layer_major import LayerMajorRunner
 from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
@@ -122,6 +122,7 @@ class ProfileSession:
         self._events: list[list[Event]] = []
         self._traces: list[Any] = []
         self._walls: list[float] = []
+        self._host_step: list[float] = []  # seconds of host optimizer work per timed step, any thread
 
     def count_step(self, batch: Any) -> float:
         """The counted step (the first): returns its loss."""
@@ -140,11 +141,12 @@ class ProfileSession:
         with _without_kineto_markers():
             prof.start()
         try:
-            with _module_labels(modules), PartClock().running():
+            with _module_labels(modules), PartClock().running() as clock:
                 start = time.perf_counter()
                 with torch.profiler.record_function(STEP_LABEL):
                     loss = self.engine.train_batch(batch)
                 self._walls.append(time.perf_counter() - start)
+            self._host_step.append(clock.work.get("host_step", 0.0))
         finally:
             with _without_kineto_markers():
                 prof.stop()
@@ -161,7 +163,8 @@ class ProfileSession:
         """
         if self.count is None or not self._walls:
             raise RuntimeError("a profile needs one counted step and at least one timed step")
-        profile = _summarise(self.engine, self.count, self._events, len(self._walls))
+        profile = _summarise(self.engine, self.count, self._events, len(self._walls),
+                             sum(self._host_step) / len(self._host_step))
         if output_dir is not None:
             out = Path(output_dir)
             out.mkdir(parents=True, exist_ok=True)
@@ -213,8 +216,10 @@ def _techniques(engine: Any) -> list[str]:
     return used
 
 
-def _summarise(engine: Any, count: StepCount, per_step: list[list[Event]], steps: int) -> Profile:
-    """Means over the timed steps (each step's events on its own profiler clock)."""
+def _summarise(engine: Any, count: StepCount, per_step: list[list[Event]], steps: int,
+               host_step: float = 0.0) -> Profile:
+    """Means over the timed steps (each step's events on its own profiler clock);
+    ``host_step``: mean seconds of host optimizer work per step, on any thread."""
     parts = dict.fromkeys(PARTS, 0.0)
     busy = collectives = step_seconds = 0.0
     on_cuda = engine.device.type == "cuda"
@@ -249,6 +254,7 @@ def _summarise(engine: Any, count: StepCount, per_step: list[list[Event]], steps
     profile = Profile(
         device=str(engine.device), dtype=str(dtype).removeprefix("torch."), timed_steps=steps,
         step_seconds=step_seconds, parts=parts, collective_seconds=collectives, device_utilisation=busy,
+        host_step_seconds=host_step, host_step_hidden=hidden_share(host_step, parts["host_optimizer"]),
         flops={"forward": count.forward_flops, "backward": count.backward_flops, "total": total},
         achieved_tflops=achieved / 1e12, peak_tflops=peak / 1e12, peak_source=source, mfu=achieved / peak,
         modules=rows, peak_live_bytes=count.peak_live_bytes,

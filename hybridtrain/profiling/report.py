@@ -37,6 +37,10 @@ class Profile:
         collective_seconds: seconds per step in which a collective ran on some thread
             (gloo/NCCL work that overlaps compute included; ``parts["communication"]`` is
             what the step waited for).
+        host_step_seconds: seconds per step the offloaded optimizer's host update computed,
+            on whichever thread (0 without optimizer offload or layer streaming).
+        host_step_hidden: share of that work hidden behind the step's other work: 1 minus
+            what the step waited for it (``parts["host_optimizer"]``) over the work, at least 0.
         device_utilisation: share of the step the device computed (CUDA: kernels and
             copies; CPU: tensor ops on any thread).
         device_parts: CUDA only: seconds per step of compute kernels, ``memcpy`` and NCCL
@@ -71,6 +75,8 @@ class Profile:
     allocator_peak_bytes: int | None = None
     allocator_reserved_peak_bytes: int | None = None
     device_parts: dict[str, float] | None = None
+    host_step_seconds: float = 0.0
+    host_step_hidden: float = 0.0
     techniques: list[str] = field(default_factory=list)
     diagnosis: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -83,6 +89,13 @@ class Profile:
     def table(self) -> str:
         """The profile as a readable text table (:func:`format_profile`)."""
         return format_profile(self)
+
+
+def hidden_share(work: float, waited: float) -> float:
+    """Share of ``work`` seconds done in the background: 1 − ``waited`` / ``work``, in [0, 1]
+    (0 when there was no work). The waits also hold copies and hand-offs, so this is a
+    lower bound."""
+    return min(1.0, max(0.0, 1.0 - waited / work)) if work > 0 else 0.0
 
 
 def _flops(value: float) -> str:
@@ -107,6 +120,10 @@ def format_profile(profile: Profile) -> str:
         lines.append(f"  {name:<18}{_ms(seconds):>12}{100 * share:>8.1f}%")
     lines.append(f"  collectives running (on any thread, overlapped ones too): {_ms(profile.collective_seconds)}; "
                  f"device utilisation {100 * profile.device_utilisation:.0f} %")
+    if profile.host_step_seconds > 0:
+        lines.append(f"  host optimizer step: {_ms(profile.host_step_seconds)} of work, "
+                     f"{_ms(profile.parts.get('host_optimizer', 0.0))} waited for: "
+                     f"{100 * profile.host_step_hidden:.0f} % hidden behind the step's other work")
     if profile.device_parts:
         lines.append("  on the device: " + ", ".join(f"{kind} {_ms(seconds)}"
                                                     for kind, seconds in profile.device_parts.items()))

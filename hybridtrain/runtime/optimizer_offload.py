@@ -54,7 +54,7 @@ from hybridtrain.runtime.offload_layout import (
     device_kept,
     master_dtype,
 )
-from hybridtrain.runtime.step_parts import step_part
+from hybridtrain.runtime.step_parts import step_part, work_part
 
 _NOT_HYPERPARAMS = ("params", "fused", "foreach", "capturable", "differentiable")
 
@@ -372,7 +372,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         assert bucket.optimizer is not None
         self._expose_grads(bucket, grads)
         _sync_hyperparams(bucket.optimizer, self)
-        bucket.optimizer.step()
+        with work_part("host_step"):
+            bucket.optimizer.step()
         bucket.stepped = True
         if grads is not None:  # borrowed from the pool: nothing may keep reading them
             for master in bucket.masters:

@@ -16,7 +16,10 @@ time spent inside them. A running clock also labels each part for ``torch.profil
 
 A clock hears the thread that started it: the step's timeline. Work that other threads
 do meanwhile (the offload optimizer's host worker, layer-major workers) counts where that
-thread waits for it (``host_optimizer`` around the offload optimizer's waits).
+thread waits for it (``host_optimizer`` around the offload optimizer's waits). What such
+work costs, whichever thread does it, is counted apart by :func:`work_part` into
+:attr:`PartClock.work` (the host optimizer step: ``host_step``): beside the waits, it says
+how much of that work was hidden behind the step's other work.
 
 Only the phases synchronise the device (``device`` argument): a transfer or collective
 part measures the host's time in it, waiting included, not an asynchronous copy's device
@@ -49,6 +52,10 @@ class PartClock:
 
     def __init__(self, on_switch: Callable[[str | None], None] | None = None) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.work: dict[str, float] = defaultdict(float)
+        """Seconds of :func:`work_part` blocks by name, on any thread (they may overlap the
+        step's parts and one another)."""
+        self._work_lock = threading.Lock()
         self.on_switch = on_switch
         self.thread = threading.get_ident()
         self._stack: list[str] = []
@@ -83,6 +90,24 @@ class PartClock:
 
 
 _NOTHING = nullcontext()
+
+
+def work_part(name: str) -> AbstractContextManager[None]:
+    """Count the block's seconds as work ``name`` (``host_step``: the offloaded optimizer's
+    update) on every running :class:`PartClock`, whichever thread runs it."""
+    return _worked(name, list(_running)) if _running else _NOTHING
+
+
+@contextmanager
+def _worked(name: str, clocks: list[PartClock]) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds = time.perf_counter() - start
+        for clock in clocks:
+            with clock._work_lock:
+                clock.work[name] += seconds
 
 
 def step_part(name: str, device: torch.device | None = None) -> AbstractContextManager[None]:

@@ -112,3 +112,41 @@ def test_deepspeed_flops_profiler_profiles_at_profile_step(tmp_path: Path) -> No
     assert hook.profile is not None and hook.profile.timed_steps == 1
     assert "blocks.0" in (tmp_path / "profile.log").read_text()
     assert (tmp_path / "profile.json").exists() and (tmp_path / "trace.json").exists()
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: device work the host step can hide behind."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.05)
+        return grad
+
+
+class _SlowFirst(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SlowBackward.apply(x)
+
+
+@pytest.mark.parametrize(("clipping", "hidden_at_least", "hidden_at_most"), [(0.0, 0.5, 1.0), (1.0, 0.0, 0.0)])
+def test_profile_says_how_much_of_the_host_step_was_hidden(clipping: float, hidden_at_least: float,
+                                                            hidden_at_most: float) -> None:
+    """Backward reaches the slow first layer last: each later layer's bucket is updated on the
+    host (the eager step) while it sleeps. Clipping needs the global norm first, so the whole
+    host step runs after backward and none of it is hidden."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_SlowFirst(), *[torch.nn.Linear(512, 512) for _ in range(4)])
+    engine = ht.initialize(model, {"device": "cpu", "train_micro_batch_size_per_gpu": 8,
+                                   "gradient_clipping": clipping,
+                                   "zero_optimization": {"stage": 2, "reduce_bucket_size": 300_000,
+                                                         "offload_optimizer": {"device": "cpu"}}},
+                           loss_fn=lambda out, batch: out.pow(2).mean())
+    batch = torch.randn(8, 512, requires_grad=True)
+    profile = profile_engine(engine, batch, steps=3)
+    assert profile.host_step_seconds > 0
+    assert hidden_at_least <= profile.host_step_hidden <= hidden_at_most, profile.table()
+    assert "host optimizer step:" in profile.table()
