@@ -24,6 +24,7 @@
 #   depth        the largest depth plain training and layer-major streaming train at 1.3B's width
 #                (each search starts at the planner's prediction, stops within 5 %)
 #   big          GPT-6.7B, layer-major streaming, 16k tokens/step: tokens/s, MFU, bytes moved
+#   big64k       the same at 64k tokens/step (8 micro-batches): the offload issue's MFU target
 #   deepspeed    DeepSpeed ZeRO-Offload and ZeRO-3 offload at 1.3B beside our peers, in the same
 #                run (its CPU Adam op is compiled in the background from the start)
 #   deepspeed_6p7b  GPT-6.7B layer-major against DeepSpeed ZeRO-3 offload, 16k tokens/step, same run
@@ -45,7 +46,7 @@ start=$SECONDS
 py=${PYTHON:-python3}
 
 left() { echo $(( budget - (SECONDS - start) )); }
-parts=${GPU_CHECK_PARTS:-cuda_tests modes host_adam depth big deepspeed deepspeed_6p7b}
+parts=${GPU_CHECK_PARTS:-cuda_tests modes host_adam depth big big64k deepspeed deepspeed_6p7b}
 # What outlives one call on a warm machine: the parts done (a follow-up call skips them) and
 # DeepSpeed's build status. A dry run keeps it beside its output.
 state=$([[ $dry == 1 ]] && echo "$out/.gpu_check" || echo /tmp/gpu_check)
@@ -211,6 +212,10 @@ else
 fi
 part big 90 150 "$py" benchmarks/offload.py "${big[@]}" --modes layer_major --no-baselines --part big \
   --jsonl "$results"
+
+# (e2) the same at 65,536 tokens per step (8 micro-batches of 8 x 1024).
+part big64k 90 180 "$py" benchmarks/offload.py "${big[@]}" --accumulation $([[ $dry == 1 ]] && echo 4 || echo 8) \
+  --modes layer_major --no-baselines --part big64k --jsonl "$results"
 
 # (f) DeepSpeed's offloads at 1.3B beside our peers (it needs CUDA: on the CPU only its rows
 # saying why run).

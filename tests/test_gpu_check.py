@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("cuda_tests", "modes", "host_adam", "depth", "big", "deepspeed", "deepspeed_6p7b")
+PARTS = ("cuda_tests", "modes", "host_adam", "depth", "big", "big64k", "deepspeed", "deepspeed_6p7b")
 MODES = ["plain", "checkpointing", "activation_swap", "optimizer_offload", "layer_streaming", "layer_major"]
 
 
@@ -50,6 +50,8 @@ def test_dry_run_runs_every_part_and_writes_its_rows(tmp_path: Path) -> None:
     assert all(d["n_layer"] >= 1 and d["predicted_n_layer"] >= 1 for d in depths.values())
     (big,) = [r for r in rows if r["part"] == "big" and r.get("kind") == "mode"]
     assert big["name"] == "layer_major" and big["status"] == "ok" and big["n_layer"] == 3
+    (big64k,) = [r for r in rows if r["part"] == "big64k" and r.get("kind") == "mode"]
+    assert big64k["status"] == "ok" and big64k["tokens_per_step"] == 2 * big["tokens_per_step"]
     ours = {r["name"]: r["status"] for r in rows if r["part"] == "deepspeed" and r.get("kind") == "mode"}
     assert ours == {"optimizer_offload": "ok", "layer_major": "ok"}
     incumbents = {r["name"]: r["status"] for r in rows if r["part"] == "deepspeed" and r.get("kind") == "baseline"}
