@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 HOST_OPTIMIZER_SHARE = 0.25
+NOTHING_HIDDEN = 0.05
+"""Below this share of the host step hidden, it is said to wait for every gradient."""
 COMMUNICATION_SHARE = 0.20
 TRANSFER_SHARE = 0.20
 IDLE_SHARE = 0.20
@@ -64,6 +66,10 @@ def diagnose(profile: dict[str, Any]) -> list[Finding]:
         advice = "raise the micro-batch (more compute per host step)"
         if "layer_major" not in using:
             advice += " or use layer_major (the host steps each block while the next one computes)"
+        work, hidden = float(profile.get("host_step_seconds") or 0.0), float(profile.get("host_step_hidden") or 0.0)
+        if work > 0 and hidden < NOTHING_HIDDEN:
+            advice += ("; none of it is hidden behind backward: gradient clipping, fp16 loss scaling and "
+                       "nonfinite_loss: skip make it wait for every gradient")
         found.append(Finding("host_optimizer", host, f"the host optimizer step is {_pct(host)} of the step: {advice}"))
     comm = share.get("communication", 0.0)
     if comm > COMMUNICATION_SHARE:

@@ -25,6 +25,14 @@ def test_host_optimizer_share_names_its_number_and_the_fix() -> None:
     assert "layer_major" not in already.message
 
 
+def test_a_host_step_nothing_hides_says_what_makes_it_wait() -> None:
+    [waiting] = diagnose({**_profile(host_optimizer=0.41), "host_step_seconds": 0.4, "host_step_hidden": 0.0})
+    assert waiting.message.endswith("none of it is hidden behind backward: gradient clipping, fp16 loss scaling "
+                                    "and nonfinite_loss: skip make it wait for every gradient")
+    [hiding] = diagnose({**_profile(host_optimizer=0.41), "host_step_seconds": 0.8, "host_step_hidden": 0.5})
+    assert "none of it is hidden" not in hiding.message
+
+
 def test_communication_above_20_percent() -> None:
     [finding] = diagnose(_profile(step=2.0, communication=0.54))
     assert finding.rule == "communication" and "communication is 27 % of the step (> 20 %)" in finding.message
