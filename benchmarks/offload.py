@@ -511,11 +511,12 @@ def report(modes: list[Result], baselines: list[Result], depths: list[Depth]) ->
                    else f"ours ({peer}): {ours.status if ours else 'not measured'}"))
     planned = [r for r in modes if r.ok and math.isfinite(r.planned_step_s)]
     if planned:
-        print(f"{'planner vs measured':24s} {'peak GiB':>17s} {'measured/planned':>16s} {'step s':>15s} "
+        print(f"{'planner vs measured':30s} {'peak GiB':>17s} {'measured/planned':>16s} {'step s':>15s} "
               f"{'measured/planned':>16s}")
     for r in planned:
-        print(f"{r.name:24s} {r.peak_gib:8.2f}/{r.planned_peak_gib:<8.2f} {r.peak_gib / r.planned_peak_gib:16.2f} "
-              f"{r.step_s:7.3f}/{r.planned_step_s:<7.3f} {r.step_s / r.planned_step_s:16.2f}")
+        print(f"{'planner: ' + r.name:30s} {r.peak_gib:8.2f}/{r.planned_peak_gib:<8.2f} "
+              f"{r.peak_gib / r.planned_peak_gib:16.2f} {r.step_s:7.3f}/{r.planned_step_s:<7.3f} "
+              f"{r.step_s / r.planned_step_s:16.2f}")
     plain = next((d for d in depths if d.name == "plain" and d.params), None)
     for d in depths:
         ratio = f"{d.params / plain.params:5.2f}x plain" if plain else ""

@@ -80,6 +80,8 @@ def test_offload_tiny_run_prints_every_row_and_results(capsys: pytest.CaptureFix
         assert rows[name].endswith("x plain")
     assert "ours (layer_major)" in rows["fsdp2_cpu_offload"]
     assert "deepspeed_zero_offload" in rows  # not installed / needs CUDA: said in its row
+    planned = [line.split() for line in out.splitlines() if line.startswith("planner: ")]
+    assert [p[1] for p in planned] == ["plain", "optimizer_offload", "layer_major"]  # beside each mode we ran
     results = _results(out)
     assert results == summary
     by_name = {row["name"]: row for row in results["rows"]}
