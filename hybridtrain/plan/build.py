@@ -32,6 +32,7 @@ from hybridtrain.runtime.activation_offload import (
     params_in_several_backwards,
 )
 from hybridtrain.runtime.batch import Batch, LossFn, to_device
+from hybridtrain.runtime.half_width import half_width_params
 from hybridtrain.runtime.layer_major import LayerMajorRunner
 from hybridtrain.runtime.optim import build_optimizer, build_scheduler, zero_grad_step
 from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
@@ -101,7 +102,8 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
                             fp16.hysteresis, fp16.min_loss_scale)
     if streamed and offload is not None:
         # The streamer tells the host optimizer about each backward itself.
-        streamer = LayerStreamer(streamed, offload, device, cfg.layer_streaming.prefetch_blocks)
+        streamer = LayerStreamer(streamed, offload, device, cfg.layer_streaming.prefetch_blocks,
+                                 half=half_width_params(model, plan.compute_dtype))
         observers.append(streamer)
         if plan.step_runner == "layer_major":
             runner = LayerMajorRunner(streamer, swapper)

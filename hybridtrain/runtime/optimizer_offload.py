@@ -105,6 +105,17 @@ class Bucket:
             offset += p.numel()
         return out
 
+    def slots(self, flat: torch.Tensor, dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
+        """``flat`` (bytes laid out as :meth:`views` of the master type) cut into one tensor
+        per parameter, at the start of its master's slot, of type ``dtypes[j]`` (no wider
+        than the master type): half gradients land in the slots fp32 ones would."""
+        raw, width, out, offset = flat.view(torch.uint8), self.flat_master.itemsize, [], 0
+        for p, dtype in zip(self.params, dtypes, strict=True):
+            start = offset * width
+            out.append(raw[start:start + p.numel() * dtype.itemsize].view(dtype).view(p.shape))
+            offset += p.numel()
+        return out
+
 
 class OffloadOptimizer(torch.optim.Optimizer):
     """The engine's optimizer when updates run in host memory (see the module docstring).
@@ -274,14 +285,21 @@ class OffloadOptimizer(torch.optim.Optimizer):
             for bucket in self.buckets:
                 self._expose_grads(bucket)
 
-    def land(self, index: int, then: Callable[[], None] | None = None) -> None:
+    def land(self, index: int, then: Callable[[], None] | None = None,
+             grads: Sequence[torch.Tensor | None] | None = None) -> None:
         """Copy bucket ``index``'s device gradients to the host and release them; the
         worker accumulates them (and, on an eager final micro-batch, steps the bucket).
+
+        A gradient may be half (a half-width weight's, see
+        :mod:`~hybridtrain.runtime.half_width`): it crosses as it is and the worker turns
+        it into the master's type exactly before summing or stepping with it.
 
         Args:
             index: the bucket.
             then: runs after the copies are queued and before the host worker may touch
                 the bucket (layer streaming points the parameters back at the masters).
+            grads: the gradients to land, one per parameter, instead of the parameters'
+                ``.grad`` (which is released either way).
         """
         bucket = self.buckets[index]
         # Gradients stepped with as soon as they land pass through a pooled buffer; any
@@ -292,7 +310,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                                                     self.device)
         through: torch.Tensor | None = None
         finite: torch.Tensor | None = None
-        landed: list[tuple[int, bool]] = []
+        landed: list[tuple[int, bool, torch.dtype | None]] = []
+        master_dtype = bucket.flat_master.dtype
         try:
             with step_part("transfer"), self._d2h.after_compute():
                 if self._eager and self._finite is not None:
@@ -300,7 +319,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     finite.copy_(self._finite.reshape(1), non_blocking=True)
                     self._d2h.keep_alive(self._finite)  # the next micro-batch replaces it
                 for j, p in enumerate(bucket.params):
-                    grad = p.grad
+                    grad = p.grad if grads is None else grads[j]
                     if grad is None:
                         continue
                     first = not bucket.has_grad[j]
@@ -308,15 +327,22 @@ class OffloadOptimizer(torch.optim.Optimizer):
                         raise RuntimeError(f"gradients of bucket {index} arrived after its host step in this step; "
                                            "call step() (or train_batch) between backward passes, or raise "
                                            "gradient_accumulation_steps")
-                    if through is None and not (first and lasting):
-                        through = self._pool.acquire(bucket.flat_master.nbytes).view(bucket.flat_master.dtype)
-                    target = bucket.views(bucket.flat_grad if first and lasting else through)[j]  # type: ignore[arg-type]
+                    # The step's first gradient of the master's type goes straight into the
+                    # lasting buffer; the rest (summed later, or half) wait in a pooled one.
+                    direct = first and lasting and grad.dtype == master_dtype
+                    if direct:
+                        assert bucket.flat_grad is not None
+                        target = bucket.views(bucket.flat_grad)[j]
+                    else:
+                        if through is None:
+                            through = self._pool.acquire(bucket.flat_master.nbytes)
+                        target = bucket.slots(through, [grad.dtype] * len(bucket.params))[j]
                     target.copy_(grad, non_blocking=True)
                     transfer.count_bytes("gradients_down", grad.numel() * grad.element_size())
                     self._d2h.keep_alive(grad)
                     p.grad = None
                     bucket.has_grad[j] = True
-                    landed.append((j, first))
+                    landed.append((j, first, None if direct else grad.dtype))
                 copied = self._d2h.record()
             bucket.copied = copied
             if then is not None:
@@ -338,24 +364,37 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self.land(bucket.index)
 
     # ------------------------------------------------------------------ host side (worker)
-    def _accumulate(self, bucket: Bucket, landed: list[tuple[int, bool]], copied: torch.cuda.Event | None,
-                    through: torch.Tensor | None, step: bool, finite: torch.Tensor | None = None) -> None:
+    def _accumulate(self, bucket: Bucket, landed: list[tuple[int, bool, torch.dtype | None]],
+                    copied: torch.cuda.Event | None, through: torch.Tensor | None, step: bool,
+                    finite: torch.Tensor | None = None) -> None:
         try:
             transfer.host_waits(copied)
             # A non-finite loss this step: the engine skips or refuses the step, so the
             # masters stay as they are (the flag landed with the gradients).
             step = step and (finite is None or bool(finite))
+            master_dtype = bucket.flat_master.dtype
+            if through is not None:
+                dtypes = [master_dtype] * len(bucket.params)
+                for j, _, dtype in landed:
+                    dtypes[j] = dtype or master_dtype
+                staged = bucket.slots(through, dtypes)
             if bucket.flat_grad is None:
-                # The step's only gradients, in a pooled buffer: step with them at once.
+                # The step's only gradients, in a pooled buffer: step with them at once
+                # (a half one becomes the master's type first, exactly).
                 assert through is not None
                 if step:
-                    self._step_bucket(bucket, bucket.views(through))
+                    self._step_bucket(bucket, [g.to(master_dtype) for g in staged])
                 return
             if through is not None:
-                grads, staged = bucket.views(bucket.flat_grad), bucket.views(through)
-                for j, first in landed:
-                    if not first:  # the first micro-batch's gradient was copied straight in
-                        # Same order as the plain loop's accumulation: earlier micro-batches + this one.
+                grads = bucket.views(bucket.flat_grad)
+                for j, first, dtype in landed:
+                    if dtype is None:  # copied straight into the lasting buffer
+                        continue
+                    if first:
+                        grads[j].copy_(staged[j])
+                    else:
+                        # Same order as the plain loop's accumulation: earlier micro-batches +
+                        # this one, in the master's type (a half addend is widened exactly).
                         grads[j].add_(staged[j])
         finally:
             if through is not None:  # even after a failure: a lost buffer would block backward

@@ -35,7 +35,7 @@ itself.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -45,23 +45,54 @@ from torch.utils.hooks import RemovableHandle
 from hybridtrain.compat import tree_leaves
 from hybridtrain.runtime import transfer
 from hybridtrain.runtime.device import normalize_device
+from hybridtrain.runtime.half_width import linear_reads_only
 from hybridtrain.runtime.optimizer_offload import Bucket, OffloadOptimizer
 from hybridtrain.runtime.residency import Residency
 from hybridtrain.runtime.step_parts import step_part
 
 
 class _StreamedBlock:
-    """One block's device buffer, its views, and its upload event."""
+    """One block's device buffer, its views, and its upload event.
 
-    def __init__(self, index: int, module: nn.Module, bucket: Bucket, device: torch.device) -> None:
+    With half-width parameters (see :mod:`~hybridtrain.runtime.half_width`) the block
+    crosses as a byte *image*: full-width parameters first, then the half ones (so every
+    offset is a multiple of its element size), cast from the masters into a host buffer
+    before the upload; the device buffer holds the same bytes, viewed per parameter.
+    """
+
+    def __init__(self, index: int, module: nn.Module, bucket: Bucket, device: torch.device,
+                 half: Mapping[int, torch.dtype], pin: bool) -> None:
         self.index = index
         self.module = module
         self.bucket = bucket
-        self.device_flat = torch.empty(bucket.flat_master.numel(), dtype=bucket.flat_master.dtype, device=device)
+        master = bucket.flat_master.dtype
+        self.wire = [half.get(id(p), master) for p in bucket.params]
+        """Each parameter's type on the device (its master's, or half)."""
+        self.image: torch.Tensor | None = None
+        self.image_views: list[torch.Tensor] = []
+        self.layout: list[tuple[int, int]] = []
+        """Each parameter's byte offset and element count in the image."""
+        if any(dtype != master for dtype in self.wire):
+            order = sorted(range(len(self.wire)), key=lambda j: -self.wire[j].itemsize)  # stable
+            self.layout = [(0, 0)] * len(self.wire)
+            offset = 0
+            for j in order:
+                self.layout[j] = (offset, bucket.params[j].numel())
+                offset += bucket.params[j].numel() * self.wire[j].itemsize
+            self.image = transfer.host_buffer(offset, torch.uint8, pin, device)
+            self.image_views = self._typed(self.image)
+            self.device_flat = torch.empty(offset, dtype=torch.uint8, device=device)
+            self.device_views = self._typed(self.device_flat)
+        else:
+            self.device_flat = torch.empty(bucket.flat_master.numel(), dtype=master, device=device)
+            self.device_views = bucket.views(self.device_flat)
         self.nbytes = self.device_flat.untyped_storage().nbytes()
-        self.device_views = bucket.views(self.device_flat)
         self.host_views = bucket.views(bucket.flat_master)
         self.device_flat.untyped_storage().resize_(0)
+        self.imaged = False
+        """The image holds the masters as they are (cast since the block last landed)."""
+        self.image_read: torch.cuda.Event | None = None
+        """The last upload from the image: it must finish before the image is cast again."""
         self.loaded = False
         self.active = False
         self.ready: torch.cuda.Event | None = None
@@ -74,6 +105,23 @@ class _StreamedBlock:
         gradient, so their block lands only once the gradients of its inputs exist too."""
         self.watching = False
         """A hook on this forward's input gradients counts as one more arrival."""
+        self.in_forward = False
+        """Inside the block's own forward call (not a recomputation in backward)."""
+        self.linear_calls: dict[int, int] = {}
+        """Calls of each half-width Linear in the block's current forward call."""
+
+    def _typed(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[start:start + numel * dtype.itemsize].view(dtype).view(p.shape)
+                for (start, numel), dtype, p in zip(self.layout, self.wire, self.bucket.params, strict=True)]
+
+    def cast(self) -> None:
+        """Write the masters into the image, half ones rounded as autocast would on the device."""
+        assert self.image is not None
+        transfer.host_waits(self.image_read)  # a non-blocking upload may still read the image
+        with torch.no_grad():
+            for image, master in zip(self.image_views, self.host_views, strict=True):
+                image.copy_(master)
+        self.imaged = True
 
     def point_at(self, views: Sequence[torch.Tensor]) -> None:
         for p, view in zip(self.bucket.params, views, strict=True):
@@ -89,10 +137,15 @@ class LayerStreamer:
             parameter lists in the same order (bucket ``i`` is block ``i``).
         device: the compute device.
         prefetch_blocks: blocks uploaded ahead of the computing one.
+        half: parameters (by ``id``) that cross and compute in a half type, from
+            :func:`~hybridtrain.runtime.half_width.half_width_params`.
+
+    Raises:
+        HostMemoryError: the half-width images do not fit in available host memory.
     """
 
     def __init__(self, blocks: Sequence[nn.Module], optimizer: OffloadOptimizer, device: torch.device,
-                 prefetch_blocks: int = 1) -> None:
+                 prefetch_blocks: int = 1, half: Mapping[int, torch.dtype] | None = None) -> None:
         self.device = normalize_device(device)
         self.optimizer = optimizer
         self.prefetch_blocks = prefetch_blocks
@@ -100,10 +153,24 @@ class LayerStreamer:
         self.driven = False
         """True while a whole-step runner moves the blocks itself (the hooks stand aside)."""
         self._h2d = transfer.SideStream(device)
-        self.blocks = [_StreamedBlock(i, m, optimizer.buckets[i], device) for i, m in enumerate(blocks)]
+        half = half or {}
+        transfer.check_host_memory(
+            sum(p.numel() * dtype.itemsize for block in blocks for p in block.parameters()
+                for dtype in [half.get(id(p))] if dtype is not None),
+            "half-width layer streaming (a half copy of each block's Linear weights)")
+        self.blocks = [_StreamedBlock(i, m, optimizer.buckets[i], device, half, optimizer.pin_memory)
+                       for i, m in enumerate(blocks)]
         self._handles: list[RemovableHandle] = []
         for block in self.blocks:
             block.point_at(block.host_views)
+            self._handles.append(block.module.register_forward_pre_hook(
+                lambda _m, _a, b=block: self._forward_starts(b), prepend=True))
+            self._handles.append(block.module.register_forward_hook(
+                lambda _m, _a, _o, b=block: setattr(b, "in_forward", False), always_call=True))
+            for module in block.module.modules():
+                if linear_reads_only(module) and any(id(p) in half for p in module.parameters()):
+                    self._handles.append(module.register_forward_pre_hook(
+                        lambda m, _a, b=block: self._linear_called(b, m)))
             self._handles.append(block.module.register_forward_pre_hook(
                 lambda _m, args, kwargs, b=block: self._before_forward(b, args, kwargs), with_kwargs=True))
             self._handles.append(block.module.register_forward_hook(
@@ -121,16 +188,25 @@ class LayerStreamer:
         self.blocks.clear()
 
     # ------------------------------------------------------------------ residency
-    def _upload(self, block: _StreamedBlock) -> None:
+    def _upload(self, block: _StreamedBlock, backward: bool = False) -> None:
         if block.loaded:
             return
+        source = block.bucket.flat_master
+        if block.image is not None:
+            # Cast at every forward upload, so whatever wrote the masters since (the
+            # optimizer, a checkpoint load, the user) is what goes up; backward reuses the
+            # forward's image (nothing writes a block's masters before it lands).
+            if not (backward and block.imaged):
+                with step_part("transfer"):
+                    block.cast()
+            source = block.image
         # Allocated on the compute stream: its memory may be a just-freed block's, which
         # the copy stream must not overwrite before compute has finished reading it.
         block.device_flat.untyped_storage().resize_(block.nbytes)
         with step_part("transfer"), self._h2d.after_compute():
-            block.device_flat.copy_(block.bucket.flat_master, non_blocking=True)
+            block.device_flat.copy_(source, non_blocking=True)
             transfer.count_bytes("weights_up", block.nbytes)
-            block.ready = self._h2d.record()
+            block.ready = block.image_read = self._h2d.record()
         block.loaded = True
         self.residency.load(block.index)
 
@@ -158,11 +234,13 @@ class LayerStreamer:
     def enter(self, index: int, backward: bool = False) -> None:
         """Block ``index`` computes next: make its weights usable on the device and start
         uploading the ``prefetch_blocks`` blocks that follow it (preceding ones in backward)."""
-        self._activate(self.blocks[index])
+        block = self.blocks[index]
+        self._upload(block, backward)
+        self._activate(block)
         step = -1 if backward else 1
         for i in range(index + step, index + step * (1 + self.prefetch_blocks), step):
             if 0 <= i < len(self.blocks):
-                self._upload(self.blocks[i])
+                self._upload(self.blocks[i], backward)
 
     def release(self, index: int) -> None:
         """Free block ``index``'s device copy (its parameters point at the host master)."""
@@ -171,11 +249,40 @@ class LayerStreamer:
     def land(self, index: int) -> None:
         """Block ``index``'s gradients are complete: move them to the host, free its device
         copy, and let the host optimizer update it (at once, when the step allows)."""
+        self.land_grads(index, None)
+
+    def land_grads(self, index: int, grads: Sequence[torch.Tensor | None] | None) -> None:
+        """:meth:`land` with ``grads`` (one per parameter) instead of the parameters' ``.grad``."""
         block = self.blocks[index]
         block.landed = True
-        self.optimizer.land(index, then=lambda: self._free(block))
+        block.imaged = False  # the host step may now write the masters
+        self.optimizer.land(index, then=lambda: self._free(block), grads=grads)
+
+    def half_width(self, index: int) -> list[bool]:
+        """For each parameter of block ``index``: whether it computes (and its gradient
+        arrives) in a half type."""
+        block = self.blocks[index]
+        return [dtype != block.bucket.flat_master.dtype for dtype in block.wire]
 
     # ------------------------------------------------------------------ hooks
+    def _forward_starts(self, block: _StreamedBlock) -> None:
+        block.in_forward = True
+        block.linear_calls.clear()
+
+    def _linear_called(self, block: _StreamedBlock, module: nn.Module) -> None:
+        # Two uses of a half weight in one graph would sum its gradients in half precision
+        # (fp32 weights sum fp32 copies): not the plain loop's math. A recomputation in
+        # backward (outside the block's own call) is no second use.
+        if not (block.in_forward and torch.is_grad_enabled()):
+            return
+        calls = block.linear_calls.get(id(module), 0) + 1
+        block.linear_calls[id(module)] = calls
+        if calls > 1:
+            name = next((n for n, m in block.module.named_modules() if m is module), "?")
+            raise RuntimeError(f"Linear {name or '(the block)'} of streamed block {block.index} ran twice in one "
+                               "forward: its bf16/fp16 weights would sum two half gradients; list the block in "
+                               "layer_streaming.resident, or train without bf16/fp16")
+
     def _before_forward(self, block: _StreamedBlock, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.driven:
             return
