@@ -32,10 +32,19 @@ def _param_bytes(modules: list[torch.nn.Module]) -> int:
     return sum(p.numel() * p.element_size() for p in seen.values())
 
 
+def _half_width_bytes(modules: list[torch.nn.Module]) -> int:
+    """Under bf16/fp16: nn.Linear weights and biases 2 bytes each, the rest (norms) 4."""
+    linear = {id(p) for m in modules for sub in m.modules() if isinstance(sub, torch.nn.Linear)
+              for p in sub.parameters(recurse=False)}
+    seen = {id(p): p for m in modules for p in m.parameters()}
+    return sum(p.numel() * (2 if i in linear else 4) for i, p in seen.items())
+
+
 def _expected(mode: str, model: torch.nn.Module) -> dict[str, int]:
     """Bytes per step by kind, from the model's sizes and the mode's settings."""
     blocks = list(model.blocks)  # type: ignore[attr-defined]
     block = _param_bytes(blocks[:1])
+    half_block = _half_width_bytes(blocks[:1])
     everything = _param_bytes([model])
     resident = everything - _param_bytes(blocks)
     accum = MODES[mode].config.get("gradient_accumulation_steps", 1)
@@ -53,12 +62,27 @@ def _expected(mode: str, model: torch.nn.Module) -> dict[str, int]:
                 "activations_in": accum * LAYERS * block_input,
                 "weights_up": accum * (2 * LAYERS - 1) * block + resident,
                 "gradients_down": accum * everything}
+    if mode == "stream_bf16_accum2_clip":
+        # As above with half-width blocks: their Linear weights up and gradients down at 2
+        # bytes a parameter per micro-batch (norms and the resident tied embedding at 4).
+        return {**zero, "weights_up": accum * (2 * LAYERS - 1) * half_block + resident,
+                "gradients_down": accum * (LAYERS * half_block + resident)}
+    if mode in ("stream_layer_major_bf16", "stream_layer_major_host_bf16_accum2_clip"):
+        # Layer-major: each block up in half once in forward and again in backward (the
+        # half copy is not kept between them), except the last; gradients down once per
+        # step: half with one micro-batch, the fp32 sum of several (exact sums need fp32).
+        swapped = accum * LAYERS * block_input if "host" in mode else 0
+        return {**zero, "activations_out": swapped, "activations_in": swapped,
+                "weights_up": (2 * LAYERS - 1) * half_block + resident,
+                "gradients_down": LAYERS * (half_block if accum == 1 else block) + resident}
     raise AssertionError(mode)
 
 
 # "cpu" itself: the equivalence suite, and the swap test below (same bytes as "cpu:0").
 @pytest.mark.parametrize("device", ["cpu:0", pytest.param("cuda", marks=pytest.mark.cuda)])
-@pytest.mark.parametrize("mode", ["swap_checkpoint_bf16", "offload_opt", "stream_host_accum2_clip"])
+@pytest.mark.parametrize("mode", ["swap_checkpoint_bf16", "offload_opt", "stream_host_accum2_clip",
+                                  "stream_bf16_accum2_clip", "stream_layer_major_bf16",
+                                  "stream_layer_major_host_bf16_accum2_clip"])
 def test_techniques_move_the_bytes_their_sizes_say_on_every_spelling_of_the_device(mode: str, device: str) -> None:
     """On CUDA too: ``device: cuda`` used to stay index-less, and swapping kept everything
     (``cuda:0 != cuda``); there the batches are moved by the engine and the plain loop runs

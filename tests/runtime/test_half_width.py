@@ -1,0 +1,136 @@
+"""Half-width streaming: under bf16/fp16 autocast, nn.Linear weights cross host⇄device in
+half and their gradients come back in half, with bit-identical results to streaming them
+in fp32 (the plain-loop equivalence is in the shared suite, ``stream_*bf16*`` and
+``stream_*fp16_overflow*`` modes; the bytes by kind are in ``test_device.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import hybridtrain as ht
+import hybridtrain.plan.build as build
+from hybridtrain.models.gpt import GPT
+from hybridtrain.runtime.half_width import half_width_params
+from tests.equivalence import MODES, SEED, engine_config, gpt_case
+
+CASE = gpt_case()
+
+
+def _linear_params(model: nn.Module) -> set[int]:
+    return {id(p) for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
+
+
+def test_rule_takes_linear_weights_and_leaves_norms_embeddings_and_tied_weights_fp32() -> None:
+    model = CASE.build()
+    assert isinstance(model, GPT)
+    half = half_width_params(model, torch.bfloat16)
+    tied = {id(model.head.weight)} if model.head.weight is model.tok_emb.weight else set()
+    assert tied, "the reference GPT ties its head to the token embedding"
+    assert set(half) == _linear_params(model) - tied
+    assert set(half.values()) == {torch.bfloat16}
+    assert all(id(p) not in half for m in model.modules() if isinstance(m, (nn.LayerNorm, nn.Embedding))
+               for p in m.parameters(recurse=False))
+    assert set(half_width_params(model, torch.float16).values()) == {torch.float16}
+    assert half_width_params(model, None) == {}  # fp32 runs move fp32
+
+
+class _Reused(nn.Module):
+    """A Linear registered twice, one whose forward reads its weight otherwise, one fp64."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(4, 4)
+        self.again = self.shared
+        self.custom = _Scaled(4, 4)
+        self.wide = nn.Linear(4, 4).double()
+        self.plain = nn.Linear(4, 4)
+
+
+class _Scaled(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ (self.weight * 2).T
+
+
+def test_rule_refuses_reused_linears_other_forwards_and_non_fp32_weights() -> None:
+    model = _Reused()
+    assert set(half_width_params(model, torch.bfloat16)) == {id(model.plain.weight), id(model.plain.bias)}
+
+
+def _train(mode: str, half: bool, steps: int = 2) -> tuple[list[float], dict[str, torch.Tensor], dict[str, int]]:
+    torch.manual_seed(SEED)
+    model = CASE.build()
+    decide = build.half_width_params if half else (lambda _model, _dtype: {})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(build, "half_width_params", decide)
+        engine = ht.initialize(model, engine_config(MODES[mode]), loss_fn=CASE.loss_fn)
+    torch.manual_seed(SEED + 1)
+    losses = [engine.train_batch(batch) for batch in CASE.batches(steps)]
+    return losses, engine.model_state_dict(), engine.last_timings.transfer_bytes
+
+
+@pytest.mark.parametrize("mode", ["stream_bf16_accum2_clip", "stream_layer_major_bf16",
+                                  "stream_layer_major_fp16_overflow_accum2_clip"])
+def test_half_width_transfers_give_bit_identical_training_with_fewer_bytes(mode: str) -> None:
+    """Against the same engine streaming fp32 both ways: every loss and parameter equal to
+    the bit, weights_up about half, gradients_down half with one micro-batch (or per
+    micro-batch landing), the same with layer-major's device-side fp32 sum."""
+    half_losses, half_state, half_bytes = _train(mode, half=True)
+    full_losses, full_state, full_bytes = _train(mode, half=False)
+    assert half_losses == full_losses
+    assert half_state.keys() == full_state.keys()
+    for name, value in full_state.items():
+        assert torch.equal(half_state[name], value), name
+    assert half_bytes["weights_up"] < 0.6 * full_bytes["weights_up"]
+    layer_major_sum = "layer_major" in mode and "accum2" in mode
+    if layer_major_sum:  # summed on the device in fp32 over the micro-batches
+        assert half_bytes["gradients_down"] == full_bytes["gradients_down"]
+    else:
+        assert half_bytes["gradients_down"] < 0.6 * full_bytes["gradients_down"]
+
+
+def test_a_checkpoint_loaded_into_a_trained_engine_reaches_the_device(tmp_path: Any) -> None:
+    """A checkpoint load writes the host masters directly; the next uploads must carry the
+    loaded weights, not the half images cast from the weights before the load."""
+    batches = CASE.batches(4)
+
+    def make() -> ht.Engine:
+        torch.manual_seed(SEED)
+        return ht.initialize(CASE.build(), engine_config(MODES["stream_layer_major_bf16"]), loss_fn=CASE.loss_fn)
+
+    straight = make()
+    expected = [straight.train_batch(b) for b in batches]
+    first = make()
+    for batch in batches[:2]:
+        first.train_batch(batch)
+    first.save_checkpoint(tmp_path)
+    other = make()
+    other.train_batch(batches[3])  # its images now hold other weights
+    other.load_checkpoint(tmp_path)
+    assert [other.train_batch(b) for b in batches[2:]] == expected[2:]
+    final = other.model_state_dict()
+    for name, value in straight.model_state_dict().items():
+        assert torch.equal(final[name], value), name
+
+
+class _Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.tanh(self.fc(x)))
+
+
+def test_a_linear_called_twice_in_one_forward_is_refused_not_summed_in_half() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _Twice(), nn.Linear(8, 1))
+    config: dict[str, Any] = {"device": "cpu", "bf16": {"enabled": True},
+                              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                              "layer_streaming": {"enabled": True}}
+    engine = ht.initialize(model, config, loss_fn=lambda out, batch: (out - batch[1]).pow(2).mean())
+    with pytest.raises(RuntimeError, match=r"Linear fc of streamed block 1 ran twice in one forward"):
+        engine.train_batch((torch.randn(4, 8), torch.randn(4, 1)))
