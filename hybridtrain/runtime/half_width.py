@@ -12,7 +12,8 @@ The rule (:func:`half_width_params`), decided once from the model's structure:
 
 - the run autocasts to bf16 or fp16 (fp32 runs move fp32, fp64 models fp64);
 - the parameter is the ``weight`` or ``bias`` of an ``nn.Linear`` (or a subclass that
-  keeps ``nn.Linear.forward``), i.e. read only by ``F.linear``;
+  keeps ``nn.Linear.forward``), read only by ``F.linear``, or of Hugging Face's GPT-2
+  style ``Conv1D`` (its own forward), read only by ``torch.addmm`` — both on the list;
 - the parameter is fp32 and registered in exactly one module, and that module is
   registered exactly once in the model — a weight tied to an embedding or a head, or a
   Linear reused in two places, is read by another op (or summed over two uses in fp32),
@@ -27,6 +28,7 @@ its gradients would be summed in half precision instead of fp32.
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 
 import torch
@@ -35,10 +37,15 @@ from torch import nn
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def linear_reads_only(module: nn.Module) -> bool:
-    """Whether ``module`` is an ``nn.Linear`` whose forward is ``nn.Linear.forward``
-    (its parameters are read by ``F.linear`` and nothing else in its own forward)."""
-    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+def matmul_reads_only(module: nn.Module) -> bool:
+    """Whether ``module``'s own forward reads its ``weight`` and ``bias`` only through one
+    op on autocast's lower-precision list: ``nn.Linear.forward`` (``F.linear``), or the
+    forward of Hugging Face's ``Conv1D`` (``torch.addmm``; looked up only when
+    ``transformers`` is already imported, which a model of it has done)."""
+    if isinstance(module, nn.Linear):
+        return type(module).forward is nn.Linear.forward
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    return conv1d is not None and isinstance(module, conv1d) and type(module).forward is conv1d.forward
 
 
 def half_width_params(model: nn.Module, compute_dtype: torch.dtype | None) -> dict[int, torch.dtype]:
@@ -62,9 +69,9 @@ def half_width_params(model: nn.Module, compute_dtype: torch.dtype | None) -> di
             owners[id(p)] += 1
     half: dict[int, torch.dtype] = {}
     for module in model.modules():
-        if not linear_reads_only(module) or registered[id(module)] != 1:
+        if not matmul_reads_only(module) or registered[id(module)] != 1:
             continue
-        for p in (module.weight, module.bias):
-            if p is not None and p.dtype == torch.float32 and owners[id(p)] == 1:
+        for p in (module.weight, getattr(module, "bias", None)):
+            if isinstance(p, nn.Parameter) and p.dtype == torch.float32 and owners[id(p)] == 1:
                 half[id(p)] = compute_dtype
     return half

@@ -35,7 +35,9 @@ itself.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -45,7 +47,7 @@ from torch.utils.hooks import RemovableHandle
 from hybridtrain.compat import tree_leaves
 from hybridtrain.runtime import transfer
 from hybridtrain.runtime.device import normalize_device
-from hybridtrain.runtime.half_width import linear_reads_only
+from hybridtrain.runtime.half_width import matmul_reads_only
 from hybridtrain.runtime.optimizer_offload import Bucket, OffloadOptimizer
 from hybridtrain.runtime.residency import Residency
 from hybridtrain.runtime.step_parts import step_part
@@ -96,6 +98,8 @@ class _StreamedBlock:
         self.loaded = False
         self.active = False
         self.ready: torch.cuda.Event | None = None
+        self.pending: Future[None] | None = None
+        """The caster thread's cast and upload of the image, until the block is used or freed."""
         self.arrived = 0
         self.landed = False
         self.hooked = len(bucket.trained)
@@ -108,7 +112,7 @@ class _StreamedBlock:
         self.in_forward = False
         """Inside the block's own forward call (not a recomputation in backward)."""
         self.linear_calls: dict[int, int] = {}
-        """Calls of each half-width Linear in the block's current forward call."""
+        """Calls of each half-width Linear (or Conv1D) in the block's current forward call."""
 
     def _typed(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[start:start + numel * dtype.itemsize].view(dtype).view(p.shape)
@@ -153,6 +157,7 @@ class LayerStreamer:
         self.driven = False
         """True while a whole-step runner moves the blocks itself (the hooks stand aside)."""
         self._h2d = transfer.SideStream(device)
+        self._caster = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridtrain-cast")
         half = half or {}
         transfer.check_host_memory(
             sum(p.numel() * dtype.itemsize for block in blocks for p in block.parameters()
@@ -168,7 +173,7 @@ class LayerStreamer:
             self._handles.append(block.module.register_forward_hook(
                 lambda _m, _a, _o, b=block: setattr(b, "in_forward", False), always_call=True))
             for module in block.module.modules():
-                if linear_reads_only(module) and any(id(p) in half for p in module.parameters()):
+                if matmul_reads_only(module) and any(id(p) in half for p in module.parameters()):
                     self._handles.append(module.register_forward_pre_hook(
                         lambda m, _a, b=block: self._linear_called(b, m)))
             self._handles.append(block.module.register_forward_pre_hook(
@@ -182,6 +187,7 @@ class LayerStreamer:
     def close(self) -> None:
         """Remove the hooks and drop the blocks' host and device views (an engine being
         replaced: its host masters must not outlive it through the model's hooks)."""
+        self._caster.shutdown(wait=True)  # no cast may still write an image or queue a copy
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -191,27 +197,49 @@ class LayerStreamer:
     def _upload(self, block: _StreamedBlock, backward: bool = False) -> None:
         if block.loaded:
             return
-        source = block.bucket.flat_master
-        if block.image is not None:
-            # Cast at every forward upload, so whatever wrote the masters since (the
-            # optimizer, a checkpoint load, the user) is what goes up; backward reuses the
-            # forward's image (nothing writes a block's masters before it lands).
-            if not (backward and block.imaged):
-                with step_part("transfer"):
-                    block.cast()
-            source = block.image
         # Allocated on the compute stream: its memory may be a just-freed block's, which
         # the copy stream must not overwrite before compute has finished reading it.
         block.device_flat.untyped_storage().resize_(block.nbytes)
-        with step_part("transfer"), self._h2d.after_compute():
-            block.device_flat.copy_(source, non_blocking=True)
-            transfer.count_bytes("weights_up", block.nbytes)
-            block.ready = block.image_read = self._h2d.record()
         block.loaded = True
         self.residency.load(block.index)
+        # A half-width image is cast at every forward upload, so whatever wrote the masters
+        # since (the optimizer, a checkpoint load, the user) is what goes up; backward
+        # reuses the forward's image (nothing writes a block's masters before it lands).
+        if block.image is not None and not (backward and block.imaged):
+            # The cast reads and writes host memory for every parameter: on the caster
+            # thread, so the compute thread goes on queueing the current block's kernels.
+            block.pending = self._caster.submit(self._cast_and_copy, block, transfer.compute_event(self.device))
+            return
+        with step_part("transfer"), self._h2d.after_compute():
+            self._copy(block)
+
+    def _copy(self, block: _StreamedBlock) -> None:
+        """Queue the upload on the copy stream (entered by the caller)."""
+        source = block.image if block.image is not None else block.bucket.flat_master
+        block.device_flat.copy_(source, non_blocking=True)
+        transfer.count_bytes("weights_up", block.nbytes)
+        block.ready = block.image_read = self._h2d.record()
+
+    def _cast_and_copy(self, block: _StreamedBlock, after: torch.cuda.Event | None) -> None:
+        # The current CUDA device is per thread: the copy stream's device must be ours.
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            block.cast()
+            with self._h2d.after(after):  # after the compute work queued when it was asked for
+                self._copy(block)
+
+    def _arrived_upload(self, block: _StreamedBlock, check: bool = True) -> None:
+        """Wait for the caster to have queued ``block``'s upload (its ``ready`` event set)."""
+        pending, block.pending = block.pending, None
+        if pending is None:
+            return
+        with step_part("transfer"):
+            error = pending.exception()
+        if error is not None and check:
+            raise error
 
     def _activate(self, block: _StreamedBlock) -> None:
         self._upload(block)
+        self._arrived_upload(block)
         transfer.compute_waits(block.ready, self.device)
         block.ready = None
         if not block.active:
@@ -221,6 +249,8 @@ class LayerStreamer:
     def _free(self, block: _StreamedBlock) -> None:
         if not block.loaded:
             return
+        # A failed cast leaves nothing on the copy stream; the block is freed all the same.
+        self._arrived_upload(block, check=False)
         # A prefetched block may be freed unused (a forward that skips it): its memory goes
         # back to the compute stream's pool, so that stream must not run past the upload.
         transfer.compute_waits(block.ready, self.device)
@@ -279,8 +309,8 @@ class LayerStreamer:
         block.linear_calls[id(module)] = calls
         if calls > 1:
             name = next((n for n, m in block.module.named_modules() if m is module), "?")
-            raise RuntimeError(f"Linear {name or '(the block)'} of streamed block {block.index} ran twice in one "
-                               "forward: its bf16/fp16 weights would sum two half gradients; list the block in "
+            raise RuntimeError(f"{type(module).__name__} {name or '(the block)'} of streamed block {block.index} "
+                               "ran twice in one forward: its bf16/fp16 weights would sum two half gradients; list the block in "
                                "layer_streaming.resident, or train without bf16/fp16")
 
     def _before_forward(self, block: _StreamedBlock, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -132,5 +132,15 @@ def test_a_linear_called_twice_in_one_forward_is_refused_not_summed_in_half() ->
                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                               "layer_streaming": {"enabled": True}}
     engine = ht.initialize(model, config, loss_fn=lambda out, batch: (out - batch[1]).pow(2).mean())
-    with pytest.raises(RuntimeError, match=r"Linear fc of streamed block 1 ran twice in one forward"):
+    with pytest.raises(RuntimeError, match=r"^Linear fc of streamed block 1 ran twice in one forward"):
         engine.train_batch((torch.randn(4, 8), torch.randn(4, 1)))
+
+
+def test_rule_takes_gpt2_conv1d_weights_read_by_addmm() -> None:
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.pytorch_utils import Conv1D
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
+    conv = {id(p) for m in model.modules() if isinstance(m, Conv1D) for p in m.parameters()}
+    assert conv and set(half_width_params(model, torch.bfloat16)) == conv  # lm_head is tied to wte
