@@ -24,6 +24,12 @@ stream waits for their event before the block runs: block i+1 copies while block
 computes. Device buffers are allocated and freed on the compute stream, so the caching
 allocator never hands a buffer to new work before the kernels reading it have finished.
 
+Under bf16/fp16 the parameters :mod:`~hybridtrain.runtime.half_width` picks (Linear
+weights) cross as half: each block uploads a byte image cast from the masters on a caster
+thread at every forward upload (backward re-sends the same image), the parameters compute
+as half, and their half gradients land on the host, which widens them exactly — the same
+bits as autocast casting fp32 weights on the device.
+
 Because everything is driven by module and autograd hooks, the engine's ordinary step
 (micro-batches, accumulation, loss scaling, clipping) and its forward/backward/step trio
 run unchanged; gradients reach the host optimizer through :class:`OffloadOptimizer`.
