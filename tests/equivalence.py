@@ -256,6 +256,19 @@ MODES: dict[str, Mode] = {
     "stream_layer_major_device_accum2": Mode("stream_layer_major_device_accum2", {
         "gradient_accumulation_steps": 2,
         "layer_streaming": {"enabled": True, "layer_major": True, "boundary_activations": "device"}}),
+    # Optimizer offload under bf16/fp16: Linear weights' gradients (one widened half
+    # gradient per backward) come down in half and are summed in fp32 on the host.
+    "offload_opt_bf16_accum2_clip": Mode("offload_opt_bf16_accum2_clip", {
+        "bf16": {"enabled": True}, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 2000, "offload_optimizer": {"device": "cpu"}}},
+        autocast_dtype=torch.bfloat16, clip=0.05, extra={"plain_micro_batches": 2}),
+    "offload_opt_fp16_overflow": Mode("offload_opt_fp16_overflow", {
+        "fp16": {"enabled": True, "hysteresis": 1, "initial_scale_power": 20},
+        "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, autocast_dtype=torch.float16,
+        extra={"grad_scaler": True, "init_scale": 2.0**20},
+        # offload_opt_twinflow_fp16's tolerance, for its reason (fused CPU AdamW's 1-ulp
+        # roundings amplified by fp16 forwards); fp32 gradient transfers give the same bits.
+        atol=1e-5),
     # Half-width streaming (bf16/fp16): nn.Linear weights go up and their gradients come
     # down in half (hybridtrain.runtime.half_width), summed in fp32 on the host per
     # micro-batch, or (layer-major, several micro-batches) on the device; clipping that

@@ -22,8 +22,10 @@ The rule (:func:`half_width_params`), decided once from the model's structure:
   parent's forward) keeps fp32 both ways.
 
 What the rule cannot see statically — a Linear called twice in one forward from a loop —
-is refused at run time by the streamer (:class:`~hybridtrain.runtime.streaming.LayerStreamer`):
-its gradients would be summed in half precision instead of fp32.
+is refused at run time by the streamer (:class:`~hybridtrain.runtime.streaming.LayerStreamer`),
+whose half weights would sum two half gradients; optimizer offload, whose device weights
+stay fp32, counts the calls (:class:`ForwardUses`) and sends such a gradient (an fp32 sum)
+down in fp32.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from collections import Counter
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -75,3 +78,53 @@ def half_width_params(model: nn.Module, compute_dtype: torch.dtype | None) -> di
             if isinstance(p, nn.Parameter) and p.dtype == torch.float32 and owners[id(p)] == 1:
                 half[id(p)] = compute_dtype
     return half
+
+
+class ForwardUses:
+    """How often each half-width module ran in the forward since the last backward, so a
+    gradient is narrowed to half only when it is one widened half gradient (one use).
+
+    A forward pre-hook on every module :func:`half_width_params` took parameters from
+    counts calls with gradients enabled while *counting*; :meth:`backward_starts` stops
+    counting (a recomputation in backward is no second use: its gradient arrives once),
+    :meth:`backward_ended` starts the next forward's count from zero.
+
+    Args:
+        model: the model the decision was made for.
+        half: its result.
+    """
+
+    def __init__(self, model: nn.Module, half: dict[int, torch.dtype]) -> None:
+        self._calls: Counter[int] = Counter()
+        self._module_of: dict[int, int] = {}
+        self._counting = True
+        self._handles: list[RemovableHandle] = []
+        for module in model.modules():
+            owned = [p for p in module.parameters(recurse=False) if id(p) in half]
+            if matmul_reads_only(module) and owned:
+                self._module_of.update({id(p): id(module) for p in owned})
+                self._handles.append(module.register_forward_pre_hook(lambda m, _a: self._called(m)))
+
+    def _called(self, module: nn.Module) -> None:
+        if self._counting and torch.is_grad_enabled():
+            self._calls[id(module)] += 1
+
+    def single(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s module ran at most once in the forward counted last."""
+        module = self._module_of.get(id(param))
+        return module is not None and self._calls[module] <= 1
+
+    def backward_starts(self) -> None:
+        """Stop counting until :meth:`backward_ended`."""
+        self._counting = False
+
+    def backward_ended(self) -> None:
+        """The next forward is counted from zero."""
+        self._calls.clear()
+        self._counting = True
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import inspect
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +46,7 @@ from torch.utils.hooks import RemovableHandle
 
 from hybridtrain.runtime import transfer
 from hybridtrain.runtime.device import normalize_device
+from hybridtrain.runtime.half_width import ForwardUses
 from hybridtrain.runtime.offload_layout import (
     POOLED_BUFFERS,
     bucket_dtype,
@@ -139,6 +140,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         late: ids of parameters whose gradient may arrive in several backward passes of
             one micro-batch (shared by blocks that recompute in a backward of their own):
             their buckets land after the whole backward instead of on arrival.
+        half: ids of parameters autocast reads only in half
+            (:func:`~hybridtrain.runtime.half_width.half_width_params`): host-updated ones
+            that land once per backward send their gradients down in half (exactly) ...
+        uses: ... when their module ran once in the forward (counted by this).
 
     Raises:
         HostMemoryError: the host state does not fit in available host memory.
@@ -147,7 +152,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, pin_memory: bool = True,
                  host_ratio: float = 1.0, bucket_numel: int = 500_000_000, defer: bool = False,
                  streamed: Sequence[Sequence[nn.Parameter]] = (), lasting_grads: bool = True,
-                 late: frozenset[int] = frozenset()) -> None:
+                 late: frozenset[int] = frozenset(), half: Mapping[int, torch.dtype] | None = None,
+                 uses: ForwardUses | None = None) -> None:
         self.device = device = normalize_device(device)
         self.pin_memory = pin_memory
         self.defer = defer
@@ -164,6 +170,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         streamed_ids = {id(p) for block in streamed for p in block}
         params = [p for g in optimizer.param_groups for p in g["params"]]
         on_device = device_kept(params, host_ratio, streamed_ids)
+        # A host-updated weight that autocast reads only in half has, after one backward,
+        # the fp32 gradient autocast widened from a half one: narrowing it back on the
+        # device is exact, and it crosses in 2 bytes. Not when it may hold a sum: several
+        # backward passes of one micro-batch (late), or landed for a whole step (manual).
+        self._narrow = {i: dtype for i, dtype in (half or {}).items()
+                        if i not in streamed_ids and i not in on_device and i not in late} if uses else {}
+        self._uses = uses
         group_index = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
         auto = [p for p in params if id(p) not in streamed_ids and id(p) not in on_device]
         plan = [(list(block), True) for block in streamed] + \
@@ -263,6 +276,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """
         with step_part("host_optimizer"):
             self._wait()
+        if self._uses is not None:
+            self._uses.backward_starts()
         for bucket in self.buckets:
             bucket.arrived = 0
         if not self.defer:
@@ -279,6 +294,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             # hold the exposed host gradients).
             if not bucket.streamed and any(p.grad is not None for p in bucket.params):
                 self.land(bucket.index)
+        if self._uses is not None:
+            self._uses.backward_ended()
         if final:
             with step_part("host_optimizer"):
                 self._wait()
@@ -322,6 +339,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     grad = p.grad if grads is None else grads[j]
                     if grad is None:
                         continue
+                    narrow = None if self.manual_landing or grads is not None else self._narrow.get(id(p))
+                    if narrow is not None and grad.dtype != narrow and self._uses is not None and self._uses.single(p):
+                        self._d2h.keep_alive(grad)  # read by the cast on this stream
+                        grad = grad.to(narrow)  # exact: see ``_narrow``
                     first = not bucket.has_grad[j]
                     if not first and not lasting:
                         raise RuntimeError(f"gradients of bucket {index} arrived after its host step in this step; "
@@ -497,6 +518,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         step, and whoever still holds it (an engine being replaced after an OOM) no longer
         holds its pinned host memory while the next one is built."""
         self._worker.shutdown(wait=True)
+        if self._uses is not None:
+            self._uses.close()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()

@@ -73,7 +73,8 @@ def _train(mode: str, half: bool, steps: int = 2) -> tuple[list[float], dict[str
 
 
 @pytest.mark.parametrize("mode", ["stream_bf16_accum2_clip", "stream_layer_major_bf16",
-                                  "stream_layer_major_fp16_overflow_accum2_clip"])
+                                  "stream_layer_major_fp16_overflow_accum2_clip", "offload_opt_bf16_accum2_clip",
+                                  "offload_opt_fp16_overflow"])
 def test_half_width_transfers_give_bit_identical_training_with_fewer_bytes(mode: str) -> None:
     """Against the same engine streaming fp32 both ways: every loss and parameter equal to
     the bit, weights_up about half, gradients_down half with one micro-batch (or per
@@ -84,7 +85,10 @@ def test_half_width_transfers_give_bit_identical_training_with_fewer_bytes(mode:
     assert half_state.keys() == full_state.keys()
     for name, value in full_state.items():
         assert torch.equal(half_state[name], value), name
-    assert half_bytes["weights_up"] < 0.6 * full_bytes["weights_up"]
+    if mode.startswith("offload_opt"):  # device weights stay fp32: only gradients narrow
+        assert half_bytes["weights_up"] == full_bytes["weights_up"]
+    else:
+        assert half_bytes["weights_up"] < 0.6 * full_bytes["weights_up"]
     layer_major_sum = "layer_major" in mode and "accum2" in mode
     if layer_major_sum:  # summed on the device in fp32 over the micro-batches
         assert half_bytes["gradients_down"] == full_bytes["gradients_down"]
@@ -144,3 +148,29 @@ def test_rule_takes_gpt2_conv1d_weights_read_by_addmm() -> None:
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
     conv = {id(p) for m in model.modules() if isinstance(m, Conv1D) for p in m.parameters()}
     assert conv and set(half_width_params(model, torch.bfloat16)) == conv  # lm_head is tied to wte
+
+
+def test_optimizer_offload_sends_a_twice_used_linears_gradient_in_fp32() -> None:
+    """Optimizer offload keeps fp32 weights on the device: a Linear called twice gets an
+    fp32 sum of two widened half gradients, which narrowing would round; it is counted in
+    forward and crosses in fp32 (bit-identical to fp32 transfers), the others in half."""
+    def train(half: bool) -> tuple[list[float], dict[str, torch.Tensor], dict[str, int]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(_Twice(), nn.Linear(8, 1))
+        config: dict[str, Any] = {"device": "cpu", "bf16": {"enabled": True}, "gradient_accumulation_steps": 2,
+                                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                                  "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(build, "half_width_params", build.half_width_params if half else lambda _m, _d: {})
+            engine = ht.initialize(model, config, loss_fn=lambda out, batch: (out - batch[1]).pow(2).mean())
+        gen = torch.Generator().manual_seed(1)
+        losses = [engine.train_batch((torch.randn(8, 8, generator=gen), torch.randn(8, 1, generator=gen)))
+                  for _ in range(3)]
+        return losses, engine.model_state_dict(), engine.last_timings.transfer_bytes
+
+    half, full = train(True), train(False)
+    assert half[0] == full[0]
+    assert all(torch.equal(half[1][k], v) for k, v in full[1].items())
+    twice, once = 8 * 8 + 8, 8 + 1  # the twice-used Linear's elements, the other's
+    assert full[2]["gradients_down"] == 2 * 4 * (twice + once)  # two micro-batches, fp32
+    assert half[2]["gradients_down"] == 2 * (4 * twice + 2 * once)
