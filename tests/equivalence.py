@@ -262,13 +262,6 @@ MODES: dict[str, Mode] = {
         "bf16": {"enabled": True}, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
         "zero_optimization": {"stage": 2, "reduce_bucket_size": 2000, "offload_optimizer": {"device": "cpu"}}},
         autocast_dtype=torch.bfloat16, clip=0.05, extra={"plain_micro_batches": 2}),
-    "offload_opt_fp16_overflow": Mode("offload_opt_fp16_overflow", {
-        "fp16": {"enabled": True, "hysteresis": 1, "initial_scale_power": 20},
-        "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, autocast_dtype=torch.float16,
-        extra={"grad_scaler": True, "init_scale": 2.0**20},
-        # offload_opt_twinflow_fp16's tolerance, for its reason (fused CPU AdamW's 1-ulp
-        # roundings amplified by fp16 forwards); fp32 gradient transfers give the same bits.
-        atol=1e-5),
     # Half-width streaming (bf16/fp16): nn.Linear weights go up and their gradients come
     # down in half (hybridtrain.runtime.half_width), summed in fp32 on the host per
     # micro-batch, or (layer-major, several micro-batches) on the device; clipping that
@@ -278,13 +271,6 @@ MODES: dict[str, Mode] = {
         "bf16": {"enabled": True}, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
         "layer_streaming": {"enabled": True}}, autocast_dtype=torch.bfloat16, clip=0.05,
         extra={"plain_micro_batches": 2}),
-    "stream_fp16_overflow": Mode("stream_fp16_overflow", {
-        "fp16": {"enabled": True, "hysteresis": 1, "initial_scale_power": 20},
-        "layer_streaming": {"enabled": True, "prefetch_blocks": 2}}, autocast_dtype=torch.float16,
-        extra={"grad_scaler": True, "init_scale": 2.0**20}),
-    "stream_layer_major_bf16": Mode("stream_layer_major_bf16", {
-        "bf16": {"enabled": True}, "layer_streaming": {"enabled": True, "layer_major": True}},
-        autocast_dtype=torch.bfloat16),
     "stream_layer_major_host_bf16_accum2_clip": Mode("stream_layer_major_host_bf16_accum2_clip", {
         "bf16": {"enabled": True}, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
         "layer_streaming": {"enabled": True, "layer_major": True, "boundary_activations": "host"}},
@@ -294,6 +280,27 @@ MODES: dict[str, Mode] = {
         "gradient_clipping": 0.05, "layer_streaming": {"enabled": True, "layer_major": True}},
         autocast_dtype=torch.float16, clip=0.05,
         extra={"grad_scaler": True, "init_scale": 2.0**20, "plain_micro_batches": 2}),
+}
+
+
+HALF_WIDTH_MODES: dict[str, Mode] = {
+    # More half-width variants, kept out of MODES (which every Hugging Face family also
+    # runs): fp16 overflow under optimizer offload and micro-batch-major streaming, and
+    # layer-major streaming with one micro-batch (half gradients down, stepped at once).
+    "offload_opt_fp16_overflow": Mode("offload_opt_fp16_overflow", {
+        "fp16": {"enabled": True, "hysteresis": 1, "initial_scale_power": 20},
+        "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, autocast_dtype=torch.float16,
+        extra={"grad_scaler": True, "init_scale": 2.0**20},
+        # offload_opt_twinflow_fp16's tolerance, for its reason (fused CPU AdamW's 1-ulp
+        # roundings amplified by fp16 forwards); fp32 gradient transfers give the same bits.
+        atol=1e-5),
+    "stream_fp16_overflow": Mode("stream_fp16_overflow", {
+        "fp16": {"enabled": True, "hysteresis": 1, "initial_scale_power": 20},
+        "layer_streaming": {"enabled": True, "prefetch_blocks": 2}}, autocast_dtype=torch.float16,
+        extra={"grad_scaler": True, "init_scale": 2.0**20}),
+    "stream_layer_major_bf16": Mode("stream_layer_major_bf16", {
+        "bf16": {"enabled": True}, "layer_streaming": {"enabled": True, "layer_major": True}},
+        autocast_dtype=torch.bfloat16),
 }
 
 

@@ -10,8 +10,17 @@ import torch
 
 import hybridtrain as ht
 from hybridtrain.runtime.device import normalize_device, resolve_device
-from tests.equivalence import MODES, SEED, assert_same_training, engine_config, gpt_case, plain_run
+from tests.equivalence import (
+    HALF_WIDTH_MODES,
+    MODES,
+    SEED,
+    assert_same_training,
+    engine_config,
+    gpt_case,
+    plain_run,
+)
 
+ALL_MODES = {**MODES, **HALF_WIDTH_MODES}
 CASE = gpt_case()
 STEPS = 2
 MICRO = 8  # the suite's batch (tests/equivalence.BATCH) in one micro-batch
@@ -53,7 +62,7 @@ def _expected(mode: str, model: torch.nn.Module) -> dict[str, int]:
     half_block = _half_width_bytes(blocks[:1])
     everything = _param_bytes([model])
     resident = everything - _param_bytes(blocks)
-    accum = MODES[mode].config.get("gradient_accumulation_steps", 1)
+    accum = ALL_MODES[mode].config.get("gradient_accumulation_steps", 1)
     block_input = MICRO // accum * SEQ * WIDTH * 4  # (B, T, C) fp32 residual stream
     zero = {"activations_out": 0, "activations_in": 0, "weights_up": 0, "gradients_down": 0, "device_map": 0}
     if mode == "swap_checkpoint_bf16":  # checkpointed and swapped: only block inputs travel
@@ -99,14 +108,14 @@ def test_techniques_move_the_bytes_their_sizes_say_on_every_spelling_of_the_devi
     (``cuda:0 != cuda``); there the batches are moved by the engine and the plain loop runs
     on the same device (CPU and CUDA bf16 kernels round differently: an AdamW update of a
     gradient near zero can flip its sign between them)."""
-    expected = plain_run(CASE, MODES[mode], steps=STEPS, device=device)
+    expected = plain_run(CASE, ALL_MODES[mode], steps=STEPS, device=device)
     torch.manual_seed(SEED)
     model = CASE.build()
-    engine = ht.initialize(model, engine_config(MODES[mode], device=device), loss_fn=CASE.loss_fn)
+    engine = ht.initialize(model, engine_config(ALL_MODES[mode], device=device), loss_fn=CASE.loss_fn)
     assert engine.device == normalize_device(device) and engine.device.index == (0 if device == "cuda" else None)
     torch.manual_seed(SEED + 1)
     losses = [engine.train_batch(batch) for batch in CASE.batches(STEPS)]
-    rtol, atol = MODES[mode].rtol, MODES[mode].atol
+    rtol, atol = ALL_MODES[mode].rtol, ALL_MODES[mode].atol
     state = {k: v.cpu() for k, v in engine.model_state_dict().items()}
     assert_same_training(expected, (losses, state), rtol, atol)
     assert engine.last_timings.transfer_bytes == _expected(mode, model)
@@ -117,7 +126,7 @@ def test_swap_moves_every_saved_activation_on_cpu0() -> None:
     sent = {}
     for device in ("cpu", "cpu:0"):
         torch.manual_seed(SEED)
-        engine = ht.initialize(CASE.build(), engine_config(MODES["swap"], device=device), loss_fn=CASE.loss_fn)
+        engine = ht.initialize(CASE.build(), engine_config(ALL_MODES["swap"], device=device), loss_fn=CASE.loss_fn)
         engine.train_batch(CASE.batches(1)[0])
         sent[device] = engine.last_timings.transfer_bytes
     assert sent["cpu:0"] == sent["cpu"]

@@ -15,8 +15,9 @@ import hybridtrain as ht
 import hybridtrain.plan.build as build
 from hybridtrain.models.gpt import GPT
 from hybridtrain.runtime.half_width import half_width_params
-from tests.equivalence import MODES, SEED, engine_config, gpt_case
+from tests.equivalence import HALF_WIDTH_MODES, MODES, SEED, engine_config, gpt_case
 
+ALL_MODES = {**MODES, **HALF_WIDTH_MODES}
 CASE = gpt_case()
 
 
@@ -66,7 +67,7 @@ def _train(mode: str, half: bool, steps: int = 2) -> tuple[list[float], dict[str
     decide = build.half_width_params if half else (lambda _model, _dtype: {})
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(build, "half_width_params", decide)
-        engine = ht.initialize(model, engine_config(MODES[mode]), loss_fn=CASE.loss_fn)
+        engine = ht.initialize(model, engine_config(ALL_MODES[mode]), loss_fn=CASE.loss_fn)
     torch.manual_seed(SEED + 1)
     losses = [engine.train_batch(batch) for batch in CASE.batches(steps)]
     return losses, engine.model_state_dict(), engine.last_timings.transfer_bytes
@@ -103,7 +104,7 @@ def test_a_checkpoint_loaded_into_a_trained_engine_reaches_the_device(tmp_path: 
 
     def make() -> ht.Engine:
         torch.manual_seed(SEED)
-        return ht.initialize(CASE.build(), engine_config(MODES["stream_layer_major_bf16"]), loss_fn=CASE.loss_fn)
+        return ht.initialize(CASE.build(), engine_config(ALL_MODES["stream_layer_major_bf16"]), loss_fn=CASE.loss_fn)
 
     straight = make()
     expected = [straight.train_batch(b) for b in batches]
