@@ -86,6 +86,7 @@ class Bucket:
     copied: torch.cuda.Event | None = None
     """The last gradient copy to the host; it ran after every kernel that read the bucket."""
     uploaded: torch.cuda.Event | None = None
+    _offsets: list[int] = field(default_factory=list)
 
     @property
     def numel(self) -> int:
@@ -110,12 +111,17 @@ class Bucket:
         """``flat`` (bytes laid out as :meth:`views` of the master type) cut into one tensor
         per parameter, at the start of its master's slot, of type ``dtypes[j]`` (no wider
         than the master type): half gradients land in the slots fp32 ones would."""
-        raw, width, out, offset = flat.view(torch.uint8), self.flat_master.itemsize, [], 0
-        for p, dtype in zip(self.params, dtypes, strict=True):
-            start = offset * width
-            out.append(raw[start:start + p.numel() * dtype.itemsize].view(dtype).view(p.shape))
-            offset += p.numel()
-        return out
+        return [self.slot(flat, j, dtype) for j, dtype in enumerate(dtypes)]
+
+    def slot(self, flat: torch.Tensor, j: int, dtype: torch.dtype) -> torch.Tensor:
+        """Parameter ``j``'s tensor of :meth:`slots` alone."""
+        if len(self._offsets) != len(self.params):
+            self._offsets = [0]
+            for p in self.params[:-1]:
+                self._offsets.append(self._offsets[-1] + p.numel())
+        start = self._offsets[j] * self.flat_master.itemsize
+        p = self.params[j]
+        return flat.view(torch.uint8)[start:start + p.numel() * dtype.itemsize].view(dtype).view(p.shape)
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
@@ -353,11 +359,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     direct = first and lasting and grad.dtype == master_dtype
                     if direct:
                         assert bucket.flat_grad is not None
-                        target = bucket.views(bucket.flat_grad)[j]
+                        target = bucket.slot(bucket.flat_grad, j, master_dtype)
                     else:
                         if through is None:
                             through = self._pool.acquire(bucket.flat_master.nbytes)
-                        target = bucket.slots(through, [grad.dtype] * len(bucket.params))[j]
+                        target = bucket.slot(through, j, grad.dtype)
                     target.copy_(grad, non_blocking=True)
                     transfer.count_bytes("gradients_down", grad.numel() * grad.element_size())
                     self._d2h.keep_alive(grad)
