@@ -32,7 +32,7 @@ from hybridtrain.runtime.activation_offload import (
     params_in_several_backwards,
 )
 from hybridtrain.runtime.batch import Batch, LossFn, to_device
-from hybridtrain.runtime.half_width import ForwardUses, half_width_params
+from hybridtrain.runtime.half_width import half_width_params
 from hybridtrain.runtime.layer_major import LayerMajorRunner
 from hybridtrain.runtime.optim import build_optimizer, build_scheduler, zero_grad_step
 from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
@@ -95,8 +95,7 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
                                    placement.bucket_size, placement.defer_step,
                                    streamed=[list(block.parameters()) for block in streamed],
                                    lasting_grads=placement.lasting_grads,
-                                   late=params_in_several_backwards(model, swap_recompute), half=half,
-                                   uses=ForwardUses(model, half) if half else None)
+                                   late=params_in_several_backwards(model, swap_recompute), half=half)
         optimizer = offload
     scheduler = build_scheduler(optimizer, cfg.scheduler.type, cfg.scheduler.params) if cfg.scheduler else None
     scaler = None

@@ -18,24 +18,33 @@ The rule (:func:`half_width_params`), decided once from the model's structure:
   registered exactly once in the model — a weight tied to an embedding or a head, or a
   Linear reused in two places, is read by another op (or summed over two uses in fp32),
   so it keeps fp32 both ways;
-- everything else (norms, embeddings, convolutions, parameters read directly by a
-  parent's forward) keeps fp32 both ways.
+- everything else (norms, embeddings, convolutions) keeps fp32 both ways.
 
-What the rule cannot see statically — a Linear called twice in one forward from a loop —
-is refused at run time by the streamer (:class:`~hybridtrain.runtime.streaming.LayerStreamer`),
-whose half weights would sum two half gradients; optimizer offload, whose device weights
-stay fp32, counts the calls (:class:`ForwardUses`) and sends such a gradient (an fp32 sum)
-down in fp32.
+What the structure cannot show — a Linear called twice in one forward (a loop, DoRA's
+``lora_A``/``lora_B``), a weight a parent also reads with its own arithmetic (DoRA's norm
+of the base weight), a reused block — is learnt from the ops at run time:
+
+- layer streaming moves everything fp32 in the first training step while
+  :class:`WeightReads` watches each block's forward; afterwards the candidates read
+  exactly once, by ``F.linear``/``addmm``, cross in half, the others stay fp32 (and a half
+  Linear that later runs twice in one forward is refused with an error naming it);
+- optimizer offload (device weights stay fp32) narrows a gradient only when the
+  backward's graph shows one cast as its only use (:func:`cast_once`), which also rules
+  out a regularizer in the loss; otherwise it crosses in fp32.
 """
 
 from __future__ import annotations
 
 import sys
 from collections import Counter
+from collections.abc import Collection
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
+from torch.overrides import TorchFunctionMode
+
+from hybridtrain.compat import tree_leaves
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -80,51 +89,66 @@ def half_width_params(model: nn.Module, compute_dtype: torch.dtype | None) -> di
     return half
 
 
-class ForwardUses:
-    """How often each half-width module ran in the forward since the last backward, so a
-    gradient is narrowed to half only when it is one widened half gradient (one use).
+def cast_once(loss: torch.Tensor, params: Collection[int]) -> set[int]:
+    """The ``params`` (by ``id``) whose gradient in ``loss``'s graph comes from exactly one
+    use, a cast (``ToCopyBackward0``: autocast's cast to half), so it is one half gradient
+    widened to fp32 and narrowing it back is exact. A Linear called twice, a weight also
+    read by other ops (a parent's arithmetic, a regularizer in the loss) or recomputed
+    inside a reentrant checkpoint (not in this graph) is not among them."""
+    root = loss.grad_fn
+    if root is None or not params:
+        return set()
+    edges: Counter[int] = Counter()
+    casts: Counter[int] = Counter()
+    seen = {root}
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            var = getattr(nxt, "variable", None)  # an AccumulateGrad: the leaf it fills
+            if isinstance(var, torch.Tensor) and id(var) in params:
+                edges[id(var)] += 1
+                casts[id(var)] += node.name() == "ToCopyBackward0"
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return {i for i, n in edges.items() if n == 1 and casts[i] == 1}
 
-    A forward pre-hook on every module :func:`half_width_params` took parameters from
-    counts calls with gradients enabled while *counting*; :meth:`backward_starts` stops
-    counting (a recomputation in backward is no second use: its gradient arrives once),
-    :meth:`backward_ended` starts the next forward's count from zero.
+
+_HALF_READERS = (torch.nn.functional.linear, torch.addmm)
+"""The ops the rule's modules read their weights with (both on autocast's lower-precision list)."""
+
+_METADATA = frozenset({"dtype", "shape", "device", "requires_grad", "is_cuda", "is_leaf", "grad_fn", "ndim",
+                       "layout", "is_sparse", "is_quantized", "is_meta", "names", "grad", "itemsize", "nbytes"})
+"""Tensor properties that read no values (T5 compares a weight's dtype, for example)."""
+
+
+class WeightReads(TorchFunctionMode):
+    """While active (in this thread), counts how each watched parameter is read: ``uses``
+    by any torch function, ``other`` the parameters read by anything but ``F.linear`` or
+    ``torch.addmm`` (a parent's own arithmetic on a child's weight, as DoRA's weight norm).
 
     Args:
-        model: the model the decision was made for.
-        half: its result.
+        watched: ids of the parameters to watch.
     """
 
-    def __init__(self, model: nn.Module, half: dict[int, torch.dtype]) -> None:
-        self._calls: Counter[int] = Counter()
-        self._module_of: dict[int, int] = {}
-        self._counting = True
-        self._handles: list[RemovableHandle] = []
-        for module in model.modules():
-            owned = [p for p in module.parameters(recurse=False) if id(p) in half]
-            if matmul_reads_only(module) and owned:
-                self._module_of.update({id(p): id(module) for p in owned})
-                self._handles.append(module.register_forward_pre_hook(lambda m, _a: self._called(m)))
+    def __init__(self, watched: set[int]) -> None:
+        super().__init__()
+        self.watched = watched
+        self.uses: Counter[int] = Counter()
+        self.other: set[int] = set()
 
-    def _called(self, module: nn.Module) -> None:
-        if self._counting and torch.is_grad_enabled():
-            self._calls[id(module)] += 1
-
-    def single(self, param: torch.Tensor) -> bool:
-        """Whether ``param``'s module ran at most once in the forward counted last."""
-        module = self._module_of.get(id(param))
-        return module is not None and self._calls[module] <= 1
-
-    def backward_starts(self) -> None:
-        """Stop counting until :meth:`backward_ended`."""
-        self._counting = False
-
-    def backward_ended(self) -> None:
-        """The next forward is counted from zero."""
-        self._calls.clear()
-        self._counting = True
-
-    def close(self) -> None:
-        """Remove the hooks."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        metadata = name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", "") in _METADATA
+        if not (metadata or name == "__set__"):  # a setter reads nothing (the streamer points .data)
+            for leaf in tree_leaves((args, kwargs)):
+                if isinstance(leaf, torch.Tensor) and id(leaf) in self.watched:
+                    self.uses[id(leaf)] += 1
+                    if func not in _HALF_READERS:
+                        self.other.add(id(leaf))
+        return func(*args, **kwargs)

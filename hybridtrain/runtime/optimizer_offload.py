@@ -46,7 +46,7 @@ from torch.utils.hooks import RemovableHandle
 
 from hybridtrain.runtime import transfer
 from hybridtrain.runtime.device import normalize_device
-from hybridtrain.runtime.half_width import ForwardUses
+from hybridtrain.runtime.half_width import cast_once
 from hybridtrain.runtime.offload_layout import (
     POOLED_BUFFERS,
     bucket_dtype,
@@ -148,8 +148,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             their buckets land after the whole backward instead of on arrival.
         half: ids of parameters autocast reads only in half
             (:func:`~hybridtrain.runtime.half_width.half_width_params`): host-updated ones
-            that land once per backward send their gradients down in half (exactly) ...
-        uses: ... when their module ran once in the forward (counted by this).
+            that land once per backward send their gradients down in half (exactly) when
+            the backward's graph shows one cast as their only use.
 
     Raises:
         HostMemoryError: the host state does not fit in available host memory.
@@ -158,8 +158,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, pin_memory: bool = True,
                  host_ratio: float = 1.0, bucket_numel: int = 500_000_000, defer: bool = False,
                  streamed: Sequence[Sequence[nn.Parameter]] = (), lasting_grads: bool = True,
-                 late: frozenset[int] = frozenset(), half: Mapping[int, torch.dtype] | None = None,
-                 uses: ForwardUses | None = None) -> None:
+                 late: frozenset[int] = frozenset(), half: Mapping[int, torch.dtype] | None = None) -> None:
         self.device = device = normalize_device(device)
         self.pin_memory = pin_memory
         self.defer = defer
@@ -181,8 +180,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # device is exact, and it crosses in 2 bytes. Not when it may hold a sum: several
         # backward passes of one micro-batch (late), or landed for a whole step (manual).
         self._narrow = {i: dtype for i, dtype in (half or {}).items()
-                        if i not in streamed_ids and i not in on_device and i not in late} if uses else {}
-        self._uses = uses
+                        if i not in streamed_ids and i not in on_device and i not in late}
+        self._cast_once: set[int] = set()
+        """Of those, the ones whose gradient this backward is one widened half gradient."""
         group_index = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
         auto = [p for p in params if id(p) not in streamed_ids and id(p) not in on_device]
         plan = [(list(block), True) for block in streamed] + \
@@ -282,8 +282,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """
         with step_part("host_optimizer"):
             self._wait()
-        if self._uses is not None:
-            self._uses.backward_starts()
+        # Read from the graph before backward frees it (the landing hooks run during it).
+        self._cast_once = cast_once(loss, self._narrow) if self._narrow and not self.manual_landing else set()
         for bucket in self.buckets:
             bucket.arrived = 0
         if not self.defer:
@@ -300,8 +300,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             # hold the exposed host gradients).
             if not bucket.streamed and any(p.grad is not None for p in bucket.params):
                 self.land(bucket.index)
-        if self._uses is not None:
-            self._uses.backward_ended()
+        self._cast_once = set()
         if final:
             with step_part("host_optimizer"):
                 self._wait()
@@ -346,7 +345,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     if grad is None:
                         continue
                     narrow = None if self.manual_landing or grads is not None else self._narrow.get(id(p))
-                    if narrow is not None and grad.dtype != narrow and self._uses is not None and self._uses.single(p):
+                    if narrow is not None and grad.dtype != narrow and id(p) in self._cast_once:
                         self._d2h.keep_alive(grad)  # read by the cast on this stream
                         grad = grad.to(narrow)  # exact: see ``_narrow``
                     first = not bucket.has_grad[j]
@@ -524,8 +523,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
         step, and whoever still holds it (an engine being replaced after an OOM) no longer
         holds its pinned host memory while the next one is built."""
         self._worker.shutdown(wait=True)
-        if self._uses is not None:
-            self._uses.close()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()

@@ -53,7 +53,7 @@ from torch.utils.hooks import RemovableHandle
 from hybridtrain.compat import tree_leaves
 from hybridtrain.runtime import transfer
 from hybridtrain.runtime.device import normalize_device
-from hybridtrain.runtime.half_width import matmul_reads_only
+from hybridtrain.runtime.half_width import WeightReads, matmul_reads_only
 from hybridtrain.runtime.optimizer_offload import Bucket, OffloadOptimizer
 from hybridtrain.runtime.residency import Residency
 from hybridtrain.runtime.step_parts import step_part
@@ -68,35 +68,13 @@ class _StreamedBlock:
     before the upload; the device buffer holds the same bytes, viewed per parameter.
     """
 
-    def __init__(self, index: int, module: nn.Module, bucket: Bucket, device: torch.device,
-                 half: Mapping[int, torch.dtype], pin: bool) -> None:
+    def __init__(self, index: int, module: nn.Module, bucket: Bucket, device: torch.device) -> None:
         self.index = index
         self.module = module
         self.bucket = bucket
-        master = bucket.flat_master.dtype
-        self.wire = [half.get(id(p), master) for p in bucket.params]
-        """Each parameter's type on the device (its master's, or half)."""
-        self.image: torch.Tensor | None = None
-        self.image_views: list[torch.Tensor] = []
-        self.layout: list[tuple[int, int]] = []
-        """Each parameter's byte offset and element count in the image."""
-        if any(dtype != master for dtype in self.wire):
-            order = sorted(range(len(self.wire)), key=lambda j: -self.wire[j].itemsize)  # stable
-            self.layout = [(0, 0)] * len(self.wire)
-            offset = 0
-            for j in order:
-                self.layout[j] = (offset, bucket.params[j].numel())
-                offset += bucket.params[j].numel() * self.wire[j].itemsize
-            self.image = transfer.host_buffer(offset, torch.uint8, pin, device)
-            self.image_views = self._typed(self.image)
-            self.device_flat = torch.empty(offset, dtype=torch.uint8, device=device)
-            self.device_views = self._typed(self.device_flat)
-        else:
-            self.device_flat = torch.empty(bucket.flat_master.numel(), dtype=master, device=device)
-            self.device_views = bucket.views(self.device_flat)
-        self.nbytes = self.device_flat.untyped_storage().nbytes()
+        self.device = device
         self.host_views = bucket.views(bucket.flat_master)
-        self.device_flat.untyped_storage().resize_(0)
+        self.set_wire({}, pin=False)
         self.imaged = False
         """The image holds the masters as they are (cast since the block last landed)."""
         self.image_read: torch.cuda.Event | None = None
@@ -119,6 +97,37 @@ class _StreamedBlock:
         """Inside the block's own forward call (not a recomputation in backward)."""
         self.linear_calls: dict[int, int] = {}
         """Calls of each half-width Linear (or Conv1D) in the block's current forward call."""
+        self.reads: WeightReads | None = None
+        """Watching how the block's forward reads its weights (the first training step)."""
+        self.forwards = 0
+        """The block's forward calls since the last backward (micro-batch-major order)."""
+
+    def set_wire(self, half: Mapping[int, torch.dtype], pin: bool) -> None:
+        """Lay the block out for the device: parameters in ``half`` in that type (an image),
+        the rest in the master's; only while the block is not on the device."""
+        bucket, device, master = self.bucket, self.device, self.bucket.flat_master.dtype
+        self.wire = [half.get(id(p), master) for p in bucket.params]
+        """Each parameter's type on the device (its master's, or half)."""
+        self.image: torch.Tensor | None = None
+        self.image_views: list[torch.Tensor] = []
+        self.layout: list[tuple[int, int]] = []
+        """Each parameter's byte offset and element count in the image."""
+        if any(dtype != master for dtype in self.wire):
+            order = sorted(range(len(self.wire)), key=lambda j: -self.wire[j].itemsize)  # stable
+            self.layout = [(0, 0)] * len(self.wire)
+            offset = 0
+            for j in order:
+                self.layout[j] = (offset, bucket.params[j].numel())
+                offset += bucket.params[j].numel() * self.wire[j].itemsize
+            self.image = transfer.host_buffer(offset, torch.uint8, pin, device)
+            self.image_views = self._typed(self.image)
+            self.device_flat = torch.empty(offset, dtype=torch.uint8, device=device)
+            self.device_views = self._typed(self.device_flat)
+        else:
+            self.device_flat = torch.empty(bucket.flat_master.numel(), dtype=master, device=device)
+            self.device_views = bucket.views(self.device_flat)
+        self.nbytes = self.device_flat.untyped_storage().nbytes()
+        self.device_flat.untyped_storage().resize_(0)
 
     def _typed(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[start:start + numel * dtype.itemsize].view(dtype).view(p.shape)
@@ -164,22 +173,24 @@ class LayerStreamer:
         """True while a whole-step runner moves the blocks itself (the hooks stand aside)."""
         self._h2d = transfer.SideStream(device)
         self._caster = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridtrain-cast")
-        half = half or {}
-        transfer.check_host_memory(
-            sum(p.numel() * dtype.itemsize for block in blocks for p in block.parameters()
-                for dtype in [half.get(id(p))] if dtype is not None),
-            "half-width layer streaming (a half copy of each block's Linear weights)")
-        self.blocks = [_StreamedBlock(i, m, optimizer.buckets[i], device, half, optimizer.pin_memory)
-                       for i, m in enumerate(blocks)]
+        self._candidates = dict(half or {})
+        """What the structural rule allows to cross in half; the first training step
+        (in fp32) shows which of those modules run once per forward (see :meth:`_decide`)."""
+        self._observing = bool(self._candidates)
+        self._not_half: set[int] = set()
+        """Candidates the first step saw read twice, or by another op, or in a reused block."""
+        self._in_backward = False
+        self._half_modules: set[int] = set()
+        self.blocks = [_StreamedBlock(i, m, optimizer.buckets[i], device) for i, m in enumerate(blocks)]
         self._handles: list[RemovableHandle] = []
         for block in self.blocks:
             block.point_at(block.host_views)
             self._handles.append(block.module.register_forward_pre_hook(
                 lambda _m, _a, b=block: self._forward_starts(b), prepend=True))
             self._handles.append(block.module.register_forward_hook(
-                lambda _m, _a, _o, b=block: setattr(b, "in_forward", False), always_call=True))
+                lambda _m, _a, _o, b=block: self._forward_ends(b), always_call=True))
             for module in block.module.modules():
-                if matmul_reads_only(module) and any(id(p) in half for p in module.parameters()):
+                if matmul_reads_only(module) and any(id(p) in self._candidates for p in module.parameters()):
                     self._handles.append(module.register_forward_pre_hook(
                         lambda m, _a, b=block: self._linear_called(b, m)))
             self._handles.append(block.module.register_forward_pre_hook(
@@ -304,6 +315,22 @@ class LayerStreamer:
     def _forward_starts(self, block: _StreamedBlock) -> None:
         block.in_forward = True
         block.linear_calls.clear()
+        if self._observing and torch.is_grad_enabled():
+            if not (self.driven or self._in_backward):  # layer-major runs each block once per micro-batch
+                block.forwards += 1
+                if block.forwards > 1:  # a block reused in one forward sums its weights' gradients
+                    self._not_half.update(id(p) for p in block.bucket.params)
+            watched = {id(p) for p in block.bucket.params if id(p) in self._candidates}
+            if watched:
+                block.reads = WeightReads(watched)
+                block.reads.__enter__()
+
+    def _forward_ends(self, block: _StreamedBlock) -> None:
+        block.in_forward = False
+        reads, block.reads = block.reads, None
+        if reads is not None:
+            reads.__exit__(None, None, None)
+            self._not_half |= reads.other | {i for i, n in reads.uses.items() if n > 1}
 
     def _linear_called(self, block: _StreamedBlock, module: nn.Module) -> None:
         # Two uses of a half weight in one graph would sum its gradients in half precision
@@ -313,11 +340,28 @@ class LayerStreamer:
             return
         calls = block.linear_calls.get(id(module), 0) + 1
         block.linear_calls[id(module)] = calls
-        if calls > 1:
+        if calls > 1 and id(module) in self._half_modules:
             name = next((n for n, m in block.module.named_modules() if m is module), "?")
             raise RuntimeError(f"{type(module).__name__} {name or '(the block)'} of streamed block {block.index} "
-                               "ran twice in one forward: its bf16/fp16 weights would sum two half gradients; list the block in "
-                               "layer_streaming.resident, or train without bf16/fp16")
+                               "ran twice in one forward, once in the first step: its bf16/fp16 weights would "
+                               "sum two half gradients; list the block in layer_streaming.resident, or train "
+                               "without bf16/fp16")
+
+    def _decide(self) -> None:
+        """After the first training step (moved in fp32): the rule's candidates that every
+        forward read once, by ``F.linear``/``addmm``, cross in half from now on; those read
+        twice (a Linear called in a loop, a reused block, DoRA's ``lora_A``/``lora_B``, also
+        run on an identity) or by other ops (DoRA's norm of the base weight) stay fp32."""
+        self._observing = False
+        half = {i: dtype for i, dtype in self._candidates.items() if i not in self._not_half}
+        transfer.check_host_memory(
+            sum(p.numel() * half[id(p)].itemsize for block in self.blocks for p in block.bucket.params
+                if id(p) in half),
+            "half-width layer streaming (a half copy of each block's Linear weights)")
+        for block in self.blocks:
+            block.set_wire(half, self.optimizer.pin_memory)
+        self._half_modules = {id(m) for block in self.blocks for m in block.module.modules()
+                              if any(id(p) in half for p in m.parameters(recurse=False))}
 
     def _before_forward(self, block: _StreamedBlock, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.driven:
@@ -361,6 +405,7 @@ class LayerStreamer:
         for block in self.blocks:
             block.arrived = 0
             block.landed = False
+        self._in_backward = True
         self.optimizer.before_backward(final, loss)
 
     def after_backward(self, final: bool) -> None:
@@ -372,6 +417,11 @@ class LayerStreamer:
             self._free(block)
             block.watching = False
         self.optimizer.after_backward(final)
+        self._in_backward = False
+        for block in self.blocks:
+            block.forwards = 0
+        if final and self._observing:
+            self._decide()  # nothing is on the device now
 
 
 def place_for_streaming(model: nn.Module, streamed: Sequence[nn.Module], device: torch.device) -> None:

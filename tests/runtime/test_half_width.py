@@ -122,23 +122,57 @@ def test_a_checkpoint_loaded_into_a_trained_engine_reaches_the_device(tmp_path: 
 
 
 class _Twice(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, twice: bool = True) -> None:
         super().__init__()
         self.fc = nn.Linear(8, 8)
+        self.twice = twice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.tanh(self.fc(x)))
+        y = torch.tanh(self.fc(x))
+        return self.fc(y) if self.twice else y
 
 
-def test_a_linear_called_twice_in_one_forward_is_refused_not_summed_in_half() -> None:
+def _train_twice(config: dict[str, Any], half: bool, steps: int = 3, twice: bool = True,
+                 ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, int], ht.Engine]:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), _Twice(), nn.Linear(8, 1))
-    config: dict[str, Any] = {"device": "cpu", "bf16": {"enabled": True},
-                              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-                              "layer_streaming": {"enabled": True}}
-    engine = ht.initialize(model, config, loss_fn=lambda out, batch: (out - batch[1]).pow(2).mean())
-    with pytest.raises(RuntimeError, match=r"^Linear fc of streamed block 1 ran twice in one forward"):
-        engine.train_batch((torch.randn(4, 8), torch.randn(4, 1)))
+    model = nn.Sequential(nn.Linear(8, 8), _Twice(twice), nn.Linear(8, 1))
+    config = {"device": "cpu", "bf16": {"enabled": True}, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, **config}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(build, "half_width_params", build.half_width_params if half else lambda _m, _d: {})
+        engine = ht.initialize(model, config, loss_fn=lambda out, batch: (out - batch[1]).pow(2).mean())
+    gen = torch.Generator().manual_seed(1)
+    losses = [engine.train_batch((torch.randn(8, 8, generator=gen), torch.randn(8, 1, generator=gen)))
+              for _ in range(steps)]
+    return losses, engine.model_state_dict(), engine.last_timings.transfer_bytes, engine
+
+
+LINEAR_8X8, LINEAR_8X1 = 8 * 8 + 8, 8 + 1
+
+
+@pytest.mark.parametrize("technique", ["streaming", "offload"])
+def test_a_linear_called_twice_in_one_forward_stays_fp32(technique: str) -> None:
+    """Its gradient is a sum of two half gradients, which the plain loop sums in fp32.
+    Streaming learns it in the first step (moved in fp32) and keeps that Linear fp32;
+    optimizer offload counts the calls of every forward and sends that gradient in fp32.
+    Bit-identical to fp32 transfers either way; the other Linears still cross in half."""
+    config: dict[str, Any] = ({"layer_streaming": {"enabled": True}} if technique == "streaming" else
+                              {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}})
+    half, full = _train_twice(config, True), _train_twice(config, False)
+    assert half[0] == full[0]
+    assert all(torch.equal(half[1][k], v) for k, v in full[1].items())
+    # per micro-batch (two per step): blocks 0 and 2 in half, block 1 (the twice-used fc) in fp32
+    assert full[2]["gradients_down"] == 2 * 4 * (2 * LINEAR_8X8 + LINEAR_8X1)
+    assert half[2]["gradients_down"] == 2 * (2 * LINEAR_8X8 + 4 * LINEAR_8X8 + 2 * LINEAR_8X1)
+
+
+def test_a_linear_that_starts_running_twice_after_the_first_step_is_refused() -> None:
+    engine = _train_twice({"layer_streaming": {"enabled": True}}, True, steps=2, twice=False)[3]
+    twice = engine.module[1]
+    assert isinstance(twice, _Twice)
+    twice.twice = True  # the decision after step 1 saw fc once: a second call would sum half gradients
+    with pytest.raises(RuntimeError, match=r"^Linear fc of streamed block 1 ran twice in one forward, once in"):
+        engine.train_batch((torch.randn(8, 8), torch.randn(8, 1)))
 
 
 def test_rule_takes_gpt2_conv1d_weights_read_by_addmm() -> None:
@@ -151,19 +185,22 @@ def test_rule_takes_gpt2_conv1d_weights_read_by_addmm() -> None:
     assert conv and set(half_width_params(model, torch.bfloat16)) == conv  # lm_head is tied to wte
 
 
-def test_optimizer_offload_sends_a_twice_used_linears_gradient_in_fp32() -> None:
-    """Optimizer offload keeps fp32 weights on the device: a Linear called twice gets an
-    fp32 sum of two widened half gradients, which narrowing would round; it is counted in
-    forward and crosses in fp32 (bit-identical to fp32 transfers), the others in half."""
+def test_optimizer_offload_sends_a_weight_the_loss_also_reads_in_fp32() -> None:
+    """A regularizer in the loss reads a Linear's weight in fp32: its gradient is no
+    widened half value, so it crosses in fp32 (the graph shows the second use)."""
     def train(half: bool) -> tuple[list[float], dict[str, torch.Tensor], dict[str, int]]:
         torch.manual_seed(0)
-        model = nn.Sequential(_Twice(), nn.Linear(8, 1))
-        config: dict[str, Any] = {"device": "cpu", "bf16": {"enabled": True}, "gradient_accumulation_steps": 2,
+        model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+        config: dict[str, Any] = {"device": "cpu", "bf16": {"enabled": True},
                                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
                                   "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
+
+        def loss_fn(out: torch.Tensor, batch: Any) -> torch.Tensor:
+            return (out - batch[1]).pow(2).mean() + 1e-3 * model[0].weight.pow(2).sum()
+
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(build, "half_width_params", build.half_width_params if half else lambda _m, _d: {})
-            engine = ht.initialize(model, config, loss_fn=lambda out, batch: (out - batch[1]).pow(2).mean())
+            engine = ht.initialize(model, config, loss_fn=loss_fn)
         gen = torch.Generator().manual_seed(1)
         losses = [engine.train_batch((torch.randn(8, 8, generator=gen), torch.randn(8, 1, generator=gen)))
                   for _ in range(3)]
@@ -172,6 +209,4 @@ def test_optimizer_offload_sends_a_twice_used_linears_gradient_in_fp32() -> None
     half, full = train(True), train(False)
     assert half[0] == full[0]
     assert all(torch.equal(half[1][k], v) for k, v in full[1].items())
-    twice, once = 8 * 8 + 8, 8 + 1  # the twice-used Linear's elements, the other's
-    assert full[2]["gradients_down"] == 2 * 4 * (twice + once)  # two micro-batches, fp32
-    assert half[2]["gradients_down"] == 2 * (4 * twice + 2 * once)
+    assert half[2]["gradients_down"] == 4 * 8 * 8 + 2 * 8 + 2 * LINEAR_8X1  # weight 0 fp32, the rest half
