@@ -124,6 +124,12 @@ _METADATA = frozenset({"dtype", "shape", "device", "requires_grad", "is_cuda", "
                        "layout", "is_sparse", "is_quantized", "is_meta", "names", "grad", "itemsize", "nbytes"})
 """Tensor properties that read no values (T5 compares a weight's dtype, for example)."""
 
+_NO_VALUES = frozenset({"untyped_storage", "storage", "data_ptr", "size", "dim", "numel", "nelement", "stride",
+                        "storage_offset", "element_size", "is_contiguous", "is_floating_point", "get_device",
+                        "is_complex", "is_pinned", "__set__"})
+"""Tensor methods that read no values (the activation swapper asks parameters for their
+storage; the streamer sets ``.data``)."""
+
 
 class WeightReads(TorchFunctionMode):
     """While active (in this thread), counts how each watched parameter is read: ``uses``
@@ -145,7 +151,7 @@ class WeightReads(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         metadata = name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", "") in _METADATA
-        if not (metadata or name == "__set__"):  # a setter reads nothing (the streamer points .data)
+        if not (metadata or name in _NO_VALUES):
             for leaf in tree_leaves((args, kwargs)):
                 if isinstance(leaf, torch.Tensor) and id(leaf) in self.watched:
                     self.uses[id(leaf)] += 1
