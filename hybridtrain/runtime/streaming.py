@@ -24,8 +24,9 @@ stream waits for their event before the block runs: block i+1 copies while block
 computes. Device buffers are allocated and freed on the compute stream, so the caching
 allocator never hands a buffer to new work before the kernels reading it have finished.
 
-Under bf16/fp16 the parameters :mod:`~hybridtrain.runtime.half_width` picks (Linear
-weights) cross as half: each block uploads a byte image cast from the masters on a caster
+Under bf16/fp16, from the second training step, the parameters
+:mod:`~hybridtrain.runtime.half_width` picks (Linear weights the first step saw read once,
+by a matmul) cross as half: each block uploads a byte image cast from the masters on a caster
 thread at every forward upload (backward re-sends the same image), the parameters compute
 as half, and their half gradients land on the host, which widens them exactly — the same
 bits as autocast casting fp32 weights on the device.
@@ -156,8 +157,10 @@ class LayerStreamer:
             parameter lists in the same order (bucket ``i`` is block ``i``).
         device: the compute device.
         prefetch_blocks: blocks uploaded ahead of the computing one.
-        half: parameters (by ``id``) that cross and compute in a half type, from
-            :func:`~hybridtrain.runtime.half_width.half_width_params`.
+        half: parameters (by ``id``) that may cross and compute in a half type, from
+            :func:`~hybridtrain.runtime.half_width.half_width_params`; the first training
+            step (moved in fp32) shows which of them the ops read once by a matmul, and
+            only those cross in half afterwards.
 
     Raises:
         HostMemoryError: the half-width images do not fit in available host memory.
@@ -177,6 +180,11 @@ class LayerStreamer:
         """What the structural rule allows to cross in half; the first training step
         (in fp32) shows which of those modules run once per forward (see :meth:`_decide`)."""
         self._observing = bool(self._candidates)
+        # Before any work: the images of every candidate (those kept fp32 later need none).
+        transfer.check_host_memory(
+            sum(p.numel() * self._candidates[id(p)].itemsize for block in blocks for p in block.parameters()
+                if id(p) in self._candidates),
+            "half-width layer streaming (a half copy of each block's Linear weights)")
         self._not_half: set[int] = set()
         """Candidates the first step saw read twice, or by another op, or in a reused block."""
         self._in_backward = False
@@ -354,10 +362,6 @@ class LayerStreamer:
         run on an identity) or by other ops (DoRA's norm of the base weight) stay fp32."""
         self._observing = False
         half = {i: dtype for i, dtype in self._candidates.items() if i not in self._not_half}
-        transfer.check_host_memory(
-            sum(p.numel() * half[id(p)].itemsize for block in self.blocks for p in block.bucket.params
-                if id(p) in half),
-            "half-width layer streaming (a half copy of each block's Linear weights)")
         for block in self.blocks:
             block.set_wire(half, self.optimizer.pin_memory)
         self._half_modules = {id(m) for block in self.blocks for m in block.module.modules()
