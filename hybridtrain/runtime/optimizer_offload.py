@@ -178,7 +178,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # A host-updated weight that autocast reads only in half has, after one backward,
         # the fp32 gradient autocast widened from a half one: narrowing it back on the
         # device is exact, and it crosses in 2 bytes. Not when it may hold a sum: several
-        # backward passes of one micro-batch (late), or landed for a whole step (manual).
+        # backward passes of one micro-batch (late), landed for a whole step (manual), or
+        # a graph that shows other uses of the weight (checked before each backward).
         self._narrow = {i: dtype for i, dtype in (half or {}).items()
                         if i not in streamed_ids and i not in on_device and i not in late}
         self._cast_once: set[int] = set()

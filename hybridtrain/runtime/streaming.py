@@ -351,9 +351,9 @@ class LayerStreamer:
         if calls > 1 and id(module) in self._half_modules:
             name = next((n for n, m in block.module.named_modules() if m is module), "?")
             raise RuntimeError(f"{type(module).__name__} {name or '(the block)'} of streamed block {block.index} "
-                               "ran twice in one forward, once in the first step: its bf16/fp16 weights would "
-                               "sum two half gradients; list the block in layer_streaming.resident, or train "
-                               "without bf16/fp16")
+                               "ran twice in one forward (once per forward in the first step, so it now computes "
+                               "in bf16/fp16): its two half gradients would be summed in half precision; list the "
+                               "block in layer_streaming.resident, or train without bf16/fp16")
 
     def _decide(self) -> None:
         """After the first training step (moved in fp32): the rule's candidates that every
