@@ -256,6 +256,51 @@ MODES: dict[str, Mode] = {
     "stream_layer_major_device_accum2": Mode("stream_layer_major_device_accum2", {
         "gradient_accumulation_steps": 2,
         "layer_streaming": {"enabled": True, "layer_major": True, "boundary_activations": "device"}}),
+    # Optimizer offload under bf16/fp16: Linear weights' gradients (one widened half
+    # gradient per backward) come down in half and are summed in fp32 on the host.
+    "offload_opt_bf16_accum2_clip": Mode("offload_opt_bf16_accum2_clip", {
+        "bf16": {"enabled": True}, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 2000, "offload_optimizer": {"device": "cpu"}}},
+        autocast_dtype=torch.bfloat16, clip=0.05, extra={"plain_micro_batches": 2}),
+    # Half-width streaming (bf16/fp16): nn.Linear weights go up and their gradients come
+    # down in half (hybridtrain.runtime.half_width), summed in fp32 on the host per
+    # micro-batch, or (layer-major, several micro-batches) on the device; clipping that
+    # clips (every case's gradient norm is far above 0.05) and fp16 steps that overflow and
+    # skip (a loss scale of 2^20 overflows the first steps of most cases).
+    "stream_bf16_accum2_clip": Mode("stream_bf16_accum2_clip", {
+        "bf16": {"enabled": True}, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
+        "layer_streaming": {"enabled": True}}, autocast_dtype=torch.bfloat16, clip=0.05,
+        extra={"plain_micro_batches": 2}),
+    "stream_layer_major_host_bf16_accum2_clip": Mode("stream_layer_major_host_bf16_accum2_clip", {
+        "bf16": {"enabled": True}, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
+        "layer_streaming": {"enabled": True, "layer_major": True, "boundary_activations": "host"}},
+        autocast_dtype=torch.bfloat16, clip=0.05, extra={"plain_micro_batches": 2}),
+    "stream_layer_major_fp16_overflow_accum2_clip": Mode("stream_layer_major_fp16_overflow_accum2_clip", {
+        "fp16": {"enabled": True, "hysteresis": 1, "initial_scale_power": 20}, "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.05, "layer_streaming": {"enabled": True, "layer_major": True}},
+        autocast_dtype=torch.float16, clip=0.05,
+        extra={"grad_scaler": True, "init_scale": 2.0**20, "plain_micro_batches": 2}),
+}
+
+
+HALF_WIDTH_MODES: dict[str, Mode] = {
+    # More half-width variants, kept out of MODES (which every Hugging Face family also
+    # runs): fp16 overflow under optimizer offload and micro-batch-major streaming, and
+    # layer-major streaming with one micro-batch (half gradients down, stepped at once).
+    "offload_opt_fp16_overflow": Mode("offload_opt_fp16_overflow", {
+        "fp16": {"enabled": True, "hysteresis": 1, "initial_scale_power": 20},
+        "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, autocast_dtype=torch.float16,
+        extra={"grad_scaler": True, "init_scale": 2.0**20},
+        # offload_opt_twinflow_fp16's tolerance, for its reason (fused CPU AdamW's 1-ulp
+        # roundings amplified by fp16 forwards); fp32 gradient transfers give the same bits.
+        atol=1e-5),
+    "stream_fp16_overflow": Mode("stream_fp16_overflow", {
+        "fp16": {"enabled": True, "hysteresis": 1, "initial_scale_power": 20},
+        "layer_streaming": {"enabled": True, "prefetch_blocks": 2}}, autocast_dtype=torch.float16,
+        extra={"grad_scaler": True, "init_scale": 2.0**20}),
+    "stream_layer_major_bf16": Mode("stream_layer_major_bf16", {
+        "bf16": {"enabled": True}, "layer_streaming": {"enabled": True, "layer_major": True}},
+        autocast_dtype=torch.bfloat16),
 }
 
 
@@ -290,19 +335,25 @@ def plain_run(case: ModelCase, mode: Mode, steps: int = STEPS,
         opt.step()  # opt.zero_grad() below drops the zero gradients
     sched = torch.optim.lr_scheduler.LambdaLR(opt, mode.lr_lambda) if mode.lr_lambda else None
     kind = torch.device(device).type
-    scaler = torch.amp.GradScaler(kind, init_scale=2.0**16) if mode.extra.get("grad_scaler") else None
+    scaler = (torch.amp.GradScaler(kind, init_scale=mode.extra.get("init_scale", 2.0**16))
+              if mode.extra.get("grad_scaler") else None)
     losses = []
     torch.manual_seed(SEED + 1)
+    micro = mode.extra.get("plain_micro_batches", 1)
     for batch in case.batches(steps):
         batch = _to(batch, device)
         opt.zero_grad()
-        with torch.autocast(kind, dtype=mode.autocast_dtype or torch.bfloat16, enabled=mode.autocast_dtype is not None):
-            loss = case.plain_loss(model, batch)
+        loss = torch.zeros(())
+        for part in _halves(batch, micro):  # DeepSpeed's accumulation: each loss / micro
+            with torch.autocast(kind, dtype=mode.autocast_dtype or torch.bfloat16,
+                                enabled=mode.autocast_dtype is not None):
+                part_loss = case.plain_loss(model, part)
+            if micro > 1:
+                part_loss = part_loss / micro
+            (scaler.scale(part_loss) if scaler else part_loss).backward()
+            loss = loss + part_loss.detach().float().cpu()
         if scaler:
-            scaler.scale(loss).backward()
             scaler.unscale_(opt)
-        else:
-            loss.backward()
         if mode.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), mode.clip)
         if scaler:
@@ -314,6 +365,19 @@ def plain_run(case: ModelCase, mode: Mode, steps: int = STEPS,
             sched.step()
         losses.append(loss.item())
     return losses, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def _halves(batch: Any, parts: int) -> list[Any]:
+    """``batch`` (tensors in tuples and dicts) cut along dim 0 into ``parts`` equal pieces."""
+    if parts == 1:
+        return [batch]
+    if isinstance(batch, torch.Tensor):
+        return list(batch.chunk(parts))
+    if isinstance(batch, dict):
+        cut = {k: _halves(v, parts) for k, v in batch.items()}
+        return [{k: v[i] for k, v in cut.items()} for i in range(parts)]
+    cut_items = [_halves(v, parts) for v in batch]
+    return [type(batch)(v[i] for v in cut_items) for i in range(parts)]
 
 
 def _to(batch: Any, device: str) -> Any:

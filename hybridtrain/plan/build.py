@@ -32,6 +32,7 @@ from hybridtrain.runtime.activation_offload import (
     params_in_several_backwards,
 )
 from hybridtrain.runtime.batch import Batch, LossFn, to_device
+from hybridtrain.runtime.half_width import half_width_params
 from hybridtrain.runtime.layer_major import LayerMajorRunner
 from hybridtrain.runtime.optim import build_optimizer, build_scheduler, zero_grad_step
 from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
@@ -85,13 +86,16 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
         zero_grad_step(optimizer)
     setup = _resume_fingerprint(plan, optimizer)
     offload = None
+    # Which weights autocast reads only in half (they may cross host⇄device in half);
+    # across processes gradients are reduced in fp32 before they land, so none there.
+    half = half_width_params(model, plan.compute_dtype) if plan.sizes.world == 1 else {}
     if plan.optimizer.placement != "device":
         placement = plan.optimizer
         offload = OffloadOptimizer(optimizer, device, placement.pin_memory, placement.host_ratio,
                                    placement.bucket_size, placement.defer_step,
                                    streamed=[list(block.parameters()) for block in streamed],
                                    lasting_grads=placement.lasting_grads,
-                                   late=params_in_several_backwards(model, swap_recompute))
+                                   late=params_in_several_backwards(model, swap_recompute), half=half)
         optimizer = offload
     scheduler = build_scheduler(optimizer, cfg.scheduler.type, cfg.scheduler.params) if cfg.scheduler else None
     scaler = None
@@ -101,7 +105,8 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
                             fp16.hysteresis, fp16.min_loss_scale)
     if streamed and offload is not None:
         # The streamer tells the host optimizer about each backward itself.
-        streamer = LayerStreamer(streamed, offload, device, cfg.layer_streaming.prefetch_blocks)
+        streamer = LayerStreamer(streamed, offload, device, cfg.layer_streaming.prefetch_blocks,
+                                 half=half)
         observers.append(streamer)
         if plan.step_runner == "layer_major":
             runner = LayerMajorRunner(streamer, swapper)

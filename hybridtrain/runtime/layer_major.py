@@ -223,6 +223,12 @@ class LayerMajorRunner:
         """Block ``index``'s backward for every micro-batch, then its gradients to the host."""
         self.streamer.enter(index, backward=True)
         boundaries, self._boundaries[index] = self._boundaries[index], []
+        params = self.streamer.blocks[index].bucket.params
+        half = [j for j, is_half in enumerate(self.streamer.half_width(index)) if is_half]
+        # A half weight's gradient is half per micro-batch; the plain loop widens each to
+        # fp32 (autocast's cast backward) and sums them in fp32: so here, on the device, in
+        # micro-batch order — a half .grad would sum them in half precision.
+        sums: list[torch.Tensor | None] | None = [None] * len(params) if half and len(boundaries) > 1 else None
         for boundary in boundaries:
             if boundary is None:
                 continue
@@ -230,8 +236,17 @@ class LayerMajorRunner:
             pairs = [(out, leaf.grad) for out, leaf in zip(outputs, leaves, strict=True) if leaf.grad is not None]
             if pairs:
                 torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+            if sums is not None:
+                for j in half:
+                    grad, params[j].grad = params[j].grad, None
+                    if grad is not None:
+                        total = sums[j]
+                        sums[j] = grad.float() if total is None else total.add_(grad)
         del boundaries  # the segment's graph and saved activations go now
-        self.streamer.land(index)
+        if sums is None:
+            self.streamer.land(index)
+        else:
+            self.streamer.land_grads(index, [sums[j] if j in half else p.grad for j, p in enumerate(params)])
 
     # ------------------------------------------------------------------ hooks
     def _worker(self) -> int | None:

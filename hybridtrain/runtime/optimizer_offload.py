@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import inspect
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +46,7 @@ from torch.utils.hooks import RemovableHandle
 
 from hybridtrain.runtime import transfer
 from hybridtrain.runtime.device import normalize_device
+from hybridtrain.runtime.half_width import cast_once
 from hybridtrain.runtime.offload_layout import (
     POOLED_BUFFERS,
     bucket_dtype,
@@ -85,6 +86,7 @@ class Bucket:
     copied: torch.cuda.Event | None = None
     """The last gradient copy to the host; it ran after every kernel that read the bucket."""
     uploaded: torch.cuda.Event | None = None
+    _offsets: list[int] = field(default_factory=list)
 
     @property
     def numel(self) -> int:
@@ -104,6 +106,22 @@ class Bucket:
             out.append(flat[offset:offset + p.numel()].view(p.shape))
             offset += p.numel()
         return out
+
+    def slots(self, flat: torch.Tensor, dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
+        """``flat`` (bytes laid out as :meth:`views` of the master type) cut into one tensor
+        per parameter, at the start of its master's slot, of type ``dtypes[j]`` (no wider
+        than the master type): half gradients land in the slots fp32 ones would."""
+        return [self.slot(flat, j, dtype) for j, dtype in enumerate(dtypes)]
+
+    def slot(self, flat: torch.Tensor, j: int, dtype: torch.dtype) -> torch.Tensor:
+        """Parameter ``j``'s tensor of :meth:`slots` alone."""
+        if len(self._offsets) != len(self.params):
+            self._offsets = [0]
+            for p in self.params[:-1]:
+                self._offsets.append(self._offsets[-1] + p.numel())
+        start = self._offsets[j] * self.flat_master.itemsize
+        p = self.params[j]
+        return flat.view(torch.uint8)[start:start + p.numel() * dtype.itemsize].view(dtype).view(p.shape)
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
@@ -128,6 +146,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         late: ids of parameters whose gradient may arrive in several backward passes of
             one micro-batch (shared by blocks that recompute in a backward of their own):
             their buckets land after the whole backward instead of on arrival.
+        half: ids of parameters autocast reads only in half
+            (:func:`~hybridtrain.runtime.half_width.half_width_params`): host-updated ones
+            that land once per backward send their gradients down in half (exactly) when
+            the backward's graph shows one cast as their only use.
 
     Raises:
         HostMemoryError: the host state does not fit in available host memory.
@@ -136,7 +158,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, pin_memory: bool = True,
                  host_ratio: float = 1.0, bucket_numel: int = 500_000_000, defer: bool = False,
                  streamed: Sequence[Sequence[nn.Parameter]] = (), lasting_grads: bool = True,
-                 late: frozenset[int] = frozenset()) -> None:
+                 late: frozenset[int] = frozenset(), half: Mapping[int, torch.dtype] | None = None) -> None:
         self.device = device = normalize_device(device)
         self.pin_memory = pin_memory
         self.defer = defer
@@ -153,6 +175,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         streamed_ids = {id(p) for block in streamed for p in block}
         params = [p for g in optimizer.param_groups for p in g["params"]]
         on_device = device_kept(params, host_ratio, streamed_ids)
+        # A host-updated weight that autocast reads only in half has, after one backward,
+        # the fp32 gradient autocast widened from a half one: narrowing it back on the
+        # device is exact, and it crosses in 2 bytes. Not when it may hold a sum: several
+        # backward passes of one micro-batch (late), landed for a whole step (manual), or
+        # a graph that shows other uses of the weight (checked before each backward).
+        self._narrow = {i: dtype for i, dtype in (half or {}).items()
+                        if i not in streamed_ids and i not in on_device and i not in late}
+        self._cast_once: set[int] = set()
+        """Of those, the ones whose gradient this backward is one widened half gradient."""
         group_index = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
         auto = [p for p in params if id(p) not in streamed_ids and id(p) not in on_device]
         plan = [(list(block), True) for block in streamed] + \
@@ -252,6 +283,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """
         with step_part("host_optimizer"):
             self._wait()
+        # Read from the graph before backward frees it (the landing hooks run during it).
+        self._cast_once = cast_once(loss, self._narrow) if self._narrow and not self.manual_landing else set()
         for bucket in self.buckets:
             bucket.arrived = 0
         if not self.defer:
@@ -268,20 +301,28 @@ class OffloadOptimizer(torch.optim.Optimizer):
             # hold the exposed host gradients).
             if not bucket.streamed and any(p.grad is not None for p in bucket.params):
                 self.land(bucket.index)
+        self._cast_once = set()
         if final:
             with step_part("host_optimizer"):
                 self._wait()
             for bucket in self.buckets:
                 self._expose_grads(bucket)
 
-    def land(self, index: int, then: Callable[[], None] | None = None) -> None:
+    def land(self, index: int, then: Callable[[], None] | None = None,
+             grads: Sequence[torch.Tensor | None] | None = None) -> None:
         """Copy bucket ``index``'s device gradients to the host and release them; the
         worker accumulates them (and, on an eager final micro-batch, steps the bucket).
+
+        A gradient may be half (a half-width weight's, see
+        :mod:`~hybridtrain.runtime.half_width`): it crosses as it is and the worker turns
+        it into the master's type exactly before summing or stepping with it.
 
         Args:
             index: the bucket.
             then: runs after the copies are queued and before the host worker may touch
                 the bucket (layer streaming points the parameters back at the masters).
+            grads: the gradients to land, one per parameter, instead of the parameters'
+                ``.grad`` (which is released either way).
         """
         bucket = self.buckets[index]
         # Gradients stepped with as soon as they land pass through a pooled buffer; any
@@ -292,7 +333,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                                                     self.device)
         through: torch.Tensor | None = None
         finite: torch.Tensor | None = None
-        landed: list[tuple[int, bool]] = []
+        landed: list[tuple[int, bool, torch.dtype | None]] = []
+        master_dtype = bucket.flat_master.dtype
         try:
             with step_part("transfer"), self._d2h.after_compute():
                 if self._eager and self._finite is not None:
@@ -300,23 +342,34 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     finite.copy_(self._finite.reshape(1), non_blocking=True)
                     self._d2h.keep_alive(self._finite)  # the next micro-batch replaces it
                 for j, p in enumerate(bucket.params):
-                    grad = p.grad
+                    grad = p.grad if grads is None else grads[j]
                     if grad is None:
                         continue
+                    narrow = None if self.manual_landing or grads is not None else self._narrow.get(id(p))
+                    if narrow is not None and grad.dtype != narrow and id(p) in self._cast_once:
+                        self._d2h.keep_alive(grad)  # read by the cast on this stream
+                        grad = grad.to(narrow)  # exact: see ``_narrow``
                     first = not bucket.has_grad[j]
                     if not first and not lasting:
                         raise RuntimeError(f"gradients of bucket {index} arrived after its host step in this step; "
                                            "call step() (or train_batch) between backward passes, or raise "
                                            "gradient_accumulation_steps")
-                    if through is None and not (first and lasting):
-                        through = self._pool.acquire(bucket.flat_master.nbytes).view(bucket.flat_master.dtype)
-                    target = bucket.views(bucket.flat_grad if first and lasting else through)[j]  # type: ignore[arg-type]
+                    # The step's first gradient of the master's type goes straight into the
+                    # lasting buffer; the rest (summed later, or half) wait in a pooled one.
+                    direct = first and lasting and grad.dtype == master_dtype
+                    if direct:
+                        assert bucket.flat_grad is not None
+                        target = bucket.slot(bucket.flat_grad, j, master_dtype)
+                    else:
+                        if through is None:
+                            through = self._pool.acquire(bucket.flat_master.nbytes)
+                        target = bucket.slot(through, j, grad.dtype)
                     target.copy_(grad, non_blocking=True)
                     transfer.count_bytes("gradients_down", grad.numel() * grad.element_size())
                     self._d2h.keep_alive(grad)
                     p.grad = None
                     bucket.has_grad[j] = True
-                    landed.append((j, first))
+                    landed.append((j, first, None if direct else grad.dtype))
                 copied = self._d2h.record()
             bucket.copied = copied
             if then is not None:
@@ -338,24 +391,37 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self.land(bucket.index)
 
     # ------------------------------------------------------------------ host side (worker)
-    def _accumulate(self, bucket: Bucket, landed: list[tuple[int, bool]], copied: torch.cuda.Event | None,
-                    through: torch.Tensor | None, step: bool, finite: torch.Tensor | None = None) -> None:
+    def _accumulate(self, bucket: Bucket, landed: list[tuple[int, bool, torch.dtype | None]],
+                    copied: torch.cuda.Event | None, through: torch.Tensor | None, step: bool,
+                    finite: torch.Tensor | None = None) -> None:
         try:
             transfer.host_waits(copied)
             # A non-finite loss this step: the engine skips or refuses the step, so the
             # masters stay as they are (the flag landed with the gradients).
             step = step and (finite is None or bool(finite))
+            master_dtype = bucket.flat_master.dtype
+            if through is not None:
+                dtypes = [master_dtype] * len(bucket.params)
+                for j, _, dtype in landed:
+                    dtypes[j] = dtype or master_dtype
+                staged = bucket.slots(through, dtypes)
             if bucket.flat_grad is None:
-                # The step's only gradients, in a pooled buffer: step with them at once.
+                # The step's only gradients, in a pooled buffer: step with them at once
+                # (a half one becomes the master's type first, exactly).
                 assert through is not None
                 if step:
-                    self._step_bucket(bucket, bucket.views(through))
+                    self._step_bucket(bucket, [g.to(master_dtype) for g in staged])
                 return
             if through is not None:
-                grads, staged = bucket.views(bucket.flat_grad), bucket.views(through)
-                for j, first in landed:
-                    if not first:  # the first micro-batch's gradient was copied straight in
-                        # Same order as the plain loop's accumulation: earlier micro-batches + this one.
+                grads = bucket.views(bucket.flat_grad)
+                for j, first, dtype in landed:
+                    if dtype is None:  # copied straight into the lasting buffer
+                        continue
+                    if first:
+                        grads[j].copy_(staged[j])
+                    else:
+                        # Same order as the plain loop's accumulation: earlier micro-batches +
+                        # this one, in the master's type (a half addend is widened exactly).
                         grads[j].add_(staged[j])
         finally:
             if through is not None:  # even after a failure: a lost buffer would block backward

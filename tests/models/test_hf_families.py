@@ -38,7 +38,8 @@ _LAYER_MAJOR_ENC_DEC = r"layer_streaming.layer_major needs one list of blocks, b
 REFUSED: dict[tuple[str, str], str] = {
     (family, mode): _LAYER_MAJOR_ENC_DEC
     for family in ("t5", "bart")
-    for mode in ("stream_layer_major_accum4", "stream_layer_major_host_accum2_clip", "stream_layer_major_device_accum2")
+    for mode in ("stream_layer_major_accum4", "stream_layer_major_host_accum2_clip", "stream_layer_major_device_accum2",
+                 "stream_layer_major_host_bf16_accum2_clip", "stream_layer_major_fp16_overflow_accum2_clip")
 }
 # -------------------------------------------------------------------------------------------
 

@@ -10,8 +10,17 @@ import torch
 
 import hybridtrain as ht
 from hybridtrain.runtime.device import normalize_device, resolve_device
-from tests.equivalence import MODES, SEED, assert_same_training, engine_config, gpt_case, plain_run
+from tests.equivalence import (
+    HALF_WIDTH_MODES,
+    MODES,
+    SEED,
+    assert_same_training,
+    engine_config,
+    gpt_case,
+    plain_run,
+)
 
+ALL_MODES = {**MODES, **HALF_WIDTH_MODES}
 CASE = gpt_case()
 STEPS = 2
 MICRO = 8  # the suite's batch (tests/equivalence.BATCH) in one micro-batch
@@ -32,13 +41,28 @@ def _param_bytes(modules: list[torch.nn.Module]) -> int:
     return sum(p.numel() * p.element_size() for p in seen.values())
 
 
+def _half_width_bytes(modules: list[torch.nn.Module]) -> int:
+    """Under bf16/fp16: nn.Linear weights and biases 2 bytes each, the rest (norms, and the
+    head's weight tied to the token embedding) 4."""
+    owners: dict[int, int] = {}
+    for m in modules:
+        for sub in m.modules():
+            for p in sub.parameters(recurse=False):
+                owners[id(p)] = owners.get(id(p), 0) + 1
+    linear = {id(p) for m in modules for sub in m.modules() if isinstance(sub, torch.nn.Linear)
+              for p in sub.parameters(recurse=False) if owners[id(p)] == 1}
+    seen = {id(p): p for m in modules for p in m.parameters()}
+    return sum(p.numel() * (2 if i in linear else 4) for i, p in seen.items())
+
+
 def _expected(mode: str, model: torch.nn.Module) -> dict[str, int]:
     """Bytes per step by kind, from the model's sizes and the mode's settings."""
     blocks = list(model.blocks)  # type: ignore[attr-defined]
     block = _param_bytes(blocks[:1])
+    half_block = _half_width_bytes(blocks[:1])
     everything = _param_bytes([model])
     resident = everything - _param_bytes(blocks)
-    accum = MODES[mode].config.get("gradient_accumulation_steps", 1)
+    accum = ALL_MODES[mode].config.get("gradient_accumulation_steps", 1)
     block_input = MICRO // accum * SEQ * WIDTH * 4  # (B, T, C) fp32 residual stream
     zero = {"activations_out": 0, "activations_in": 0, "weights_up": 0, "gradients_down": 0, "device_map": 0}
     if mode == "swap_checkpoint_bf16":  # checkpointed and swapped: only block inputs travel
@@ -53,25 +77,45 @@ def _expected(mode: str, model: torch.nn.Module) -> dict[str, int]:
                 "activations_in": accum * LAYERS * block_input,
                 "weights_up": accum * (2 * LAYERS - 1) * block + resident,
                 "gradients_down": accum * everything}
+    if mode == "offload_opt_bf16_accum2_clip":
+        # Every gradient down per micro-batch — the Linear weights' in half, the tied
+        # embedding/head and the norms in fp32 — and every updated fp32 weight up once.
+        return {**zero, "weights_up": everything,
+                "gradients_down": accum * (LAYERS * half_block + _half_width_bytes([model]) - _half_width_bytes(blocks))}
+    if mode == "stream_bf16_accum2_clip":
+        # As above with half-width blocks: their Linear weights up and gradients down at 2
+        # bytes a parameter per micro-batch (norms and the resident tied embedding at 4).
+        return {**zero, "weights_up": accum * (2 * LAYERS - 1) * half_block + resident,
+                "gradients_down": accum * (LAYERS * half_block + resident)}
+    if mode in ("stream_layer_major_bf16", "stream_layer_major_host_bf16_accum2_clip"):
+        # Layer-major: each block up in half once in forward and again in backward (the
+        # half copy is not kept between them), except the last; gradients down once per
+        # step: half with one micro-batch, the fp32 sum of several (exact sums need fp32).
+        swapped = accum * LAYERS * block_input if "host" in mode else 0
+        return {**zero, "activations_out": swapped, "activations_in": swapped,
+                "weights_up": (2 * LAYERS - 1) * half_block + resident,
+                "gradients_down": LAYERS * (half_block if accum == 1 else block) + resident}
     raise AssertionError(mode)
 
 
 # "cpu" itself: the equivalence suite, and the swap test below (same bytes as "cpu:0").
 @pytest.mark.parametrize("device", ["cpu:0", pytest.param("cuda", marks=pytest.mark.cuda)])
-@pytest.mark.parametrize("mode", ["swap_checkpoint_bf16", "offload_opt", "stream_host_accum2_clip"])
+@pytest.mark.parametrize("mode", ["swap_checkpoint_bf16", "offload_opt", "stream_host_accum2_clip",
+                                  "offload_opt_bf16_accum2_clip", "stream_bf16_accum2_clip", "stream_layer_major_bf16",
+                                  "stream_layer_major_host_bf16_accum2_clip"])
 def test_techniques_move_the_bytes_their_sizes_say_on_every_spelling_of_the_device(mode: str, device: str) -> None:
     """On CUDA too: ``device: cuda`` used to stay index-less, and swapping kept everything
     (``cuda:0 != cuda``); there the batches are moved by the engine and the plain loop runs
     on the same device (CPU and CUDA bf16 kernels round differently: an AdamW update of a
     gradient near zero can flip its sign between them)."""
-    expected = plain_run(CASE, MODES[mode], steps=STEPS, device=device)
+    expected = plain_run(CASE, ALL_MODES[mode], steps=STEPS, device=device)
     torch.manual_seed(SEED)
     model = CASE.build()
-    engine = ht.initialize(model, engine_config(MODES[mode], device=device), loss_fn=CASE.loss_fn)
+    engine = ht.initialize(model, engine_config(ALL_MODES[mode], device=device), loss_fn=CASE.loss_fn)
     assert engine.device == normalize_device(device) and engine.device.index == (0 if device == "cuda" else None)
     torch.manual_seed(SEED + 1)
     losses = [engine.train_batch(batch) for batch in CASE.batches(STEPS)]
-    rtol, atol = MODES[mode].rtol, MODES[mode].atol
+    rtol, atol = ALL_MODES[mode].rtol, ALL_MODES[mode].atol
     state = {k: v.cpu() for k, v in engine.model_state_dict().items()}
     assert_same_training(expected, (losses, state), rtol, atol)
     assert engine.last_timings.transfer_bytes == _expected(mode, model)
@@ -82,7 +126,7 @@ def test_swap_moves_every_saved_activation_on_cpu0() -> None:
     sent = {}
     for device in ("cpu", "cpu:0"):
         torch.manual_seed(SEED)
-        engine = ht.initialize(CASE.build(), engine_config(MODES["swap"], device=device), loss_fn=CASE.loss_fn)
+        engine = ht.initialize(CASE.build(), engine_config(ALL_MODES["swap"], device=device), loss_fn=CASE.loss_fn)
         engine.train_batch(CASE.batches(1)[0])
         sent[device] = engine.last_timings.transfer_bytes
     assert sent["cpu:0"] == sent["cpu"]

@@ -24,7 +24,10 @@ pytestmark = pytest.mark.cuda
 
 RACE_MODES = ["swap", "swap_checkpoint_bf16", "offload_opt", "offload_opt_accum2_clip", "offload_opt_twinflow_fp16",
               "stream", "stream_host_accum2_clip", "stream_device_bf16", "stream_layer_major_accum4",
-              "stream_layer_major_host_accum2_clip"]
+              "stream_layer_major_host_accum2_clip",
+              # half-width images cast and uploaded from the caster thread; gradients
+              # narrowed to half on the copy stream
+              "stream_bf16_accum2_clip", "stream_layer_major_host_bf16_accum2_clip", "offload_opt_bf16_accum2_clip"]
 ROOT = Path(__file__).resolve().parents[2]
 
 
