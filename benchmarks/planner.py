@@ -292,17 +292,23 @@ H100_TECHNIQUES: list[tuple[str, dict[str, Any]]] = [
                                                           "boundary_activations": "host"}}),
 ]
 H100_SIZES = ["gpt-1.3b", "gpt-2.7b", "gpt-6.7b", "gpt-13b"]
+H100_HOST_BANDWIDTH = 152e9
+"""Host memory bandwidth of the H100 machine (in-place STREAM triad, 16 threads), measured
+there on 2026-11-26 (benchmarks/results/h100-2026-11-26/)."""
 
 
 def h100_part() -> dict[str, Any]:
     """The planner's predictions for one H100 80GB with 128 GiB of host memory: the
     largest reference GPT each technique trains (bf16, sequence 1024, micro-batch 1,
     16 accumulation steps), and tokens/s at 6.7B, per technique and for the planner's
-    own choice. Predictions only: to be checked on that machine."""
+    own choice; and the offload issue's target, 6.7B layer-major at 65,536 tokens per step
+    (8 × 1024 × 8 micro-batches) with its MFU and parts. The host's memory bandwidth is the
+    one measured on that machine (:data:`H100_HOST_BANDWIDTH`). Predictions only."""
+    from hybridtrain.models.gpt import gpt_config, gpt_param_count
     from hybridtrain.planner.estimate import Target, estimate
     from hybridtrain.planner.search import choose
 
-    target = Target("cuda", "H100 SXM", 80 * 2**30, 128 * 2**30)
+    target = Target("cuda", "H100 SXM", 80 * 2**30, 128 * 2**30, H100_HOST_BANDWIDTH)
     base = {"data": {"seq_len": 1024}, "bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 16, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
     largest: dict[str, str | None] = {}
@@ -326,7 +332,17 @@ def h100_part() -> dict[str, Any]:
     planner = {"config": chosen.model_dump(mode="json", exclude_defaults=True),
                "tokens_per_s": best.tokens_per_step / best.step_seconds,
                "device_gib": best.device_peak_bytes / 2**30, "host_gib": best.host_bytes / 2**30}
-    return {"largest": largest, "at_6_7b": at_6_7b, "planner_6_7b": planner}
+    big = {**base, "model": {"name": "gpt-6.7b"}, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 8,
+           "layer_streaming": {"enabled": True, "layer_major": True, "boundary_activations": "host"}}
+    est = estimate(big, target)
+    cfg = gpt_config("6.7b", seq_len=1024)
+    flops_per_token = 6 * gpt_param_count(cfg) + 12 * cfg.n_layer * cfg.seq_len * cfg.d_model  # PaLM's MFU
+    tokens_s = est.tokens_per_step / est.step_seconds
+    target_64k = {"tokens_per_step": est.tokens_per_step, "step_s": est.step_seconds, "tokens_per_s": tokens_s,
+                  "mfu": flops_per_token * tokens_s / 989e12, "time": est.time.as_dict(),
+                  "device_gib": est.device_peak_bytes / 2**30, "host_gib": est.host_bytes / 2**30,
+                  "fits": not est.problems(0.10)}
+    return {"largest": largest, "at_6_7b": at_6_7b, "planner_6_7b": planner, "layer_major_6_7b_64k": target_64k}
 
 
 def main() -> None:

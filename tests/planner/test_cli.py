@@ -49,12 +49,28 @@ def test_plan_writes_a_config_that_loads_and_trains(config: str, tmp_path: Path,
     (["plan", "{config}", "--device", "H100", "--host-memory", "12XB"], "error: --host-memory: '12XB' is not a byte"),
     (["estimate", "{config}", "--device", "Z9000"], "error: --device 'Z9000' is unknown; known: cpu, H100 NVL"),
     (["plan", "{config}"], "error: plan needs the device memory to fit"),
+    (["estimate", "{config}", "--device", "H100", "--host-bandwidth", "fast"],
+     "error: --host-bandwidth: 'fast' is not a byte count"),
+    (["estimate", "{config}", "--device", "H100", "--host-bandwidth", "0"],
+     "error: --host-bandwidth: 0 bytes/s; use a positive rate"),
 ])
 def test_bad_input_is_one_line(argv: list[str], expected: str, config: str,
                                capsys: pytest.CaptureFixture[str]) -> None:
     assert main([a.replace("{config}", config) for a in argv]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(expected), err
+
+
+def test_host_bandwidth_sets_the_host_step_time(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "offload.yaml"
+    path.write_text(yaml.safe_dump({**TINY, "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}))
+    steps = {}
+    for rate in ("25GB", "150GB"):
+        assert main(["estimate", str(path), "--device", "H100", "--host-bandwidth", rate, "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["target"]["host_bandwidth"] == float(rate.removesuffix("GB")) * 1e9
+        steps[rate] = out["time"]["host_step"]
+    assert steps["25GB"] == pytest.approx(6 * steps["150GB"])
 
 
 def test_limit_too_small_names_what_it_needs_and_has(config: str, capsys: pytest.CaptureFixture[str]) -> None:

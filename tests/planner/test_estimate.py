@@ -9,6 +9,7 @@ import torch
 from hybridtrain.models.gpt import gpt_config, gpt_param_count
 from hybridtrain.planner.estimate import Target, estimate, model_source, resolve_target
 from hybridtrain.planner.measure import measure_step
+from hybridtrain.profiling.host_bandwidth import ADAM_BYTES_PER_PARAM
 
 TINY = {"model": {"name": "gpt-tiny"}, "data": {"seq_len": 64}, "train_micro_batch_size_per_gpu": 8,
         "device": "cpu"}
@@ -47,6 +48,17 @@ def test_gpu_target_moves_offloaded_state_to_the_host() -> None:
     plain = estimate(TINY, Target("cuda", "H100 SXM"))
     assert on_gpu.memory.device.optimizer_state == 0 < on_gpu.memory.host.optimizer_state
     assert on_gpu.device_peak_bytes < plain.device_peak_bytes
+
+
+def test_the_host_step_streams_28_bytes_per_parameter_at_the_host_bandwidth() -> None:
+    config = {**TINY, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    params = gpt_param_count(gpt_config("tiny", seq_len=64))
+    for rate in (25e9, 152e9):
+        result = estimate(config, resolve_target("H100", host_bandwidth=rate))
+        assert result.target.host_bandwidth == rate
+        assert result.time.host_step == pytest.approx(params * ADAM_BYTES_PER_PARAM / rate)
+    with pytest.raises(ValueError, match="--host-bandwidth -1.0: use a positive rate"):
+        resolve_target("H100", host_bandwidth=-1.0)
 
 
 def test_a_callers_model_is_estimated_without_touching_it() -> None:
