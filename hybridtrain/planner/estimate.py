@@ -41,6 +41,7 @@ from hybridtrain.planner.timing import MATMUL_EFFICIENCY, Hardware, StepTime, es
 from hybridtrain.planner.trace import PASSES, ModelTrace, trace_model
 from hybridtrain.profiling.host_bandwidth import ADAM_BYTES_PER_PARAM, triad_bandwidth
 from hybridtrain.runtime.batch import Batch, LossFn
+from hybridtrain.runtime.half_width import half_width_params
 from hybridtrain.units import format_bytes
 
 GPU_KERNEL_SECONDS = 8e-6
@@ -211,9 +212,25 @@ def estimate(config: ConfigSource, target: Target | None = None, world_size: int
     plan = resolve(planned, source.model, world_size, example_batch=example)
     trace = _trace(cfg, source, plan, target.kind, PASSES[1:] if all_passes else passes_for(plan))
     memory = estimate_memory(plan, trace, target.kind)
-    seconds = estimate_time(plan, trace, hardware(target, plan.compute_dtype), trace.kernels)
+    seconds = estimate_time(plan, trace, hardware(target, plan.compute_dtype), trace.kernels,
+                            half_width_numel(source.model, plan, [p.name for p in trace.blocks]))
     tokens = plan.batch.global_batch * source.tokens_per_sample
     return Estimate(cfg, plan, target, memory, seconds, tokens)
+
+
+def half_width_numel(model: nn.Module, plan: TrainingPlan, blocks: list[str]) -> dict[str, int]:
+    """Elements that cross host⇄device in half precision (:mod:`hybridtrain.runtime.half_width`),
+    per block module path and, under ``""``, in the whole model; empty where build moves
+    everything at full width (fp32 runs, several processes)."""
+    if plan.sizes.world != 1:
+        return {}
+    half = half_width_params(model, plan.compute_dtype)
+    if not half:
+        return {}
+    out = {name: sum(p.numel() for p in model.get_submodule(name).parameters() if id(p) in half)
+           for name in blocks}
+    out[""] = sum(p.numel() for p in model.parameters() if id(p) in half)
+    return out
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ Throughput is the device's achievable matmul rate: the table peak times
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from hybridtrain.hardware.links import Links
@@ -77,8 +78,14 @@ _ADAM_KERNELS_PER_TENSOR = 10
 """Operations of torch's single-tensor Adam(W) per parameter tensor (CPU's default path)."""
 
 
-def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_per_micro_batch: int) -> StepTime:
-    """Predict one step of ``plan`` (see the module docstring)."""
+def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_per_micro_batch: int,
+                  half_numel: Mapping[str, int] | None = None) -> StepTime:
+    """Predict one step of ``plan`` (see the module docstring).
+
+    ``half_numel``: elements that cross in half precision, per block and under ``""`` for
+    the whole model (2 bytes instead of 4: Linear weights under bf16/fp16 autocast).
+    """
+    half = half_numel or {}
     sizes = plan.sizes
     k = plan.batch.accumulation_steps
     tp, pp, dp = sizes.tp, sizes.pp, sizes.dp
@@ -102,15 +109,21 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
     host_elems = 0.0
     if opt.placement == "host":
         host_elems = trace.param_numel * opt.host_ratio * stage / tp
-        # Gradients go down once per micro-batch, updated weights come back once per step.
-        transfers += (4 * host_elems * k + 4 * host_elems) / link
+        # Gradients go down once per micro-batch (half-width ones at 2 bytes), updated
+        # weights come back once per step (fp32: the device keeps fp32 weights).
+        down = 4 * host_elems - 2 * min(half.get("", 0) * opt.host_ratio, host_elems)
+        transfers += (down * k + 4 * host_elems) / link
     streamed = [p for p in trace.blocks if any(b.stream and b.name == p.name for b in plan.blocks)]
     if opt.placement == "host_streamed":
         host_elems = trace.param_numel * stage / tp
-        streamed_bytes = 4 * sum(p.param_numel for p in streamed)
-        uploads = 1 if plan.step_runner == "layer_major" else k
-        # Each block comes up for forward and again for backward; its gradients go down.
-        transfers += (2 * uploads * streamed_bytes + uploads * streamed_bytes) / link
+        full = 4 * sum(p.param_numel for p in streamed)
+        width = full - 2 * sum(half.get(p.name, 0) for p in streamed)  # half-width weights at 2 bytes
+        layer_major = plan.step_runner == "layer_major"
+        uploads = 1 if layer_major else k
+        # Each block comes up for forward and again for backward; its gradients go down
+        # (layer-major sums micro-batches on the device in fp32: full width unless k is 1).
+        grads = full if layer_major and k > 1 else width
+        transfers += (2 * uploads * width + uploads * grads) / link
     host_step = host_elems / hw.host_update_rate if host_elems else 0.0
     device_elems = max(0.0, trace.param_numel * stage / tp - host_elems)
     if plan.zero_stage:

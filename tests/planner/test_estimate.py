@@ -73,3 +73,31 @@ def test_a_callers_model_is_estimated_without_touching_it() -> None:
     assert from_model == from_config
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("layer_major", [False, True])
+def test_half_width_weights_cross_at_two_bytes_in_the_time_model(layer_major: bool) -> None:
+    """Under bf16, streamed Linear weights go up and their gradients come down as half
+    (runtime/half_width.py); layer-major's gradients summed over micro-batches stay fp32."""
+    from hybridtrain.config import load_config
+    from hybridtrain.planner.estimate import PASSES, _config_source, _trace, half_width_numel, hardware
+    from hybridtrain.planner.timing import estimate_time
+    from hybridtrain.plan.resolve import resolve
+
+    config = load_config({**TINY, "bf16": {"enabled": True}, "gradient_accumulation_steps": 2,
+                          "train_batch_size": 16, "layer_streaming": {"enabled": True, "layer_major": layer_major,
+                                                                      "boundary_activations": "host"}})
+    source = _config_source(config)
+    plan = resolve(config, source.model, 1, example_batch=source.example(8))
+    trace = _trace(config, source, plan, "cuda", PASSES[1:])
+    blocks = [p.name for p in trace.blocks]
+    half = half_width_numel(source.model, plan, blocks)
+    linear = {name: sum(p.numel() for m in source.model.get_submodule(name).modules()
+                        if isinstance(m, torch.nn.Linear) for p in m.parameters()) for name in blocks}
+    assert {name: half[name] for name in blocks} == linear and all(linear.values())
+    hw = hardware(Target("cuda", "H100 SXM", host_bandwidth=152e9), plan.compute_dtype)
+    full = estimate_time(plan, trace, hw, trace.kernels).transfers
+    narrow = estimate_time(plan, trace, hw, trace.kernels, half).transfers
+    saved = 2 * sum(linear.values())  # bytes per crossing
+    uploads, down = (1, 0) if layer_major else (2, 2)
+    assert full - narrow == pytest.approx((2 * uploads * saved + down * saved) / hw.links.host_to_device)
