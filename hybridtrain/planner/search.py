@@ -30,6 +30,9 @@ from hybridtrain.planner.estimate import (
 MARGIN = 0.10
 """Share of the device memory a plan leaves free: allocator fragmentation and caches,
 and the estimate's own error (within ±10 % on the benchmark)."""
+EQUAL_TIME = 0.01
+"""Predicted step times within this share of each other count as equal: the planner's
+time model is not that precise, so among them the one leaving more device memory wins."""
 
 
 @dataclass(frozen=True)
@@ -111,9 +114,22 @@ def plan(config: ConfigSource, target: Target, world_size: int = 1, margin: floa
         plans.add(plan_key)
         problems = tuple(est.problems(margin))
         (refused if problems else ranked).append(Candidate(variant, changes, est, problems))
-    ranked.sort(key=lambda c: c.estimate.step_seconds)
     refused.sort(key=lambda c: c.estimate.device_peak_bytes)
-    return PlanResult(tuple(ranked), tuple(refused))
+    return PlanResult(tuple(rank(ranked)), tuple(refused))
+
+
+def rank(candidates: list[Candidate], equal: float = EQUAL_TIME) -> list[Candidate]:
+    """Fastest first; among candidates whose predicted times are within ``equal`` of the
+    fastest of their band, the one leaving the most device memory free first (the same
+    speed with room to spare for a longer sequence, a larger batch or a fragmented heap)."""
+    by_time = sorted(candidates, key=lambda c: (c.estimate.step_seconds, c.estimate.device_peak_bytes))
+    out: list[Candidate] = []
+    while by_time:
+        limit = by_time[0].estimate.step_seconds * (1 + equal)
+        band = [c for c in by_time if c.estimate.step_seconds <= limit]
+        by_time = by_time[len(band):]
+        out += sorted(band, key=lambda c: (c.estimate.device_peak_bytes, c.estimate.step_seconds))
+    return out
 
 
 def choose(config: ConfigSource, target: Target, world_size: int = 1, margin: float = MARGIN,

@@ -3,6 +3,8 @@ time; the fallback OOM recovery asks for; ``auto: true`` and DeepSpeed's ``autot
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ import hybridtrain as ht
 from hybridtrain.config import ConfigError, load_config
 from hybridtrain.models.gpt import build_gpt, causal_lm_loss
 from hybridtrain.planner import Target, estimate, fallback, plan, planned_config
-from hybridtrain.planner.search import MARGIN, no_fit_message
+from hybridtrain.planner.search import EQUAL_TIME, MARGIN, Candidate, no_fit_message, rank
 
 CPU = Target("cpu", "cpu")
 TINY = {"model": {"name": "gpt-tiny"}, "data": {"seq_len": 64}, "train_batch_size": 4,
@@ -27,12 +29,21 @@ def test_variants_that_fit_are_ranked_by_predicted_time_and_the_rest_refused() -
     result = plan(TINY, _limited(limit))
     assert result.ranked and result.refused
     times = [c.estimate.step_seconds for c in result.ranked]
-    assert times == sorted(times)
+    assert all(a <= b * (1 + EQUAL_TIME) for a, b in zip(times, times[1:], strict=False))
     assert all(c.estimate.device_peak_bytes <= limit * (1 - MARGIN) for c in result.ranked)
     assert all(c.estimate.device_peak_bytes > limit * (1 - MARGIN) for c in result.refused)
     assert not any(c.changes == () for c in result.ranked)  # "as configured" is refused
     # Same math: the global batch never changes.
     assert {c.estimate.plan.batch.global_batch for c in result.ranked} == {4}
+
+
+def test_equal_predicted_times_prefer_the_plan_leaving_more_device_memory() -> None:
+    def candidate(seconds: float, peak: int) -> Candidate:
+        return Candidate(None, (f"{seconds}s/{peak}B",), SimpleNamespace(step_seconds=seconds, device_peak_bytes=peak),
+                         ())  # type: ignore[arg-type]
+
+    ranked = rank([candidate(1.0, 10), candidate(1.005, 5), candidate(1.2, 1), candidate(1.0, 20)])
+    assert [c.changes[0] for c in ranked] == ["1.005s/5B", "1.0s/10B", "1.0s/20B", "1.2s/1B"]
 
 
 def test_a_limit_below_every_plan_is_one_line_with_the_numbers() -> None:
