@@ -190,9 +190,14 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
     landing = {i for i in range(n) if streamed[i]} if opt.placement != "device" else set()
     swap_prefetch = cfg.activation_offload.prefetch_blocks if not on_cpu else 0
     host_acts = 0
+    # Offloaded gradients are landed (moved to host memory) bucket by bucket after each
+    # backward: every micro-batch's in micro-batch order, all of them at once in layer-major.
+    landed = _FP32 * (offloaded_numel - streamed_numel) if opt.placement != "device" else 0
     if plan.step_runner == "layer_major":
         host_acts = _layer_major_step(replay, trace, stage_blocks, how, accumulation, tp, swap_prefetch, landing,
                                       streamed)
+        replay.current -= landed
+        replay.grads -= landed
     rounds, in_flight = (0, 0) if plan.step_runner == "layer_major" else \
         (1, _in_flight(plan)) if plan.pipeline is not None else (accumulation, 1)
     for m in range(rounds):
@@ -202,11 +207,8 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
             # Offloaded gradients leave the device after each micro-batch: every backward finds none.
             fresh = (m == 0 and k == 0) or opt.placement != "device"
             _backward(replay, trace, stage_blocks, how, fresh, tp, swap_prefetch, landing)
-    if plan.step_runner == "layer_major" or rounds:
-        landed = _FP32 * (offloaded_numel - streamed_numel) if opt.placement != "device" else 0
-        # Offloaded gradients were landed (moved to host memory) bucket by bucket.
-        replay.current -= landed * max(rounds, 1)
-        replay.grads -= landed * max(rounds, 1)
+        replay.current -= landed
+        replay.grads -= landed
     if zero >= 2:
         replay.current -= grads_full - grads_kept  # reduce-scattered
         replay.grads = grads_kept
