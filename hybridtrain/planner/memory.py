@@ -327,7 +327,7 @@ def _layer_major_step(replay: _Replay, trace: ModelTrace, stage_blocks: list[int
             held[i - 1] = trace.blocks[i - 1].output_bytes
         for _ in range(count):
             replay.touch(_split(p.forward_peak, p.output_bytes, tp), f"forward of {p.name}")
-            replay.keep(_split(p.kept_bytes, p.output_bytes, tp) + held[i - 1] * (i > 0))
+            replay.keep(_split(p.kept_bytes, p.output_bytes, tp) + (held[i - 1] if i > 0 else 0))
             to_host += p.host_bytes // tp
     if not stage_blocks or stage_blocks[-1] == n - 1:
         for _ in range(count):
