@@ -111,9 +111,26 @@ def plan(config: ConfigSource, target: Target, world_size: int = 1, margin: floa
         plans.add(plan_key)
         problems = tuple(est.problems(margin))
         (refused if problems else ranked).append(Candidate(variant, changes, est, problems))
-    ranked.sort(key=lambda c: c.estimate.step_seconds)
     refused.sort(key=lambda c: c.estimate.device_peak_bytes)
-    return PlanResult(tuple(ranked), tuple(refused))
+    return PlanResult(rank(ranked), tuple(refused))
+
+
+SAME_TIME = 0.01
+"""Predicted step times this close (relative) count as equal: the estimate is not finer."""
+
+
+def rank(candidates: list[Candidate], same_time: float = SAME_TIME) -> tuple[Candidate, ...]:
+    """Fastest first; among those within ``same_time`` of the fastest of their group, the
+    one leaving the most device memory free first (headroom for fragmentation, a longer
+    sequence, the next model size)."""
+    by_time = sorted(candidates, key=lambda c: c.estimate.step_seconds)
+    out: list[Candidate] = []
+    while by_time:
+        fastest = by_time[0].estimate.step_seconds
+        group = [c for c in by_time if c.estimate.step_seconds <= fastest * (1 + same_time)]
+        by_time = by_time[len(group):]
+        out += sorted(group, key=lambda c: (c.estimate.device_peak_bytes, c.estimate.step_seconds))
+    return tuple(out)
 
 
 def choose(config: ConfigSource, target: Target, world_size: int = 1, margin: float = MARGIN,

@@ -3,6 +3,8 @@ time; the fallback OOM recovery asks for; ``auto: true`` and DeepSpeed's ``autot
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ import hybridtrain as ht
 from hybridtrain.config import ConfigError, load_config
 from hybridtrain.models.gpt import build_gpt, causal_lm_loss
 from hybridtrain.planner import Target, estimate, fallback, plan, planned_config
-from hybridtrain.planner.search import MARGIN, no_fit_message
+from hybridtrain.planner.search import MARGIN, SAME_TIME, Candidate, no_fit_message, rank
 
 CPU = Target("cpu", "cpu")
 TINY = {"model": {"name": "gpt-tiny"}, "data": {"seq_len": 64}, "train_batch_size": 4,
@@ -27,7 +29,8 @@ def test_variants_that_fit_are_ranked_by_predicted_time_and_the_rest_refused() -
     result = plan(TINY, _limited(limit))
     assert result.ranked and result.refused
     times = [c.estimate.step_seconds for c in result.ranked]
-    assert times == sorted(times)
+    # Fastest first; a later one is never more than SAME_TIME faster than an earlier one.
+    assert all(later >= earlier / (1 + SAME_TIME) for i, earlier in enumerate(times) for later in times[i + 1:])
     assert all(c.estimate.device_peak_bytes <= limit * (1 - MARGIN) for c in result.ranked)
     assert all(c.estimate.device_peak_bytes > limit * (1 - MARGIN) for c in result.refused)
     assert not any(c.changes == () for c in result.ranked)  # "as configured" is refused
@@ -88,3 +91,12 @@ def test_deepspeed_autotuning_maps_to_auto() -> None:
     on = load_config({"autotuning": {"enabled": True, "fast": True, "metric": "throughput"}})
     off = load_config({"autotuning": {"enabled": False, "tuner_type": "gridsearch"}})
     assert on.auto and not off.auto
+
+
+def test_equal_times_prefer_the_plan_leaving_the_most_device_memory_free() -> None:
+    def candidate(name: str, seconds: float, peak: int) -> Candidate:
+        est = SimpleNamespace(step_seconds=seconds, device_peak_bytes=peak)
+        return Candidate(TINY, (name,), est, ())  # type: ignore[arg-type]
+    ranked = rank([candidate("slow", 2.0, 1), candidate("fast, big", 1.0, 900), candidate("fast, small", 1.005, 300),
+                   candidate("next", 1.2, 100)])
+    assert [c.changes[0] for c in ranked] == ["fast, small", "fast, big", "next", "slow"]
