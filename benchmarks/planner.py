@@ -345,12 +345,97 @@ def h100_part() -> dict[str, Any]:
     return {"largest": largest, "at_6_7b": at_6_7b, "planner_6_7b": planner, "layer_major_6_7b_64k": target_64k}
 
 
+# Measured on one NVIDIA H100 80GB HBM3 (driver 580.159.04), 16 cores, 125.9 GiB host, torch
+# 2.11.0+cu130, 2026-11-26, with benchmarks/offload.py (bf16 autocast, AdamW, 8 x 1024 tokens x
+# 2 micro-batches): (size, mode, step seconds, max_memory_allocated GiB). The layer-major 1.3B
+# step is the clean run (1.22 s in a run disturbed by a background compile).
+H100_MEASURED: list[tuple[str, str, float, float]] = [
+    ("1.3b", "plain", 0.310, 34.27), ("1.3b", "checkpointing", 0.379, 22.63),
+    ("1.3b", "activation_swap", 0.408, 22.63), ("1.3b", "optimizer_offload", 0.734, 20.73),
+    ("1.3b", "layer_streaming", 0.890, 1.61), ("1.3b", "layer_major", 0.664, 4.99),
+    ("6.7b", "layer_major", 2.331, 13.10),
+]
+H100_HOST_BANDWIDTH = 152.3e9
+"""The in-place triad measured on that machine at 16 threads (fused CPU AdamW reached 0.996 of it)."""
+
+
+def _offload_benchmark() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("offload_benchmark", os.path.join(os.path.dirname(__file__),
+                                                                                   "offload.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def measured_h100_part(accumulation_64k: int = 8) -> dict[str, Any]:
+    """The planner's estimates for the configurations measured on the H100 machine
+    (:data:`H100_MEASURED`), planned on this machine for that one (its GPU, 125.9 GiB of host
+    memory, :data:`H100_HOST_BANDWIDTH`), beside the measurements; then its prediction for
+    GPT-6.7B at 64k tokens per step (8 x 1024 tokens x ``accumulation_64k`` micro-batches),
+    layer-major and the planner's own choice, with what binds the step."""
+    import torch
+
+    from hybridtrain.models.gpt import GPT, causal_lm_loss, gpt_config
+    from hybridtrain.planner.estimate import Target, estimate, model_source
+    from hybridtrain.planner.search import choose
+
+    bench = _offload_benchmark()
+    target = Target("cuda", "H100 SXM", 80 * 2**30, int(125.9 * 2**30), H100_HOST_BANDWIDTH)
+
+    def planned(size: str, mode: str, accumulation: int = 2) -> Any:
+        setup = bench.Setup(gpt_config(size, seq_len=1024), 8, accumulation, 1, "cuda")
+        with torch.device("meta"):
+            model = GPT(setup.model)
+        example = tuple(t[:setup.batch].to("meta") for t in setup.example())
+        return setup, estimate(bench.engine_config(setup, mode), target,
+                               model=model_source(model, example, causal_lm_loss))
+
+    rows = []
+    print(f"{'size':5s} {'mode':18s} {'step s meas/plan':>17s} {'ratio':>6s} {'peak GiB meas/plan':>19s} {'ratio':>6s}")
+    for size, mode, step_s, peak_gib in H100_MEASURED:
+        _, est = planned(size, mode)
+        plan_gib = est.device_peak_bytes / 2**30
+        rows.append({"size": size, "mode": mode, "measured_step_s": step_s, "planned_step_s": est.step_seconds,
+                     "measured_peak_gib": peak_gib, "planned_peak_gib": plan_gib,
+                     "time": est.time.as_dict()})
+        print(f"{size:5s} {mode:18s} {step_s:8.3f}/{est.step_seconds:<8.3f} {step_s / est.step_seconds:6.2f} "
+              f"{peak_gib:9.2f}/{plan_gib:<9.2f} {peak_gib / plan_gib:6.2f}")
+    setup, est = planned("6.7b", "layer_major", accumulation_64k)
+    tokens = setup.batch * accumulation_64k * setup.model.seq_len
+    t = est.time
+    binding = {"device compute (with recomputation)": t.compute + t.recompute,
+               "host<->device link (all bytes / 50 GB/s)": t.transfers, "host optimizer step": t.host_step}
+
+    def mfu(seconds: float) -> float:
+        return setup.flops_per_token() * tokens / seconds / 989e12
+    prediction = {"tokens_per_step": tokens, "step_s": est.step_seconds, "mfu": mfu(est.step_seconds),
+                  "device_peak_gib": est.device_peak_bytes / 2**30, "host_gib": est.host_bytes / 2**30,
+                  "parts_s": binding, "binds": max(binding, key=binding.__getitem__)}
+    print(f"GPT-6.7B layer-major, {tokens:,} tokens/step (prediction): {est.step_seconds:.2f} s, "
+          f"MFU {prediction['mfu']:.1%}, device {prediction['device_peak_gib']:.1f} GiB; "
+          + ", ".join(f"{k} {v:.2f} s" for k, v in binding.items()) + f"; binds: {prediction['binds']}")
+    base = bench.engine_config(setup, "plain")
+    base.pop("model", None)
+    chosen = choose({**base, "model": {"name": "gpt-6.7b"}, "data": {"seq_len": 1024}}, target)
+    best = estimate(chosen, target)
+    prediction["planner_choice"] = {"step_s": best.step_seconds, "mfu": mfu(best.step_seconds),
+                                    "summary": {k: best.plan.summary()[k] for k in ("checkpointed", "streamed",
+                                                                                      "step_runner", "optimizer")}}
+    print(f"planner's choice at {tokens:,} tokens/step (prediction): {best.step_seconds:.2f} s, "
+          f"MFU {mfu(best.step_seconds):.1%}: {prediction['planner_choice']['summary']}")
+    return {"rows": rows, "gpt_6_7b_64k": prediction}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few configurations only")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--top", type=int, default=5, help="variants timed per ranking case")
-    parser.add_argument("--only", choices=("memory", "ranking", "h100"), help="run one part only")
+    parser.add_argument("--only", choices=("memory", "ranking", "h100", "h100-measured"), help="run one part only")
     parser.add_argument("--measure-one", help=argparse.SUPPRESS)
     parser.add_argument("--time-many", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -361,6 +446,9 @@ def main() -> None:
         return _measure_worker(args.measure_one)
     if args.time_many:
         return _time_worker(args.time_many)
+    if args.only == "h100-measured":
+        print("H100_MEASURED " + json.dumps(measured_h100_part()))
+        return
     if args.only == "h100":
         print("H100 " + json.dumps(h100_part()))
         return

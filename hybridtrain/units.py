@@ -35,6 +35,31 @@ def parse_bytes(value: int | float | str) -> int:
     return int(amount)
 
 
+def parse_rate(value: int | float | str) -> float:
+    """Bytes per second from ``152GB/s``, ``25 GiB/s``, ``1.5e11`` (bytes/s) or a number.
+
+    The number and unit are :func:`parse_bytes`'s (a fraction is allowed), ``/s`` optional.
+
+    Raises:
+        ValueError: one line naming the value and what is allowed (a positive rate).
+    """
+    allowed = "a positive number of bytes per second such as 152GB/s or 25GiB/s (units B, kB, MB, GB, TB, KiB … TiB)"
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"{value!r} is not a bandwidth; use {allowed}")
+    text = value.strip().removesuffix("/s").removesuffix("/S") if isinstance(value, str) else value
+    match = _BYTES.match(text) if isinstance(text, str) else None
+    if isinstance(text, str) and (match is None or match.group(3).lower() not in _UNITS | {"": 1}):
+        raise ValueError(f"{value!r} is not a bandwidth; use {allowed}")
+    if match is not None:
+        number, exponent, unit = match.groups()
+        amount = float(f"{number}e{exponent or 0}") * _UNITS.get(unit.lower(), 1)
+    else:
+        amount = float(text)
+    if not 0 < amount < float("inf"):
+        raise ValueError(f"{value!r} is not a positive bandwidth; use {allowed}")
+    return amount
+
+
 def format_bytes(count: float) -> str:
     """``1.50 GiB``, ``12.0 MiB``, ``512 B``: the unit that keeps the number readable."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):

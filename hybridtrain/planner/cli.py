@@ -44,9 +44,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--device", metavar="NAME", help="GPU model (H100, A100-80GB, L4 …) or cpu; default: this machine")
     where.add_argument("--device-memory", metavar="BYTES", help="device memory to fit, e.g. 24GiB")
     parser.add_argument("--host-memory", metavar="BYTES", help="host memory to fit offloaded state in, e.g. 128GiB")
-    parser.add_argument("--host-bandwidth", metavar="BYTES", help="host memory bandwidth per second (an in-place "
-                        "STREAM triad's), e.g. 150GB; default: measured on this machine when it has the target GPU, "
-                        "else the device table's figure")
+    parser.add_argument("--host-bandwidth", metavar="BYTES/S",
+                        help="host memory bandwidth of the machine planned for, e.g. 152GB/s (default: measured "
+                             "when planning for this machine, else the GPU model's figure)")
     parser.add_argument("--world-size", type=int, default=1, metavar="N", help="processes (default 1)")
 
 
@@ -54,24 +54,22 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any]:
     """The config and the target; every error here is one line, before any tracing."""
     from hybridtrain.config import load_config
     from hybridtrain.planner.estimate import resolve_target
-    from hybridtrain.units import parse_bytes
+    from hybridtrain.units import parse_bytes, parse_rate
 
     if args.world_size < 1:
         raise ValueError(f"--world-size {args.world_size}: use a positive number of processes")
     device_memory = _bytes("--device-memory", args.device_memory, parse_bytes)
     host_memory = _bytes("--host-memory", args.host_memory, parse_bytes)
-    host_bandwidth = _bytes("--host-bandwidth", args.host_bandwidth, parse_bytes)
-    if host_bandwidth == 0:
-        raise ValueError("--host-bandwidth: 0 bytes/s; use a positive rate such as 150GB")
+    host_bandwidth = _bytes("--host-bandwidth", args.host_bandwidth, parse_rate)
     target = resolve_target(args.device, device_memory, host_memory, host_bandwidth)
     return load_config(args.config, args.overrides), target
 
 
-def _bytes(flag: str, value: str | None, parse: Any) -> int | None:
+def _bytes(flag: str, value: str | None, parse: Any) -> Any:
     if value is None:
         return None
     try:
-        amount: int = parse(value)
+        amount = parse(value)
     except ValueError as exc:
         raise ValueError(f"{flag}: {exc}") from None
     return amount
@@ -102,8 +100,7 @@ def render_estimate(result: Any) -> str:
     from hybridtrain.units import format_bytes
 
     lines = [f"target: {result.target.name}" + (f", device memory {format_bytes(result.target.memory_bytes)}"
-                                                if result.target.memory_bytes else "")
-             + (f", host memory {result.target.host_bandwidth / 1e9:.0f} GB/s" if result.target.host_bandwidth else "")]
+                                                if result.target.memory_bytes else "")]
     lines.append(f"device peak: {format_bytes(result.device_peak_bytes)} (at {result.memory.peak_at})")
     for kind, value in result.memory.device.as_dict().items():
         if kind != "total":
@@ -118,6 +115,11 @@ def render_estimate(result: Any) -> str:
     for part, value in t.as_dict().items():
         if part != "total" and value:
             lines.append(f"  {part:<17} {value:.4g} s")
+    if result.target.kind == "cuda":
+        from hybridtrain.planner.estimate import host_bandwidth_source
+
+        bandwidth, source = host_bandwidth_source(result.target)
+        lines.append(f"host memory bandwidth: {bandwidth / 1e9:.1f} GB/s ({source})")
     if result.target.kind == "cpu":
         lines.append("(on a CPU, host and device are one memory: the device peak includes the host bytes)")
     return "\n".join(lines)

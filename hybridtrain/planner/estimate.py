@@ -39,7 +39,7 @@ from hybridtrain.plan.types import TrainingPlan
 from hybridtrain.planner.memory import MemoryEstimate, estimate_memory, passes_for
 from hybridtrain.planner.timing import MATMUL_EFFICIENCY, Hardware, StepTime, estimate_time
 from hybridtrain.planner.trace import PASSES, ModelTrace, trace_model
-from hybridtrain.profiling.host_bandwidth import ADAM_BYTES_PER_PARAM, triad_bandwidth
+from hybridtrain.profiling.host_bandwidth import ADAM_BYTES_PER_PARAM, probe_host_bandwidth
 from hybridtrain.runtime.batch import Batch, LossFn
 from hybridtrain.runtime.half_width import half_width_params
 from hybridtrain.units import format_bytes
@@ -57,9 +57,10 @@ class Target:
         name: ``cpu`` or the GPU model's canonical name (``H100 SXM`` …).
         memory_bytes: device memory available to training (None: not limited).
         host_memory_bytes: host memory available (None: not limited).
-        host_bandwidth: bytes/s the host's memory streams at, as an in-place STREAM triad
-            measures it (:func:`~hybridtrain.profiling.host_bandwidth.triad_bandwidth`): the
-            host optimizer step's speed limit (None: the device table's figure).
+        host_bandwidth: host memory bytes/s the host optimizer step streams at (None: this
+            machine's, measured, when the target is this machine; else the GPU model's
+            figure in :mod:`hybridtrain.hardware.links`).
+        local: the target is this machine (its GPU found by torch, or its CPU).
     """
 
     kind: Literal["cpu", "cuda"]
@@ -67,6 +68,7 @@ class Target:
     memory_bytes: int | None = None
     host_memory_bytes: int | None = None
     host_bandwidth: float | None = None
+    local: bool = False
 
 
 def resolve_target(device: str | None = None, device_memory: int | None = None,
@@ -74,40 +76,30 @@ def resolve_target(device: str | None = None, device_memory: int | None = None,
     """The target from ``--device NAME`` / ``--device-memory`` / ``--host-memory`` /
     ``--host-bandwidth``.
 
-    Without a name: this machine's GPU when it has one, else the CPU. A GPU name gives its
-    memory unless ``device_memory`` says otherwise. The host bandwidth of a GPU target is
-    ``host_bandwidth`` when given; else, when the target is this machine's GPU, measured
-    here once (:func:`measured_host_bandwidth`); else the device table's figure, which
-    another machine's host may beat or miss severalfold.
+    Without a name: this machine's GPU when it has one, else the CPU (then the host
+    bandwidth is this machine's, probed once). A GPU name gives its memory unless
+    ``device_memory`` says otherwise, and a machine elsewhere: its host bandwidth is
+    ``host_bandwidth`` or the model's figure in :mod:`hybridtrain.hardware.links`.
 
     Raises:
         ValueError: an unknown device name, naming the known ones.
     """
-    if host_bandwidth is not None and not host_bandwidth > 0:
-        raise ValueError(f"--host-bandwidth {host_bandwidth!r}: use a positive rate in bytes/s, e.g. 150GB")
+    local = device is None
     if device is None:
         if torch.cuda.is_available():
             device = torch.cuda.get_device_name()
         else:
-            return Target("cpu", "cpu", device_memory, host_memory, host_bandwidth)
+            return Target("cpu", "cpu", device_memory, host_memory, host_bandwidth, local=True)
     if device.lower() == "cpu":
-        return Target("cpu", "cpu", device_memory, host_memory, host_bandwidth)
+        return Target("cpu", "cpu", device_memory, host_memory, host_bandwidth, local=True)
     spec = find_device(device)
     if spec is None:
         raise ValueError(f"--device {device!r} is unknown; known: cpu, {', '.join(known_devices())} "
                          "(or give --device-memory BYTES for another device)")
     memory = device_memory if device_memory is not None else device_memory_bytes(spec.name)
-    here = torch.cuda.is_available() and find_device(torch.cuda.get_device_name()) == spec
-    if host_bandwidth is None and here:
-        host_bandwidth = measured_host_bandwidth()
-    return Target("cuda", spec.name, memory, host_memory, host_bandwidth)
-
-
-@lru_cache(maxsize=1)
-def measured_host_bandwidth() -> float:
-    """This host's memory bandwidth in bytes/s (an in-place STREAM triad over 2 × 256 MiB at
-    torch's thread count; measured once per process, well under a second)."""
-    return triad_bandwidth(repeats=3)
+    # A named GPU is this machine when it is the one torch sees here.
+    local = local or (torch.cuda.is_available() and find_device(torch.cuda.get_device_name()) == spec)
+    return Target("cuda", spec.name, memory, host_memory, host_bandwidth, local)
 
 
 @dataclass(frozen=True)
@@ -177,7 +169,8 @@ class Estimate:
             "target": {"kind": self.target.kind, "name": self.target.name,
                        "memory_bytes": self.target.memory_bytes,
                        "host_memory_bytes": self.target.host_memory_bytes,
-                       "host_bandwidth": self.target.host_bandwidth},
+                       "host_bandwidth": host_bandwidth(self.target) if self.target.kind == "cuda" else
+                       self.target.host_bandwidth},
             "plan": {k: summary[k] for k in ("world", "batch", "precision", "checkpointed", "swapped",
                                                "streamed", "step_runner", "replication", "zero_stage",
                                                "optimizer")},
@@ -335,13 +328,28 @@ def hardware(target: Target, dtype: torch.dtype | None) -> Hardware:
     if target.kind == "cpu":
         bandwidth = _host_copy_bandwidth()
         return Hardware("cpu", measured_matmul_flops(torch.device("cpu"), dtype), cpu_links(bandwidth),
-                        _cpu_op_seconds(), bandwidth / 28)
+                        _cpu_op_seconds(), (target.host_bandwidth or bandwidth) / ADAM_BYTES_PER_PARAM)
     peak = device_peak_flops(target.name, dtype) or device_peak_flops(target.name, torch.float16) or 1e14
-    links = links_for(target.name)
-    if target.host_bandwidth is not None:
-        links = replace(links, host_memory=target.host_bandwidth,
-                        source=f"{links.source}; host memory {target.host_bandwidth / 1e9:.0f} GB/s (triad)")
+    links = replace(links_for(target.name), host_memory=host_bandwidth(target))
     return Hardware("cuda", peak * MATMUL_EFFICIENCY, links, GPU_KERNEL_SECONDS, links.host_memory / ADAM_BYTES_PER_PARAM)
+
+
+def host_bandwidth(target: Target) -> float:
+    """Host memory bytes/s of ``target``: as given; this machine's, measured by a short
+    in-place triad (the host Adam step's access pattern, cached per process), when the
+    target is this machine's GPU; else the GPU model's published machine's figure
+    (:func:`hybridtrain.hardware.links.links_for`)."""
+    return host_bandwidth_source(target)[0]
+
+
+def host_bandwidth_source(target: Target) -> tuple[float, str]:
+    """:func:`host_bandwidth` and where it comes from: ``given``, ``measured here`` or
+    ``the NAME table figure``."""
+    if target.host_bandwidth is not None:
+        return target.host_bandwidth, "given"
+    if target.local:
+        return probe_host_bandwidth(), "measured here"
+    return links_for(target.name).host_memory, f"the {target.name} table figure; --host-bandwidth for another machine"
 
 
 @lru_cache(maxsize=1)

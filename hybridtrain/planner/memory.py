@@ -189,24 +189,24 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
     # Streamed blocks hand their gradients to the host as soon as their backward ends.
     landing = {i for i in range(n) if streamed[i]} if opt.placement != "device" else set()
     swap_prefetch = cfg.activation_offload.prefetch_blocks if not on_cpu else 0
-    if plan.step_runner == "layer_major":
-        # Every micro-batch passes a block before the next block starts: the blocks'
-        # boundary activations of all micro-batches are kept, one micro-batch computes.
-        rounds, copies, in_flight = 1, accumulation, 1
-    elif plan.pipeline is not None:
-        rounds, copies, in_flight = 1, 1, _in_flight(plan)
-    else:
-        rounds, copies, in_flight = accumulation, 1, 1
     host_acts = 0
+    # Offloaded gradients are landed (moved to host memory) bucket by bucket after each
+    # backward: every micro-batch's in micro-batch order, all of them at once in layer-major.
+    landed = _FP32 * (offloaded_numel - streamed_numel) if opt.placement != "device" else 0
+    if plan.step_runner == "layer_major":
+        host_acts = _layer_major_step(replay, trace, stage_blocks, how, accumulation, tp, swap_prefetch, landing,
+                                      streamed)
+        replay.current -= landed
+        replay.grads -= landed
+    rounds, in_flight = (0, 0) if plan.step_runner == "layer_major" else \
+        (1, _in_flight(plan)) if plan.pipeline is not None else (accumulation, 1)
     for m in range(rounds):
         for _ in range(in_flight):
-            host_acts = max(host_acts, _forward(replay, trace, stage_blocks, how, copies, tp))
+            host_acts = max(host_acts, _forward(replay, trace, stage_blocks, how, tp))
         for k in range(in_flight):
             # Offloaded gradients leave the device after each micro-batch: every backward finds none.
             fresh = (m == 0 and k == 0) or opt.placement != "device"
             _backward(replay, trace, stage_blocks, how, fresh, tp, swap_prefetch, landing)
-        landed = _FP32 * (offloaded_numel - streamed_numel) if opt.placement != "device" else 0
-        # Offloaded gradients were landed (moved to host memory) bucket by bucket.
         replay.current -= landed
         replay.grads -= landed
     if zero >= 2:
@@ -246,20 +246,18 @@ def passes_for(plan: TrainingPlan) -> tuple[str, ...]:
     return tuple(sorted({treatment(plan, b.name) for b in plan.blocks} - {"plain"}))
 
 
-def _forward(replay: _Replay, trace: ModelTrace, stage_blocks: list[int], how: list[str], copies: int,
-             tp: int) -> int:
-    """One micro-batch's forward (``copies`` of them side by side for layer-major);
-    returns the activation bytes it sent to host memory."""
+def _forward(replay: _Replay, trace: ModelTrace, stage_blocks: list[int], how: list[str], tp: int) -> int:
+    """One micro-batch's forward; returns the activation bytes it sent to host memory."""
     to_host = 0
     if not stage_blocks or stage_blocks[0] == 0:
-        replay.touch(copies * trace.pre.forward_peak, "forward of pre")
-        replay.keep(copies * trace.pre.kept_bytes)
+        replay.touch(trace.pre.forward_peak, "forward of pre")
+        replay.keep(trace.pre.kept_bytes)
     for i in stage_blocks:
         p = trace.block(i, how[i])
         kept = _split(p.kept_bytes, p.output_bytes, tp)
-        replay.touch((copies - 1) * kept + _split(p.forward_peak, p.output_bytes, tp), f"forward of {p.name}")
-        replay.keep(copies * kept)
-        to_host += copies * p.host_bytes // tp
+        replay.touch(_split(p.forward_peak, p.output_bytes, tp), f"forward of {p.name}")
+        replay.keep(kept)
+        to_host += p.host_bytes // tp
     if not stage_blocks or stage_blocks[-1] == len(trace.blocks) - 1:
         replay.touch(trace.post.forward_peak, "forward of post")
         replay.keep(trace.post.kept_bytes)
@@ -272,29 +270,85 @@ def _split(nbytes: int, output_bytes: int, tp: int) -> int:
     return output_bytes + (nbytes - output_bytes) // tp if tp > 1 else nbytes
 
 
+def _backward_phase(replay: _Replay, p: PhaseProfile, where: str, first: bool, tp: int, ahead: int = 0,
+                    lands: bool = False) -> None:
+    """One micro-batch's backward through phase ``p`` (``first``: it creates the gradients
+    of ``p``'s parameters; ``lands``: they leave for the host at its end)."""
+    peak, end = (p.backward_peak, p.backward_end) if first else (p.accumulate_peak, p.accumulate_end)
+    replay.touch(_split(peak, p.output_bytes, tp) + ahead, f"backward of {where}")
+    change = _split(end, p.output_bytes, tp) if end > 0 else -_split(-end, p.output_bytes, tp)
+    replay.current += change
+    grads = _FP32 * p.param_numel // tp
+    if first:  # this phase's parameters now have gradients
+        replay.grads += grads
+    if lands:
+        replay.current -= grads
+        replay.grads -= grads
+
+
 def _backward(replay: _Replay, trace: ModelTrace, stage_blocks: list[int], how: list[str], first: bool,
               tp: int, swap_prefetch: int, landing: set[int]) -> None:
-    def step(p: PhaseProfile, where: str, ahead: int = 0, lands: bool = False) -> None:
-        peak, end = (p.backward_peak, p.backward_end) if first else (p.accumulate_peak, p.accumulate_end)
-        replay.touch(_split(peak, p.output_bytes, tp) + ahead, f"backward of {where}")
-        change = _split(end, p.output_bytes, tp) if end > 0 else -_split(-end, p.output_bytes, tp)
-        replay.current += change
-        grads = _FP32 * p.param_numel // tp
-        if first:  # this phase's parameters now have gradients
-            replay.grads += grads
-        if lands:
-            replay.current -= grads
-            replay.grads -= grads
     if not stage_blocks or stage_blocks[-1] == len(trace.blocks) - 1:
-        step(trace.post, "post")
+        _backward_phase(replay, trace.post, "post", first, tp)
     for k, i in enumerate(reversed(stage_blocks)):
         p = trace.block(i, how[i])
         # Swapped blocks further back are copied to the device ahead of their backward.
         later = list(reversed(stage_blocks))[k + 1:k + 1 + swap_prefetch]
         ahead = sum(trace.block(j, how[j]).host_bytes // tp for j in later)
-        step(p, p.name, ahead, i in landing)
+        _backward_phase(replay, p, p.name, first, tp, ahead, i in landing)
     if not stage_blocks or stage_blocks[0] == 0:
-        step(trace.pre, "pre")
+        _backward_phase(replay, trace.pre, "pre", first, tp)
+
+
+def _layer_major_step(replay: _Replay, trace: ModelTrace, stage_blocks: list[int], how: list[str], count: int,
+                      tp: int, swap_prefetch: int, landing: set[int], streamed: list[bool]) -> int:
+    """Forward and backward of ``count`` micro-batches in layer-major order
+    (:mod:`hybridtrain.runtime.layer_major`); returns the activation bytes sent to host memory.
+
+    Each phase runs for every micro-batch before the next phase starts, so what each
+    micro-batch keeps piles up ``count`` times (the head's saved logits too). The runner
+    cuts the graph at every streamed block's output and holds that output (the root of
+    the block's backward segment) until the block's backward: where the next block swaps
+    its input to the host, the micro-batch-major trace freed that tensor on the device and
+    layer-major does not — ``count`` residual-stream tensors per block (3 GiB of GPT-1.3B's
+    5 GiB measured on an H100 at 2 × 8 × 1024 tokens). In backward, a block's output
+    gradients (the cut leaves' ``.grad``) stay until all its micro-batches are through.
+    """
+    n = len(trace.blocks)
+    to_host = 0
+    held = [0] * n  # per micro-batch: block j's output kept by the cut (freed at j's backward)
+    if not stage_blocks or stage_blocks[0] == 0:
+        for _ in range(count):
+            replay.touch(trace.pre.forward_peak, "forward of pre")
+            replay.keep(trace.pre.kept_bytes)
+    for i in stage_blocks:
+        p = trace.block(i, how[i])
+        if i > 0 and streamed[i - 1] and how[i].startswith("swap"):
+            held[i - 1] = trace.blocks[i - 1].output_bytes
+        for _ in range(count):
+            replay.touch(_split(p.forward_peak, p.output_bytes, tp), f"forward of {p.name}")
+            replay.keep(_split(p.kept_bytes, p.output_bytes, tp) + (held[i - 1] if i > 0 else 0))
+            to_host += p.host_bytes // tp
+    if not stage_blocks or stage_blocks[-1] == n - 1:
+        for _ in range(count):
+            replay.touch(trace.post.forward_peak, "forward of post")
+            replay.keep(trace.post.kept_bytes)
+        for m in range(count):
+            _backward_phase(replay, trace.post, "post", m == 0, tp)
+    # Backward visits (block, micro-batch) in this order; the swapper prefetches along it.
+    order = [i for i in reversed(stage_blocks) for _ in range(count)]
+    for k, i in enumerate(order):
+        p = trace.block(i, how[i])
+        m = k % count
+        ahead = sum(trace.block(j, how[j]).host_bytes // tp for j in order[k + 1:k + 1 + swap_prefetch])
+        done_grads = m * p.output_bytes  # earlier micro-batches' output gradients, still on the cut leaves
+        _backward_phase(replay, p, p.name, m == 0, tp, ahead + done_grads, i in landing and m == count - 1)
+        if m == count - 1:
+            replay.current -= count * held[i]
+    if not stage_blocks or stage_blocks[0] == 0:
+        for m in range(count):
+            _backward_phase(replay, trace.pre, "pre", m == 0, tp)
+    return to_host
 
 
 def _stage_blocks(plan: TrainingPlan, n: int) -> list[int]:

@@ -50,9 +50,9 @@ def test_plan_writes_a_config_that_loads_and_trains(config: str, tmp_path: Path,
     (["estimate", "{config}", "--device", "Z9000"], "error: --device 'Z9000' is unknown; known: cpu, H100 NVL"),
     (["plan", "{config}"], "error: plan needs the device memory to fit"),
     (["estimate", "{config}", "--device", "H100", "--host-bandwidth", "fast"],
-     "error: --host-bandwidth: 'fast' is not a byte count"),
-    (["estimate", "{config}", "--device", "H100", "--host-bandwidth", "0"],
-     "error: --host-bandwidth: 0 bytes/s; use a positive rate"),
+     "error: --host-bandwidth: 'fast' is not a bandwidth; use a positive number of bytes per second"),
+    (["plan", "{config}", "--device", "H100", "--host-bandwidth", "0GB/s"],
+     "error: --host-bandwidth: '0GB/s' is not a positive bandwidth"),
 ])
 def test_bad_input_is_one_line(argv: list[str], expected: str, config: str,
                                capsys: pytest.CaptureFixture[str]) -> None:

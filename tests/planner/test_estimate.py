@@ -6,9 +6,22 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridtrain.config import load_config
 from hybridtrain.models.gpt import gpt_config, gpt_param_count
-from hybridtrain.planner.estimate import Target, estimate, model_source, resolve_target
+from hybridtrain.plan.resolve import resolve
+from hybridtrain.planner.estimate import (
+    PASSES,
+    Target,
+    _config_source,
+    _trace,
+    estimate,
+    half_width_numel,
+    hardware,
+    model_source,
+    resolve_target,
+)
 from hybridtrain.planner.measure import measure_step
+from hybridtrain.planner.timing import estimate_time
 from hybridtrain.profiling.host_bandwidth import ADAM_BYTES_PER_PARAM
 
 TINY = {"model": {"name": "gpt-tiny"}, "data": {"seq_len": 64}, "train_micro_batch_size_per_gpu": 8,
@@ -57,8 +70,6 @@ def test_the_host_step_streams_28_bytes_per_parameter_at_the_host_bandwidth() ->
         result = estimate(config, resolve_target("H100", host_bandwidth=rate))
         assert result.target.host_bandwidth == rate
         assert result.time.host_step == pytest.approx(params * ADAM_BYTES_PER_PARAM / rate)
-    with pytest.raises(ValueError, match="--host-bandwidth -1.0: use a positive rate"):
-        resolve_target("H100", host_bandwidth=-1.0)
 
 
 def test_a_callers_model_is_estimated_without_touching_it() -> None:
@@ -79,11 +90,6 @@ def test_a_callers_model_is_estimated_without_touching_it() -> None:
 def test_half_width_weights_cross_at_two_bytes_in_the_time_model(layer_major: bool) -> None:
     """Under bf16, streamed Linear weights go up and their gradients come down as half
     (runtime/half_width.py); layer-major's gradients summed over micro-batches stay fp32."""
-    from hybridtrain.config import load_config
-    from hybridtrain.planner.estimate import PASSES, _config_source, _trace, half_width_numel, hardware
-    from hybridtrain.planner.timing import estimate_time
-    from hybridtrain.plan.resolve import resolve
-
     config = load_config({**TINY, "bf16": {"enabled": True}, "gradient_accumulation_steps": 2,
                           "train_batch_size": 16, "layer_streaming": {"enabled": True, "layer_major": layer_major,
                                                                       "boundary_activations": "host"}})

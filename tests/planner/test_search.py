@@ -99,3 +99,4 @@ def test_deepspeed_autotuning_maps_to_auto() -> None:
     on = load_config({"autotuning": {"enabled": True, "fast": True, "metric": "throughput"}})
     off = load_config({"autotuning": {"enabled": False, "tuner_type": "gridsearch"}})
     assert on.auto and not off.auto
+
