@@ -178,7 +178,7 @@ class Estimate:
 
 
 def estimate(config: ConfigSource, target: Target | None = None, world_size: int = 1,
-             all_passes: bool = False, model: ModelSource | None = None) -> Estimate:
+             all_passes: bool = False, model: ModelSource | None = None, half_width: bool = True) -> Estimate:
     """Estimate one training step of ``config`` on ``target`` (see the module docstring).
 
     Args:
@@ -189,6 +189,8 @@ def estimate(config: ConfigSource, target: Target | None = None, world_size: int
             variants of one micro-batch shape: one trace serves them all).
         model: a caller's model to estimate instead of the one ``config.model`` names
             (:func:`model_source`).
+        half_width: model half-width transfers as build applies them; False plans every
+            transfer at full width (the code before them: holding older measurements).
 
     Raises:
         ConfigError / ValueError: what ``hybridtrain train`` would refuse, in one line.
@@ -206,7 +208,7 @@ def estimate(config: ConfigSource, target: Target | None = None, world_size: int
     trace = _trace(cfg, source, plan, target.kind, PASSES[1:] if all_passes else passes_for(plan))
     memory = estimate_memory(plan, trace, target.kind)
     seconds = estimate_time(plan, trace, hardware(target, plan.compute_dtype), trace.kernels,
-                            half_width_numel(source.model, plan, [p.name for p in trace.blocks]))
+                            half_width_numel(source.model, plan, [p.name for p in trace.blocks]) if half_width else None)
     tokens = plan.batch.global_batch * source.tokens_per_sample
     return Estimate(cfg, plan, target, memory, seconds, tokens)
 
