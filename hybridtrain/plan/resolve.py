@@ -42,7 +42,8 @@ from hybridtrain.runtime.streaming import check_not_shared
 
 
 def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | None = None,
-            example_batch: Batch | None = None, optimizer: torch.optim.Optimizer | None = None) -> TrainingPlan:
+            example_batch: Batch | None = None, optimizer: torch.optim.Optimizer | None = None,
+            zero_gradient_step: bool = False) -> TrainingPlan:
     """Decide how ``model`` trains under ``config`` on ``world_size`` processes.
 
     Args:
@@ -53,6 +54,9 @@ def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | Non
             are split at build) and used by streaming to find parameters used outside
             their block.
         optimizer: the caller's own optimizer, if any (read, never changed).
+        zero_gradient_step: step the optimizer once with zero gradients before training
+            (the DeepSpeed drop-in asks for it where DeepSpeed's fp16 wrapper would); an
+            ``optimizer.params.fp16_init_step`` the user wrote decides instead.
 
     Raises:
         ConfigError: any invalid, unsupported or inapplicable setting (one line each).
@@ -112,15 +116,17 @@ def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | Non
         device_map=tuple(device_map.items()),
         pipeline=pipeline,
         optimizer=_optimizer(cfg, sizes, bool(streamed), batch.accumulation_steps),
-        optimizer_settings=optimizer_settings(cfg),
+        optimizer_settings=optimizer_settings(cfg, zero_gradient_step),
     )
 
 
-def optimizer_settings(cfg: Config) -> OptimizerSettings:
-    """``cfg.optimizer`` as build uses it: ``fp16_init_step`` read out of the parameters
-    into :attr:`OptimizerSettings.zero_gradient_step`."""
+def optimizer_settings(cfg: Config, zero_gradient_step: bool = False) -> OptimizerSettings:
+    """``cfg.optimizer`` as build uses it: ``fp16_init_step``, where the user wrote it, read
+    out of the parameters into :attr:`OptimizerSettings.zero_gradient_step` (else
+    ``zero_gradient_step``, the caller's)."""
     params = dict(cfg.optimizer.params)
-    step = params.pop(FP16_INIT_STEP, False) is True
+    asked = params.pop(FP16_INIT_STEP, None)
+    step = asked is True if asked is not None else zero_gradient_step
     return OptimizerSettings(cfg.optimizer.type, tuple(params.items()), step)
 
 
