@@ -25,12 +25,17 @@ from hybridtrain.parallel.tensor import resolve_plan
 from hybridtrain.plan.checks import check_supported, map_deepspeed_offload, parallel_sizes
 from hybridtrain.plan.types import (
     BlockPlan,
+    DataParallelSettings,
+    LossScaling,
     OptimizerPlan,
     OptimizerSettings,
     ParallelSizes,
     PipelinePlan,
     Replication,
+    SchedulerSettings,
+    StepRules,
     StepRunnerKind,
+    SwapSettings,
     TrainingPlan,
 )
 from hybridtrain.runtime.batch import Batch, batch_size, run_model, to_device
@@ -103,7 +108,6 @@ def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | Non
     return TrainingPlan(
         config=cfg, sizes=sizes, batch=batch, device=device,
         compute_dtype=compute_dtype,
-        loss_scaling=cfg.fp16.enabled,
         block_lists=tuple(path for path, _ in blocks.lists) if blocks.found else (),
         blocks=tuple(BlockPlan(name, name in checkpoint_set, name in swap_set, name in stream_set, stage_of.get(i))
                      for i, name in enumerate(blocks.names if blocks.found else [])),
@@ -117,7 +121,29 @@ def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | Non
         pipeline=pipeline,
         optimizer=_optimizer(cfg, sizes, bool(streamed), batch.accumulation_steps),
         optimizer_settings=optimizer_settings(cfg, zero_gradient_step),
+        scheduler=SchedulerSettings(cfg.scheduler.type, tuple(cfg.scheduler.params.items())) if cfg.scheduler else None,
+        loss_scaler=_loss_scaler(cfg),
+        swap=SwapSettings(cfg.activation_offload.prefetch_blocks, cfg.activation_offload.pin_memory,
+                          cfg.activation_offload.min_bytes),
+        stream_prefetch_blocks=cfg.layer_streaming.prefetch_blocks,
+        step_rules=StepRules(cfg.gradient_clipping, cfg.nonfinite_loss, cfg.wall_clock_breakdown),
+        collective_timeout_s=cfg.distributed.timeout_s,
+        data_parallel=DataParallelSettings(cfg.data_parallel.gradient_compression, cfg.data_parallel.powersgd_rank,
+                                           cfg.data_parallel.powersgd_start_iter, cfg.data_parallel.bucket_cap_mb),
+        zero_offload=bool(zero_stage) and sizes.world > 1 and "cpu" in (
+            cfg.zero_optimization.offload_param.device, cfg.zero_optimization.offload_optimizer.device),
+        # Sharded runs save the optimizer state keyed by parameter name, others by index.
+        state_by_name=cfg.zero_optimization.stage > 0,
     )
+
+
+def _loss_scaler(cfg: Config) -> LossScaling | None:
+    """fp16's loss scaling as the config sets it (None without fp16)."""
+    if not cfg.fp16.enabled:
+        return None
+    fp16 = cfg.fp16
+    return LossScaling(fp16.loss_scale, fp16.initial_scale_power, fp16.loss_scale_window, fp16.hysteresis,
+                       fp16.min_loss_scale)
 
 
 def optimizer_settings(cfg: Config, zero_gradient_step: bool = False) -> OptimizerSettings:
