@@ -22,7 +22,8 @@ from hybridtrain.parallel.data import apply_data_parallel
 from hybridtrain.parallel.gradient_sync import GradientSync
 from hybridtrain.parallel.model_parallel import apply_device_map
 from hybridtrain.parallel.pipeline import PipelineRunner, split_pipeline
-from hybridtrain.parallel.replicated import ParallelRuntime
+from hybridtrain.parallel.replicated import ReplicatedRuntime
+from hybridtrain.parallel.runtime import ParallelRuntime
 from hybridtrain.parallel.split import SplitRuntime
 from hybridtrain.parallel.tensor import apply_tensor_parallel
 from hybridtrain.parallel.zero import ZeroRuntime, apply_zero
@@ -126,7 +127,7 @@ def _parallelize(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None,
     pipeline parallel) the model. The first collectives of the run happen here."""
     sizes, device = plan.sizes, plan.device
     if plan.sizes.world == 1:
-        return ParallelRuntime(model), None, []
+        return ReplicatedRuntime(model), None, []
     mesh.init_process_group(device, plan.collective_timeout_s, host_collectives=plan.zero_offload)
     # Made now, while the rendezvous store is alive: the save after a lost launcher (whose
     # process held that store) needs no store then.
@@ -138,19 +139,19 @@ def _parallelize(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None,
         dp = plan.data_parallel
         ddp = apply_data_parallel(model, topology.group("dp"), device, dp.gradient_compression,
                                   dp.powersgd_rank, dp.powersgd_start_iter, dp.bucket_cap_mb)
-        return ParallelRuntime(model, topology, ddp), None, []
+        return ReplicatedRuntime(model, topology, ddp), None, []
     if plan.replication == "zero":
         assert shard is not None
         shard(model, blocks)
         return ZeroRuntime(model, topology, plan.zero_stage), None, []
     # torchtitan's order: tensor parallel on the tp mesh first, then ZeRO (FSDP2) over the
     # dp mesh on top of those DTensors; a pipeline shards each stage at its split.
-    reordered = frozenset(apply_tensor_parallel(model, topology.submesh("tp"), dict(plan.tensor_plan))) \
+    qkv_interleaved = frozenset(apply_tensor_parallel(model, topology.submesh("tp"), dict(plan.tensor_plan))) \
         if plan.tensor_plan else frozenset()
     if plan.pipeline is None:
         if shard is not None:
             shard(model, blocks)
-        runtime = SplitRuntime(model, topology, plan.zero_stage, reordered=reordered)
+        runtime = SplitRuntime(model, topology, plan.zero_stage, qkv_interleaved=qkv_interleaved)
         # Replicas average gradients after the last backward (ZeRO reduce-scatters in it).
         sync: list[BackwardObserver] = [GradientSync(model, topology)] if topology.dp > 1 and not shard else []
         return runtime, None, sync
@@ -160,7 +161,7 @@ def _parallelize(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None,
     container = model.get_submodule(plan.pipeline.blocks_path) if plan.pipeline.blocks_path else model
     split = split_pipeline(model, container, plan.pipeline, topology, example, loss_fn, device,  # type: ignore[arg-type]
                            plan.compute_dtype, shard)
-    runtime = SplitRuntime(model, topology, plan.zero_stage, split.owner, split.counted, reordered, pipelined=True)
+    runtime = SplitRuntime(model, topology, plan.zero_stage, split.owner, split.counted, qkv_interleaved, pipelined=True)
     return runtime, PipelineRunner(split, plan.pipeline, topology, device, plan.compute_dtype), []
 
 

@@ -371,7 +371,7 @@ def _runner_kind(cfg: Config, pp: int, streamed: list[str]) -> StepRunnerKind:
 
 def _replication(sizes: ParallelSizes, zero_stage: int) -> Replication:
     if sizes.tp > 1 or sizes.pp > 1:
-        return "split"
+        return "tensor_or_pipeline"
     if sizes.dp == 1:
         return "none"
     return "zero" if zero_stage else "ddp"

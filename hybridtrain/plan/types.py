@@ -19,7 +19,7 @@ from hybridtrain.runtime.precision import precision_name
 
 StepRunnerKind = Literal["micro_batches", "layer_major", "pipeline"]
 OptimizerPlacement = Literal["device", "host", "host_streamed"]
-Replication = Literal["none", "ddp", "zero", "split"]
+Replication = Literal["none", "ddp", "zero", "tensor_or_pipeline"]
 
 
 @dataclass(frozen=True)
@@ -212,8 +212,9 @@ class TrainingPlan:
             inputs only, when it is also checkpointed).
         step_runner: who runs a step's forwards and backwards.
         replication: how data-parallel replicas keep in step: ``none`` (one replica),
-            ``ddp``, ``zero`` (FSDP2 sharding) or ``split`` (a tensor/pipeline split model
-            whose replicas average gradients after backward, or shard under ZeRO).
+            ``ddp``, ``zero`` (FSDP2 sharding) or ``tensor_or_pipeline`` (a model split
+            across ranks by tensor and/or pipeline parallel, whose replicas average
+            gradients after backward, or shard under ZeRO).
         zero_stage: the ZeRO stage in effect (0 on one replica).
         tensor_plan: module path → ``colwise``/``rowwise`` (tensor parallel).
         device_map: module path → device (naive model parallel inside one process).
