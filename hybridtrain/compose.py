@@ -24,11 +24,10 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
         loss_fn: ``loss_fn(outputs, batch) -> loss``; without it the output's ``.loss`` or a
             scalar output is the loss.
         optimizer: an optimizer over ``model``'s parameters; built from ``config.optimizer``
-            when absent. Where the config asks for DeepSpeed's fp16-wrapper step
-            (``optimizer.params.fp16_init_step: true``, which the DeepSpeed key treatments add
-            to a DeepSpeed ``optimizer`` section at ZeRO stage 0 with fp16, or bf16 unless
-            pipelined), it takes that step as the config's own optimizer would; otherwise it
-            trains with plain PyTorch math.
+            when absent. Either trains with plain PyTorch math: DeepSpeed's fp16-wrapper step
+            (one step with zero gradients when built) is the DeepSpeed drop-in's
+            (:mod:`hybridtrain.deepspeed`), taken here only where the config's
+            ``optimizer.params.fp16_init_step`` is true.
         example_batch: one batch shaped like those ``train_batch`` receives. Pipeline
             parallel needs it (the model is split into stages here, from one traced forward);
             layer streaming uses it to find parameters used outside their block.

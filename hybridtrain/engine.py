@@ -27,7 +27,8 @@ from torch import nn
 from hybridtrain import checkpoint as ckpt
 from hybridtrain.config import BatchSizes
 from hybridtrain.parallel.mesh import Topology
-from hybridtrain.parallel.replicated import ParallelRuntime
+from hybridtrain.parallel.replicated import ReplicatedRuntime
+from hybridtrain.parallel.runtime import ParallelRuntime
 from hybridtrain.runtime import transfer
 from hybridtrain.runtime.batch import (
     Batch,
@@ -106,7 +107,7 @@ class Engine:
         self.micro_batch_done: Callable[[int, int], None] | None = None
         self.last_timings = StepTimings()
         # Everything that differs when several processes cooperate goes through this object.
-        self.parallel = options.parallel or ParallelRuntime(module)
+        self.parallel: ParallelRuntime = options.parallel or ReplicatedRuntime(module)
         self.runner: StepRunner = options.runner or MicroBatchRunner(self.parallel.set_grad_sync)
         self._nonfinite_skips = 0
         self._manual_micro_steps = 0

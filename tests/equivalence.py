@@ -304,22 +304,6 @@ HALF_WIDTH_MODES: dict[str, Mode] = {
 }
 
 
-def deepspeed_wrapper_steps(config: dict[str, Any]) -> bool:
-    """Whether DeepSpeed's fp16 wrapper holds the optimizer, stepping it once with zero
-    gradients when built: at ZeRO stage 0 with fp16, or with bf16 unless pipelined
-    (``deepspeed/runtime/engine.py`` ``_do_optimizer_sanity_check`` → FP16 / DDP_BFLOAT16 →
-    ``_configure_fp16_optimizer``; ``runtime/fp16/fused_optimizer.py``
-    ``FP16_Optimizer.initialize_optimizer_states``, line 125: zero gradients, then
-    ``self.optimizer.step()``). AdamW's step count starts at 1 and its weight decay acts once.
-    The wrapper holds only parameters that require gradients (``fused_optimizer.py`` line 89,
-    ``unfused_optimizer.py`` line 72: ``trainable = [p for p in param_group['params'] if
-    p.requires_grad]``): frozen ones are never stepped."""
-    stage = config.get("zero_optimization", {}).get("stage", 0)
-    pipelined = config.get("pipeline", {}).get("stages", 1) > 1
-    fp16, bf16 = (config.get(key, {}).get("enabled") is True for key in ("fp16", "bf16"))
-    return stage == 0 and (fp16 or (bf16 and not pipelined))
-
-
 def plain_run(case: ModelCase, mode: Mode, steps: int = STEPS,
               device: str = "cpu") -> tuple[list[float], dict[str, torch.Tensor]]:
     """The specification: a hand-written full-batch PyTorch loop, on ``device`` (the model
@@ -328,11 +312,8 @@ def plain_run(case: ModelCase, mode: Mode, steps: int = STEPS,
     torch.manual_seed(SEED)
     model = case.build().to(device)
     opt = torch.optim.AdamW(model.parameters(), **OPTIMIZER["params"])
-    if deepspeed_wrapper_steps(mode.config):
-        for p in model.parameters():
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-        opt.step()  # opt.zero_grad() below drops the zero gradients
+    # No zero-gradient step at build: DeepSpeed's fp16 wrapper takes one, and its drop-in
+    # (hybridtrain.deepspeed) does too (tests/deepspeed); hybridtrain's own road does not.
     sched = torch.optim.lr_scheduler.LambdaLR(opt, mode.lr_lambda) if mode.lr_lambda else None
     kind = torch.device(device).type
     scaler = (torch.amp.GradScaler(kind, init_scale=mode.extra.get("init_scale", 2.0**16))

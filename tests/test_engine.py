@@ -154,9 +154,9 @@ def test_micro_batch_done_counts_each_micro_batch_and_leaves_the_math_alone() ->
 # DeepSpeed's fp16 wrapper steps the optimizer it holds once with zero gradients when built
 # (deepspeed/runtime/fp16/fused_optimizer.py, unfused_optimizer.py: initialize_optimizer_states),
 # a caller's too (runtime/engine.py _configure_optimizer), before the config's LR schedule is
-# built. The DeepSpeed key treatments mark a DeepSpeed optimizer section with
-# optimizer.params.fp16_init_step: a caller's optimizer given to hybridtrain.initialize follows
-# that mark; without it (a config written for hybridtrain) it trains with plain PyTorch math.
+# built. That is the DeepSpeed drop-in's rule (tests/deepspeed/test_initialize.py):
+# hybridtrain.initialize trains a DeepSpeed file with plain PyTorch math, and takes the step
+# only where the config's optimizer.params.fp16_init_step asks for it.
 LR, DECAY = 0.1, 0.1
 FP16 = {"device": "cpu", "train_micro_batch_size_per_gpu": 4, "fp16": {"enabled": True, "hysteresis": 1}}
 WARMUP = {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR}}}
@@ -182,11 +182,12 @@ def _fp16_reference(wrapper_step: bool, model: torch.nn.Module, batches: list) -
 
 
 CALLERS_OPTIMIZER_CASES = [
-    ({**FP16, **DEEPSPEED_OPTIMIZER}, True),  # a DeepSpeed file: its optimizer section is marked
-    (FP16, False),  # written for hybridtrain: no optimizer section, no mark
+    ({**FP16, **DEEPSPEED_OPTIMIZER}, False),  # a DeepSpeed file: loading adds no step
+    (FP16, False),  # written for hybridtrain: no optimizer section
+    ({**FP16, "optimizer": {"type": "AdamW", "params": {"lr": LR, "fp16_init_step": True}}}, True),
     ({**FP16, "optimizer": {"type": "AdamW", "params": {"lr": LR, "fp16_init_step": False}}}, False),
 ]
-CASE_IDS = ["deepspeed-file", "native", "turned-off"]
+CASE_IDS = ["deepspeed-file", "native", "asked", "turned-off"]
 
 
 def _callers_engine(config: dict, path) -> tuple[ht.Engine, torch.nn.Module, list[torch.Tensor]]:

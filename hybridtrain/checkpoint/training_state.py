@@ -16,7 +16,7 @@ Every rank saves its tensors as they are — no gather, no conversion. Nothing i
 shape depends on the saving layout, so any layout loads it: the loading rank points DCP
 at its own tensors (in its own sharding) and DCP reads the slices they cover. The one
 exception is a fused qkv entry whose row order differs between the saving and loading
-runs (another tensor-parallel degree): it is read whole and reordered.
+runs (another tensor-parallel degree): it is read whole and its rows put in this run's order.
 
 RNG across world sizes: rank ``r`` restores the generator states saved by rank
 ``r % old_world_size``. With the same world size that is exact; otherwise ranks that
@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.metadata import (
 from hybridtrain.checkpoint import legacy, sharded
 from hybridtrain.checkpoint.layout import CheckpointError, read_meta
 from hybridtrain.parallel.gradient_sync import local
-from hybridtrain.parallel.replicated import ParallelRuntime
+from hybridtrain.parallel.runtime import ParallelRuntime
 from hybridtrain.parallel.tensor import qkv_to_user
 from hybridtrain.runtime import device as dev
 from hybridtrain.runtime.optim import Scheduler

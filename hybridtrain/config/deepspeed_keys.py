@@ -219,7 +219,6 @@ def apply_treatments(raw: dict[str, Any]) -> tuple[dict[str, Any], list[Applied]
     Raises:
         ValueError: every refused key and unresolvable ``"auto"`` of the config, in one line.
     """
-    wrapper_steps = fp16_wrapper_steps(raw)  # before torch_autocast becomes fp16/bf16 below
     raw = _normalise_legacy_shapes(raw)
     applied: list[Applied] = [Applied(key, "no effect", "a comment") for key in raw if key.startswith("_")]
     raw = {k: v for k, v in raw.items() if not k.startswith("_")}
@@ -249,17 +248,18 @@ def apply_treatments(raw: dict[str, Any]) -> tuple[dict[str, Any], list[Applied]
                 refusals.append(f"{key} = \"auto\": {_auto_hint(key)}")
             else:
                 applied.append(Applied(key, "auto", outcome))
-    refusals += _deepspeed_optimizer_rules(raw, applied, wrapper_steps)
+    refusals += _deepspeed_optimizer_rules(raw)
     if refusals:
         raise ValueError("DeepSpeed settings hybridtrain cannot honour: " + "; ".join(refusals))
     return raw, applied
 
 
 FP16_INIT_STEP = "fp16_init_step"
-"""``optimizer.params.fp16_init_step``: asks for DeepSpeed's fp16-wrapper step, one optimizer
-step with zero gradients before training (see :func:`fp16_wrapper_steps`). No optimizer
-argument: :func:`hybridtrain.plan.resolve.optimizer_settings` reads it into the plan, and
-``hybridtrain plan -o`` leaves it out of a written config wherever loading adds it again."""
+"""``optimizer.params.fp16_init_step``: a user's explicit say over DeepSpeed's fp16-wrapper step,
+one optimizer step with zero gradients before training (``true`` takes it, ``false`` skips
+it). Nothing adds it: the DeepSpeed drop-in takes that step where DeepSpeed would (see
+:func:`fp16_wrapper_steps`), hybridtrain's own road never unless asked. No optimizer argument:
+:func:`hybridtrain.plan.resolve.optimizer_settings` reads it into the plan."""
 # DeepSpeed's own optimizers (hybridtrain.runtime.optim.DEEPSPEED_OPTIMIZERS), as named in refusals.
 _DEEPSPEED_OPTIMIZER_NAMES = {"lamb": "LAMB", "onebitadam": "1-bit Adam", "zerooneadam": "0/1 Adam",
                               "onebitlamb": "1-bit LAMB"}
@@ -291,30 +291,18 @@ def fp16_wrapper_steps(raw: dict[str, Any]) -> bool:
     return stage == 0 and (_get(raw, "fp16.enabled") is True or (bf16 and not pipelined))
 
 
-def _deepspeed_optimizer_rules(raw: dict[str, Any], applied: list[Applied], wrapper_steps: bool) -> list[str]:
-    """What DeepSpeed's engine does around the optimizer, from the whole config: for its LAMB
-    and 1-bit optimizers, the combinations it asserts against (or computes differently) are
-    refused; where its fp16 wrapper steps the optimizer once with zero gradients when built
-    (``wrapper_steps``, see :func:`fp16_wrapper_steps`), any optimizer gets that step through
-    ``optimizer.params.fp16_init_step`` (for the 1-bit ones it is their buffer set-up,
-    without it the first training step is spent on that)."""
+def _deepspeed_optimizer_rules(raw: dict[str, Any]) -> list[str]:
+    """For DeepSpeed's LAMB and 1-bit optimizers, the combinations its engine asserts
+    against (or computes differently) are refused. DeepSpeed's fp16-wrapper step is not
+    a key treatment: the DeepSpeed drop-in takes it (:mod:`hybridtrain.deepspeed.building`),
+    so loading a config adds nothing a written config would carry."""
     optimizer = raw.get("optimizer")
     if not isinstance(optimizer, dict):
-        return []  # a caller's optimizer: the drop-in applies fp16_wrapper_steps itself
+        return []
     name = str(optimizer.get("type", "")).lower()
     label = _DEEPSPEED_OPTIMIZER_NAMES.get(name)
-    refusals = _deepspeed_optimizer_refusals(raw, name, f"optimizer.type = {optimizer.get('type')!r} ({label})") \
+    return _deepspeed_optimizer_refusals(raw, name, f"optimizer.type = {optimizer.get('type')!r} ({label})") \
         if label is not None else []
-    if not wrapper_steps or refusals:
-        return refusals
-    params = optimizer.setdefault("params", {})  # absent: the class's defaults, as in DeepSpeed
-    if isinstance(params, dict) and FP16_INIT_STEP not in params:
-        params[FP16_INIT_STEP] = True
-        applied.append(Applied(f"optimizer.params.{FP16_INIT_STEP}", "implemented",
-                               "added, true: at ZeRO stage 0 DeepSpeed's fp16 wrapper (fp16, or bf16 unless "
-                               "pipelined) steps the optimizer once with zero gradients when it is built (its "
-                               "step count starts at 1, weight decay acts once); set it false to skip that"))
-    return refusals
 
 
 def _deepspeed_optimizer_refusals(raw: dict[str, Any], name: str, shown: str) -> list[str]:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from hybridtrain.deepspeed import checkpointing, comm, ops, pipe, runtime, utils
-from hybridtrain.deepspeed.building import build_engine
+from hybridtrain.deepspeed.building import build_engine, wrapper_step
 from hybridtrain.deepspeed.comm import init_distributed
 from hybridtrain.deepspeed.dropin import VERSION
 from hybridtrain.deepspeed.engine import DeepSpeedEngine
@@ -83,7 +83,6 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         ValueError: no config, or two of them; ConfigError: a setting hybridtrain cannot run.
     """
     from hybridtrain.config import load_config
-    from hybridtrain.config.deepspeed_keys import fp16_wrapper_steps
     from hybridtrain.config.loading import plain_copy
 
     if model is None:
@@ -105,7 +104,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
 
         return initialize_pipeline(model, raw, optimizer, params, training_data, lr_scheduler,
                                    dist_init_required, collate_fn, drop_last)
-    wrapper_steps = fp16_wrapper_steps(raw)
+    wrapper_steps = wrapper_step(raw, client=optimizer is not None)
     cfg = load_config(raw)
     if dist_init_required or (dist_init_required is None and int(os.environ.get("WORLD_SIZE", "1")) > 1):
         init_distributed(dist_init_required=True)

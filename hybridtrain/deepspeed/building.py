@@ -1,5 +1,6 @@
 """The engine behind ``deepspeed.initialize``: the caller's optimizer and scheduler
-arguments read as DeepSpeed reads them, then :func:`hybridtrain.initialize`.
+arguments read as DeepSpeed reads them, and DeepSpeed's fp16-wrapper step decided
+(:func:`wrapper_step`), then the one road (:func:`hybridtrain.prepare.prepare`).
 
 Shared by plain models (built at ``initialize``) and pipeline modules (built once the
 first micro-batch shows the activation shapes, when ``initialize`` had no data).
@@ -14,11 +15,27 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybridtrain.compose import check_plain_initialize
 from hybridtrain.config import Config
-from hybridtrain.config.deepspeed_keys import FP16_INIT_STEP
+from hybridtrain.config.deepspeed_keys import FP16_INIT_STEP, fp16_wrapper_steps
 from hybridtrain.deepspeed.client_optimizer import describe, lay_groups, with_optimizer
 from hybridtrain.engine import Engine
+from hybridtrain.prepare import prepare
 from hybridtrain.runtime.batch import Batch, LossFn
+
+
+def wrapper_step(raw: Mapping[str, Any], client: bool) -> bool:
+    """Whether DeepSpeed's fp16 wrapper steps this run's optimizer once with zero gradients
+    when it is built (:func:`hybridtrain.config.deepspeed_keys.fp16_wrapper_steps`): the
+    config's own optimizer section or a caller's optimizer (without either DeepSpeed has
+    no optimizer; hybridtrain's default one takes no such step). A DeepSpeed rule, applied
+    here and passed down the one road, never written into the config.
+
+    Args:
+        raw: the DeepSpeed config as written (after this layer's own rewrites).
+        client: the caller gave ``deepspeed.initialize`` an optimizer.
+    """
+    return fp16_wrapper_steps(dict(raw)) and (client or isinstance(raw.get("optimizer"), Mapping))
 
 
 def build_engine(model: nn.Module, cfg: Config, wrapper_steps: bool, optimizer: Any, params: list[Any] | None,
@@ -26,29 +43,21 @@ def build_engine(model: nn.Module, cfg: Config, wrapper_steps: bool, optimizer: 
     """:func:`hybridtrain.initialize` with ``deepspeed.initialize``'s optimizer arguments.
 
     Args:
-        wrapper_steps: DeepSpeed's fp16 wrapper steps a caller's optimizer once with zero
-            gradients (see :func:`hybridtrain.config.deepspeed_keys.fp16_wrapper_steps`).
+        wrapper_steps: DeepSpeed's fp16 wrapper steps the optimizer once with zero gradients
+            (:func:`wrapper_step`).
         optimizer: an optimizer, a callable taking the parameters, or None (the config's).
         params: ``model_parameters`` (parameters or param-group dicts), or None.
         lr_scheduler: a scheduler, a callable taking the optimizer, or None (the config's).
         loss_fn / example_batch: as :func:`hybridtrain.initialize`.
     """
-    import hybridtrain as ht
     from hybridtrain.plan.resolve import optimizer_settings
     from hybridtrain.runtime.optim import build_optimizer, build_scheduler
 
-    client = optimizer is not None
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(params if params is not None else model.parameters())
     elif optimizer is None and params is not None and _custom_groups(params, model):
         settings = optimizer_settings(cfg)
         optimizer = build_optimizer(params, settings.type, dict(settings.params))
-    if client and wrapper_steps and FP16_INIT_STEP not in cfg.optimizer.params:
-        # DeepSpeed's fp16 wrapper holds a caller's optimizer too and steps it once with zero
-        # gradients (see fp16_wrapper_steps): a DeepSpeed rule, asked for here; the plan
-        # carries it and the build takes the step before the LR schedule, as DeepSpeed does.
-        asked = {**cfg.optimizer.params, FP16_INIT_STEP: True}
-        cfg = cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"params": asked})})
     spec = None
     if isinstance(optimizer, torch.optim.Optimizer) and _replaces_parameters(cfg):
         # The engine shards the parameters before it builds its optimizer: the caller's is
@@ -56,8 +65,11 @@ def build_engine(model: nn.Module, cfg: Config, wrapper_steps: bool, optimizer: 
         spec = describe(optimizer, model)
         asked_step = {k: v for k, v in cfg.optimizer.params.items() if k == FP16_INIT_STEP}
         cfg = with_optimizer(cfg, spec, asked_step)
-    engine = ht.initialize(model, cfg, loss_fn=loss_fn, optimizer=None if spec else optimizer,
-                           example_batch=example_batch)
+    check_plain_initialize(cfg)
+    # The one road, with DeepSpeed's fp16-wrapper step asked for here (the plan carries it;
+    # build takes it before the LR schedule, as DeepSpeed does).
+    engine = prepare(cfg, model, loss_fn, None if spec else optimizer, example_batch,
+                     zero_gradient_step=wrapper_steps).engine
     if spec is not None and lay_groups(engine.optimizer, engine.module, spec) and cfg.scheduler is not None:
         # The config's schedule was built over the one group; it drives the caller's groups.
         engine.scheduler = build_scheduler(engine.optimizer, cfg.scheduler.type, cfg.scheduler.params)

@@ -1,18 +1,9 @@
-"""What the engine asks of "the other processes", in one small class.
-
-The engine is written once for one process; everything that changes when several
-processes cooperate goes through a :class:`ParallelRuntime`:
-
-- ``module``: what the forward pass calls (the user's model, or its DDP wrapper);
-- ``set_grad_sync(flag)``: called before each micro-batch's forward — False inside
-  gradient accumulation, so gradients are communicated once per optimizer step;
-- ``mean_loss(value)``: turn this rank's loss into the global batch's mean loss, the same
-  number on every rank;
-- ``clip_grad_norm`` / ``all_finite``: gradient checks that must see every rank's shard;
-- the ``*_state_dict`` methods: full (unsharded) states for users and checkpoints, and
-  ``is_writer`` to let one rank write them.
-
-The base class serves one process and DDP (replicated parameters and gradients).
+"""The :class:`~hybridtrain.parallel.runtime.ParallelRuntime` of a replicated model: every
+rank holds the whole model — one process (a world of one replica: the engine's default)
+or DDP. Losses are averaged over the replicas, norms and state dicts are local.
+:class:`~hybridtrain.parallel.zero.ZeroRuntime` and
+:class:`~hybridtrain.parallel.split.SplitRuntime` extend it with what sharding or a split
+model changes.
 """
 
 from __future__ import annotations
@@ -37,8 +28,9 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-class ParallelRuntime:
-    """Replicated model (one process, or DDP); see the module docstring for the contract.
+class ReplicatedRuntime:
+    """Replicated model (one process, or DDP); the contract is
+    :class:`~hybridtrain.parallel.runtime.ParallelRuntime`.
 
     Args:
         model: the user's model (parameter names as the user knows them).
@@ -67,7 +59,7 @@ class ParallelRuntime:
         if isinstance(self.module, nn.parallel.DistributedDataParallel):
             self.module.require_backward_grad_sync = sync
 
-    def holds_loss(self) -> bool:
+    def counts_loss(self) -> bool:
         """Whether this rank's loss counts in the global mean (one rank per replica)."""
         return self.topology.is_last_stage and self.topology.tp_rank == 0
 
@@ -80,7 +72,7 @@ class ParallelRuntime:
         """
         if not self.distributed:
             return value
-        share = reported_loss(value) / self.topology.dp if self.holds_loss() else torch.zeros_like(value)
+        share = reported_loss(value) / self.topology.dp if self.counts_loss() else torch.zeros_like(value)
         share = share.clone()
         with step_part("communication"):
             dist.all_reduce(share)

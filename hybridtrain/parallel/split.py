@@ -1,4 +1,4 @@
-"""The :class:`~hybridtrain.parallel.replicated.ParallelRuntime` of a model split across ranks
+"""The :class:`~hybridtrain.parallel.runtime.ParallelRuntime` of a model split across ranks
 (tensor and/or pipeline parallel), with data parallel over its replicas: plain replicas
 averaged by :class:`~hybridtrain.parallel.gradient_sync.GradientSync`, or ZeRO (FSDP2
 over the data-parallel dimension, :mod:`hybridtrain.parallel.zero`), which reduce-scatters
@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from hybridtrain.compat import tree_map_only
 from hybridtrain.parallel.gradient_sync import full_tensor, local
 from hybridtrain.parallel.mesh import Topology
-from hybridtrain.parallel.replicated import ParallelRuntime, collective_device
+from hybridtrain.parallel.replicated import ReplicatedRuntime, collective_device
 from hybridtrain.parallel.tensor import qkv_from_user, qkv_to_user
 from hybridtrain.parallel.zero import set_fsdp_grad_sync
 
@@ -45,7 +45,7 @@ def _split_dims(tensor: torch.Tensor) -> set[str]:
     return {names[i] for i, p in enumerate(tensor.placements) if not (p.is_replicate() or p.is_partial())}
 
 
-class SplitRuntime(ParallelRuntime):
+class SplitRuntime(ReplicatedRuntime):
     """Runtime of a tensor- and/or pipeline-parallel model.
 
     Args:
@@ -57,19 +57,19 @@ class SplitRuntime(ParallelRuntime):
             entry (rank 0 without a pipeline).
         counted: ``counted(name)``: whether this rank counts a parameter in the gradient
             norm (False for another stage's entry or a non-owner's copy of a shared one).
-        reordered: entries stored in tensor parallel's interleaved fused-qkv row order.
+        qkv_interleaved: entries stored in tensor parallel's interleaved fused-qkv row order.
         pipelined: a pipeline split the model (its schedule synchronises gradients).
     """
 
     def __init__(self, model: nn.Module, topology: Topology, zero_stage: int = 0,
                  owner: Callable[[str], int] = lambda name: 0,
                  counted: Callable[[str], bool] = lambda name: True,
-                 reordered: frozenset[str] = frozenset(), pipelined: bool = False) -> None:
+                 qkv_interleaved: frozenset[str] = frozenset(), pipelined: bool = False) -> None:
         super().__init__(model, topology)
         self.zero_stage = zero_stage
         self.owner = owner
         self.counted = counted
-        self.reordered = reordered
+        self.qkv_interleaved = qkv_interleaved
         self.pipelined = pipelined
 
     def set_grad_sync(self, sync: bool) -> None:
@@ -112,7 +112,7 @@ class SplitRuntime(ParallelRuntime):
         mine = {}
         for name, value in self.model.state_dict().items():
             full = full_tensor(value)
-            if name in self.reordered:
+            if name in self.qkv_interleaved:
                 full = qkv_to_user(full, self.topology.tp)
             if self.owner(name) == self.topology.pp_rank:
                 mine[name] = full.detach().to("cpu", copy=True)
@@ -145,7 +145,7 @@ class SplitRuntime(ParallelRuntime):
         with torch.no_grad():
             for name, value in self.model.state_dict().items():
                 full = state[name].to(local(value).device)
-                if name in self.reordered:
+                if name in self.qkv_interleaved:
                     full = qkv_from_user(full, self.topology.tp)
                 if isinstance(value, DTensor):
                     full = distribute_tensor(full, value.device_mesh, value.placements).to_local()
@@ -188,11 +188,11 @@ class SplitRuntime(ParallelRuntime):
 
     def row_interleave(self, name: str) -> int:
         """Fused-qkv entries are interleaved per tensor-parallel rank (see :mod:`tensor`)."""
-        return self.topology.tp if name in self.reordered else 1
+        return self.topology.tp if name in self.qkv_interleaved else 1
 
     def from_user_layout(self, name: str, full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """A whole entry in the user's ``[Q; K; V]`` order, interleaved if ``name`` is a fused
         qkv entry, and sharded as ``like``."""
-        if name in self.reordered:
+        if name in self.qkv_interleaved:
             full = qkv_from_user(full, self.topology.tp)
         return super().from_user_layout(name, full, like)

@@ -161,11 +161,11 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh | None, plan: dict[
     if mesh is None:
         raise ValueError("tensor parallel needs the tensor-parallel mesh of several processes")
     size = mesh.size()
-    reordered = []
+    qkv_interleaved = []
     with torch.no_grad():
         for name in fused_qkv(model, plan):
             for pname, param in model.get_submodule(name).named_parameters(recurse=False):
                 param.copy_(qkv_from_user(param, size))
-                reordered.append(f"{name}.{pname}")
+                qkv_interleaved.append(f"{name}.{pname}")
     parallelize_module(model, mesh, {name: STYLES[style]() for name, style in plan.items()})
-    return reordered
+    return qkv_interleaved

@@ -44,7 +44,7 @@ from torch.distributed.fsdp import (
 
 from hybridtrain.parallel.gradient_sync import full_tensor
 from hybridtrain.parallel.mesh import Topology
-from hybridtrain.parallel.replicated import ParallelRuntime
+from hybridtrain.parallel.replicated import ReplicatedRuntime
 
 
 def apply_zero(model: nn.Module, blocks: Sequence[nn.Module], mesh: DeviceMesh | None, stage: int,
@@ -75,8 +75,8 @@ def apply_zero(model: nn.Module, blocks: Sequence[nn.Module], mesh: DeviceMesh |
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mixed, offload_policy=policy)
 
 
-class ZeroRuntime(ParallelRuntime):
-    """:class:`ParallelRuntime` of a ZeRO-sharded model: full states are gathered on demand.
+class ZeroRuntime(ReplicatedRuntime):
+    """The :class:`~hybridtrain.parallel.runtime.ParallelRuntime` of a ZeRO-sharded model: full states are gathered on demand.
 
     Args:
         model: the sharded model (after :func:`apply_zero`); also what the forward calls.

@@ -22,7 +22,8 @@ from hybridtrain.parallel.data import apply_data_parallel
 from hybridtrain.parallel.gradient_sync import GradientSync
 from hybridtrain.parallel.model_parallel import apply_device_map
 from hybridtrain.parallel.pipeline import PipelineRunner, split_pipeline
-from hybridtrain.parallel.replicated import ParallelRuntime
+from hybridtrain.parallel.replicated import ReplicatedRuntime
+from hybridtrain.parallel.runtime import ParallelRuntime
 from hybridtrain.parallel.split import SplitRuntime
 from hybridtrain.parallel.tensor import apply_tensor_parallel
 from hybridtrain.parallel.zero import ZeroRuntime, apply_zero
@@ -55,7 +56,7 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
         example_batch: the batch the plan was resolved with (a pipeline partitioned by
             time measures its blocks' forward and backward on it).
     """
-    cfg, device = plan.config, plan.device
+    device = plan.device
     streamed = _modules(model, plan.blocks_where("stream"))
     swapped = _modules(model, list(plan.swap_modules))
     checkpointed = _modules(model, list(plan.checkpoint_modules))
@@ -72,7 +73,7 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
         apply_activation_checkpointing([m for m in checkpointed if not any(m is s for s in swap_recompute)])
     swapper = None
     if swapped:
-        swap = cfg.activation_offload
+        swap = plan.swap
         swapper = apply_activation_offload(swapped, device, swap_recompute, swap.prefetch_blocks,
                                            swap.pin_memory, swap.min_bytes)
     apply_device_map(model, dict(plan.device_map), device)
@@ -97,25 +98,24 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
                                    lasting_grads=placement.lasting_grads,
                                    late=params_in_several_backwards(model, swap_recompute), half=half)
         optimizer = offload
-    scheduler = build_scheduler(optimizer, cfg.scheduler.type, cfg.scheduler.params) if cfg.scheduler else None
-    scaler = None
-    if plan.loss_scaling:
-        fp16 = cfg.fp16
-        scaler = LossScaler(fp16.loss_scale, fp16.initial_scale_power, fp16.loss_scale_window,
-                            fp16.hysteresis, fp16.min_loss_scale)
+    schedule = plan.scheduler
+    scheduler = build_scheduler(optimizer, schedule.type, dict(schedule.params)) if schedule else None
+    scaling = plan.loss_scaler
+    scaler = LossScaler(scaling.static_scale, scaling.initial_scale_power, scaling.window, scaling.hysteresis,
+                        scaling.min_scale) if scaling else None
     if streamed and offload is not None:
         # The streamer tells the host optimizer about each backward itself.
-        streamer = LayerStreamer(streamed, offload, device, cfg.layer_streaming.prefetch_blocks,
-                                 half=half)
+        streamer = LayerStreamer(streamed, offload, device, plan.stream_prefetch_blocks, half=half)
         observers.append(streamer)
         if plan.step_runner == "layer_major":
             runner = LayerMajorRunner(streamer, swapper)
     elif offload is not None:
         observers.append(offload)
+    rules = plan.step_rules
     options = EngineOptions(
         batch=plan.batch, device=device, compute_dtype=plan.compute_dtype,
-        gradient_clipping=cfg.gradient_clipping, nonfinite_loss=cfg.nonfinite_loss,
-        wall_clock_breakdown=cfg.wall_clock_breakdown, setup=setup, parallel=parallel,
+        gradient_clipping=rules.gradient_clipping, nonfinite_loss=rules.nonfinite_loss,
+        wall_clock_breakdown=rules.wall_clock_breakdown, setup=setup, parallel=parallel,
         runner=runner, observers=observers,
     )
     return Engine(model, optimizer, scheduler, scaler, loss_fn, options)
@@ -131,8 +131,8 @@ def _parallelize(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None,
     pipeline parallel) the model. The first collectives of the run happen here."""
     sizes, device = plan.sizes, plan.device
     if plan.sizes.world == 1:
-        return ParallelRuntime(model), None, []
-    mesh.init_process_group(device, plan.config.distributed.timeout_s, host_collectives=_zero_offload(plan))
+        return ReplicatedRuntime(model), None, []
+    mesh.init_process_group(device, plan.collective_timeout_s, host_collectives=plan.zero_offload)
     # Made now, while the rendezvous store is alive: the save after a lost launcher (whose
     # process held that store) needs no store then.
     checkpoint_group()
@@ -140,22 +140,22 @@ def _parallelize(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None,
     shard = _zero_sharder(plan, topology) if plan.zero_stage else None
     blocks = _modules(model, [b.name for b in plan.blocks])
     if plan.replication == "ddp":
-        dp = plan.config.data_parallel
+        dp = plan.data_parallel
         ddp = apply_data_parallel(model, topology.group("dp"), device, dp.gradient_compression,
                                   dp.powersgd_rank, dp.powersgd_start_iter, dp.bucket_cap_mb)
-        return ParallelRuntime(model, topology, ddp), None, []
+        return ReplicatedRuntime(model, topology, ddp), None, []
     if plan.replication == "zero":
         assert shard is not None
         shard(model, blocks)
         return ZeroRuntime(model, topology, plan.zero_stage), None, []
     # torchtitan's order: tensor parallel on the tp mesh first, then ZeRO (FSDP2) over the
     # dp mesh on top of those DTensors; a pipeline shards each stage at its split.
-    reordered = frozenset(apply_tensor_parallel(model, topology.submesh("tp"), dict(plan.tensor_plan))) \
+    qkv_interleaved = frozenset(apply_tensor_parallel(model, topology.submesh("tp"), dict(plan.tensor_plan))) \
         if plan.tensor_plan else frozenset()
     if plan.pipeline is None:
         if shard is not None:
             shard(model, blocks)
-        runtime = SplitRuntime(model, topology, plan.zero_stage, reordered=reordered)
+        runtime = SplitRuntime(model, topology, plan.zero_stage, qkv_interleaved=qkv_interleaved)
         # Replicas average gradients after the last backward (ZeRO reduce-scatters in it).
         sync: list[BackwardObserver] = [GradientSync(model, topology)] if topology.dp > 1 and not shard else []
         return runtime, None, sync
@@ -165,7 +165,7 @@ def _parallelize(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None,
     container = model.get_submodule(plan.pipeline.blocks_path) if plan.pipeline.blocks_path else model
     split = split_pipeline(model, container, plan.pipeline, topology, example, loss_fn, device,  # type: ignore[arg-type]
                            plan.compute_dtype, shard)
-    runtime = SplitRuntime(model, topology, plan.zero_stage, split.owner, split.counted, reordered, pipelined=True)
+    runtime = SplitRuntime(model, topology, plan.zero_stage, split.owner, split.counted, qkv_interleaved, pipelined=True)
     return runtime, PipelineRunner(split, plan.pipeline, topology, device, plan.compute_dtype), []
 
 
@@ -220,13 +220,6 @@ def _initialize(model: nn.Module) -> None:
             module.reset_parameters()  # type: ignore[operator]  # callable: checked above
 
 
-def _zero_offload(plan: TrainingPlan) -> bool:
-    """ZeRO across processes with FSDP2's CPU offload (shards and optimizer in host memory)."""
-    zero = plan.config.zero_optimization
-    return bool(plan.zero_stage) and plan.sizes.world > 1 and \
-        "cpu" in (zero.offload_param.device, zero.offload_optimizer.device)
-
-
 def optimizer_params(plan: TrainingPlan) -> dict[str, Any]:
     """The optimizer's params as built (the plan's ``optimizer_settings``): under ZeRO with
     CPU offload the step runs on host DTensors, where torch's fused CPU Adam is several times
@@ -234,14 +227,14 @@ def optimizer_params(plan: TrainingPlan) -> dict[str, Any]:
     settings = plan.optimizer_settings
     params = dict(settings.params)
     fusable = settings.type.lower() in ("adam", "adamw") and params.get("bias_correction", True)
-    if _zero_offload(plan) and fusable and "fused" not in params and "foreach" not in params:
+    if plan.zero_offload and fusable and "fused" not in params and "foreach" not in params:
         params["fused"] = True
     return params
 
 
 def _zero_sharder(plan: TrainingPlan, topology: mesh.Topology) -> Sharder:
     """``shard(model, blocks)``: ZeRO over the data-parallel mesh dimension, as planned."""
-    offload = _zero_offload(plan)
+    offload = plan.zero_offload
     dp_mesh = topology.submesh("dp")
 
     def shard(model: nn.Module, blocks: list[nn.Module]) -> None:
@@ -272,12 +265,10 @@ def disable_caches(model: nn.Module) -> None:
 
 def _resume_fingerprint(plan: TrainingPlan, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Settings a checkpoint must share with the run that resumes it."""
-    cfg = plan.config
     precision = precision_name(plan.compute_dtype)
     return {
         "optimizer": type(optimizer).__name__,
         "precision": precision,
-        "scheduler": cfg.scheduler.type if cfg.scheduler else None,
-        # Sharded runs save the optimizer state keyed by parameter name, others by index.
-        **({"optimizer_state": "by-name"} if cfg.zero_optimization.stage > 0 else {}),
+        "scheduler": plan.scheduler.type if plan.scheduler else None,
+        **({"optimizer_state": "by-name"} if plan.state_by_name else {}),
     }

@@ -25,12 +25,17 @@ from hybridtrain.parallel.tensor import resolve_plan
 from hybridtrain.plan.checks import check_supported, map_deepspeed_offload, parallel_sizes
 from hybridtrain.plan.types import (
     BlockPlan,
+    DataParallelSettings,
+    LossScaling,
     OptimizerPlan,
     OptimizerSettings,
     ParallelSizes,
     PipelinePlan,
     Replication,
+    SchedulerSettings,
+    StepRules,
     StepRunnerKind,
+    SwapSettings,
     TrainingPlan,
 )
 from hybridtrain.runtime.batch import Batch, batch_size, run_model, to_device
@@ -42,7 +47,8 @@ from hybridtrain.runtime.streaming import check_not_shared
 
 
 def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | None = None,
-            example_batch: Batch | None = None, optimizer: torch.optim.Optimizer | None = None) -> TrainingPlan:
+            example_batch: Batch | None = None, optimizer: torch.optim.Optimizer | None = None,
+            zero_gradient_step: bool = False) -> TrainingPlan:
     """Decide how ``model`` trains under ``config`` on ``world_size`` processes.
 
     Args:
@@ -53,6 +59,9 @@ def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | Non
             are split at build) and used by streaming to find parameters used outside
             their block.
         optimizer: the caller's own optimizer, if any (read, never changed).
+        zero_gradient_step: step the optimizer once with zero gradients before training
+            (the DeepSpeed drop-in asks for it where DeepSpeed's fp16 wrapper would); an
+            ``optimizer.params.fp16_init_step`` the user wrote decides instead.
 
     Raises:
         ConfigError: any invalid, unsupported or inapplicable setting (one line each).
@@ -99,7 +108,6 @@ def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | Non
     return TrainingPlan(
         config=cfg, sizes=sizes, batch=batch, device=device,
         compute_dtype=compute_dtype,
-        loss_scaling=cfg.fp16.enabled,
         block_lists=tuple(path for path, _ in blocks.lists) if blocks.found else (),
         blocks=tuple(BlockPlan(name, name in checkpoint_set, name in swap_set, name in stream_set, stage_of.get(i))
                      for i, name in enumerate(blocks.names if blocks.found else [])),
@@ -112,15 +120,39 @@ def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | Non
         device_map=tuple(device_map.items()),
         pipeline=pipeline,
         optimizer=_optimizer(cfg, sizes, bool(streamed), batch.accumulation_steps),
-        optimizer_settings=optimizer_settings(cfg),
+        optimizer_settings=optimizer_settings(cfg, zero_gradient_step),
+        scheduler=SchedulerSettings(cfg.scheduler.type, tuple(cfg.scheduler.params.items())) if cfg.scheduler else None,
+        loss_scaler=_loss_scaler(cfg),
+        swap=SwapSettings(cfg.activation_offload.prefetch_blocks, cfg.activation_offload.pin_memory,
+                          cfg.activation_offload.min_bytes),
+        stream_prefetch_blocks=cfg.layer_streaming.prefetch_blocks,
+        step_rules=StepRules(cfg.gradient_clipping, cfg.nonfinite_loss, cfg.wall_clock_breakdown),
+        collective_timeout_s=cfg.distributed.timeout_s,
+        data_parallel=DataParallelSettings(cfg.data_parallel.gradient_compression, cfg.data_parallel.powersgd_rank,
+                                           cfg.data_parallel.powersgd_start_iter, cfg.data_parallel.bucket_cap_mb),
+        zero_offload=bool(zero_stage) and sizes.world > 1 and "cpu" in (
+            cfg.zero_optimization.offload_param.device, cfg.zero_optimization.offload_optimizer.device),
+        # Sharded runs save the optimizer state keyed by parameter name, others by index.
+        state_by_name=cfg.zero_optimization.stage > 0,
     )
 
 
-def optimizer_settings(cfg: Config) -> OptimizerSettings:
-    """``cfg.optimizer`` as build uses it: ``fp16_init_step`` read out of the parameters
-    into :attr:`OptimizerSettings.zero_gradient_step`."""
+def _loss_scaler(cfg: Config) -> LossScaling | None:
+    """fp16's loss scaling as the config sets it (None without fp16)."""
+    if not cfg.fp16.enabled:
+        return None
+    fp16 = cfg.fp16
+    return LossScaling(fp16.loss_scale, fp16.initial_scale_power, fp16.loss_scale_window, fp16.hysteresis,
+                       fp16.min_loss_scale)
+
+
+def optimizer_settings(cfg: Config, zero_gradient_step: bool = False) -> OptimizerSettings:
+    """``cfg.optimizer`` as build uses it: ``fp16_init_step``, where the user wrote it, read
+    out of the parameters into :attr:`OptimizerSettings.zero_gradient_step` (else
+    ``zero_gradient_step``, the caller's)."""
     params = dict(cfg.optimizer.params)
-    step = params.pop(FP16_INIT_STEP, False) is True
+    asked = params.pop(FP16_INIT_STEP, None)
+    step = asked is True if asked is not None else zero_gradient_step
     return OptimizerSettings(cfg.optimizer.type, tuple(params.items()), step)
 
 
@@ -339,7 +371,7 @@ def _runner_kind(cfg: Config, pp: int, streamed: list[str]) -> StepRunnerKind:
 
 def _replication(sizes: ParallelSizes, zero_stage: int) -> Replication:
     if sizes.tp > 1 or sizes.pp > 1:
-        return "split"
+        return "tensor_or_pipeline"
     if sizes.dp == 1:
         return "none"
     return "zero" if zero_stage else "ddp"

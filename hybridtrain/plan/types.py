@@ -8,7 +8,7 @@ without having done any of it. :func:`hybridtrain.plan.resolve` makes one (and r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import torch
@@ -19,7 +19,7 @@ from hybridtrain.runtime.precision import precision_name
 
 StepRunnerKind = Literal["micro_batches", "layer_major", "pipeline"]
 OptimizerPlacement = Literal["device", "host", "host_streamed"]
-Replication = Literal["none", "ddp", "zero", "split"]
+Replication = Literal["none", "ddp", "zero", "tensor_or_pipeline"]
 
 
 @dataclass(frozen=True)
@@ -125,16 +125,85 @@ class OptimizerSettings:
 
 
 @dataclass(frozen=True)
+class SchedulerSettings:
+    """The learning-rate schedule build makes (``scheduler.type`` and ``scheduler.params``)."""
+
+    type: str
+    params: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class LossScaling:
+    """fp16 loss scaling (DeepSpeed's ``fp16`` section).
+
+    Attributes:
+        static_scale: a fixed scale, or 0 for dynamic scaling.
+        initial_scale_power: dynamic scaling starts at 2**initial_scale_power.
+        window: good steps before the scale doubles.
+        hysteresis: overflows tolerated before the scale halves.
+        min_scale: the scale never drops below this.
+    """
+
+    static_scale: float = 0.0
+    initial_scale_power: int = 16
+    window: int = 1000
+    hysteresis: int = 2
+    min_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class SwapSettings:
+    """How swapped activations move (``activation_offload``).
+
+    Attributes:
+        prefetch_blocks: blocks whose activations are brought back ahead of backward.
+        pin_memory: host buffers page-locked.
+        min_bytes: saved tensors smaller than this stay on the device.
+    """
+
+    prefetch_blocks: int = 1
+    pin_memory: bool = True
+    min_bytes: int = 1024
+
+
+@dataclass(frozen=True)
+class DataParallelSettings:
+    """DDP's gradient communication (``data_parallel``): compression (``none``, ``fp16``,
+    ``bf16``, ``powersgd``), PowerSGD's rank and first compressed step, bucket size in MB."""
+
+    gradient_compression: Literal["none", "fp16", "bf16", "powersgd"] = "none"
+    powersgd_rank: int = 1
+    powersgd_start_iter: int = 2
+    bucket_cap_mb: float = 25.0
+
+
+@dataclass(frozen=True)
+class StepRules:
+    """What the engine does around each optimizer step.
+
+    Attributes:
+        gradient_clipping: max global gradient norm (0 = off).
+        nonfinite_loss: ``error`` or ``skip`` the step on a non-finite loss.
+        wall_clock_breakdown: time each step's parts.
+    """
+
+    gradient_clipping: float = 0.0
+    nonfinite_loss: str = "error"
+    wall_clock_breakdown: bool = False
+
+
+@dataclass(frozen=True)
 class TrainingPlan:
     """How :func:`hybridtrain.plan.build` will train a model (see the module docstring).
 
     Attributes:
-        config: the validated configuration (the techniques' own knobs are read from it).
+        config: the validated configuration the plan was resolved from (for the callers
+            of the one road: trainer, planner, memory guard); build reads the decided
+            fields below, never the config.
         sizes: named parallel sizes.
         batch: the batch arithmetic.
         device: this process's compute device.
         compute_dtype: autocast dtype (None = fp32).
-        loss_scaling: fp16 dynamic/static loss scaling.
         block_lists: dotted paths of the block containers, in execution order.
         blocks: every block and what happens to it.
         checkpoint_modules: paths of every module activation checkpointing wraps (the
@@ -143,14 +212,26 @@ class TrainingPlan:
             inputs only, when it is also checkpointed).
         step_runner: who runs a step's forwards and backwards.
         replication: how data-parallel replicas keep in step: ``none`` (one replica),
-            ``ddp``, ``zero`` (FSDP2 sharding) or ``split`` (a tensor/pipeline split model
-            whose replicas average gradients after backward, or shard under ZeRO).
+            ``ddp``, ``zero`` (FSDP2 sharding) or ``tensor_or_pipeline`` (a model split
+            across ranks by tensor and/or pipeline parallel, whose replicas average
+            gradients after backward, or shard under ZeRO).
         zero_stage: the ZeRO stage in effect (0 on one replica).
         tensor_plan: module path → ``colwise``/``rowwise`` (tensor parallel).
         device_map: module path → device (naive model parallel inside one process).
         pipeline: the pipeline split, or None.
         optimizer: where the optimizer step runs.
         optimizer_settings: the optimizer build makes and how it starts.
+        scheduler: the learning-rate schedule build makes, or None.
+        loss_scaler: fp16 loss scaling, or None (no fp16).
+        swap: how swapped activations move (read where ``swap_modules`` is not empty).
+        stream_prefetch_blocks: streamed blocks fetched ahead of the one computing.
+        step_rules: clipping, non-finite losses, step timing.
+        collective_timeout_s: how long a collective waits for a silent rank.
+        data_parallel: DDP's gradient communication (``replication == "ddp"``).
+        zero_offload: ZeRO across processes with FSDP2's CPU offload (shards and the
+            optimizer step in host memory).
+        state_by_name: checkpoints key the optimizer state by parameter name (the config
+            asks for ZeRO, whatever the world size), else by index.
     """
 
     config: Config
@@ -158,7 +239,6 @@ class TrainingPlan:
     batch: BatchSizes
     device: torch.device
     compute_dtype: torch.dtype | None
-    loss_scaling: bool
     block_lists: tuple[str, ...]
     blocks: tuple[BlockPlan, ...]
     checkpoint_modules: tuple[str, ...]
@@ -170,7 +250,21 @@ class TrainingPlan:
     device_map: tuple[tuple[str, torch.device], ...]
     pipeline: PipelinePlan | None
     optimizer: OptimizerPlan
-    optimizer_settings: OptimizerSettings = field(default_factory=OptimizerSettings)
+    optimizer_settings: OptimizerSettings
+    scheduler: SchedulerSettings | None
+    loss_scaler: LossScaling | None
+    swap: SwapSettings
+    stream_prefetch_blocks: int
+    step_rules: StepRules
+    collective_timeout_s: float
+    data_parallel: DataParallelSettings
+    zero_offload: bool
+    state_by_name: bool
+
+    @property
+    def loss_scaling(self) -> bool:
+        """Whether fp16 loss scaling is on."""
+        return self.loss_scaler is not None
 
     def blocks_where(self, flag: str) -> list[str]:
         """Names of the blocks whose ``flag`` (``checkpoint``/``swap``/``stream``) is set."""

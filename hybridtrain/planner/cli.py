@@ -9,8 +9,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hybridtrain.config.deepspeed_keys import FP16_INIT_STEP, fp16_wrapper_steps
-
 
 def add_planner_commands(sub: Any) -> None:
     """Register ``estimate`` and ``plan`` on the top-level sub-parsers."""
@@ -188,7 +186,9 @@ def _why(estimate: Any) -> str:
 
 
 def write_config(config: Any, path: Path) -> None:
-    """Write ``config`` as YAML that ``hybridtrain train`` loads back to the same config."""
+    """Write ``config`` as YAML that ``hybridtrain train`` loads back to the same config:
+    the user's keys and hybridtrain's own, nothing a DeepSpeed rule adds (loading adds
+    none; the DeepSpeed drop-in applies its rules to whatever it loads)."""
     import yaml
 
     data = config.model_dump(mode="json", exclude_defaults=True)
@@ -196,18 +196,5 @@ def write_config(config: Any, path: Path) -> None:
     # means the same model and optimizer if a default changes.
     full = config.model_dump(mode="json")
     data = {**data, **{key: full[key] for key in ("model", "optimizer")}}
-    params = data["optimizer"].get("params") or {}
-    if fp16_wrapper_steps(data) and FP16_INIT_STEP not in params:
-        # DeepSpeed's fp16-wrapper rule applies to a written optimizer section on loading. A
-        # config that took the default optimizer (no section, no step) is written without one;
-        # another (a plan that left ZeRO for stage 0) says it takes no step: the same math.
-        if config.optimizer == type(config)().optimizer:
-            del data["optimizer"]
-        else:
-            data["optimizer"] = {**data["optimizer"], "params": {**params, FP16_INIT_STEP: False}}
-    elif params.get(FP16_INIT_STEP) is True and fp16_wrapper_steps(data):
-        # DeepSpeed's fp16-wrapper step is a DeepSpeed rule the key treatments add again when
-        # the file loads; the file stays the user's config, without it.
-        data["optimizer"] = {**data["optimizer"], "params": {k: v for k, v in params.items() if k != FP16_INIT_STEP}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(data, sort_keys=False))

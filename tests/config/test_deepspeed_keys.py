@@ -105,21 +105,24 @@ def test_deepspeeds_own_optimizers_as_its_engine_takes_them() -> None:
     with pytest.raises(ConfigError, match=r"'Lamb' \(LAMB\) with bf16 and pipeline parallel: DeepSpeed then "
                                           "takes the trust ratio"):
         load_config({"optimizer": {"type": "Lamb"}, "bf16": {"enabled": True}, "pipeline": {"stages": 2}})
-    # At stage 0 with fp16 (or bf16 unpipelined: FP16_UnfusedOptimizer, per tensor), DeepSpeed's
-    # fp16 wrapper steps them once with zero gradients when built.
+    # DeepSpeed's fp16 wrapper steps them once with zero gradients at stage 0 with fp16: a rule
+    # of the DeepSpeed drop-in (hybridtrain.deepspeed.building.wrapper_step); loading adds nothing.
     for name in ("Lamb", "OnebitAdam", "ZeroOneAdam", "OneBitLamb"):
         for half in ("fp16", "bf16"):
             cfg = load_config({"optimizer": {"type": name, "params": {"lr": 1e-3}}, half: {"enabled": True}})
-            assert cfg.optimizer.params == {"lr": 1e-3, "fp16_init_step": True}
-    assert "fp16_init_step" not in load_config({"optimizer": {"type": "Lamb"}}).optimizer.params
+            assert cfg.optimizer.params == {"lr": 1e-3}
 
 
 def test_the_init_step_key_is_read_into_the_plan_not_passed_to_the_optimizer() -> None:
     from hybridtrain.plan.resolve import optimizer_settings
 
-    settings = optimizer_settings(load_config({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
-                                               "fp16": {"enabled": True}}))
+    asked = load_config({"optimizer": {"type": "AdamW", "params": {"lr": 0.1, "fp16_init_step": True}}})
+    settings = optimizer_settings(asked)
     assert (settings.type, dict(settings.params), settings.zero_gradient_step) == ("AdamW", {"lr": 0.1}, True)
+    # The user's word decides over the caller's (the DeepSpeed drop-in's) default.
+    skipped = load_config({"optimizer": {"type": "AdamW", "params": {"lr": 0.1, "fp16_init_step": False}}})
+    assert optimizer_settings(skipped, zero_gradient_step=True).zero_gradient_step is False
+    assert optimizer_settings(load_config({}), zero_gradient_step=True).zero_gradient_step is True
 
 
 @pytest.mark.parametrize(("raw", "steps"), [
@@ -143,20 +146,23 @@ def test_the_init_step_key_is_read_into_the_plan_not_passed_to_the_optimizer() -
 ])
 def test_fp16_wrapper_steps_where_deepspeed_wraps_the_optimizer(raw: dict, steps: bool) -> None:
     from hybridtrain.config.deepspeed_keys import fp16_wrapper_steps
+    from hybridtrain.deepspeed.building import wrapper_step
 
     assert fp16_wrapper_steps(raw) is steps
-    # Every optimizer gets the step, not only DeepSpeed's own; it is shown as implemented.
+    # The drop-in steps every optimizer, not only DeepSpeed's own: the config's, or a caller's;
+    # without either DeepSpeed has none (hybridtrain's default takes no step). Loading adds nothing.
     for optimizer in ({"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
                       {"type": "Adam", "params": {"adam_w_mode": False}}, {"type": "SGD", "params": {"lr": 0.1}}):
+        assert wrapper_step({**raw, "optimizer": optimizer}, client=False) is steps
         cfg, applied = explain_config({**raw, "optimizer": optimizer})
-        assert cfg.optimizer.params.get("fp16_init_step", False) is steps
-        assert [a.treatment for a in applied if a.key == "optimizer.params.fp16_init_step"] == (
-            ["implemented"] if steps else [])
-        assert cfg.optimizer.params == {**optimizer["params"], **({"fp16_init_step": True} if steps else {})}
+        assert cfg.optimizer.params == optimizer["params"]
+        assert not [a for a in applied if "fp16_init_step" in a.key]
+    assert wrapper_step(raw, client=True) is steps
+    assert wrapper_step(raw, client=False) is False
 
 
 def test_an_explicit_init_step_setting_is_kept() -> None:
     cfg = load_config({"optimizer": {"type": "Adam", "params": {"fp16_init_step": False}}, "fp16": {"enabled": True}})
     assert cfg.optimizer.params == {"fp16_init_step": False}
-    # No optimizer section: a caller's optimizer, stepped by the drop-in; nothing is added.
+    # No optimizer section: nothing is added (the drop-in steps a caller's optimizer itself).
     assert load_config({"fp16": {"enabled": True}}).optimizer.params == {"lr": 1e-3}

@@ -129,31 +129,25 @@ class GroupRunner:
         raise KeyError(name)
 
 
-_REFERENCE: dict[tuple[str, str, bool], Result] = {}
+_REFERENCE: dict[tuple[str, str], Result] = {}
 
 
-def reference(case_name: str, mode: str = "plain", pipelined: bool = False) -> Result:
+def reference(case_name: str, mode: str = "plain") -> Result:
     """The single-process plain loop for a model case (full batch), cached; ``mode`` names
     its precision settings in ``tests.equivalence.MODES`` (``plain`` = fp32, ``bf16``,
-    ``fp16`` with torch's GradScaler). ``pipelined``: the run under test is a pipeline, for
-    which DeepSpeed's bf16 optimizer takes no zero-gradient step at build
-    (:func:`tests.equivalence.deepspeed_wrapper_steps`)."""
-    if (case_name, mode, pipelined) not in _REFERENCE:
-        spec = MODES[mode]
-        if pipelined:
-            spec = dataclasses.replace(spec, config={**spec.config, "pipeline": {"stages": 2}})
-        _REFERENCE[case_name, mode, pipelined] = plain_run(cases()[case_name], spec, steps=STEPS)
-    return _REFERENCE[case_name, mode, pipelined]
+    ``fp16`` with torch's GradScaler)."""
+    if (case_name, mode) not in _REFERENCE:
+        _REFERENCE[case_name, mode] = plain_run(cases()[case_name], MODES[mode], steps=STEPS)
+    return _REFERENCE[case_name, mode]
 
 
 def assert_equivalent(per_rank: list[Any], case_name: str, rtol: float = RTOL, atol: float = ATOL,
-                      check: Callable[[Result, Result], None] | None = None, mode: str = "plain",
-                      pipelined: bool = False) -> None:
+                      check: Callable[[Result, Result], None] | None = None, mode: str = "plain") -> None:
     """Every rank reports the same losses, and rank 0 trained like the plain loop (in the
-    precision ``mode``; ``pipelined`` as in :func:`reference`)."""
+    precision ``mode``)."""
     losses = [r[0] for r in per_rank]
     assert all(rank_losses == losses[0] for rank_losses in losses), f"ranks disagree on the loss: {losses}"
-    expected = reference(case_name, mode, pipelined)
+    expected = reference(case_name, mode)
     actual = (per_rank[0][0], per_rank[0][1])
     (check or (lambda e, a: assert_same_training(e, a, rtol=rtol, atol=atol)))(expected, actual)
 

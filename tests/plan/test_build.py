@@ -69,3 +69,39 @@ def test_zero3_builds_a_meta_model_with_half_the_bytes_per_rank() -> None:
     assert ranks[0]["shard"] != ranks[1]["shard"] and all(abs(r["shard"][1] - 0.02) < 2e-3 for r in ranks)
     # GPT-2's init gives a loss near ln(vocab); both ranks report the same mean.
     assert ranks[0]["loss"] == ranks[1]["loss"] and abs(ranks[0]["loss"] - math.log(256)) < 0.5
+
+
+def test_build_reads_the_plan_never_the_config() -> None:
+    # Decide, then do: every knob build applies was decided by resolve and is a field of the
+    # plan; build.py reads no `plan.config` (nor a config it was handed).
+    import ast
+    from pathlib import Path
+
+    import hybridtrain.plan.build as build_module
+
+    tree = ast.parse(Path(build_module.__file__).read_text())
+    reads = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == "config"
+             and isinstance(node.value, ast.Name) and node.value.id == "plan"]
+    names = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Name) and node.id == "cfg"]
+    assert not reads and not names, f"build.py reads the config at lines {reads + names}"
+
+
+def test_the_plan_carries_the_configs_knobs() -> None:
+    config = {"device": "cpu", "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.5,
+              "nonfinite_loss": "skip", "wall_clock_breakdown": True,
+              "fp16": {"enabled": True, "loss_scale_window": 7, "hysteresis": 3},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}},
+              "activation_offload": {"enabled": True, "prefetch_blocks": 2, "min_bytes": 0},
+              "distributed": {"timeout_s": 30}, "data_parallel": {"bucket_cap_mb": 5},
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    one = resolve(config, gpt_case().build(), world_size=1)
+    assert (one.step_rules.gradient_clipping, one.step_rules.nonfinite_loss, one.step_rules.wall_clock_breakdown) \
+        == (0.5, "skip", True)
+    assert one.loss_scaler is not None and (one.loss_scaler.window, one.loss_scaler.hysteresis) == (7, 3)
+    assert one.scheduler is not None and (one.scheduler.type, dict(one.scheduler.params)) == (
+        "WarmupLR", {"warmup_num_steps": 5})
+    assert (one.swap.prefetch_blocks, one.swap.min_bytes, one.collective_timeout_s) == (2, 0, 30)
+    assert one.data_parallel.bucket_cap_mb == 5 and one.state_by_name and not one.zero_offload
+    two = resolve(config, gpt_case().build(), world_size=2)
+    assert two.zero_offload and two.zero_stage == 2
+    assert resolve({"device": "cpu"}, gpt_case().build(), world_size=1).loss_scaler is None

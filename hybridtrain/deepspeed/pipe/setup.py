@@ -38,9 +38,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 from torch.utils.data.dataloader import default_collate
 
 from hybridtrain.config import Config, ConfigError, load_config
-from hybridtrain.config.deepspeed_keys import fp16_wrapper_steps
 from hybridtrain.config.loading import resolve_batch_sizes
-from hybridtrain.deepspeed.building import build_engine
+from hybridtrain.deepspeed.building import build_engine, wrapper_step
 from hybridtrain.deepspeed.comm import init_distributed
 from hybridtrain.deepspeed.pipe.engine import PipelineEngine, PipelineLoss, StagePlace
 from hybridtrain.deepspeed.pipe.module import PipelineModule
@@ -78,7 +77,7 @@ def initialize_pipeline(module: PipelineModule, raw: dict[str, Any], optimizer: 
     """
     world = env_world_size()
     raw, pp, interval, reentrant = pipeline_config(raw, module, world)
-    wrapper_steps = fp16_wrapper_steps(raw)
+    wrapper_steps = wrapper_step(raw, client=optimizer is not None)
     cfg = load_config(raw)
     dp, tp, _ = parallel_sizes(cfg, world)
     batch = resolve_batch_sizes(cfg, dp)
