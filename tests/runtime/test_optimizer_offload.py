@@ -373,7 +373,9 @@ def _wrapper_stepped_reference(cls: type, params: dict[str, Any],
 @pytest.mark.parametrize("placement", ["device", "stream"])
 def test_fp16_at_stage_0_trains_from_deepspeeds_wrapper_step(optimizer: dict, cls: type, placement: str) -> None:
     mode = MODES["fp16"]
-    actual = engine_run(CASE, mode, optimizer=optimizer, **PLACEMENTS[placement])
+    # Natively a DeepSpeed file trains with plain math; the wrapper step is asked for.
+    asked = {**optimizer, "params": {**optimizer["params"], "fp16_init_step": True}}
+    actual = engine_run(CASE, mode, optimizer=asked, **PLACEMENTS[placement])
     # Streamed blocks step on the host with torch's fused CPU Adam, whose updates round
     # differently from the unfused kernel by about an ulp, by CPU; fp16 forwards amplify that
     # past the fp16 tolerance on some machines. The reference takes the same kernel, so what
@@ -385,6 +387,7 @@ def test_fp16_at_stage_0_trains_from_deepspeeds_wrapper_step(optimizer: dict, cl
 @pytest.mark.parametrize("placement", ["device", "stream", "stream_layer_major_accum2"])
 def test_fp16_at_stage_0_resumes_exactly_without_a_second_wrapper_step(placement: str, tmp_path) -> None:
     config = engine_config(MODES["fp16"], **PLACEMENTS[placement])
+    config["optimizer"]["params"]["fp16_init_step"] = True  # the wrapper step, asked for
 
     def make() -> ht.Engine:
         torch.manual_seed(SEED)
