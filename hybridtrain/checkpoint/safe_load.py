@@ -18,6 +18,7 @@ Tensor data itself is already read with ``weights_only=True`` by DCP.
 
 from __future__ import annotations
 
+import enum
 import io
 import pickle
 from pathlib import Path
@@ -56,10 +57,24 @@ class MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if name in _METADATA_MODULES.get(module, ()):
             return super().find_class(module, name)
+        if module == "builtins" and name == "getattr":
+            return _enum_member  # how some torch builds pickle an enum member: getattr(cls, name)
         if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype
                                                                | torch.layout | torch.memory_format)):
             return getattr(torch, name)
         raise UnsafeCheckpointError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+def _enum_member(cls: Any, name: str) -> enum.Enum:
+    """``getattr(cls, name)`` only where ``cls`` is an enum the metadata may hold (resolved
+    through :meth:`MetadataUnpickler.find_class` already) and ``name`` one of its members:
+    never a method or another attribute."""
+    admitted = isinstance(cls, type) and issubclass(cls, enum.Enum) and \
+        cls.__name__ in _METADATA_MODULES.get(cls.__module__, ())
+    if not admitted or not isinstance(name, str) or name not in cls.__members__:
+        raise UnsafeCheckpointError(f"getattr({getattr(cls, '__name__', cls)!r}, {name!r}) is not part of a "
+                                    "checkpoint's metadata")
+    return cls.__members__[name]
 
 
 def read_metadata_safely(path: str | Path, name: str = METADATA_FILE) -> dcp_metadata.Metadata:

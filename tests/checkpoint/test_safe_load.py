@@ -4,6 +4,7 @@ marker are consistent (an attacker writes those too) plants a payload, and neith
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import pickle
@@ -81,3 +82,30 @@ def test_a_payload_in_a_non_tensor_entry_does_not_run(tmp_path: Path) -> None:
     target: dict[str, Any] = {"w": torch.zeros(2)}
     sharded.load(tmp_path / "ck", target)  # the plain-data part still loads
     assert torch.equal(target["w"], torch.ones(2))
+
+
+class _EnumByGetattr(pickle.Pickler):
+    """Pickles enum members as ``getattr(cls, name)``, as torch's CUDA builds write DCP's
+    ``_MEM_FORMAT_ENCODING`` (the 2.13.0+cu130 wheel; the CPU wheel pickles them by value)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+def test_an_enum_member_pickled_by_getattr_loads_and_nothing_else_does(tmp_path: Path) -> None:
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(tmp_path / "ok"))
+    metadata = read_metadata_safely(tmp_path / "ok")
+    buffer = tmp_path / "by_getattr"
+    buffer.mkdir()
+    with open(buffer / ".metadata", "wb") as fh:
+        _EnumByGetattr(fh).dump(metadata)
+    assert b"getattr" in (buffer / ".metadata").read_bytes()
+    assert read_metadata_safely(buffer).state_dict_metadata.keys() == metadata.state_dict_metadata.keys()
+    # getattr of anything but an admitted enum's member stays refused: Path.unlink would be a call away.
+    evil = buffer.parent / "evil"
+    evil.mkdir()
+    (evil / ".metadata").write_bytes(b"\x80\x04cbuiltins\ngetattr\ncpathlib\nPath\nX\x06\x00\x00\x00unlink\x86R.")
+    with pytest.raises(pickle.UnpicklingError, match="getattr\\('Path', 'unlink'\\) is not part"):
+        read_metadata_safely(evil)
