@@ -89,7 +89,7 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
     offload = None
     # Which weights autocast reads only in half (they may cross host⇄device in half);
     # across processes gradients are reduced in fp32 before they land, so none there.
-    half = half_width_params(model, plan.compute_dtype) if plan.sizes.world == 1 else {}
+    half = half_width_params(model, plan.compute_dtype, plan.sizes.world)
     if plan.optimizer.placement != "device":
         placement = plan.optimizer
         offload = OffloadOptimizer(optimizer, device, placement.pin_memory, placement.host_ratio,

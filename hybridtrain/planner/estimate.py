@@ -217,9 +217,7 @@ def half_width_numel(model: nn.Module, plan: TrainingPlan, blocks: list[str]) ->
     """Elements that cross host⇄device in half precision (:mod:`hybridtrain.runtime.half_width`),
     per block module path and, under ``""``, in the whole model; empty where build moves
     everything at full width (fp32 runs, several processes)."""
-    if plan.sizes.world != 1:
-        return {}
-    half = half_width_params(model, plan.compute_dtype)
+    half = half_width_params(model, plan.compute_dtype, plan.sizes.world)
     if not half:
         return {}
     out = {name: sum(p.numel() for p in model.get_submodule(name).parameters() if id(p) in half)

@@ -60,18 +60,20 @@ def matmul_reads_only(module: nn.Module) -> bool:
     return conv1d is not None and isinstance(module, conv1d) and type(module).forward is conv1d.forward
 
 
-def half_width_params(model: nn.Module, compute_dtype: torch.dtype | None) -> dict[int, torch.dtype]:
+def half_width_params(model: nn.Module, compute_dtype: torch.dtype | None, world: int = 1) -> dict[int, torch.dtype]:
     """The parameters (by ``id``) that travel in ``compute_dtype`` instead of fp32, by the
     rule in the module docstring. Pure: reads the model, changes nothing.
 
     Args:
         model: the whole model (sharing is judged across all of it).
         compute_dtype: the autocast dtype of the run (``None``: fp32, nothing is half).
+        world: processes of the run; half-width transfers are one process's (several:
+            nothing is half).
 
     Returns:
         ``{id(parameter): half dtype}``; empty when nothing qualifies.
     """
-    if compute_dtype not in HALF_DTYPES:
+    if compute_dtype not in HALF_DTYPES or world != 1:
         return {}
     assert compute_dtype is not None
     registered = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))

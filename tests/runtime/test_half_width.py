@@ -64,7 +64,7 @@ def test_rule_refuses_reused_linears_other_forwards_and_non_fp32_weights() -> No
 def _train(mode: str, half: bool, steps: int = 2) -> tuple[list[float], dict[str, torch.Tensor], dict[str, int]]:
     torch.manual_seed(SEED)
     model = CASE.build()
-    decide = build.half_width_params if half else (lambda _model, _dtype: {})
+    decide = build.half_width_params if half else (lambda _model, _dtype, _world=1: {})
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(build, "half_width_params", decide)
         engine = ht.initialize(model, engine_config(ALL_MODES[mode]), loss_fn=CASE.loss_fn)
@@ -139,7 +139,7 @@ def _train_twice(config: dict[str, Any], half: bool, steps: int = 3, twice: bool
     config = {"device": "cpu", "bf16": {"enabled": True}, "gradient_accumulation_steps": 2,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, **config}
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(build, "half_width_params", build.half_width_params if half else lambda _m, _d: {})
+        patch.setattr(build, "half_width_params", build.half_width_params if half else lambda _m, _d, _w=1: {})
         engine = ht.initialize(model, config, loss_fn=lambda out, batch: (out - batch[1]).pow(2).mean())
     gen = torch.Generator().manual_seed(1)
     losses = [engine.train_batch((torch.randn(8, 8, generator=gen), torch.randn(8, 1, generator=gen)))
@@ -199,7 +199,7 @@ def test_optimizer_offload_sends_a_weight_the_loss_also_reads_in_fp32() -> None:
             return (out - batch[1]).pow(2).mean() + 1e-3 * model[0].weight.pow(2).sum()
 
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(build, "half_width_params", build.half_width_params if half else lambda _m, _d: {})
+            patch.setattr(build, "half_width_params", build.half_width_params if half else lambda _m, _d, _w=1: {})
             engine = ht.initialize(model, config, loss_fn=loss_fn)
         gen = torch.Generator().manual_seed(1)
         losses = [engine.train_batch((torch.randn(8, 8, generator=gen), torch.randn(8, 1, generator=gen)))
