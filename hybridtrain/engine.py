@@ -41,6 +41,7 @@ from hybridtrain.runtime.batch import (
     to_device,
 )
 from hybridtrain.runtime.optim import Scheduler
+from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
 from hybridtrain.runtime.precision import LossScaler, autocast, reported_loss
 from hybridtrain.runtime.step_parts import PartClock, step_part
 from hybridtrain.runtime.step_runner import (
@@ -91,6 +92,13 @@ class Engine:
             micro-batch's backward, so a step of hundreds of micro-batches can show its
             progress (``hybridtrain train``'s progress bar does). The default runner only:
             layer-major streaming and pipeline schedules interleave the micro-batches.
+        overlap_updates: under layer streaming, let a step whose host update must wait for
+            every gradient (gradient clipping, fp16 loss scaling, ``nonfinite_loss: skip``)
+            return before the blocks' updates finish: they run on the host while the next
+            forward starts, each block's upload waiting for its own update — the same math.
+            The engine's methods wait where they read the result (checkpoints,
+            ``model_state_dict``, ``profile``); code of yours that reads the parameters
+            between steps calls :meth:`settle` first. ``hybridtrain train`` sets it.
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer,
@@ -105,6 +113,7 @@ class Engine:
         self.device = options.device
         self.global_step = 0
         self.micro_batch_done: Callable[[int, int], None] | None = None
+        self.overlap_updates = False
         self.last_timings = StepTimings()
         # Everything that differs when several processes cooperate goes through this object.
         self.parallel: ParallelRuntime = options.parallel or ReplicatedRuntime(module)
@@ -272,14 +281,30 @@ class Engine:
             self.optimizer.zero_grad(set_to_none=True)
             return False
         if self.options.gradient_clipping > 0:
-            self.last_grad_norm = self.parallel.clip_grad_norm(self._params, self.options.gradient_clipping)
+            self.last_grad_norm = self._clip(self.options.gradient_clipping)
+        if isinstance(self.optimizer, OffloadOptimizer):
+            self.optimizer.background = self.overlap_updates
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
         return True
 
+    def _clip(self, max_norm: float) -> torch.Tensor:
+        # The host optimizer clips its own gradients where the runtime's rule is the local
+        # norm (one process, or replicated gradients): the same result, off the critical path.
+        local = type(self.parallel).clip_grad_norm is ReplicatedRuntime.clip_grad_norm
+        if local and isinstance(self.optimizer, OffloadOptimizer):
+            return self.optimizer.clip_grad_norm(max_norm)
+        return self.parallel.clip_grad_norm(self._params, max_norm)
+
     def _timed(self, part: str) -> AbstractContextManager[None]:
         return step_part(part, self.device)
+
+    def settle(self) -> None:
+        """Wait for host updates still running after the last step (:attr:`overlap_updates`):
+        afterwards the model's parameters and the optimizer's state are that step's result."""
+        if isinstance(self.optimizer, OffloadOptimizer):
+            self.optimizer.settle()
 
     # ------------------------------------------------------------------ readings
     @property
@@ -301,6 +326,7 @@ class Engine:
 
         Under ZeRO or tensor/pipeline parallel this is a collective: call it on every rank.
         """
+        self.settle()
         return self.parallel.model_state_dict()
 
     @property
@@ -319,6 +345,7 @@ class Engine:
         See :mod:`hybridtrain.profiling.profiler`."""
         from hybridtrain.profiling.profiler import profile_engine
 
+        self.settle()
         return profile_engine(self, batch, steps, output_dir)
 
     # ------------------------------------------------------------------ checkpoints
@@ -336,6 +363,7 @@ class Engine:
         Raises:
             CheckpointError: a rank could not write (the previous checkpoint is untouched).
         """
+        self.settle()
         meta = {"step": self.global_step, "setup": self.options.setup,
                 "params": {k: list(v) for k, v in self.parallel.model_state_shapes().items()}}
         counters = {"global_step": self.global_step, "nonfinite_skips": self._nonfinite_skips}
@@ -354,6 +382,7 @@ class Engine:
                 message says what does not match); nothing is modified then.
             IncompleteCheckpointError: incomplete or corrupt; nothing is modified then.
         """
+        self.settle()
         restored = ckpt.load(path, self._checkpoint_parts(), self._check_compatible, model_only)
         if not model_only:
             self.global_step = int(restored.counters["global_step"])

@@ -350,6 +350,8 @@ def _loop(engine: Engine, cfg: Config, data: TokenBatches, metrics: MetricsLog |
                                              replan=planner_fallback) as guard:
         for step in range(start + 1, cfg.train.steps + 1):
             engine.micro_batch_done = micro  # each step's engine: out-of-memory recovery may switch it
+            # This loop reads the parameters only through the engine (which waits for them).
+            engine.overlap_updates = True
             t0 = time.perf_counter()
             batch = engine.local_batch(data.train_batch(step - 1, global_batch))
             t_data = time.perf_counter() - t0

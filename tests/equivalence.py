@@ -241,7 +241,8 @@ MODES: dict[str, Mode] = {
     "stream": Mode("stream", {"layer_streaming": {"enabled": True}}),
     "stream_host_accum2_clip": Mode("stream_host_accum2_clip", {
         "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
-        "layer_streaming": {"enabled": True, "prefetch_blocks": 2, "boundary_activations": "host"}}, clip=0.05),
+        "layer_streaming": {"enabled": True, "prefetch_blocks": 2, "boundary_activations": "host"}}, clip=0.05,
+        extra={"overlap_updates": True}),
     "stream_device_bf16": Mode("stream_device_bf16", {
         "bf16": {"enabled": True}, "layer_streaming": {"enabled": True, "boundary_activations": "device"}},
         autocast_dtype=torch.bfloat16),
@@ -274,12 +275,12 @@ MODES: dict[str, Mode] = {
     "stream_layer_major_host_bf16_accum2_clip": Mode("stream_layer_major_host_bf16_accum2_clip", {
         "bf16": {"enabled": True}, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
         "layer_streaming": {"enabled": True, "layer_major": True, "boundary_activations": "host"}},
-        autocast_dtype=torch.bfloat16, clip=0.05, extra={"plain_micro_batches": 2}),
+        autocast_dtype=torch.bfloat16, clip=0.05, extra={"plain_micro_batches": 2, "overlap_updates": True}),
     "stream_layer_major_fp16_overflow_accum2_clip": Mode("stream_layer_major_fp16_overflow_accum2_clip", {
         "fp16": {"enabled": True, "hysteresis": 1, "initial_scale_power": 20}, "gradient_accumulation_steps": 2,
         "gradient_clipping": 0.05, "layer_streaming": {"enabled": True, "layer_major": True}},
         autocast_dtype=torch.float16, clip=0.05,
-        extra={"grad_scaler": True, "init_scale": 2.0**20, "plain_micro_batches": 2}),
+        extra={"grad_scaler": True, "init_scale": 2.0**20, "plain_micro_batches": 2, "overlap_updates": True}),
 }
 
 
@@ -300,7 +301,7 @@ HALF_WIDTH_MODES: dict[str, Mode] = {
         # Streamed blocks step with torch's fused CPU AdamW, whose roundings differ from the
         # unfused kernel's by an ulp; fp16 forwards amplify that past fp16's tolerance, so the
         # reference takes the same kernel: what is compared is the engine's math.
-        extra={"grad_scaler": True, "init_scale": 2.0**20, "fused_reference": True}),
+        extra={"grad_scaler": True, "init_scale": 2.0**20, "fused_reference": True, "overlap_updates": True}),
     "stream_layer_major_bf16": Mode("stream_layer_major_bf16", {
         "bf16": {"enabled": True}, "layer_streaming": {"enabled": True, "layer_major": True}},
         autocast_dtype=torch.bfloat16),
@@ -387,6 +388,8 @@ def engine_run(case: ModelCase, mode: Mode, steps: int = STEPS,
     torch.manual_seed(SEED)
     model = case.build()
     engine = ht.initialize(model, engine_config(mode, **extra), loss_fn=case.loss_fn)
+    # Host updates deferred by clipping or fp16 run while the next forward starts.
+    engine.overlap_updates = bool(mode.extra.get("overlap_updates"))
     torch.manual_seed(SEED + 1)
     losses = [engine.train_batch(batch) for batch in case.batches(steps)]
     return losses, engine.model_state_dict()

@@ -64,6 +64,7 @@ def _run(cfg: Any, steps: int, output_dir: str | None) -> Any:
 
     data, model = data_and_model(cfg, fits_host=True)
     engine = initialize(model, cfg, loss_fn=causal_lm_loss, example_batch=example_batch(cfg, data))
+    engine.overlap_updates = True  # as `hybridtrain train` runs it
     batch = engine.local_batch(data.train_batch(0, engine.options.batch.global_batch))
     writer = engine.parallel.is_writer
     out = Path(output_dir) if output_dir else Path(cfg.train.output_dir) / "profile"

@@ -49,6 +49,7 @@ from hybridtrain.runtime.device import peak_reserved_bytes
 from hybridtrain.runtime.layer_major import LayerMajorRunner
 from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
 from hybridtrain.runtime.step_parts import PartClock
+from hybridtrain.runtime.streaming import LayerStreamer
 
 _KINETO_MARKER = re.compile(rb"^USDT:.*\] profiler_(start|stop)\s*$")
 """The line libkineto's logger writes to stderr as a trace starts and as it stops."""
@@ -122,7 +123,9 @@ class ProfileSession:
         self._events: list[list[Event]] = []
         self._traces: list[Any] = []
         self._walls: list[float] = []
-        self._host_step: list[float] = []  # seconds of host optimizer work per timed step, any thread
+        # Each timed step's clock: its host optimizer work (any thread) is read at the end,
+        # as a background update may finish after its step returned.
+        self._clocks: list[PartClock] = []
 
     def count_step(self, batch: Any) -> float:
         """The counted step (the first): returns its loss."""
@@ -146,7 +149,7 @@ class ProfileSession:
                 with torch.profiler.record_function(STEP_LABEL):
                     loss = self.engine.train_batch(batch)
                 self._walls.append(time.perf_counter() - start)
-            self._host_step.append(clock.work.get("host_step", 0.0))
+            self._clocks.append(clock)
         finally:
             with _without_kineto_markers():
                 prof.stop()
@@ -163,8 +166,9 @@ class ProfileSession:
         """
         if self.count is None or not self._walls:
             raise RuntimeError("a profile needs one counted step and at least one timed step")
-        profile = _summarise(self.engine, self.count, self._events, len(self._walls),
-                             sum(self._host_step) / len(self._host_step))
+        self.engine.settle()
+        host_step = [clock.work.get("host_step", 0.0) for clock in self._clocks]
+        profile = _summarise(self.engine, self.count, self._events, len(self._walls), sum(host_step) / len(host_step))
         if output_dir is not None:
             out = Path(output_dir)
             out.mkdir(parents=True, exist_ok=True)
@@ -211,6 +215,10 @@ def _techniques(engine: Any) -> list[str]:
         used.append("layer_major")
     if isinstance(engine.optimizer, OffloadOptimizer):
         used.append("optimizer_offload")
+    if any(isinstance(o, LayerStreamer) for o in engine.options.observers):
+        used.append("layer_streaming")
+        if engine.overlap_updates:
+            used.append("overlapped_updates")
     if engine.parallel.distributed:
         used.append("distributed")
     return used

@@ -55,7 +55,7 @@ from hybridtrain.runtime.offload_layout import (
     device_kept,
     master_dtype,
 )
-from hybridtrain.runtime.step_parts import step_part, work_part
+from hybridtrain.runtime.step_parts import PartClock, running_clocks, step_part, work_part
 
 _NOT_HYPERPARAMS = ("params", "fused", "foreach", "capturable", "differentiable")
 
@@ -86,6 +86,12 @@ class Bucket:
     copied: torch.cuda.Event | None = None
     """The last gradient copy to the host; it ran after every kernel that read the bucket."""
     uploaded: torch.cuda.Event | None = None
+    update: Future[None] | None = None
+    """A background update of a streamed bucket (see :attr:`OffloadOptimizer.background`),
+    until the optimizer has seen it finish."""
+    norms: list[torch.Tensor | None] | None = None
+    """Each gradient's 2-norm, taken on the host worker as the step's last landing of the
+    bucket completed it (``grad_norms``); None where it was not (then taken at clipping)."""
     _offsets: list[int] = field(default_factory=list)
 
     @property
@@ -150,6 +156,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
             (:func:`~hybridtrain.runtime.half_width.half_width_params`): host-updated ones
             that land once per backward send their gradients down in half (exactly) when
             the backward's graph shows one cast as their only use.
+        grad_norms: take each gradient's norm on the host worker as the step's last
+            backward completes its bucket, for :meth:`clip_grad_norm` (gradient clipping
+            without loss scaling: a scaled gradient's norm is not the one clipping needs).
+
+    Attributes:
+        background: a deferred :meth:`step` updates the streamed blocks on the host worker
+            after it returns, in block order; each block's next upload waits for its own
+            update (:meth:`update_of`), so the next forward starts while later blocks still
+            update. Until :meth:`settle`, the blocks' parameters (their host masters) and
+            this optimizer's state may still be changing: read them only after it (
+            ``state_dict`` and ``load_state_dict`` settle first).
 
     Raises:
         HostMemoryError: the host state does not fit in available host memory.
@@ -158,10 +175,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, pin_memory: bool = True,
                  host_ratio: float = 1.0, bucket_numel: int = 500_000_000, defer: bool = False,
                  streamed: Sequence[Sequence[nn.Parameter]] = (), lasting_grads: bool = True,
-                 late: frozenset[int] = frozenset(), half: Mapping[int, torch.dtype] | None = None) -> None:
+                 late: frozenset[int] = frozenset(), half: Mapping[int, torch.dtype] | None = None,
+                 grad_norms: bool = False) -> None:
         self.device = device = normalize_device(device)
         self.pin_memory = pin_memory
         self.defer = defer
+        self.grad_norms = grad_norms
+        self.background = False
+        self._clip_coef: torch.Tensor | None = None
+        """The clipping factor :meth:`clip_grad_norm` found, applied by each bucket's update."""
         self._d2h = transfer.SideStream(device)
         self._h2d = transfer.SideStream(device)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridtrain-host-step")
@@ -195,6 +217,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for bucket_params, is_streamed in plan:
             self.buckets.append(self._make_bucket(bucket_params, is_streamed, group_index))
         master_of = {id(p): m for b in self.buckets for p, m in zip(b.params, b.masters, strict=True)}
+        self._slot_of = {id(m): (b, j) for b in self.buckets for j, m in enumerate(b.masters)}
         # Pooled buffers are bytes viewed as each bucket's master type (fp64 models keep fp64).
         self._pool = transfer.HostBufferPool(largest, torch.uint8, pin_memory, device, POOLED_BUFFERS)
 
@@ -376,7 +399,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 then()
             if landed:
                 self._jobs.append(self._worker.submit(self._accumulate, bucket, landed, copied, through,
-                                                      self._eager, finite))
+                                                      self._eager, finite, self._final and self.grad_norms))
         except BaseException:
             if through is not None:  # a lost pool buffer would block every later landing
                 transfer.host_waits(self._d2h.record())  # copies into it may be queued
@@ -393,7 +416,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ host side (worker)
     def _accumulate(self, bucket: Bucket, landed: list[tuple[int, bool, torch.dtype | None]],
                     copied: torch.cuda.Event | None, through: torch.Tensor | None, step: bool,
-                    finite: torch.Tensor | None = None) -> None:
+                    finite: torch.Tensor | None = None, norms: bool = False) -> None:
+        bucket.norms = None  # any landing changes the sums; the step's last one takes them again
         try:
             transfer.host_waits(copied)
             # A non-finite loss this step: the engine skips or refuses the step, so the
@@ -426,10 +450,22 @@ class OffloadOptimizer(torch.optim.Optimizer):
         finally:
             if through is not None:  # even after a failure: a lost buffer would block backward
                 self._pool.release(through)
+        if norms:
+            # Behind the rest of backward, the per-gradient norms clipping needs: the same
+            # kernel as torch.nn.utils.get_total_norm's on host tensors, so the same bits.
+            grads = bucket.views(bucket.flat_grad)
+            bucket.norms = [torch.linalg.vector_norm(g, 2.0) if has else None
+                            for g, has in zip(grads, bucket.has_grad, strict=True)]
         if step:
             self._step_bucket(bucket)
 
-    def _step_bucket(self, bucket: Bucket, grads: list[torch.Tensor] | None = None) -> None:
+    def _step_bucket(self, bucket: Bucket, grads: list[torch.Tensor] | None = None,
+                     coef: torch.Tensor | None = None, synced: bool = False,
+                     clocks: Sequence[PartClock] | None = None) -> None:
+        """Update ``bucket`` (once per step): its gradients × ``coef`` (clipping) first.
+        ``synced``: its hyperparameters were copied when the update was queued (a
+        background update runs after the LR scheduler has moved on); ``clocks``: the step's
+        part clocks it counts on (it may run after the step returned)."""
         # Gradients put on the masters directly count too, as for any torch optimizer
         # (DeepSpeed's fp16-wrapper step gives every parameter a zero one).
         given = grads is None and any(m.grad is not None for m in bucket.masters)
@@ -437,8 +473,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
             return
         assert bucket.optimizer is not None
         self._expose_grads(bucket, grads)
-        _sync_hyperparams(bucket.optimizer, self)
-        with work_part("host_step"):
+        if not synced:
+            _sync_hyperparams(bucket.optimizer, self)
+        with work_part("host_step", clocks):
+            if coef is not None:  # as torch.nn.utils.clip_grads_with_norm_ multiplies host gradients
+                for master in bucket.masters:
+                    if master.grad is not None:
+                        master.grad.mul_(coef)
             bucket.optimizer.step()
         bucket.stepped = True
         if grads is not None:  # borrowed from the pool: nothing may keep reading them
@@ -470,9 +511,29 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # while the caller resets the buckets.
         jobs, self._jobs = self._jobs, []
         errors = [job.exception() for job in jobs]
+        for bucket in self.buckets:
+            bucket.update = None
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             raise first
+
+    def settle(self) -> None:
+        """Wait for every update still running in the background (:attr:`background`):
+        afterwards the parameters and the state are the step's result.
+
+        Raises:
+            Exception: the first error of a background update.
+        """
+        with step_part("host_optimizer"):
+            self._wait()
+
+    def update_of(self, index: int) -> Future[None] | None:
+        """Bucket ``index``'s background update while it runs (or failed), else None:
+        whoever uploads the bucket's weights waits for it first."""
+        update = self.buckets[index].update
+        if update is not None and update.done() and update.exception() is None:
+            return None
+        return update
 
     # ------------------------------------------------------------------ optimizer API
     @torch.no_grad()
@@ -485,10 +546,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """
         if closure is not None:
             raise ValueError("OffloadOptimizer.step does not take a closure")
+        coef, self._clip_coef = self._clip_coef, None
         with step_part("host_optimizer"):
             self._wait()
+            # Resident buckets first (the embeddings open the next forward), here; then,
+            # in the background, the streamed blocks in the order the forward uploads them.
             for bucket in self.buckets:
-                self._step_bucket(bucket)
+                if not (self.background and bucket.streamed):
+                    self._step_bucket(bucket, coef=coef)
+            for bucket in self.buckets:
+                if self.background and bucket.streamed and not bucket.stepped and bucket.optimizer is not None:
+                    _sync_hyperparams(bucket.optimizer, self)  # the scheduler moves on before it runs
+                    bucket.update = self._worker.submit(self._update_in_background, bucket, coef, running_clocks())
+                    self._jobs.append(bucket.update)
         if self._device_optimizer is not None:
             _sync_hyperparams(self._device_optimizer, self)
             self._device_optimizer.step()
@@ -496,16 +566,75 @@ class OffloadOptimizer(torch.optim.Optimizer):
             transfer.compute_waits(bucket.uploaded, self.device)
             bucket.uploaded = None
 
+    def _update_in_background(self, bucket: Bucket, coef: torch.Tensor | None, clocks: list[PartClock]) -> None:
+        self._step_bucket(bucket, coef=coef, synced=True, clocks=clocks)
+        self._clear(bucket)  # zero_grad left it alone while this ran
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Start a new step: clear host and device gradients (always released)."""
-        self._wait()
-        super().zero_grad(set_to_none=True)
+        """Start a new step: clear host and device gradients (always released). Buckets
+        still updating in the background (:attr:`background`) clear themselves."""
+        busy = [b for b in self.buckets if b.update is not None and not b.update.done()]
+        if not busy:
+            self._wait()
+        busy_masters = {id(m) for b in busy for m in b.masters}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) not in busy_masters:
+                    p.grad = None
         for bucket in self.buckets:
-            bucket.has_grad = [False] * len(bucket.params)
-            bucket.stepped = False
-            for p in bucket.params:
-                p.grad = None
+            if not any(bucket is b for b in busy):
+                self._clear(bucket)
         self._finite = None
+        self._clip_coef = None
+
+    @staticmethod
+    def _clear(bucket: Bucket) -> None:
+        bucket.has_grad = [False] * len(bucket.params)
+        bucket.stepped = False
+        bucket.norms = None
+        for p in bucket.params:
+            p.grad = None
+        for m in bucket.masters:
+            m.grad = None
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradients' global 2-norm to ``max_norm`` exactly as
+        ``torch.nn.utils.clip_grad_norm_`` over the host gradients would (same norm, same
+        factor, same bits), with the work off the critical path: the per-gradient norms
+        were taken as the buckets landed (``grad_norms``), and each bucket's update
+        multiplies its own gradients first.
+
+        Returns:
+            The total norm before clipping.
+        """
+        with step_part("host_optimizer"):
+            self._wait()
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if self._device_optimizer is not None or len({p.grad.dtype for p in params}) > 1:
+            # Device-kept parameters or mixed types: torch groups the norms by device and
+            # type; let it do so.
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if not params:
+            return torch.tensor(0.0)
+        norms = []
+        for p in params:
+            bucket, j = self._slot_of[id(p)]
+            taken = bucket.norms[j] if bucket.norms is not None else None
+            norms.append(taken if taken is not None else torch.linalg.vector_norm(p.grad, 2.0))
+        total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        self._clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        return total
+
+    def state_dict(self) -> dict[str, Any]:
+        """The plain optimizer's ``state_dict`` (after any background update)."""
+        self.settle()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a plain optimizer's ``state_dict`` (after any background update)."""
+        self.settle()
+        super().load_state_dict(state_dict)
 
     def _after_load(self) -> None:
         """After ``load_state_dict``: re-share the state and refresh masters from the

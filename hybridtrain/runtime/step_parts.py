@@ -31,7 +31,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
@@ -92,10 +92,18 @@ class PartClock:
 _NOTHING = nullcontext()
 
 
-def work_part(name: str) -> AbstractContextManager[None]:
+def work_part(name: str, clocks: Sequence[PartClock] | None = None) -> AbstractContextManager[None]:
     """Count the block's seconds as work ``name`` (``host_step``: the offloaded optimizer's
-    update) on every running :class:`PartClock`, whichever thread runs it."""
-    return _worked(name, list(_running)) if _running else _NOTHING
+    update) on every running :class:`PartClock`, whichever thread runs it — or on
+    ``clocks`` (:func:`running_clocks` when the work was asked for: work that runs after
+    its step returned still counts as that step's)."""
+    chosen = list(_running) if clocks is None else list(clocks)
+    return _worked(name, chosen) if chosen else _NOTHING
+
+
+def running_clocks() -> list[PartClock]:
+    """The clocks running now (see :func:`work_part`)."""
+    return list(_running)
 
 
 @contextmanager

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping, Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -85,6 +86,8 @@ class _StreamedBlock:
         self.ready: torch.cuda.Event | None = None
         self.pending: Future[None] | None = None
         """The caster thread's cast and upload of the image, until the block is used or freed."""
+        self.update: Future[None] | None = None
+        """The block's background host update the pending upload follows."""
         self.arrived = 0
         self.landed = False
         self.hooked = len(bucket.trained)
@@ -230,10 +233,15 @@ class LayerStreamer:
         # A half-width image is cast at every forward upload, so whatever wrote the masters
         # since (the optimizer, a checkpoint load, the user) is what goes up; backward
         # reuses the forward's image (nothing writes a block's masters before it lands).
-        if block.image is not None and not (backward and block.imaged):
+        cast = block.image is not None and not (backward and block.imaged)
+        # The block's update may still run on the host worker (a background step): the
+        # upload follows it, and only this block's waits for it.
+        block.update = self.optimizer.update_of(block.index)
+        if cast or block.update is not None:
             # The cast reads and writes host memory for every parameter: on the caster
             # thread, so the compute thread goes on queueing the current block's kernels.
-            block.pending = self._caster.submit(self._cast_and_copy, block, transfer.compute_event(self.device))
+            block.pending = self._caster.submit(self._cast_and_copy, block, transfer.compute_event(self.device),
+                                                block.update, cast)
             return
         with step_part("transfer"), self._h2d.after_compute():
             self._copy(block)
@@ -245,10 +253,14 @@ class LayerStreamer:
         transfer.count_bytes("weights_up", block.nbytes)
         block.ready = block.image_read = self._h2d.record()
 
-    def _cast_and_copy(self, block: _StreamedBlock, after: torch.cuda.Event | None) -> None:
+    def _cast_and_copy(self, block: _StreamedBlock, after: torch.cuda.Event | None,
+                       update: Future[None] | None = None, cast: bool = True) -> None:
+        if update is not None:
+            update.result()  # the masters are the step's result from here on
         # The current CUDA device is per thread: the copy stream's device must be ours.
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
-            block.cast()
+            if cast:
+                block.cast()
             with self._h2d.after(after):  # after the compute work queued when it was asked for
                 self._copy(block)
 
@@ -257,6 +269,10 @@ class LayerStreamer:
         pending, block.pending = block.pending, None
         if pending is None:
             return
+        update, block.update = block.update, None
+        if update is not None:  # time spent waiting for the host update counts as such
+            with step_part("host_optimizer"):
+                futures.wait([update])
         with step_part("transfer"):
             error = pending.exception()
         if error is not None and check:

@@ -1,0 +1,167 @@
+"""The host step off the critical path when it must wait for every gradient (clipping,
+fp16): gradient norms taken as buckets land, the clip folded into each bucket's update,
+and (``engine.overlap_updates``) the streamed blocks updated while the next forward starts.
+Equivalence with the plain loop under these settings is in the shared suite (modes with
+``overlap_updates`` and clipping); here: that the overlap happens, that the results are
+the same bits as without it, and that nothing reads a half-updated block."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import hybridtrain as ht
+from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
+from tests.equivalence import (
+    MODES,
+    SEED,
+    Mode,
+    assert_resume_exact,
+    engine_config,
+    gpt_case,
+    plain_run,
+)
+
+CASE = gpt_case()
+STREAM_CLIP = {"gradient_clipping": 0.05, "layer_streaming": {"enabled": True}}
+LAYER_MAJOR_CLIP = {"gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
+                    "layer_streaming": {"enabled": True, "layer_major": True}}
+STEPS = 3
+
+
+def _engine(config: dict[str, Any], overlap: bool) -> ht.Engine:
+    torch.manual_seed(SEED)
+    engine = ht.initialize(CASE.build(), engine_config(MODES["plain"], **config), loss_fn=CASE.loss_fn)
+    engine.overlap_updates = overlap
+    return engine
+
+
+def _train(engine: ht.Engine, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.manual_seed(SEED + 1)
+    losses = [engine.train_batch(batch) for batch in CASE.batches(steps)]
+    return losses, engine.model_state_dict()
+
+
+def _slow_last_block(engine: ht.Engine, seconds: float) -> tuple[list[float], list[float]]:
+    """Make the last streamed block's host update take ``seconds`` longer; return the lists
+    its updates' end times and block 0's forward start times are appended to."""
+    opt = engine.optimizer
+    assert isinstance(opt, OffloadOptimizer)
+    last = [b for b in opt.buckets if b.streamed][-1]
+    assert last.optimizer is not None
+    inner, step = last.optimizer, last.optimizer.step
+    update_ends: list[float] = []
+    forward_starts: list[float] = []
+
+    def slow_step(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(seconds)
+        out = step(*args, **kwargs)
+        update_ends.append(time.perf_counter())
+        return out
+
+    inner.step = slow_step  # type: ignore[method-assign]
+    first_block = engine.module.get_submodule("blocks.0")
+    first_block.register_forward_pre_hook(lambda *_: forward_starts.append(time.perf_counter()))
+    return update_ends, forward_starts
+
+
+@pytest.mark.parametrize("config", [STREAM_CLIP, LAYER_MAJOR_CLIP], ids=["micro_batch_major", "layer_major"])
+def test_the_next_forward_starts_while_the_last_block_still_updates(config: dict[str, Any]) -> None:
+    engine = _engine(config, overlap=True)
+    update_ends, forward_starts = _slow_last_block(engine, 0.3)
+    batches = CASE.batches(2)
+    engine.train_batch(batches[0])
+    returned = time.perf_counter()
+    engine.train_batch(batches[1])
+    engine.settle()
+    # Step 1's update of the last block ended after step 1 returned and after step 2's
+    # forward had entered block 0: the host update overlapped the next forward.
+    assert update_ends[0] > returned
+    second_forward = [t for t in forward_starts if t > returned][0]
+    assert second_forward < update_ends[0]
+
+
+@pytest.mark.parametrize("config", [STREAM_CLIP, LAYER_MAJOR_CLIP], ids=["micro_batch_major", "layer_major"])
+def test_overlapped_updates_give_the_same_bits_as_waiting_for_them(config: dict[str, Any]) -> None:
+    waiting = _engine(config, overlap=False)
+    waited = _train(waiting)
+    overlapping = _engine(config, overlap=True)
+    _slow_last_block(overlapping, 0.05)  # the next forward surely starts first
+    overlapped = _train(overlapping)
+    assert waited[0] == overlapped[0]
+    for name, value in waited[1].items():
+        assert torch.equal(value, overlapped[1][name]), name
+    # Right after a step, evaluation uploads each block once its update is done, and the
+    # optimizer's state dict is read once every update is.
+    batch = CASE.batches(STEPS + 1)[-1]
+    waiting.train_batch(batch)
+    overlapping.train_batch(batch)
+    assert overlapping.eval_batch(batch) == waiting.eval_batch(batch)
+    theirs, ours = waiting.optimizer.state_dict()["state"], overlapping.optimizer.state_dict()["state"]
+    assert theirs.keys() == ours.keys()
+    for key, entry in theirs.items():
+        for name, value in entry.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(ours[key][name])), (key, name)
+
+
+def test_clipping_on_the_host_is_torchs_clipping_bit_for_bit() -> None:
+    # fp32, the fused CPU AdamW the host steps with in the reference too: the only
+    # difference left is where the norm and the clip factor are computed.
+    mode = Mode("offload_clip", {"gradient_clipping": 0.05, "zero_optimization": {
+        "stage": 1, "reduce_bucket_size": 2000, "offload_optimizer": {"device": "cpu"}}},
+        clip=0.05, extra={"fused_reference": True})
+    expected = plain_run(CASE, mode, steps=STEPS)
+    engine = _engine(mode.config, overlap=False)
+    opt = engine.optimizer
+    assert isinstance(opt, OffloadOptimizer) and opt.grad_norms
+    norms = []
+    torch.manual_seed(SEED + 1)
+    losses = []
+    for batch in CASE.batches(STEPS):
+        losses.append(engine.train_batch(batch))
+        assert engine.last_grad_norm is not None
+        norms.append(float(engine.last_grad_norm))
+    assert losses == expected[0]
+    for name, value in engine.model_state_dict().items():
+        assert torch.equal(value, expected[1][name]), name
+    assert all(n > 0.05 for n in norms)  # the clip clipped
+
+
+def test_resume_is_exact_with_overlapped_updates(tmp_path) -> None:
+    def make() -> ht.Engine:
+        return _engine(STREAM_CLIP, overlap=True)
+
+    torch.manual_seed(SEED + 1)
+    assert_resume_exact(make, CASE.batches(4), tmp_path / "ckpt")
+
+
+def test_a_failed_background_update_is_raised_by_the_next_step_not_hung_on() -> None:
+    engine = _engine(STREAM_CLIP, overlap=True)
+    opt = engine.optimizer
+    assert isinstance(opt, OffloadOptimizer)
+    last = [b for b in opt.buckets if b.streamed][-1]
+    assert last.optimizer is not None
+
+    def broken(*_args: Any, **_kwargs: Any) -> None:
+        raise RuntimeError("host update failed")
+
+    last.optimizer.step = broken  # type: ignore[method-assign]
+    batches = CASE.batches(2)
+    engine.train_batch(batches[0])
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def second() -> None:
+        try:
+            engine.train_batch(batches[1])
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            errors.append(exc)
+        done.set()
+
+    threading.Thread(target=second, daemon=True).start()
+    assert done.wait(60), "the step after a failed background update hung"
+    assert errors and "host update failed" in str(errors[0])
