@@ -18,9 +18,18 @@ deferred step — get a lasting host buffer per bucket. The host thus holds 12 b
 offloaded Adam parameter in the first case and 16 in the second, plus the pool. On the last micro-batch of a step the
 host step of the bucket starts at once (the *eager* step) — unless something needs all
 gradients first: gradient clipping (global norm), fp16 loss scaling (global overflow
-check) or ``nonfinite_loss: skip``. Then the step is *deferred*: the engine unscales and
-clips the host gradients and calls :meth:`OffloadOptimizer.step`. Either way each element
+check) or ``nonfinite_loss: skip``. Then the step is *deferred*: the engine unscales the
+host gradients, clips them and calls :meth:`OffloadOptimizer.step`. Either way each element
 sees exactly the plain optimizer's update.
+
+A deferred step keeps its work off the critical path where the math allows: under clipping
+(without loss scaling) the host worker takes each gradient's norm as the step's last
+landing completes its bucket, behind the rest of backward; :meth:`~OffloadOptimizer.clip_grad_norm`
+only combines them, and each bucket's update multiplies its own gradients by the factor
+(torch's ``clip_grad_norm_`` on host tensors, bit for bit). With :attr:`~OffloadOptimizer.background`
+(``engine.overlap_updates``) the streamed blocks are then updated on the worker after
+:meth:`~OffloadOptimizer.step` returns, in block order, while the next forward starts: each
+block's upload waits for its own update only.
 
 :class:`OffloadOptimizer` is the optimizer the engine and the LR scheduler see. Its
 parameters are the host masters (and, with a ``ratio`` below 1, the device parameters
@@ -33,11 +42,9 @@ class has one) shares its ``state``.
 from __future__ import annotations
 
 import functools
-import inspect
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,87 +54,16 @@ from torch.utils.hooks import RemovableHandle
 from hybridtrain.runtime import transfer
 from hybridtrain.runtime.device import normalize_device
 from hybridtrain.runtime.half_width import cast_once
+from hybridtrain.runtime.inner_optimizer import inner_optimizer, sync_hyperparams
+from hybridtrain.runtime.offload_bucket import Bucket
 from hybridtrain.runtime.offload_layout import (
     POOLED_BUFFERS,
-    bucket_dtype,
     check_host_memory,
     chunks,
     device_kept,
     master_dtype,
 )
 from hybridtrain.runtime.step_parts import PartClock, running_clocks, step_part, work_part
-
-_NOT_HYPERPARAMS = ("params", "fused", "foreach", "capturable", "differentiable")
-
-
-@dataclass(eq=False)
-class Bucket:
-    """Parameters whose gradients travel and whose update runs together.
-
-    ``params`` are the tensors autograd fills; ``masters`` the host tensors the optimizer
-    updates. For a streamed block they are the same objects (the parameter's data *is*
-    the host master between uses), otherwise separate host copies. ``flat_grad`` exists
-    once gradients had to wait in host memory (see the module docstring).
-    """
-
-    index: int
-    params: list[nn.Parameter]
-    masters: list[nn.Parameter]
-    flat_master: torch.Tensor
-    streamed: bool
-    flat_grad: torch.Tensor | None = None
-    optimizer: torch.optim.Optimizer | None = None
-    group_of: list[int] = field(default_factory=list)
-    has_grad: list[bool] = field(default_factory=list)
-    arrived: int = 0
-    hooked: int = 0
-    """Parameters whose gradient hooks land the bucket (those trained when it was built)."""
-    stepped: bool = False
-    copied: torch.cuda.Event | None = None
-    """The last gradient copy to the host; it ran after every kernel that read the bucket."""
-    uploaded: torch.cuda.Event | None = None
-    update: Future[None] | None = None
-    """A background update of a streamed bucket (see :attr:`OffloadOptimizer.background`),
-    until the optimizer has seen it finish."""
-    norms: list[torch.Tensor | None] | None = None
-    """Each gradient's 2-norm, taken on the host worker as the step's last landing of the
-    bucket completed it (``grad_norms``); None where it was not (then taken at clipping)."""
-    _offsets: list[int] = field(default_factory=list)
-
-    @property
-    def numel(self) -> int:
-        """Elements of the bucket's parameters together."""
-        return self.flat_master.numel()
-
-    @property
-    def trained(self) -> list[nn.Parameter]:
-        """The parameters that get gradients (frozen ones, ``requires_grad`` False, as
-        Marian's sinusoidal positions or a fine-tune's embeddings, never do)."""
-        return [p for p in self.params if p.requires_grad]
-
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """``flat`` cut into tensors shaped like the bucket's parameters."""
-        out, offset = [], 0
-        for p in self.params:
-            out.append(flat[offset:offset + p.numel()].view(p.shape))
-            offset += p.numel()
-        return out
-
-    def slots(self, flat: torch.Tensor, dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
-        """``flat`` (bytes laid out as :meth:`views` of the master type) cut into one tensor
-        per parameter, at the start of its master's slot, of type ``dtypes[j]`` (no wider
-        than the master type): half gradients land in the slots fp32 ones would."""
-        return [self.slot(flat, j, dtype) for j, dtype in enumerate(dtypes)]
-
-    def slot(self, flat: torch.Tensor, j: int, dtype: torch.dtype) -> torch.Tensor:
-        """Parameter ``j``'s tensor of :meth:`slots` alone."""
-        if len(self._offsets) != len(self.params):
-            self._offsets = [0]
-            for p in self.params[:-1]:
-                self._offsets.append(self._offsets[-1] + p.numel())
-        start = self._offsets[j] * self.flat_master.itemsize
-        p = self.params[j]
-        return flat.view(torch.uint8)[start:start + p.numel() * dtype.itemsize].view(dtype).view(p.shape)
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
@@ -215,7 +151,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
         self.buckets: list[Bucket] = []
         for bucket_params, is_streamed in plan:
-            self.buckets.append(self._make_bucket(bucket_params, is_streamed, group_index))
+            self.buckets.append(Bucket.create(len(self.buckets), bucket_params, is_streamed, group_index,
+                                              self.pin_memory, self.device))
         master_of = {id(p): m for b in self.buckets for p, m in zip(b.params, b.masters, strict=True)}
         self._slot_of = {id(m): (b, j) for b in self.buckets for j, m in enumerate(b.masters)}
         # Pooled buffers are bytes viewed as each bucket's master type (fp64 models keep fp64).
@@ -235,9 +172,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                                       for k, v in entry.items()}
         for bucket in self.buckets:
             if bucket.params:  # a streamed block may have none (an activation function)
-                bucket.optimizer = self._inner([bucket.masters], [bucket.group_of], fused=True)
+                bucket.optimizer = inner_optimizer(self._cls, self, [bucket.masters], [bucket.group_of], fused=True)
         device_params = [p for p in params if id(p) in on_device]
-        self._device_optimizer = (self._inner([device_params], [[group_index[id(p)] for p in device_params]],
+        self._device_optimizer = (inner_optimizer(self._cls, self, [device_params], [[group_index[id(p)] for p in device_params]],
                                               fused=False) if device_params else None)
         self._device_groups = [group_index[id(p)] for p in device_params]
         # The hooks live on the model's parameters, which outlive this optimizer (an OOM
@@ -260,42 +197,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
         transfer.note_cpu_offload(device, "optimizer offload")
 
     # ------------------------------------------------------------------ construction
-    def _make_bucket(self, params: list[nn.Parameter], streamed: bool, group_index: dict[int, int]) -> Bucket:
-        numel = sum(p.numel() for p in params)
-        dtype = bucket_dtype(params)
-        flat_master = transfer.host_buffer(numel, dtype, self.pin_memory, self.device)
-        bucket = Bucket(len(self.buckets), params, [], flat_master, streamed,
-                        group_of=[group_index[id(p)] for p in params], has_grad=[False] * len(params))
-        for p, view in zip(params, bucket.views(flat_master), strict=True):
-            view.copy_(p.detach())
-            if streamed:
-                # The parameter's data becomes the host master: no second copy exists.
-                p.data = view
-                bucket.masters.append(p)
-            else:
-                bucket.masters.append(nn.Parameter(view, requires_grad=p.requires_grad))  # frozen stays frozen
-        return bucket
-
-    def _inner(self, params: list[list[nn.Parameter]], group_ids: list[list[int]],
-               fused: bool) -> torch.optim.Optimizer:
-        """An optimizer of the user's class over ``params``, one group per outer group."""
-        by_group: dict[int, list[nn.Parameter]] = {}
-        for plist, gids in zip(params, group_ids, strict=True):
-            for p, k in zip(plist, gids, strict=True):
-                by_group.setdefault(k, []).append(p)
-        groups = [{**self._hyperparams(k), "params": ps, "_outer": k} for k, ps in by_group.items()]
-        accepts_fused = "fused" in inspect.signature(self._cls).parameters
-        kwargs: dict[str, Any] = {"fused": True, "foreach": False} if fused and accepts_fused else {}
-        try:
-            inner = self._cls(groups, **kwargs)
-        except (RuntimeError, ValueError, TypeError):
-            inner = self._cls(groups)  # no fused kernel for this class on this device
-        inner.state = self.state  # one state dict: the outer one is what checkpoints see
-        return inner
-
-    def _hyperparams(self, k: int) -> dict[str, Any]:
-        return {key: v for key, v in self.param_groups[k].items() if key not in _NOT_HYPERPARAMS}
-
     # ------------------------------------------------------------------ backward protocol
     def before_backward(self, final: bool, loss: torch.Tensor) -> None:
         """Called before each micro-batch's backward (``final``: last of the step).
@@ -451,11 +352,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if through is not None:  # even after a failure: a lost buffer would block backward
                 self._pool.release(through)
         if norms:
-            # Behind the rest of backward, the per-gradient norms clipping needs: the same
-            # kernel as torch.nn.utils.get_total_norm's on host tensors, so the same bits.
-            grads = bucket.views(bucket.flat_grad)
-            bucket.norms = [torch.linalg.vector_norm(g, 2.0) if has else None
-                            for g, has in zip(grads, bucket.has_grad, strict=True)]
+            bucket.take_norms()  # behind the rest of backward
         if step:
             self._step_bucket(bucket)
 
@@ -474,7 +371,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         assert bucket.optimizer is not None
         self._expose_grads(bucket, grads)
         if not synced:
-            _sync_hyperparams(bucket.optimizer, self)
+            sync_hyperparams(bucket.optimizer, self)
         with work_part("host_step", clocks):
             if coef is not None:  # as torch.nn.utils.clip_grads_with_norm_ multiplies host gradients
                 for master in bucket.masters:
@@ -556,11 +453,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     self._step_bucket(bucket, coef=coef)
             for bucket in self.buckets:
                 if self.background and bucket.streamed and not bucket.stepped and bucket.optimizer is not None:
-                    _sync_hyperparams(bucket.optimizer, self)  # the scheduler moves on before it runs
+                    sync_hyperparams(bucket.optimizer, self)  # the scheduler moves on before it runs
                     bucket.update = self._worker.submit(self._update_in_background, bucket, coef, running_clocks())
                     self._jobs.append(bucket.update)
         if self._device_optimizer is not None:
-            _sync_hyperparams(self._device_optimizer, self)
+            sync_hyperparams(self._device_optimizer, self)
             self._device_optimizer.step()
         for bucket in self.buckets:
             transfer.compute_waits(bucket.uploaded, self.device)
@@ -568,7 +465,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _update_in_background(self, bucket: Bucket, coef: torch.Tensor | None, clocks: list[PartClock]) -> None:
         self._step_bucket(bucket, coef=coef, synced=True, clocks=clocks)
-        self._clear(bucket)  # zero_grad left it alone while this ran
+        bucket.clear()  # zero_grad left it alone while this ran
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Start a new step: clear host and device gradients (always released). Buckets
@@ -583,19 +480,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     p.grad = None
         for bucket in self.buckets:
             if not any(bucket is b for b in busy):
-                self._clear(bucket)
+                bucket.clear()
         self._finite = None
         self._clip_coef = None
-
-    @staticmethod
-    def _clear(bucket: Bucket) -> None:
-        bucket.has_grad = [False] * len(bucket.params)
-        bucket.stepped = False
-        bucket.norms = None
-        for p in bucket.params:
-            p.grad = None
-        for m in bucket.masters:
-            m.grad = None
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
@@ -678,11 +565,3 @@ def _arrived(optimizer: weakref.ref[OffloadOptimizer], index: int, _param: torch
     live = optimizer()
     if live is not None:
         live._arrived(live.buckets[index])
-
-
-def _sync_hyperparams(inner: torch.optim.Optimizer, outer: torch.optim.Optimizer) -> None:
-    # The LR scheduler edits the outer groups; the inner ones follow before every step.
-    for group in inner.param_groups:
-        for key, value in outer.param_groups[group["_outer"]].items():
-            if key not in _NOT_HYPERPARAMS:
-                group[key] = value

@@ -56,7 +56,8 @@ from hybridtrain.compat import tree_leaves
 from hybridtrain.runtime import transfer
 from hybridtrain.runtime.device import normalize_device
 from hybridtrain.runtime.half_width import WeightReads, matmul_reads_only
-from hybridtrain.runtime.optimizer_offload import Bucket, OffloadOptimizer
+from hybridtrain.runtime.offload_bucket import Bucket
+from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
 from hybridtrain.runtime.residency import Residency
 from hybridtrain.runtime.step_parts import step_part
 

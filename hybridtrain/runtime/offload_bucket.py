@@ -1,0 +1,121 @@
+"""A bucket of the host optimizer (:mod:`~hybridtrain.runtime.optimizer_offload`): the
+parameters whose gradients travel and whose update runs together, their host masters
+and gradient buffer, and where each parameter lies in them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from hybridtrain.runtime import transfer
+from hybridtrain.runtime.offload_layout import bucket_dtype
+
+
+@dataclass(eq=False)
+class Bucket:
+    """Parameters whose gradients travel and whose update runs together.
+
+    ``params`` are the tensors autograd fills; ``masters`` the host tensors the optimizer
+    updates. For a streamed block they are the same objects (the parameter's data *is*
+    the host master between uses), otherwise separate host copies. ``flat_grad`` exists
+    once gradients had to wait in host memory (see :mod:`~hybridtrain.runtime.optimizer_offload`).
+    """
+
+    index: int
+    params: list[nn.Parameter]
+    masters: list[nn.Parameter]
+    flat_master: torch.Tensor
+    streamed: bool
+    flat_grad: torch.Tensor | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    group_of: list[int] = field(default_factory=list)
+    has_grad: list[bool] = field(default_factory=list)
+    arrived: int = 0
+    hooked: int = 0
+    """Parameters whose gradient hooks land the bucket (those trained when it was built)."""
+    stepped: bool = False
+    copied: torch.cuda.Event | None = None
+    """The last gradient copy to the host; it ran after every kernel that read the bucket."""
+    uploaded: torch.cuda.Event | None = None
+    update: Future[None] | None = None
+    """A background update of a streamed bucket (see :attr:`OffloadOptimizer.background`),
+    until the optimizer has seen it finish."""
+    norms: list[torch.Tensor | None] | None = None
+    """Each gradient's 2-norm, taken on the host worker as the step's last landing of the
+    bucket completed it (``grad_norms``); None where it was not (then taken at clipping)."""
+    _offsets: list[int] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        """Elements of the bucket's parameters together."""
+        return self.flat_master.numel()
+
+    @property
+    def trained(self) -> list[nn.Parameter]:
+        """The parameters that get gradients (frozen ones, ``requires_grad`` False, as
+        Marian's sinusoidal positions or a fine-tune's embeddings, never do)."""
+        return [p for p in self.params if p.requires_grad]
+
+    @classmethod
+    def create(cls, index: int, params: list[nn.Parameter], streamed: bool, group_index: dict[int, int],
+               pin_memory: bool, device: torch.device) -> Bucket:
+        """Bucket ``index`` of ``params``: their values copied into one host master buffer
+        (``group_index``: each parameter's optimizer group). A streamed bucket's
+        parameters point at the masters (no second copy); otherwise the masters are new
+        host parameters."""
+        flat_master = transfer.host_buffer(sum(p.numel() for p in params), bucket_dtype(params), pin_memory, device)
+        bucket = cls(index, params, [], flat_master, streamed,
+                     group_of=[group_index[id(p)] for p in params], has_grad=[False] * len(params))
+        for p, view in zip(params, bucket.views(flat_master), strict=True):
+            view.copy_(p.detach())
+            if streamed:
+                p.data = view
+                bucket.masters.append(p)
+            else:
+                bucket.masters.append(nn.Parameter(view, requires_grad=p.requires_grad))  # frozen stays frozen
+        return bucket
+
+    def clear(self) -> None:
+        """Forget the step's gradients (host and device) and that it stepped."""
+        self.has_grad = [False] * len(self.params)
+        self.stepped = False
+        self.norms = None
+        for p in self.params:
+            p.grad = None
+        for m in self.masters:
+            m.grad = None
+
+    def take_norms(self) -> None:
+        """Each waiting gradient's 2-norm into :attr:`norms`: the kernel
+        ``torch.nn.utils.get_total_norm`` runs per host tensor, so the same bits."""
+        assert self.flat_grad is not None
+        self.norms = [torch.linalg.vector_norm(g, 2.0) if has else None
+                      for g, has in zip(self.views(self.flat_grad), self.has_grad, strict=True)]
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``flat`` cut into tensors shaped like the bucket's parameters."""
+        out, offset = [], 0
+        for p in self.params:
+            out.append(flat[offset:offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        return out
+
+    def slots(self, flat: torch.Tensor, dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
+        """``flat`` (bytes laid out as :meth:`views` of the master type) cut into one tensor
+        per parameter, at the start of its master's slot, of type ``dtypes[j]`` (no wider
+        than the master type): half gradients land in the slots fp32 ones would."""
+        return [self.slot(flat, j, dtype) for j, dtype in enumerate(dtypes)]
+
+    def slot(self, flat: torch.Tensor, j: int, dtype: torch.dtype) -> torch.Tensor:
+        """Parameter ``j``'s tensor of :meth:`slots` alone."""
+        if len(self._offsets) != len(self.params):
+            self._offsets = [0]
+            for p in self.params[:-1]:
+                self._offsets.append(self._offsets[-1] + p.numel())
+        start = self._offsets[j] * self.flat_master.itemsize
+        p = self.params[j]
+        return flat.view(torch.uint8)[start:start + p.numel() * dtype.itemsize].view(dtype).view(p.shape)
