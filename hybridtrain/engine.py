@@ -92,10 +92,12 @@ class Engine:
             micro-batch's backward, so a step of hundreds of micro-batches can show its
             progress (``hybridtrain train``'s progress bar does). The default runner only:
             layer-major streaming and pipeline schedules interleave the micro-batches.
-        overlap_updates: under layer streaming, let a step whose host update must wait for
-            every gradient (gradient clipping, fp16 loss scaling, ``nonfinite_loss: skip``)
-            return before the blocks' updates finish: they run on the host while the next
-            forward starts, each block's upload waiting for its own update — the same math.
+        overlap_updates: under optimizer offload or layer streaming, let a step whose host
+            update must wait for every gradient (gradient clipping, fp16 loss scaling,
+            ``nonfinite_loss: skip``) return before the updates finish: they run on the host
+            while the next forward starts, in the order it reads the weights; a streamed
+            block's upload, or the first op that reads a device weight (``train_batch``,
+            one process), waits for that weight's update only — the same math.
             The engine's methods wait where they read the result (checkpoints,
             ``model_state_dict``, ``profile``); code of yours that reads the parameters
             between steps calls :meth:`settle` first. ``hybridtrain train`` sets it.
@@ -148,10 +150,14 @@ class Engine:
         step = StepContext(self._micro_loss, backward, 1.0 / len(micro_batches), self.loss_scale, self._timed)
         # wall_clock_breakdown: the parts of this step, transfers and collectives included.
         with PartClock().running() if self.options.wall_clock_breakdown else nullcontext() as clock:
-            total = self.runner.forward_backward(micro_batches, step)
+            with self._reads_wait():
+                total = self.runner.forward_backward(micro_batches, step)
             value = float(self.parallel.mean_loss(total).item())
             with self._timed("step"):
-                self._optimizer_step(value)
+                # The plain loop runs the next forward here, under reads_wait: the resident
+                # weights may update in the background too.
+                self._optimizer_step(value, resident=isinstance(self.runner, MicroBatchRunner)
+                                     and not self.parallel.distributed)
         self.last_timings = StepTimings(**clock.seconds) if clock else StepTimings()  # type: ignore[arg-type]
         self.last_timings.total = time.perf_counter() - start
         self.last_timings.transfer_bytes = transfer.take_counts()
@@ -159,6 +165,7 @@ class Engine:
 
     def eval_batch(self, batch: Batch) -> float:
         """Mean loss of ``batch`` without gradients (in micro-batches of the training size)."""
+        self._settle_resident()
         if self.runner.whole_steps_only:
             return float(self.parallel.mean_loss(self.runner.evaluate(to_device(batch, self.device))))
         was_training = self.module.training
@@ -192,6 +199,7 @@ class Engine:
         if self.runner.whole_steps_only:
             raise RuntimeError("pipeline parallel runs forward and backward of all micro-batches in its "
                                "schedule; use engine.train_batch(batch) instead of engine(...)/backward/step")
+        self._settle_resident()
         args, kwargs = to_device((args, kwargs), self.device)
         self.parallel.set_grad_sync(self.is_gradient_accumulation_boundary())
         with autocast(self.device, self.options.compute_dtype):
@@ -262,8 +270,9 @@ class Engine:
         (loss.float() * self.scaler.scale if self.scaler else loss).backward()
         notify_after(self.options.observers, final)
 
-    def _optimizer_step(self, loss_value: float) -> bool:
-        """Unscale, check, clip, step, schedule; returns False when the step was skipped."""
+    def _optimizer_step(self, loss_value: float, resident: bool = False) -> bool:
+        """Unscale, check, clip, step, schedule; returns False when the step was skipped.
+        ``resident``: the next forward runs under :meth:`_reads_wait` on this thread."""
         self.global_step += 1
         if self.scaler is not None:
             finite = self.parallel.all_finite(self.scaler.unscale_and_check(self._params))
@@ -284,6 +293,7 @@ class Engine:
             self.last_grad_norm = self._clip(self.options.gradient_clipping)
         if isinstance(self.optimizer, OffloadOptimizer):
             self.optimizer.background = self.overlap_updates
+            self.optimizer.background_resident = self.overlap_updates and resident
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
@@ -299,6 +309,16 @@ class Engine:
 
     def _timed(self, part: str) -> AbstractContextManager[None]:
         return step_part(part, self.device)
+
+    def _reads_wait(self) -> AbstractContextManager[Any]:
+        if isinstance(self.optimizer, OffloadOptimizer):
+            return self.optimizer.reads_wait()
+        return nullcontext()
+
+    def _settle_resident(self) -> None:
+        # Outside train_batch nothing waits per read for weights updating in the background.
+        if isinstance(self.optimizer, OffloadOptimizer) and self.optimizer.resident_pending:
+            self.optimizer.settle()
 
     def settle(self) -> None:
         """Wait for host updates still running after the last step (:attr:`overlap_updates`):

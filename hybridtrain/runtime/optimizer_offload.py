@@ -41,9 +41,11 @@ class has one) shares its ``state``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -64,6 +66,7 @@ from hybridtrain.runtime.offload_layout import (
     master_dtype,
 )
 from hybridtrain.runtime.step_parts import PartClock, running_clocks, step_part, work_part
+from hybridtrain.runtime.wait_before_reads import WaitBeforeReads
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
@@ -118,6 +121,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.defer = defer
         self.grad_norms = grad_norms
         self.background = False
+        self.background_resident = False
+        """With :attr:`background`: the other buckets too, their device weights written
+        while the next forward runs — only for a caller that runs that forward under
+        :meth:`reads_wait`."""
+        self._awaited: dict[int, Callable[[], None]] = {}
+        """Device parameters of buckets updating in the background → their waiter."""
         self._clip_coef: torch.Tensor | None = None
         """The clipping factor :meth:`clip_grad_norm` found, applied by each bucket's update."""
         self._d2h = transfer.SideStream(device)
@@ -155,6 +164,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
                                               self.pin_memory, self.device))
         master_of = {id(p): m for b in self.buckets for p, m in zip(b.params, b.masters, strict=True)}
         self._slot_of = {id(m): (b, j) for b in self.buckets for j, m in enumerate(b.masters)}
+        position = {id(p): i for i, p in enumerate(params)}
+        self._first_use = {b.index: min((position[id(p)] for p in b.params), default=len(params))
+                           for b in self.buckets}
+        """Where each bucket's first parameter stands in the model's order: the order the
+        next forward likely reads them, which background updates follow."""
         # Pooled buffers are bytes viewed as each bucket's master type (fp64 models keep fp64).
         self._pool = transfer.HostBufferPool(largest, torch.uint8, pin_memory, device, POOLED_BUFFERS)
 
@@ -357,12 +371,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._step_bucket(bucket)
 
     def _step_bucket(self, bucket: Bucket, grads: list[torch.Tensor] | None = None,
-                     coef: torch.Tensor | None = None, synced: bool = False,
+                     coef: torch.Tensor | None = None, background: bool = False,
                      clocks: Sequence[PartClock] | None = None) -> None:
         """Update ``bucket`` (once per step): its gradients × ``coef`` (clipping) first.
-        ``synced``: its hyperparameters were copied when the update was queued (a
-        background update runs after the LR scheduler has moved on); ``clocks``: the step's
-        part clocks it counts on (it may run after the step returned)."""
+        ``background``: queued by :meth:`step`, which copied its hyperparameters (it runs
+        after the LR scheduler has moved on) and counted its bytes (it may run after the
+        step returned, as may ``clocks``: the step's part clocks it counts on)."""
         # Gradients put on the masters directly count too, as for any torch optimizer
         # (DeepSpeed's fp16-wrapper step gives every parameter a zero one).
         given = grads is None and any(m.grad is not None for m in bucket.masters)
@@ -370,7 +384,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             return
         assert bucket.optimizer is not None
         self._expose_grads(bucket, grads)
-        if not synced:
+        if not background:
             sync_hyperparams(bucket.optimizer, self)
         with work_part("host_step", clocks):
             if coef is not None:  # as torch.nn.utils.clip_grads_with_norm_ multiplies host gradients
@@ -388,7 +402,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             with step_part("transfer"), self._h2d.after(bucket.copied):
                 for p, m in zip(bucket.params, bucket.masters, strict=True):
                     p.data.copy_(m.detach(), non_blocking=True)
-                    transfer.count_bytes("weights_up", p.numel() * p.element_size())
+                    if not background:
+                        transfer.count_bytes("weights_up", p.numel() * p.element_size())
                 bucket.uploaded = self._h2d.record()
 
     @staticmethod
@@ -410,6 +425,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         errors = [job.exception() for job in jobs]
         for bucket in self.buckets:
             bucket.update = None
+        if self._awaited:  # device weights updated in the background that nothing read yet
+            for bucket in self.buckets:
+                transfer.compute_waits(bucket.uploaded, self.device)
+                bucket.uploaded = None
+            self._awaited.clear()
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             raise first
@@ -444,27 +464,57 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("OffloadOptimizer.step does not take a closure")
         coef, self._clip_coef = self._clip_coef, None
+        later = [b for b in self.buckets if self.background and (b.streamed or self.background_resident)
+                 and not b.stepped and b.optimizer is not None]
         with step_part("host_optimizer"):
             self._wait()
-            # Resident buckets first (the embeddings open the next forward), here; then,
-            # in the background, the streamed blocks in the order the forward uploads them.
+            # What does not update in the background updates here; the rest on the worker,
+            # in the order the next forward reads it (uploads and reads wait for their own).
             for bucket in self.buckets:
-                if not (self.background and bucket.streamed):
+                if not any(bucket is b for b in later):
                     self._step_bucket(bucket, coef=coef)
-            for bucket in self.buckets:
-                if self.background and bucket.streamed and not bucket.stepped and bucket.optimizer is not None:
-                    sync_hyperparams(bucket.optimizer, self)  # the scheduler moves on before it runs
-                    bucket.update = self._worker.submit(self._update_in_background, bucket, coef, running_clocks())
-                    self._jobs.append(bucket.update)
+            clocks = running_clocks()
+            for bucket in sorted(later, key=lambda b: self._first_use[b.index]):
+                assert bucket.optimizer is not None
+                sync_hyperparams(bucket.optimizer, self)  # the scheduler moves on before it runs
+                bucket.update = self._worker.submit(self._update_in_background, bucket, coef, clocks)
+                self._jobs.append(bucket.update)
+                if not bucket.streamed:
+                    transfer.count_bytes("weights_up", sum(p.numel() * p.element_size() for p in bucket.params))
+                    waiter = functools.partial(self._await_update, bucket)
+                    self._awaited.update({id(p): waiter for p in bucket.params})
         if self._device_optimizer is not None:
             sync_hyperparams(self._device_optimizer, self)
             self._device_optimizer.step()
         for bucket in self.buckets:
-            transfer.compute_waits(bucket.uploaded, self.device)
-            bucket.uploaded = None
+            if bucket.update is None:
+                transfer.compute_waits(bucket.uploaded, self.device)
+                bucket.uploaded = None
+
+    def reads_wait(self) -> AbstractContextManager[Any]:
+        """On this thread, the first op that reads a device weight still updating in the
+        background (:attr:`background_resident`) waits for its update first."""
+        return WaitBeforeReads(self._awaited) if self._awaited else contextlib.nullcontext()
+
+    @property
+    def resident_pending(self) -> bool:
+        """Whether device weights are still updating in the background."""
+        return bool(self._awaited)
+
+    def _await_update(self, bucket: Bucket) -> None:
+        update = bucket.update
+        if update is not None:
+            with step_part("host_optimizer"):
+                error = update.exception()
+            if error is not None:
+                raise error
+        transfer.compute_waits(bucket.uploaded, self.device)
+        bucket.uploaded = None
+        for p in bucket.params:
+            self._awaited.pop(id(p), None)
 
     def _update_in_background(self, bucket: Bucket, coef: torch.Tensor | None, clocks: list[PartClock]) -> None:
-        self._step_bucket(bucket, coef=coef, synced=True, clocks=clocks)
+        self._step_bucket(bucket, coef=coef, background=True, clocks=clocks)
         bucket.clear()  # zero_grad left it alone while this ran
 
     def zero_grad(self, set_to_none: bool = True) -> None:

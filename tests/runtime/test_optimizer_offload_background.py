@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import hybridtrain as ht
+from hybridtrain.runtime.offload_bucket import Bucket
 from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
 from tests.equivalence import (
     MODES,
@@ -27,6 +28,8 @@ from tests.equivalence import (
 )
 
 CASE = gpt_case()
+OFFLOAD_CLIP = {"gradient_clipping": 0.05, "zero_optimization": {
+    "stage": 1, "reduce_bucket_size": 2000, "offload_optimizer": {"device": "cpu"}}}
 STREAM_CLIP = {"gradient_clipping": 0.05, "layer_streaming": {"enabled": True}}
 LAYER_MAJOR_CLIP = {"gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
                     "layer_streaming": {"enabled": True, "layer_major": True}}
@@ -46,12 +49,18 @@ def _train(engine: ht.Engine, steps: int = STEPS) -> tuple[list[float], dict[str
     return losses, engine.model_state_dict()
 
 
-def _slow_last_block(engine: ht.Engine, seconds: float) -> tuple[list[float], list[float]]:
-    """Make the last streamed block's host update take ``seconds`` longer; return the lists
-    its updates' end times and block 0's forward start times are appended to."""
+def _last_updated(engine: ht.Engine) -> Bucket:
+    """The bucket whose background update runs last (the model's last parameters)."""
     opt = engine.optimizer
     assert isinstance(opt, OffloadOptimizer)
-    last = [b for b in opt.buckets if b.streamed][-1]
+    return max((b for b in opt.buckets if b.optimizer is not None), key=lambda b: min(
+        i for i, p in enumerate(engine.module.parameters()) for q in b.params if p is q))
+
+
+def _slow_last_update(engine: ht.Engine, seconds: float) -> tuple[list[float], list[float]]:
+    """Make the last host update of a step take ``seconds`` longer; return the lists its
+    end times and block 0's forward start times are appended to."""
+    last = _last_updated(engine)
     assert last.optimizer is not None
     inner, step = last.optimizer, last.optimizer.step
     update_ends: list[float] = []
@@ -69,10 +78,11 @@ def _slow_last_block(engine: ht.Engine, seconds: float) -> tuple[list[float], li
     return update_ends, forward_starts
 
 
-@pytest.mark.parametrize("config", [STREAM_CLIP, LAYER_MAJOR_CLIP], ids=["micro_batch_major", "layer_major"])
+@pytest.mark.parametrize("config", [OFFLOAD_CLIP, STREAM_CLIP, LAYER_MAJOR_CLIP],
+                         ids=["optimizer_offload", "streaming", "layer_major_streaming"])
 def test_the_next_forward_starts_while_the_last_block_still_updates(config: dict[str, Any]) -> None:
     engine = _engine(config, overlap=True)
-    update_ends, forward_starts = _slow_last_block(engine, 0.3)
+    update_ends, forward_starts = _slow_last_update(engine, 0.3)
     batches = CASE.batches(2)
     engine.train_batch(batches[0])
     returned = time.perf_counter()
@@ -85,12 +95,13 @@ def test_the_next_forward_starts_while_the_last_block_still_updates(config: dict
     assert second_forward < update_ends[0]
 
 
-@pytest.mark.parametrize("config", [STREAM_CLIP, LAYER_MAJOR_CLIP], ids=["micro_batch_major", "layer_major"])
+@pytest.mark.parametrize("config", [OFFLOAD_CLIP, STREAM_CLIP, LAYER_MAJOR_CLIP],
+                         ids=["optimizer_offload", "streaming", "layer_major_streaming"])
 def test_overlapped_updates_give_the_same_bits_as_waiting_for_them(config: dict[str, Any]) -> None:
     waiting = _engine(config, overlap=False)
     waited = _train(waiting)
     overlapping = _engine(config, overlap=True)
-    _slow_last_block(overlapping, 0.05)  # the next forward surely starts first
+    _slow_last_update(overlapping, 0.05)  # the next forward surely starts first
     overlapped = _train(overlapping)
     assert waited[0] == overlapped[0]
     for name, value in waited[1].items():
@@ -141,9 +152,7 @@ def test_resume_is_exact_with_overlapped_updates(tmp_path) -> None:
 
 def test_a_failed_background_update_is_raised_by_the_next_step_not_hung_on() -> None:
     engine = _engine(STREAM_CLIP, overlap=True)
-    opt = engine.optimizer
-    assert isinstance(opt, OffloadOptimizer)
-    last = [b for b in opt.buckets if b.streamed][-1]
+    last = _last_updated(engine)
     assert last.optimizer is not None
 
     def broken(*_args: Any, **_kwargs: Any) -> None:
@@ -165,3 +174,36 @@ def test_a_failed_background_update_is_raised_by_the_next_step_not_hung_on() -> 
     threading.Thread(target=second, daemon=True).start()
     assert done.wait(60), "the step after a failed background update hung"
     assert errors and "host update failed" in str(errors[0])
+
+
+def test_a_weight_read_outside_its_module_waits_for_its_update() -> None:
+    """The loss reads the final norm's weight itself (a penalty), before any module that
+    owns it runs again: the read waits for that weight's background update, and training
+    gives the bits it gives without overlap."""
+    def penalised(out: Any, batch: Any, model: torch.nn.Module) -> torch.Tensor:
+        return CASE.loss_fn(out, batch) + 1e-3 * model.get_submodule("ln_f").weight.pow(2).sum()
+
+    def run(overlap: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+        torch.manual_seed(SEED)
+        model = CASE.build()
+        engine = ht.initialize(model, engine_config(MODES["plain"], **OFFLOAD_CLIP),
+                               loss_fn=lambda out, batch: penalised(out, batch, model))
+        engine.overlap_updates = overlap
+        norm = engine.module.get_submodule("ln_f").weight
+        opt = engine.optimizer
+        assert isinstance(opt, OffloadOptimizer)
+        [bucket] = [b for b in opt.buckets if any(p is norm for p in b.params)]
+        assert bucket.optimizer is not None
+        step = bucket.optimizer.step
+
+        def slow_step(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(0.2)  # still updating when the next step's forward starts
+            return step(*args, **kwargs)
+
+        bucket.optimizer.step = slow_step  # type: ignore[method-assign]
+        return _train(engine)
+
+    waited, overlapped = run(False), run(True)
+    assert waited[0] == overlapped[0]
+    for name, value in waited[1].items():
+        assert torch.equal(value, overlapped[1][name]), name
