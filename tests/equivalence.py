@@ -215,12 +215,14 @@ MODES: dict[str, Mode] = {
     "fp16": Mode("fp16", {"fp16": {"enabled": True, "hysteresis": 1}}, autocast_dtype=torch.float16,
                  extra={"grad_scaler": True}),
     # Optimizer offload: small buckets so several host steps overlap backward (eager path);
-    # clipping and fp16 defer the host step until every gradient has landed.
+    # clipping and fp16 defer the host step until every gradient has landed (then, with
+    # ``overlap_updates``, it runs while the next step's forward starts).
     "offload_opt": Mode("offload_opt", {"zero_optimization": {
         "stage": 1, "reduce_bucket_size": 2000, "offload_optimizer": {"device": "cpu"}}}),
     "offload_opt_accum2_clip": Mode("offload_opt_accum2_clip", {
         "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
-        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}, clip=0.05),
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}, clip=0.05,
+        extra={"overlap_updates": True}),
     "offload_opt_twinflow_fp16": Mode("offload_opt_twinflow_fp16", {
         "fp16": {"enabled": True, "hysteresis": 1}, "zero_optimization": {"stage": 1, "offload_optimizer": {
             "device": "cpu", "ratio": 0.5}}}, autocast_dtype=torch.float16, extra={"grad_scaler": True},
@@ -291,7 +293,7 @@ HALF_WIDTH_MODES: dict[str, Mode] = {
     "offload_opt_fp16_overflow": Mode("offload_opt_fp16_overflow", {
         "fp16": {"enabled": True, "hysteresis": 1, "initial_scale_power": 20},
         "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, autocast_dtype=torch.float16,
-        extra={"grad_scaler": True, "init_scale": 2.0**20},
+        extra={"grad_scaler": True, "init_scale": 2.0**20, "overlap_updates": True},
         # offload_opt_twinflow_fp16's tolerance, for its reason (fused CPU AdamW's 1-ulp
         # roundings amplified by fp16 forwards); fp32 gradient transfers give the same bits.
         atol=1e-5),

@@ -45,8 +45,8 @@ import contextlib
 import functools
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
