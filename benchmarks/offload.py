@@ -132,6 +132,10 @@ class Setup:
     steps: int
     device: str
     peak_tflops: float = 989.0
+    clip: float = 0.0
+    """Gradient clipping (every engine and baseline clips: the same math); 0 = none."""
+    overlap: bool = True
+    """Our engine's ``overlap_updates`` (as ``hybridtrain train`` sets it)."""
 
     def flops_per_token(self) -> int:
         """Model FLOPs per trained token: 6·N (the matmuls forward and backward; the tied
@@ -147,7 +151,8 @@ class Setup:
         """The shared settings in DeepSpeed keys (its batch check: total = micro × accumulation × 1)."""
         return {"train_batch_size": self.batch * self.accumulation, "train_micro_batch_size_per_gpu": self.batch,
                 "gradient_accumulation_steps": self.accumulation, "bf16": {"enabled": self.device == "cuda"},
-                "optimizer": copy.deepcopy(OPTIMIZER), **extra}
+                "optimizer": copy.deepcopy(OPTIMIZER), **({"gradient_clipping": self.clip} if self.clip else {}),
+                **extra}
 
     def example(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One global batch's shapes, allocating nothing."""
@@ -298,6 +303,7 @@ def measure(setup: Setup, name: str) -> Result:
         print(f"[offload] {name}: no planner estimate ({_why(exc)})", file=sys.stderr, flush=True)
         peak, step_s = math.nan, math.nan
     engine = ht.initialize(build_model(setup.model), engine_config(setup, name), loss_fn=causal_lm_loss)
+    engine.overlap_updates = setup.overlap
     data = setup.data()
     result = _time(setup, name, lambda: engine.train_batch(data))
     return replace(result, transfer_bytes=dict(engine.last_timings.transfer_bytes), planned_peak_gib=peak,
@@ -363,6 +369,8 @@ def measure_fsdp2(setup: Setup) -> Result:
         for index, micro in enumerate(micro_batches):
             model.set_requires_gradient_sync(index == len(micro_batches) - 1)  # type: ignore[operator]
             (causal_lm_loss(model(micro[0]), micro) / len(micro_batches)).backward()
+        if setup.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), setup.clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -548,6 +556,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="start each search at the planner's largest depth instead of doubling from 1")
     parser.add_argument("--search-start", type=int, default=None,
                         help="start each search at this depth (a depth already known to train, say)")
+    parser.add_argument("--clip", type=float, default=0.0,
+                        help="gradient clipping for every configuration (0 = none); the host step then waits "
+                             "for every gradient")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="our engine without overlap_updates (a deferred host step finishes before the next forward)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="device bf16 peak (H100 SXM: 989)")
     parser.add_argument("--jsonl", default=None, help="append each row to this file as soon as it is measured "
                                                       "(a run cut off by its time limit keeps what it measured)")
@@ -555,7 +568,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in (("n_layer", args.n_layer), ("seq_len", args.seq_len)) if v is not None}
     setup = Setup(gpt_config(args.size, **overrides), args.batch, args.accumulation, args.steps, args.device,
-                  args.peak_tflops)
+                  args.peak_tflops, args.clip, not args.no_overlap)
     cfg = setup.model
     print(f"device={args.device} torch={torch.__version__} threads={torch.get_num_threads()} size=gpt-{args.size} "
           f"n_layer={cfg.n_layer} d_model={cfg.d_model} seq_len={cfg.seq_len} micro_batch={args.batch} "
@@ -568,7 +581,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     depths: list[Depth] = []
     emit = functools.partial(_emit, args.jsonl, {"part": args.part, "size": args.size, "n_layer": cfg.n_layer,
                                                  "tokens_per_step": args.batch * args.accumulation * cfg.seq_len,
-                                                 "device": args.device})
+                                                 "device": args.device, "clip": args.clip,
+                                                 "overlap": not args.no_overlap})
     if not args.search_only:
         # The process's first run pays one-off costs (CUDA context, kernels, allocator, thread
         # pools) that would land on whichever configuration came first: a 1-layer plain step.

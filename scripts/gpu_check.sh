@@ -20,14 +20,19 @@
 #   modes        GPT-1.3B, bf16, 16k tokens/step: tokens/s, MFU, peak allocated and reserved,
 #                host<->device bytes by kind, for plain, checkpointing, swap, optimizer offload,
 #                layer streaming (both orders), and FSDP2 CPUOffloadPolicy measured in the same run
+#   clip_overlap GPT-1.3B optimizer offload and layer streaming (both orders) with gradient
+#                clipping (the host step waits for every gradient): with overlap_updates (the
+#                updates run while the next forward starts) and without, same run
 #   host_adam    the host optimizer step (torch's fused CPU AdamW), Gparam/s at this machine's threads
 #   depth        the largest depth plain training and layer-major streaming train at 1.3B's width
 #                (each search starts at the planner's prediction, stops within 5 %)
-#   big          GPT-6.7B, layer-major streaming, 16k tokens/step: tokens/s, MFU, bytes moved
+#   big          GPT-6.7B, layer-major streaming, 16k tokens/step, clipping at 1.0 (overlapped
+#                updates): tokens/s, MFU, bytes moved
 #   big64k       the same at 64k tokens/step (8 micro-batches): the offload issue's MFU target
 #   deepspeed    DeepSpeed ZeRO-Offload and ZeRO-3 offload at 1.3B beside our peers, in the same
 #                run (its CPU Adam op is compiled in the background from the start)
-#   deepspeed_6p7b  GPT-6.7B layer-major against DeepSpeed ZeRO-3 offload, 16k tokens/step, same run
+#   deepspeed_6p7b  GPT-6.7B layer-major against DeepSpeed ZeRO-3 offload, 16k tokens/step, both
+#                clipping at 1.0, same run
 #
 # Environment: OUT (default ./gpu-logs), GPU_CHECK_BUDGET_S (default 480; dry run 300),
 # GPU_CHECK_PARTS (the parts to run, default all), GPU_CHECK_RESUME=1 (skip the parts an
@@ -46,7 +51,7 @@ start=$SECONDS
 py=${PYTHON:-python3}
 
 left() { echo $(( budget - (SECONDS - start) )); }
-parts=${GPU_CHECK_PARTS:-cuda_tests modes host_adam depth big big64k deepspeed deepspeed_6p7b}
+parts=${GPU_CHECK_PARTS:-cuda_tests modes clip_overlap host_adam depth big big64k deepspeed deepspeed_6p7b}
 # What outlives one call on a warm machine: the parts done (a follow-up call skips them) and
 # DeepSpeed's build status. A dry run keeps it beside its output.
 state=$([[ $dry == 1 ]] && echo "$out/.gpu_check" || echo /tmp/gpu_check)
@@ -139,7 +144,8 @@ EOF
 # (a) CUDA tests and a short stream-race run, side by side (memory figures are per process).
 cuda_tests() {
   local files; files=$(grep -rl --include='test_*.py' "pytest.mark.cuda" tests | grep -v test_stream_races | sort)
-  local race="(asynchronous and (swap_checkpoint_bf16 or stream_layer_major_host_accum2_clip or offload_opt_accum2_clip))"
+  local race="(asynchronous and (swap_checkpoint_bf16 or stream_layer_major_host_accum2_clip or offload_opt_accum2_clip"
+  race="$race or stream_layer_major_host_bf16_accum2_clip))"
   race="$race or (sanitizer and stream_host_accum2_clip)"
   # shellcheck disable=SC2086 # one path per word
   "$py" -m pytest -q -rs -p no:cacheprovider -m cuda --junitxml="$out/cuda_tests.xml" $files &
@@ -186,6 +192,13 @@ part modes 90 240 "$py" benchmarks/offload.py "${size[@]}" --part modes --jsonl 
   --modes plain checkpointing activation_swap optimizer_offload layer_streaming layer_major \
   --baselines fsdp2_cpu_offload
 
+# (b2) the host step under clipping, overlapped with the next forward and not, same run.
+clip_overlap() {
+  "$py" benchmarks/offload.py "$@" --clip 1.0 --no-overlap && "$py" benchmarks/offload.py "$@" --clip 1.0
+}
+part clip_overlap 60 150 bash -c "$(declare -f clip_overlap); clip_overlap \"\$@\"" _ "${size[@]}" \
+  --modes optimizer_offload layer_streaming layer_major --no-baselines --part clip_overlap --jsonl "$results"
+
 # (c) the host optimizer step at this machine's thread count, as a fraction of its memory
 # bandwidth (a STREAM triad in the same run).
 if [[ $dry == 1 ]]; then numel=200_000; triad=1_000_000; else numel=200_000_000; triad=268_435_456; fi
@@ -210,11 +223,11 @@ if [[ $dry == 1 ]]; then
 else
   big=(--size 6.7b --seq-len 1024 --batch 8 --accumulation 2 --steps 1 --device cuda)
 fi
-part big 90 150 "$py" benchmarks/offload.py "${big[@]}" --modes layer_major --no-baselines --part big \
+part big 90 150 "$py" benchmarks/offload.py "${big[@]}" --clip 1.0 --modes layer_major --no-baselines --part big \
   --jsonl "$results"
 
 # (e2) the same at 65,536 tokens per step (8 micro-batches of 8 x 1024).
-part big64k 90 180 "$py" benchmarks/offload.py "${big[@]}" --accumulation $([[ $dry == 1 ]] && echo 4 || echo 8) \
+part big64k 90 180 "$py" benchmarks/offload.py "${big[@]}" --clip 1.0 --accumulation $([[ $dry == 1 ]] && echo 4 || echo 8) \
   --modes layer_major --no-baselines --part big64k --jsonl "$results"
 
 # (f) DeepSpeed's offloads at 1.3B beside our peers (it needs CUDA: on the CPU only its rows
@@ -226,7 +239,7 @@ part deepspeed 90 180 \
 
 # (g) the headline comparison: GPT-6.7B layer-major against DeepSpeed ZeRO-3 offload, same run.
 settle_build 120
-part deepspeed_6p7b 150 300 "$py" benchmarks/offload.py "${big[@]}" --modes layer_major \
+part deepspeed_6p7b 150 300 "$py" benchmarks/offload.py "${big[@]}" --clip 1.0 --modes layer_major \
   --baselines deepspeed_zero3_offload --part deepspeed_6p7b --jsonl "$results"
 
 echo "[gpu_check] done in $(( SECONDS - start )) s; rows in $results"

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("cuda_tests", "modes", "host_adam", "depth", "big", "big64k", "deepspeed", "deepspeed_6p7b")
+PARTS = ("cuda_tests", "modes", "clip_overlap", "host_adam", "depth", "big", "big64k", "deepspeed", "deepspeed_6p7b")
 MODES = ["plain", "checkpointing", "activation_swap", "optimizer_offload", "layer_streaming", "layer_major"]
 
 
@@ -41,6 +41,10 @@ def test_dry_run_runs_every_part_and_writes_its_rows(tmp_path: Path) -> None:
     assert moved["plain"] == dict.fromkeys(moved["plain"], 0)
     assert moved["activation_swap"]["activations_out"] == moved["activation_swap"]["activations_in"] > 0
     assert moved["optimizer_offload"]["gradients_down"] > 0 and moved["layer_major"]["weights_up"] > 0
+    clipped = [(r["name"], r["overlap"]) for r in rows if r["part"] == "clip_overlap" and r.get("kind") == "mode"
+               and r["status"] == "ok" and r["clip"] == 1.0]
+    assert clipped == [(name, overlap) for overlap in (False, True)
+                       for name in ("optimizer_offload", "layer_streaming", "layer_major")]
     (adam,) = [r for r in rows if r["part"] == "host_optimizer"]
     assert adam["name"] == "torch_fused" and adam["gparams_s"] > 0
     assert all(r["planned_step_s"] > 0 and r["planned_peak_gib"] > 0 for r in measured.values()
@@ -49,7 +53,7 @@ def test_dry_run_runs_every_part_and_writes_its_rows(tmp_path: Path) -> None:
     assert list(depths) == ["plain", "layer_major"]
     assert all(d["n_layer"] >= 1 and d["predicted_n_layer"] >= 1 for d in depths.values())
     (big,) = [r for r in rows if r["part"] == "big" and r.get("kind") == "mode"]
-    assert big["name"] == "layer_major" and big["status"] == "ok" and big["n_layer"] == 3
+    assert big["name"] == "layer_major" and big["status"] == "ok" and big["n_layer"] == 3 and big["clip"] == 1.0
     (big64k,) = [r for r in rows if r["part"] == "big64k" and r.get("kind") == "mode"]
     assert big64k["status"] == "ok" and big64k["tokens_per_step"] == 2 * big["tokens_per_step"]
     ours = {r["name"]: r["status"] for r in rows if r["part"] == "deepspeed" and r.get("kind") == "mode"}

@@ -20,6 +20,7 @@ def main(mode: str, out: str) -> None:
     """Train ``STEPS`` steps of ``mode`` on CUDA; save losses and parameters to ``out``."""
     torch.manual_seed(0)
     engine = ht.initialize(GPT(CFG), engine_config(MODES[mode], device="cuda"), loss_fn=causal_lm_loss)
+    engine.overlap_updates = bool(MODES[mode].extra.get("overlap_updates"))  # host updates during the next forward
     gen = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(STEPS):
