@@ -195,3 +195,9 @@ def test_cpu_adam_tiny_run(capsys: pytest.CaptureFixture[str]) -> None:
     fused = rows["torch_fused"]
     assert fused["bytes_s"] == pytest.approx(fused["params_s"] * 28)
     assert fused["bandwidth_fraction"] == pytest.approx(fused["bytes_s"] / results["host_memory_triad_bytes_s"])
+
+
+def test_wait_before_reads_tiny_run(capsys: pytest.CaptureFixture[str]) -> None:
+    ratios = _load("wait_before_reads").main(["--model", "gpt-tiny", "--batch", "2", "--steps", "1", "--rounds", "1"])
+    assert ratios["calls"] > 10 and ratios["guarded"] > 0 and ratios["settled"] > 0
+    assert "guarded/bare" in capsys.readouterr().out
