@@ -134,6 +134,7 @@ class LiveTensorBytes:
         # Joined threads observe concurrently with finalizers, which run in whichever thread
         # drops a storage (re-entrantly, when an allocation inside _observe collects garbage).
         self._lock = threading.RLock()
+        self._entered = False
 
     def __enter__(self) -> LiveTensorBytes:
         self._start = time.perf_counter()
@@ -145,11 +146,13 @@ class LiveTensorBytes:
                 self._track(storage, storage.nbytes())
         self._changed()
         self._mode.__enter__()
+        self._entered = True
         _here().append(self)
         return self
 
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
                  traceback: TracebackType | None) -> None:
+        self._entered = False
         _leave(self)
         self._mode.__exit__(kind, value, traceback)
         for _, finalizer in [*self._storages.values(), *((0, f) for f in self._ignored.values())]:
@@ -238,9 +241,11 @@ _threads = threading.local()
 
 
 def _here() -> list[LiveTensorBytes]:
+    """The calling thread's counters; one exited in another thread than it entered is dropped."""
     counters: list[LiveTensorBytes] | None = getattr(_threads, "counters", None)
     if counters is None:
         counters = _threads.counters = []
+    counters[:] = [c for c in counters if c._entered]
     return counters
 
 
