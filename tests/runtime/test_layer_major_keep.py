@@ -147,3 +147,32 @@ def test_bad_values_are_refused_in_one_line_before_any_work(streaming: dict[str,
                       loss_fn=causal_lm_loss)
     assert "\n" not in str(caught.value)
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+
+
+def _cuda_peak(keep: int, cfg: GPTConfig) -> int:
+    gc.collect()  # the previous engine's device memory must not count
+    torch.cuda.empty_cache()
+    torch.manual_seed(0)
+    engine = ht.initialize(GPT(cfg), {"device": "cuda", "bf16": {"enabled": True}, "layer_streaming": {
+        "enabled": True, "layer_major": True, "keep_blocks_for_backward": keep}}, loss_fn=causal_lm_loss)
+    first, second, third = (tuple(t.cuda() for t in batch) for batch in _batches(3, cfg, size=2))
+    engine.train_batch(first)
+    engine.train_batch(second)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    engine.train_batch(third)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del engine
+    return peak
+
+
+@pytest.mark.cuda
+def test_cuda_device_peak_grows_by_the_kept_blocks_bytes() -> None:
+    """On a GPU the allocator's peak: every block's bf16 image at the turn from forward to
+    backward with all kept, two blocks (computing + prefetched) without."""
+    cfg = GPTConfig(n_layer=8, n_head=8, d_model=512, seq_len=64, vocab_size=512)
+    image = _image_bytes(GPT(cfg).blocks[0])
+    growth = _cuda_peak(-1, cfg) - _cuda_peak(0, cfg)
+    expected = (cfg.n_layer - 2) * image
+    assert 0.9 * expected <= growth <= 1.1 * expected, (growth, expected)
