@@ -15,6 +15,7 @@ from torch import nn
 import hybridtrain as ht
 from hybridtrain.config import ConfigError
 from hybridtrain.models.gpt import GPT, GPTConfig, causal_lm_loss
+from hybridtrain.plan.resolve import resolve
 from hybridtrain.runtime.memory_limit import LiveTensorBytes
 from hybridtrain.runtime.streaming import LayerStreamer
 
@@ -127,6 +128,14 @@ def test_the_device_peak_grows_by_the_kept_blocks_bytes() -> None:
     image = _image_bytes(GPT(cfg).blocks[0])
     growth = _step_peak(-1, cfg) - _step_peak(0, cfg)
     assert abs(growth - (cfg.n_layer - 2) * image) <= image // 10, (growth, image)
+
+
+@pytest.mark.parametrize(("keep", "resident", "kept"), [(0, [], 0), (2, [], 2), (-1, [], N), (-1, ["blocks.4"], N - 1)])
+def test_the_plan_carries_how_many_blocks_are_kept(keep: int, resident: list[str], kept: int) -> None:
+    plan = resolve({"device": "cpu", "layer_streaming": {"enabled": True, "layer_major": True, "resident": resident,
+                                                         "keep_blocks_for_backward": keep}}, GPT(CFG), world_size=1)
+    assert plan.stream_keep_blocks == kept
+    assert plan.summary().get("kept_for_backward", 0) == kept
 
 
 @pytest.mark.parametrize(("streaming", "needle"), [
