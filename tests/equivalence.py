@@ -307,6 +307,20 @@ HALF_WIDTH_MODES: dict[str, Mode] = {
     "stream_layer_major_bf16": Mode("stream_layer_major_bf16", {
         "bf16": {"enabled": True}, "layer_streaming": {"enabled": True, "layer_major": True}},
         autocast_dtype=torch.bfloat16),
+    # Layer-major with blocks kept on the device from forward to backward (not uploaded
+    # again): every block (-1), or the last two (of the reference GPT's three, the Sequential's
+    # eight; all of the Hugging Face models' two).
+    "stream_layer_major_keep_all_fp16_overflow_accum2_clip": Mode(
+        "stream_layer_major_keep_all_fp16_overflow_accum2_clip", {
+            "fp16": {"enabled": True, "hysteresis": 1, "initial_scale_power": 20}, "gradient_accumulation_steps": 2,
+            "gradient_clipping": 0.05,
+            "layer_streaming": {"enabled": True, "layer_major": True, "keep_blocks_for_backward": -1}},
+        autocast_dtype=torch.float16, clip=0.05,
+        extra={"grad_scaler": True, "init_scale": 2.0**20, "plain_micro_batches": 2}),
+    "stream_layer_major_keep2_bf16_accum2_clip": Mode("stream_layer_major_keep2_bf16_accum2_clip", {
+        "bf16": {"enabled": True}, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
+        "layer_streaming": {"enabled": True, "layer_major": True, "keep_blocks_for_backward": 2}},
+        autocast_dtype=torch.bfloat16, clip=0.05, extra={"plain_micro_batches": 2}),
 }
 
 

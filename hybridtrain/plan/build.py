@@ -106,7 +106,8 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
                         scaling.min_scale) if scaling else None
     if streamed and offload is not None:
         # The streamer tells the host optimizer about each backward itself.
-        streamer = LayerStreamer(streamed, offload, device, plan.stream_prefetch_blocks, half=half)
+        streamer = LayerStreamer(streamed, offload, device, plan.stream_prefetch_blocks, half=half,
+                                 keep_blocks_for_backward=plan.stream_keep_blocks)
         observers.append(streamer)
         if plan.step_runner == "layer_major":
             runner = LayerMajorRunner(streamer, swapper)

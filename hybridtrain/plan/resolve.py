@@ -82,6 +82,7 @@ def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | Non
         raise ConfigError(str(exc)) from None
     blocks = _Blocks(model, cfg)
     streamed = _streamed(model, cfg, blocks)
+    kept = _kept(cfg, streamed)
     checkpointed = _checkpointed(model, cfg, blocks, streamed)
     swapped = _swapped(cfg, blocks, checkpointed, streamed)
     zero_stage = cfg.zero_optimization.stage if dp > 1 else 0
@@ -126,6 +127,7 @@ def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | Non
         swap=SwapSettings(cfg.activation_offload.prefetch_blocks, cfg.activation_offload.pin_memory,
                           cfg.activation_offload.min_bytes),
         stream_prefetch_blocks=cfg.layer_streaming.prefetch_blocks,
+        stream_keep_blocks=kept,
         step_rules=StepRules(cfg.gradient_clipping, cfg.nonfinite_loss, cfg.wall_clock_breakdown),
         collective_timeout_s=cfg.distributed.timeout_s,
         data_parallel=DataParallelSettings(cfg.data_parallel.gradient_compression, cfg.data_parallel.powersgd_rank,
@@ -222,6 +224,15 @@ def _streamed(model: nn.Module, cfg: Config, blocks: _Blocks) -> list[str]:
     except ValueError as exc:
         raise ConfigError(f"layer_streaming: {exc}") from None
     return streamed
+
+
+def _kept(cfg: Config, streamed: list[str]) -> int:
+    """How many streamed blocks keep their device copy from forward to backward (layer-major)."""
+    keep = cfg.layer_streaming.keep_blocks_for_backward
+    if keep > len(streamed):
+        raise ConfigError(f"layer_streaming.keep_blocks_for_backward = {keep} but {len(streamed)} blocks are "
+                          f"streamed; use -1 (all) or 0..{len(streamed)}")
+    return len(streamed) if keep == -1 else keep
 
 
 def _checkpointed(model: nn.Module, cfg: Config, blocks: _Blocks, streamed: list[str]) -> list[str]:

@@ -225,6 +225,9 @@ class TrainingPlan:
         loss_scaler: fp16 loss scaling, or None (no fp16).
         swap: how swapped activations move (read where ``swap_modules`` is not empty).
         stream_prefetch_blocks: streamed blocks fetched ahead of the one computing.
+        stream_keep_blocks: layer-major: how many streamed blocks (the last ones) keep their
+            device copy from forward to backward (``-1`` resolved to the number streamed; 0
+            outside layer-major).
         step_rules: clipping, non-finite losses, step timing.
         collective_timeout_s: how long a collective waits for a silent rank.
         data_parallel: DDP's gradient communication (``replication == "ddp"``).
@@ -255,6 +258,7 @@ class TrainingPlan:
     loss_scaler: LossScaling | None
     swap: SwapSettings
     stream_prefetch_blocks: int
+    stream_keep_blocks: int
     step_rules: StepRules
     collective_timeout_s: float
     data_parallel: DataParallelSettings
@@ -291,6 +295,8 @@ class TrainingPlan:
         }
         if self.tensor_plan:
             out["tensor_parallel"] = dict(self.tensor_plan)
+        if self.stream_keep_blocks:
+            out["kept_for_backward"] = self.stream_keep_blocks
         if self.device_map:
             out["device_map"] = {k: str(v) for k, v in self.device_map}
         if self.pipeline is not None:

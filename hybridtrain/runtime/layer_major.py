@@ -27,6 +27,11 @@ order on the device — the plain accumulation loop's sum — and land on the ho
 where the host optimizer updates block i while block i-1 computes (deferred to the end of
 the step when clipping, fp16 or ``nonfinite_loss: skip`` need every gradient first).
 
+With ``keep_blocks_for_backward`` the last blocks are not freed after their forward:
+backward reaches them first, so they wait the shortest, and it sends nothing up for them.
+With all blocks kept every weight crosses once per step (a half-width one at 2 bytes per
+parameter) and the device holds every streamed block at the turn from forward to backward.
+
 Dropout draws from the shared generator in execution order, so with dropout the masks
 differ from micro-batch-major order (same distribution); everything else is the plain loop's
 math.
@@ -45,6 +50,7 @@ from torch.utils.hooks import RemovableHandle
 from hybridtrain.compat import tree_flatten, tree_unflatten
 from hybridtrain.runtime.activation_offload import ActivationSwapper
 from hybridtrain.runtime.batch import Batch
+from hybridtrain.runtime.memory_limit import counters_here, counting_with
 from hybridtrain.runtime.precision import reported_loss
 from hybridtrain.runtime.step_runner import StepContext
 from hybridtrain.runtime.streaming import LayerStreamer
@@ -126,13 +132,12 @@ class LayerMajorRunner:
         self._turns = _Turns(0)
         self._boundaries: list[list[_Boundary | None]] = []
         self._handles: list[RemovableHandle] = []
-        last = len(streamer.blocks) - 1
         for block in streamer.blocks:
             # Prepended: the turn changes hands before any other hook sees the block start.
             self._handles.append(block.module.register_forward_pre_hook(
                 lambda _m, _a, i=block.index: self._before_block(i), prepend=True))
             self._handles.append(block.module.register_forward_hook(
-                lambda _m, _a, out, i=block.index: self._after_block(i, out, i == last)))
+                lambda _m, _a, out, i=block.index: self._after_block(i, out)))
 
     # ------------------------------------------------------------------ the step
     whole_steps_only = False
@@ -193,13 +198,17 @@ class LayerMajorRunner:
         self._scopes = [[None] * count for _ in self.streamer.blocks]
         losses: list[torch.Tensor | None] = [None] * count
         device = self.streamer.device
+        # A device_memory_limit's counters (dispatch modes are per thread) must see the
+        # forwards' allocations: the workers join the caller's.
+        counters = counters_here()
 
         def work(worker: int) -> None:
             self._local.worker = worker
             error: BaseException | None = None
             try:
                 # The current CUDA device is per thread; the micro-batch must run on ours.
-                with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(), \
+                        counting_with(counters):
                     self._turns.wait(worker)
                     losses[worker] = loss_of(micro_batches[worker])
             except _Aborted:
@@ -263,7 +272,7 @@ class LayerMajorRunner:
         self._turns.wait(worker)
         self.streamer.enter(index)
 
-    def _after_block(self, index: int, output: Any, last: bool) -> Any:
+    def _after_block(self, index: int, output: Any) -> Any:
         worker = self._worker()
         if worker is None:
             return None
@@ -280,8 +289,8 @@ class LayerMajorRunner:
         if self.swapper is not None:
             self._scopes[index][worker] = self.swapper.last_scope(self.streamer.blocks[index].module)
         # The last micro-batch is through: the device copy can go — except the last block's,
-        # which backward needs first.
-        if worker == len(self._boundaries[index]) - 1 and not last:
+        # which backward needs first, and those kept for backward (not uploaded again).
+        if worker == len(self._boundaries[index]) - 1 and not self.streamer.kept_for_backward(index):
             self.streamer.release(index)
         return tree_unflatten(replaced, spec) if cut else None
 

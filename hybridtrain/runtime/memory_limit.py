@@ -13,20 +13,28 @@ plans and out-of-memory recovery can be tested on a machine without a GPU:
   ``TorchDispatchMode`` - the documented way to see every op (torch's
   ``FlopCounterMode`` and FSDP's memory tracker use the same one);
 * a storage's death is seen with a ``weakref.finalize`` on its Python object, which torch
-  keeps alive exactly as long as the storage itself.
+  keeps alive exactly as long as the storage itself;
+* dispatch modes are per thread: a worker thread doing the entering thread's work (the
+  layer-major runner's micro-batch forwards) joins its counters with
+  :func:`counting_with` (:func:`counters_here` read in the entering thread);
+* a storage resized in place through ``UntypedStorage.resize_`` (not an aten op: layer
+  streaming frees and refills its blocks' device buffers so) is reported by the code that
+  resizes it with :func:`storage_resized`, which counts, and limits, like an op's output.
 
-What is not seen: tensors made in other threads, storages resized in place through
-``UntypedStorage.resize_`` (not an aten op; the new size is read when the storage next
-comes out of an op), sparse tensors, and saved tensors of a graph that was built before
-counting started and whose tensors have no Python object.
+What is not seen: tensors made in other threads that did not join, other in-place storage
+resizes (the new size is read when the storage next comes out of an op), sparse tensors, and
+saved tensors of a graph that was built before counting started and whose tensors have no
+Python object.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -68,7 +76,8 @@ class LiveTensorBytes:
 
     Storages already alive at ``__enter__`` (parameters, gradients, optimizer state ...)
     count too. Counting covers the thread that entered (and autograd's backward, which runs
-    with its modes). Values stay readable after exit.
+    with its modes) and the threads that join it (:func:`counting_with`); it is thread-safe.
+    Values stay readable after exit.
 
     >>> with LiveTensorBytes("cpu", limit_bytes=parse_bytes("2GiB")) as live:
     ...     engine.train_batch(batch)
@@ -122,6 +131,10 @@ class LiveTensorBytes:
         self._mode = _OpOutputs(self._observe)
         self._start = 0.0
         self._held = held
+        # Joined threads observe concurrently with finalizers, which run in whichever thread
+        # drops a storage (re-entrantly, when an allocation inside _observe collects garbage).
+        self._lock = threading.RLock()
+        self._entered = False
 
     def __enter__(self) -> LiveTensorBytes:
         self._start = time.perf_counter()
@@ -133,10 +146,14 @@ class LiveTensorBytes:
                 self._track(storage, storage.nbytes())
         self._changed()
         self._mode.__enter__()
+        self._entered = True
+        _here().append(self)
         return self
 
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
                  traceback: TracebackType | None) -> None:
+        self._entered = False
+        _leave(self)
         self._mode.__exit__(kind, value, traceback)
         for _, finalizer in [*self._storages.values(), *((0, f) for f in self._ignored.values())]:
             finalizer.detach()
@@ -165,6 +182,10 @@ class LiveTensorBytes:
     def _observe(self, out: Any, func: Any) -> None:
         if not self.counting:
             return
+        with self._lock:
+            self._observe_locked(out, func)
+
+    def _observe_locked(self, out: Any, func: Any) -> None:
         grown: list[tuple[torch.UntypedStorage, int]] = []
         for leaf in _tensors_in(out):
             storage = self._storage_of(leaf)
@@ -204,15 +225,75 @@ class LiveTensorBytes:
         self.current_bytes += size
 
     def _freed(self, key: int) -> None:
-        size, _ = self._storages.pop(key)
-        self.current_bytes -= size
-        if self.record_timeline:
-            self.timeline.append((time.perf_counter() - self._start, self.current_bytes))
+        with self._lock:
+            size, _ = self._storages.pop(key)
+            self.current_bytes -= size
+            if self.record_timeline:
+                self.timeline.append((time.perf_counter() - self._start, self.current_bytes))
 
     def _changed(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
         if self.record_timeline:
             self.timeline.append((time.perf_counter() - self._start, self.current_bytes))
+
+
+_threads = threading.local()
+
+
+def _here() -> list[LiveTensorBytes]:
+    """The calling thread's counters; one exited in another thread than it entered is dropped."""
+    counters: list[LiveTensorBytes] | None = getattr(_threads, "counters", None)
+    if counters is None:
+        counters = _threads.counters = []
+    counters[:] = [c for c in counters if c._entered]
+    return counters
+
+
+def _leave(counter: LiveTensorBytes) -> None:
+    counters = _here()
+    if counter in counters:  # exited in the thread that entered it
+        counters.remove(counter)
+
+
+def counters_here() -> tuple[LiveTensorBytes, ...]:
+    """The :class:`LiveTensorBytes` counting in the calling thread (entered here or joined),
+    outermost first; hand them to :func:`counting_with` in a worker thread."""
+    return tuple(_here())
+
+
+@contextlib.contextmanager
+def counting_with(counters: Sequence[LiveTensorBytes]) -> Iterator[None]:
+    """In a worker thread doing another thread's work: count (and limit) this thread's ops
+    in ``counters`` too, until exit. Each counter gets a dispatch mode of this thread's own
+    (a mode object keeps per-entry state, so one is never entered by two threads).
+
+    Args:
+        counters: from :func:`counters_here` in the thread that entered them; they must
+            stay entered while this thread works (the caller joins the worker first).
+    """
+    with contextlib.ExitStack() as stack:
+        for counter in counters:
+            stack.enter_context(_OpOutputs(counter._observe))
+            _here().append(counter)
+            stack.callback(_leave, counter)
+        yield
+
+
+def storage_resized(tensor: torch.Tensor, what: str) -> None:
+    """Tell the counters of the calling thread that ``tensor``'s storage was just resized in
+    place (``UntypedStorage.resize_``, which no dispatch mode sees): they count its new size
+    as if an op had returned it, limit included.
+
+    Args:
+        tensor: a tensor viewing the resized storage.
+        what: the allocation's name in a refusal (``"the upload of streamed block 3"``).
+
+    Raises:
+        DeviceMemoryLimitError: the storage grew past a counter's limit; that counter's
+            count stays as before, and the caller should shrink the storage back.
+    """
+    for counter in _here():
+        counter._observe(tensor, what)
 
 
 def _tensors_in(out: Any) -> list[torch.Tensor]:

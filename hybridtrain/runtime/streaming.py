@@ -29,7 +29,10 @@ Under bf16/fp16, from the second training step, the parameters
 by a matmul) cross as half: each block uploads a byte image cast from the masters on a caster
 thread at every forward upload (backward re-sends the same image), the parameters compute
 as half, and their half gradients land on the host, which widens them exactly — the same
-bits as autocast casting fp32 weights on the device.
+bits as autocast casting fp32 weights on the device. Under layer-major streaming the last
+``keep_blocks_for_backward`` blocks are not freed between their forward and their backward,
+so backward sends nothing for them: with all blocks kept, a half-width weight crosses at 2
+bytes per parameter per step (up), for the device memory of every block at once.
 
 Because everything is driven by module and autograd hooks, the engine's ordinary step
 (micro-batches, accumulation, loss scaling, clipping) and its forward/backward/step trio
@@ -56,6 +59,7 @@ from hybridtrain.compat import tree_leaves
 from hybridtrain.runtime import transfer
 from hybridtrain.runtime.device import normalize_device
 from hybridtrain.runtime.half_width import WeightReads, matmul_reads_only
+from hybridtrain.runtime.memory_limit import storage_resized
 from hybridtrain.runtime.offload_bucket import Bucket
 from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
 from hybridtrain.runtime.residency import Residency
@@ -133,6 +137,7 @@ class _StreamedBlock:
             self.device_views = bucket.views(self.device_flat)
         self.nbytes = self.device_flat.untyped_storage().nbytes()
         self.device_flat.untyped_storage().resize_(0)
+        storage_resized(self.device_flat, f"the release of streamed block {self.index}")
 
     def _typed(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[start:start + numel * dtype.itemsize].view(dtype).view(p.shape)
@@ -165,17 +170,24 @@ class LayerStreamer:
             :func:`~hybridtrain.runtime.half_width.half_width_params`; the first training
             step (moved in fp32) shows which of them the ops read once by a matmul, and
             only those cross in half afterwards.
+        keep_blocks_for_backward: how many of the last blocks the layer-major runner
+            keeps on the device from their forward to their backward (see
+            :meth:`kept_for_backward`); micro-batch-major streaming keeps only the last.
 
     Raises:
         HostMemoryError: the half-width images do not fit in available host memory.
     """
 
     def __init__(self, blocks: Sequence[nn.Module], optimizer: OffloadOptimizer, device: torch.device,
-                 prefetch_blocks: int = 1, half: Mapping[int, torch.dtype] | None = None) -> None:
+                 prefetch_blocks: int = 1, half: Mapping[int, torch.dtype] | None = None,
+                 keep_blocks_for_backward: int = 0) -> None:
         self.device = normalize_device(device)
         self.optimizer = optimizer
         self.prefetch_blocks = prefetch_blocks
-        self.residency = Residency()
+        self.keep_blocks_for_backward = keep_blocks_for_backward
+        # The device buffers are resized in place, which live-byte counters see only when told.
+        self.residency = Residency(buffer_of=lambda i: self.blocks[i].device_flat,
+                                   unload=lambda i: self._free(self.blocks[i]))
         self.driven = False
         """True while a whole-step runner moves the blocks itself (the hooks stand aside)."""
         self._h2d = transfer.SideStream(device)
@@ -329,6 +341,12 @@ class LayerStreamer:
         block.landed = True
         block.imaged = False  # the host step may now write the masters
         self.optimizer.land(index, then=lambda: self._free(block), grads=grads)
+
+    def kept_for_backward(self, index: int) -> bool:
+        """Whether block ``index`` stays on the device from its forward to its backward
+        under layer-major order: the last one always (backward starts with it), and the last
+        ``keep_blocks_for_backward`` (those backward reaches first, after the shortest wait)."""
+        return index >= len(self.blocks) - max(1, self.keep_blocks_for_backward)
 
     def half_width(self, index: int) -> list[bool]:
         """For each parameter of block ``index``: whether it computes (and its gradient
