@@ -404,6 +404,8 @@ class Engine:
         """
         self.settle()
         restored = ckpt.load(path, self._checkpoint_parts(), self._check_compatible, model_only)
+        if model_only and isinstance(self.optimizer, OffloadOptimizer):
+            self.optimizer.refresh_masters()  # the next update starts from the loaded weights
         if not model_only:
             self.global_step = int(restored.counters["global_step"])
             self._nonfinite_skips = int(restored.counters["nonfinite_skips"])

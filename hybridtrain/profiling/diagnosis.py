@@ -70,9 +70,9 @@ def diagnose(profile: dict[str, Any]) -> list[Finding]:
         if work > 0 and hidden < NOTHING_HIDDEN:
             advice += ("; none of it is hidden behind backward: gradient clipping, fp16 loss scaling and "
                        "nonfinite_loss: skip make it wait for every gradient")
-            if "layer_streaming" in using and "overlapped_updates" not in using:
-                advice += (" (set engine.overlap_updates = True, as hybridtrain train does, to update the "
-                           "blocks while the next forward starts)")
+            if "optimizer_offload" in using and "overlapped_updates" not in using:
+                advice += (" (set engine.overlap_updates = True, as hybridtrain train does, to update "
+                           "while the next forward starts)")
         found.append(Finding("host_optimizer", host, f"the host optimizer step is {_pct(host)} of the step: {advice}"))
     comm = share.get("communication", 0.0)
     if comm > COMMUNICATION_SHARE:

@@ -217,8 +217,8 @@ def _techniques(engine: Any) -> list[str]:
         used.append("optimizer_offload")
     if any(isinstance(o, LayerStreamer) for o in engine.options.observers):
         used.append("layer_streaming")
-        if engine.overlap_updates:
-            used.append("overlapped_updates")
+    if isinstance(engine.optimizer, OffloadOptimizer) and engine.overlap_updates:
+        used.append("overlapped_updates")
     if engine.parallel.distributed:
         used.append("distributed")
     return used

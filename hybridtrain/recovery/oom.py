@@ -59,6 +59,7 @@ from hybridtrain.runtime.memory_limit import (
     cap_cuda_memory,
     tensors_alive,
 )
+from hybridtrain.runtime.optimizer_offload import in_background_update
 from hybridtrain.runtime.step_runner import MicroBatchRunner
 from hybridtrain.units import format_bytes
 
@@ -96,7 +97,9 @@ class _StepStart:
 
 
 class _OptimizerSteps:
-    """Notes whether any optimizer began a step (torch's global step pre-hook) while entered."""
+    """Notes whether any optimizer began a step (torch's global step pre-hook) while entered —
+    not the background update of a step that already returned (``overlap_updates``): that
+    step is complete, and a rerun of this one starts from its result."""
 
     def __init__(self) -> None:
         self.began = False
@@ -109,7 +112,8 @@ class _OptimizerSteps:
         self._hook.remove()
 
     def _began(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self.began = True
+        if not in_background_update():
+            self.began = True
 
 
 @dataclass(frozen=True)
@@ -352,8 +356,10 @@ def _release(engine: Engine) -> None:
     """Free a replaced engine's parameters, gradients and optimizer state, even while a
     caller still holds the engine object (its host state too: the next engine's must not be
     allocated beside it)."""
-    # Uploads and prefetches queued on side streams may still read or write the memory
-    # freed below; the allocator would hand it to the new engine while they run.
+    # Host updates still running in the background finish first (they write the state and
+    # queue uploads); then uploads and prefetches queued on side streams may still read or
+    # write the memory freed below; the allocator would hand it to the new engine meanwhile.
+    engine.settle()
     dev.synchronize(engine.device)
     engine.optimizer.zero_grad(set_to_none=True)
     engine.optimizer.state.clear()

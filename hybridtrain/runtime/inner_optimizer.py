@@ -39,11 +39,13 @@ def inner_optimizer(cls: Callable[..., torch.optim.Optimizer], outer: torch.opti
 
 def sync_hyperparams(inner: torch.optim.Optimizer, outer: torch.optim.Optimizer) -> None:
     """Copy ``outer``'s group hyperparameters into ``inner``'s groups (before each update:
-    the LR scheduler edits the outer groups)."""
+    the LR scheduler edits the outer groups). A tensor value (torch allows a tensor ``lr``,
+    which schedulers write in place) is copied too, so an update that runs after the
+    scheduler has moved on still sees its own step's value."""
     for group in inner.param_groups:
         for key, value in outer.param_groups[group["_outer"]].items():
             if key not in NOT_HYPERPARAMS:
-                group[key] = value
+                group[key] = value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def _hyperparams(outer: torch.optim.Optimizer, k: int) -> dict[str, Any]:

@@ -42,8 +42,8 @@ class Bucket:
     """The last gradient copy to the host; it ran after every kernel that read the bucket."""
     uploaded: torch.cuda.Event | None = None
     update: Future[None] | None = None
-    """A background update of a streamed bucket (see :attr:`OffloadOptimizer.background`),
-    until the optimizer has seen it finish."""
+    """The bucket's background update (see :attr:`OffloadOptimizer.background`), until the
+    optimizer has seen it finish."""
     norms: list[torch.Tensor | None] | None = None
     """Each gradient's 2-norm, taken on the host worker as the step's last landing of the
     bucket completed it (``grad_norms``); None where it was not (then taken at clipping)."""
@@ -78,6 +78,12 @@ class Bucket:
             else:
                 bucket.masters.append(nn.Parameter(view, requires_grad=p.requires_grad))  # frozen stays frozen
         return bucket
+
+    @property
+    def has_work(self) -> bool:
+        """Whether an update would change anything: a gradient landed, or one was put on a
+        master directly (DeepSpeed's fp16-wrapper step gives every parameter a zero one)."""
+        return any(self.has_grad) or any(m.grad is not None for m in self.masters)
 
     def clear(self) -> None:
         """Forget the step's gradients (host and device) and that it stepped."""

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -125,6 +126,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """With :attr:`background`: the other buckets too, their device weights written
         while the next forward runs — only for a caller that runs that forward under
         :meth:`reads_wait`."""
+        self._failed: BaseException | None = None
+        """A background update's error: every later wait raises it (the step's result is
+        lost; continuing would train on partly updated weights)."""
         self._awaited: dict[int, Callable[[], None]] = {}
         """Device parameters of buckets updating in the background → their waiter."""
         self._clip_coef: torch.Tensor | None = None
@@ -431,6 +435,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 bucket.uploaded = None
             self._awaited.clear()
         first = next((e for e in errors if e is not None), None)
+        if first is not None and self._failed is None and self.background:
+            self._failed = first
+        if self._failed is not None:
+            raise self._failed
         if first is not None:
             raise first
 
@@ -465,7 +473,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise ValueError("OffloadOptimizer.step does not take a closure")
         coef, self._clip_coef = self._clip_coef, None
         later = [b for b in self.buckets if self.background and (b.streamed or self.background_resident)
-                 and not b.stepped and b.optimizer is not None]
+                 and not b.stepped and b.optimizer is not None and b.has_work]
         with step_part("host_optimizer"):
             self._wait()
             # What does not update in the background updates here; the rest on the worker,
@@ -507,6 +515,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             with step_part("host_optimizer"):
                 error = update.exception()
             if error is not None:
+                self._failed = error
                 raise error
         transfer.compute_waits(bucket.uploaded, self.device)
         bucket.uploaded = None
@@ -514,7 +523,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._awaited.pop(id(p), None)
 
     def _update_in_background(self, bucket: Bucket, coef: torch.Tensor | None, clocks: list[PartClock]) -> None:
-        self._step_bucket(bucket, coef=coef, background=True, clocks=clocks)
+        _in_background.active = True
+        try:
+            self._step_bucket(bucket, coef=coef, background=True, clocks=clocks)
+        finally:
+            _in_background.active = False
         bucket.clear()  # zero_grad left it alone while this ran
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -579,17 +592,33 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for bucket in self.buckets:
             if bucket.optimizer is not None:
                 bucket.optimizer.state = self.state
+        self.refresh_masters()
+        if self._device_optimizer is not None:
+            self._device_optimizer.state = self.state
+
+    @torch.no_grad()
+    def refresh_masters(self) -> None:
+        """Copy the model's device weights into the host masters: after something wrote the
+        weights directly (a model-only checkpoint load), the next update starts from them.
+        Streamed blocks' parameters *are* their masters."""
+        self.settle()
+        for bucket in self.buckets:
             if not bucket.streamed:
                 for p, m in zip(bucket.params, bucket.masters, strict=True):
                     m.data.copy_(p.detach())
-        if self._device_optimizer is not None:
-            self._device_optimizer.state = self.state
 
     def close(self) -> None:
         """Stop the host worker thread, remove the gradient hooks from the parameters and
         drop the host state (masters, gradient buffers, pool): a closed optimizer cannot
         step, and whoever still holds it (an engine being replaced after an OOM) no longer
-        holds its pinned host memory while the next one is built."""
+        holds its pinned host memory while the next one is built. Updates still running in
+        the background finish first (an error of theirs is raised once all is released)."""
+        try:
+            self._wait()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
         self._worker.shutdown(wait=True)
         for handle in self._hooks:
             handle.remove()
@@ -608,6 +637,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def host_numel(self) -> int:
         """Elements whose master weights and state live in host memory."""
         return sum(b.flat_master.numel() for b in self.buckets)
+
+
+_in_background = threading.local()
+
+
+def in_background_update() -> bool:
+    """Whether the calling thread is running a background update (:attr:`OffloadOptimizer.background`):
+    the update of a step that has already returned, not of the step running now."""
+    return bool(getattr(_in_background, "active", False))
 
 
 def _arrived(optimizer: weakref.ref[OffloadOptimizer], index: int, _param: torch.Tensor) -> None:

@@ -298,3 +298,46 @@ def test_release_drops_the_old_engines_host_state_while_the_engine_is_still_held
     gc.collect()
     assert all(m() is None for m in masters)
     assert all(p.is_meta for p in engine.module.parameters())
+
+
+def test_oom_in_the_forward_after_an_overlapped_step_is_recovered() -> None:
+    """Step 1's host updates still run (overlap_updates, as hybridtrain train sets it) when
+    step 2's forward runs out of memory: they are step 1's, so step 2 is rerun under
+    another plan instead of refused as "partly updated"."""
+    import time
+
+    from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
+
+    raw = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8, "optimizer": OPTIMIZER, "device": "cpu",
+           "gradient_clipping": 0.05, "oom_recovery": {"enabled": True},
+           "zero_optimization": {"stage": 1, "reduce_bucket_size": 2000, "offload_optimizer": {"device": "cpu"}}}
+    config = load_config(raw)
+    case = gpt_case()
+
+    def make(_: Config) -> nn.Module:
+        torch.manual_seed(SEED)
+        return case.build()
+
+    model = make(config)
+    engine = build(resolve(config, model, world_size=1), model, case.loss_fn)
+    engine.overlap_updates = True
+    opt = engine.optimizer
+    assert isinstance(opt, OffloadOptimizer)
+    first = min((b for b in opt.buckets if b.optimizer is not None), key=lambda b: opt._first_use[b.index])
+    assert first.optimizer is not None
+    real = first.optimizer.step
+    first.optimizer.step = lambda *a, **k: (time.sleep(0.2), real(*a, **k))[1]  # type: ignore[method-assign]
+    forwards = {"n": 0}
+
+    def oom_in_step_two(*_: Any) -> None:
+        forwards["n"] += 1
+        if forwards["n"] == 2:
+            time.sleep(0.5)  # step 1's background updates run meanwhile
+            raise torch.OutOfMemoryError("injected: out of memory in step 2's forward")
+
+    model.register_forward_pre_hook(oom_in_step_two)
+    batches = case.batches(2)
+    with MemoryGuard(engine, config, make) as guard:
+        guard.train_batch(batches[0])
+        guard.train_batch(batches[1])
+    assert len(guard.switches) == 1

@@ -436,3 +436,20 @@ def test_before_backward_does_not_read_the_loss_on_the_host() -> None:
         opt.before_backward(False, loss)
         opt.before_backward(True, loss)
     assert reads.calls == []
+
+
+def test_a_model_only_load_reaches_the_host_masters(tmp_path) -> None:
+    """The next update starts from the loaded weights, not from the host masters' older ones."""
+    engine = _engine(gradient_clipping=0.05)
+    batches = CASE.batches(3)
+    engine.train_batch(batches[0])
+    engine.save_checkpoint(tmp_path / "ckpt")
+    loaded = engine.model_state_dict()
+    engine.train_batch(batches[1])
+    engine.load_checkpoint(tmp_path / "ckpt", model_only=True)
+    for group in engine.optimizer.param_groups:
+        group["lr"] = 0.0  # the next step changes nothing (AdamW's decay is scaled by lr too)
+    engine.train_batch(batches[2])
+    after = engine.model_state_dict()
+    for name, value in loaded.items():
+        assert torch.equal(value, after[name]), name

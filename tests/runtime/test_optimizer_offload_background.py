@@ -11,6 +11,8 @@ import threading
 import time
 from typing import Any
 
+from torch import nn
+
 import pytest
 import torch
 
@@ -174,6 +176,12 @@ def test_a_failed_background_update_is_raised_by_the_next_step_not_hung_on() -> 
     threading.Thread(target=second, daemon=True).start()
     assert done.wait(60), "the step after a failed background update hung"
     assert errors and "host update failed" in str(errors[0])
+    # The step's result is lost: every later step and save says so instead of training on.
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="host update failed"):
+            engine.train_batch(batches[1])
+    with pytest.raises(RuntimeError, match="host update failed"):
+        engine.optimizer.state_dict()
 
 
 def test_a_weight_read_outside_its_module_waits_for_its_update() -> None:
@@ -207,3 +215,73 @@ def test_a_weight_read_outside_its_module_waits_for_its_update() -> None:
     assert waited[0] == overlapped[0]
     for name, value in waited[1].items():
         assert torch.equal(value, overlapped[1][name]), name
+
+
+def test_overlapped_updates_under_a_schedule_take_their_own_steps_lr() -> None:
+    """The scheduler moves on right after step() returns: each background update must use
+    the hyperparameters of the step that queued it."""
+    schedule = {**OFFLOAD_CLIP, "scheduler": {"type": "cosine", "params": {
+        "warmup_num_steps": 2, "total_num_steps": 6, "cos_min_ratio": 0.1}}}
+    waited = _train(_engine(schedule, overlap=False))
+    overlapping = _engine(schedule, overlap=True)
+    _slow_last_update(overlapping, 0.05)
+    overlapped = _train(overlapping)
+    assert waited[0] == overlapped[0]
+    for name, value in waited[1].items():
+        assert torch.equal(value, overlapped[1][name]), name
+
+
+def _tensor_lr_run(background: bool) -> torch.Tensor:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    adam = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.1))  # a tensor lr, as torch allows
+    opt = OffloadOptimizer(adam, torch.device("cpu"), pin_memory=False, defer=True)
+    opt.background = opt.background_resident = background
+    for bucket in opt.buckets:  # each update takes a while: the scheduler moves on first
+        assert bucket.optimizer is not None
+        real = bucket.optimizer.step
+        bucket.optimizer.step = lambda *a, real=real, **k: (time.sleep(0.2), real(*a, **k))[1]  # type: ignore[method-assign]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.0 if step >= 1 else 1.0)
+    opt.zero_grad()
+    loss = model(torch.ones(2, 8)).square().sum()
+    opt.before_backward(True, loss)
+    loss.backward()
+    opt.after_backward(True)
+    opt.step()
+    scheduler.step()  # writes the next step's lr (0) into the tensor in place
+    opt.settle()
+    return model.weight.detach().clone()
+
+
+def test_a_background_update_uses_its_own_steps_tensor_lr() -> None:
+    assert torch.equal(_tensor_lr_run(background=False), _tensor_lr_run(background=True))
+
+
+def test_clipping_norms_are_taken_on_the_host_worker_as_buckets_land(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the total's norm is taken on the calling thread; every gradient's norm was
+    taken on the host worker as its bucket landed."""
+    engine = _engine(OFFLOAD_CLIP, overlap=False)
+    opt = engine.optimizer
+    assert isinstance(opt, OffloadOptimizer)
+    on_caller: list[int] = []
+    real_norm = torch.linalg.vector_norm
+
+    def counting_norm(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if threading.current_thread() is threading.main_thread():
+            on_caller.append(1)
+        return real_norm(*args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "vector_norm", counting_norm)
+    engine.train_batch(CASE.batches(1)[0])
+    assert len(on_caller) == 1
+
+
+def test_close_lets_running_updates_finish_first() -> None:
+    engine = _engine(OFFLOAD_CLIP, overlap=True)
+    update_ends, _ = _slow_last_update(engine, 0.2)
+    engine.train_batch(CASE.batches(1)[0])
+    assert not update_ends  # still running
+    opt = engine.optimizer
+    assert isinstance(opt, OffloadOptimizer)
+    opt.close()
+    assert len(update_ends) == 1
