@@ -11,10 +11,9 @@ import threading
 import time
 from typing import Any
 
-from torch import nn
-
 import pytest
 import torch
+from torch import nn
 
 import hybridtrain as ht
 from hybridtrain.runtime.offload_bucket import Bucket
