@@ -58,6 +58,9 @@ MODES: dict[str, dict[str, Any]] = {
                                                 "offload_optimizer": OFFLOAD_OPTIMIZER}},
     "layer_streaming": {"layer_streaming": {"enabled": True, "boundary_activations": "host"}},
     "layer_major": {"layer_streaming": {"enabled": True, "boundary_activations": "host", "layer_major": True}},
+    # Every block's uploaded weights kept from forward to backward: weights cross once per step.
+    "layer_major_kept": {"layer_streaming": {"enabled": True, "boundary_activations": "host", "layer_major": True,
+                                             "keep_blocks_for_backward": -1}},
 }
 # Each incumbent, the zero_optimization DeepSpeed is given, and our mode doing the same job.
 DEEPSPEED: dict[str, tuple[dict[str, Any], str]] = {
@@ -72,7 +75,7 @@ BASELINES = list(PEERS)
 # Lower bounds: our engine checks its exact need itself (HostMemoryError; +4 B of gradient
 # where micro-batches are summed on the host); this only keeps a configuration that cannot
 # fit from being built at all.
-HOST_PER_PARAM = {"optimizer_offload": 12, "layer_streaming": 12, "layer_major": 12,
+HOST_PER_PARAM = {"optimizer_offload": 12, "layer_streaming": 12, "layer_major": 12, "layer_major_kept": 12,
                   "fsdp2_cpu_offload": 16, "deepspeed_zero_offload": 16, "deepspeed_zero3_offload": 18}
 # A mode doing the same computation as another but moving data: its cost is shown against it.
 SAME_WORK = {"activation_swap": "checkpointing", "activation_swap_all": "plain"}
@@ -205,7 +208,7 @@ def host_bytes(setup: Setup, name: str) -> int:
     inputs = cfg.n_layer * setup.batch * cfg.seq_len * cfg.d_model * 4
     # Every saved activation: about 34 residual-stream-sized tensors per block (Korthikanti et al.), in bf16.
     swapped = {"activation_swap": inputs, "activation_swap_all": inputs * 34 // 2, "layer_streaming": inputs,
-               "layer_major": inputs * setup.accumulation}
+               "layer_major": inputs * setup.accumulation, "layer_major_kept": inputs * setup.accumulation}
     return per_param * gpt_param_count(cfg) + swapped.get(name, 0)
 
 

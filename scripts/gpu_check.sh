@@ -27,8 +27,9 @@
 #   depth        the largest depth plain training and layer-major streaming train at 1.3B's width
 #                (each search starts at the planner's prediction, stops within 5 %)
 #   big          GPT-6.7B, layer-major streaming, 16k tokens/step, clipping at 1.0 (overlapped
-#                updates): tokens/s, MFU, bytes moved
-#   big64k       the same at 64k tokens/step (8 micro-batches): the offload issue's MFU target
+#                updates), without and with every block kept for backward (weights up once):
+#                tokens/s, MFU, bytes moved
+#   big64k       the same, blocks kept, at 64k tokens/step (8 micro-batches): the offload issue's MFU target
 #   deepspeed    DeepSpeed ZeRO-Offload and ZeRO-3 offload at 1.3B beside our peers, in the same
 #                run (its CPU Adam op is compiled in the background from the start)
 #   deepspeed_6p7b  GPT-6.7B layer-major against DeepSpeed ZeRO-3 offload, 16k tokens/step, both
@@ -223,12 +224,12 @@ if [[ $dry == 1 ]]; then
 else
   big=(--size 6.7b --seq-len 1024 --batch 8 --accumulation 2 --steps 1 --device cuda)
 fi
-part big 90 150 "$py" benchmarks/offload.py "${big[@]}" --clip 1.0 --modes layer_major --no-baselines --part big \
+part big 90 180 "$py" benchmarks/offload.py "${big[@]}" --clip 1.0 --modes layer_major layer_major_kept --no-baselines --part big \
   --jsonl "$results"
 
 # (e2) the same at 65,536 tokens per step (8 micro-batches of 8 x 1024).
 part big64k 90 180 "$py" benchmarks/offload.py "${big[@]}" --clip 1.0 --accumulation $([[ $dry == 1 ]] && echo 4 || echo 8) \
-  --modes layer_major --no-baselines --part big64k --jsonl "$results"
+  --modes layer_major_kept --no-baselines --part big64k --jsonl "$results"
 
 # (f) DeepSpeed's offloads at 1.3B beside our peers (it needs CUDA: on the CPU only its rows
 # saying why run).

@@ -52,10 +52,14 @@ def test_dry_run_runs_every_part_and_writes_its_rows(tmp_path: Path) -> None:
     depths = {r["name"]: r for r in rows if r["part"] == "depth" and r.get("kind") == "depth"}
     assert list(depths) == ["plain", "layer_major"]
     assert all(d["n_layer"] >= 1 and d["predicted_n_layer"] >= 1 for d in depths.values())
-    (big,) = [r for r in rows if r["part"] == "big" and r.get("kind") == "mode"]
-    assert big["name"] == "layer_major" and big["status"] == "ok" and big["n_layer"] == 3 and big["clip"] == 1.0
+    big, kept = [r for r in rows if r["part"] == "big" and r.get("kind") == "mode"]
+    assert (big["name"], kept["name"]) == ("layer_major", "layer_major_kept")
+    assert all(r["status"] == "ok" and r["n_layer"] == 3 and r["clip"] == 1.0 for r in (big, kept))
+    # Kept blocks cross once per step: fewer weight bytes up than uploading them again.
+    assert kept["transfer_bytes"]["weights_up"] < big["transfer_bytes"]["weights_up"]
     (big64k,) = [r for r in rows if r["part"] == "big64k" and r.get("kind") == "mode"]
-    assert big64k["status"] == "ok" and big64k["tokens_per_step"] == 2 * big["tokens_per_step"]
+    assert big64k["name"] == "layer_major_kept" and big64k["status"] == "ok"
+    assert big64k["tokens_per_step"] == 2 * big["tokens_per_step"]
     ours = {r["name"]: r["status"] for r in rows if r["part"] == "deepspeed" and r.get("kind") == "mode"}
     assert ours == {"optimizer_offload": "ok", "layer_major": "ok"}
     incumbents = {r["name"]: r["status"] for r in rows if r["part"] == "deepspeed" and r.get("kind") == "baseline"}
