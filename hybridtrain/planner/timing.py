@@ -64,13 +64,15 @@ class Hardware:
 
 @dataclass(frozen=True)
 class StepTime:
-    """Predicted seconds of one step, by part (``total`` is not their sum: parts overlap)."""
+    """Predicted seconds of one step, by part (``total`` is not their sum: parts overlap;
+    ``host_step_exposed`` is the part of ``host_step`` no device work hides)."""
 
     compute: float = 0.0
     recompute: float = 0.0
     optimizer: float = 0.0
     transfers: float = 0.0
     host_step: float = 0.0
+    host_step_exposed: float = 0.0
     communication: float = 0.0
     bubble: float = 0.0
     total: float = 0.0
@@ -184,4 +186,5 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
     total = compute + recompute + optimizer + bubble + (transfers - hidden_transfers) + (host_step - hidden_host) + \
         (comm - hidden_comm)
     return StepTime(compute=compute, recompute=recompute, optimizer=optimizer, transfers=transfers, host_step=host_step,
+                    host_step_exposed=host_step - hidden_host,
                     communication=comm, bubble=bubble, total=total)
