@@ -371,12 +371,15 @@ def _offload_benchmark() -> Any:
     return module
 
 
-def measured_h100_part(accumulation_64k: int = 8) -> dict[str, Any]:
+def measured_h100_part(accumulations: tuple[int, ...] = (2, 8)) -> dict[str, Any]:
     """The planner's estimates for the configurations measured on the H100 machine
     (:data:`H100_MEASURED`), planned on this machine for that one (its GPU, 125.9 GiB of host
-    memory, :data:`H100_HOST_BANDWIDTH`), beside the measurements; then its prediction for
-    GPT-6.7B at 64k tokens per step (8 x 1024 tokens x ``accumulation_64k`` micro-batches),
-    layer-major and the planner's own choice, with what binds the step."""
+    memory, :data:`H100_HOST_BANDWIDTH`) as the code that ran there (full-width transfers,
+    no pipelined host step: ``half_width=False, pipelined_host_step=False``), beside the
+    measurements; then today's code's predictions for GPT-6.7B with gradient clipping (the
+    usual LLM setting) at 8 x 1024 tokens x each of ``accumulations`` micro-batches (16k and
+    64k tokens per step): layer-major with all blocks kept for backward, and the planner's
+    own choice, with the parts and what binds the step."""
     import torch
 
     from hybridtrain.models.gpt import GPT, causal_lm_loss, gpt_config
@@ -386,14 +389,17 @@ def measured_h100_part(accumulation_64k: int = 8) -> dict[str, Any]:
     bench = _offload_benchmark()
     target = Target("cuda", "H100 SXM", 80 * 2**30, int(125.9 * 2**30), H100_HOST_BANDWIDTH)
 
-    def planned(size: str, mode: str, accumulation: int = 2, half_width: bool = False) -> Any:
+    def planned(size: str, mode: str, accumulation: int = 2, today: bool = False,
+                **settings: Any) -> Any:
         setup = bench.Setup(gpt_config(size, seq_len=1024), 8, accumulation, 1, "cuda")
         with torch.device("meta"):
             model = GPT(setup.model)
         example = tuple(t[:setup.batch].to("meta") for t in setup.example())
-        # The H100 ran the code before half-width transfers (fp32 both ways): planned as such.
-        return setup, estimate(bench.engine_config(setup, mode), target,
-                               model=model_source(model, example, causal_lm_loss), half_width=half_width)
+        # The H100 ran the code before half-width transfers (fp32 both ways) and before the
+        # pipelined host step: planned as such unless ``today``.
+        return setup, estimate(_merged(bench.engine_config(setup, mode), settings), target,
+                               model=model_source(model, example, causal_lm_loss), half_width=today,
+                               pipelined_host_step=today)
 
     rows = []
     print(f"{'size':5s} {'mode':18s} {'step s meas/plan':>17s} {'ratio':>6s} {'peak GiB meas/plan':>19s} {'ratio':>6s}")
@@ -405,30 +411,49 @@ def measured_h100_part(accumulation_64k: int = 8) -> dict[str, Any]:
                      "time": est.time.as_dict()})
         print(f"{size:5s} {mode:18s} {step_s:8.3f}/{est.step_seconds:<8.3f} {step_s / est.step_seconds:6.2f} "
               f"{peak_gib:9.2f}/{plan_gib:<9.2f} {peak_gib / plan_gib:6.2f}")
-    setup, est = planned("6.7b", "layer_major", accumulation_64k, half_width=True)  # today's code
-    tokens = setup.batch * accumulation_64k * setup.model.seq_len
-    t = est.time
-    binding = {"device compute (with recomputation)": t.compute + t.recompute,
-               "host<->device link (all bytes / 50 GB/s)": t.transfers, "host optimizer step": t.host_step}
+    predictions = {}
+    # Clipping defers the host step (it needs every gradient) and keeps the fp32 gradients in
+    # host memory: block inputs stay on the device (recomputed) so the host fits at 64k.
+    today = {"gradient_clipping": 1.0, "layer_streaming": {"boundary_activations": "recompute",
+                                                            "keep_blocks_for_backward": -1}}
+    for accumulation in accumulations:
+        setup, est = planned("6.7b", "layer_major", accumulation, today=True, **today)
+        tokens = setup.batch * accumulation * setup.model.seq_len
+        t = est.time
+        binding = {"device compute (with recomputation)": t.compute + t.recompute,
+                   "host<->device link (all bytes / 50 GB/s)": t.transfers, "host optimizer step": t.host_step}
 
-    def mfu(seconds: float) -> float:
-        return setup.flops_per_token() * tokens / seconds / 989e12
-    prediction = {"tokens_per_step": tokens, "step_s": est.step_seconds, "mfu": mfu(est.step_seconds),
-                  "device_peak_gib": est.device_peak_bytes / 2**30, "host_gib": est.host_bytes / 2**30,
-                  "parts_s": binding, "binds": max(binding, key=binding.__getitem__)}
-    print(f"GPT-6.7B layer-major, {tokens:,} tokens/step (prediction): {est.step_seconds:.2f} s, "
-          f"MFU {prediction['mfu']:.1%}, device {prediction['device_peak_gib']:.1f} GiB; "
-          + ", ".join(f"{k} {v:.2f} s" for k, v in binding.items()) + f"; binds: {prediction['binds']}")
-    base = bench.engine_config(setup, "plain")
-    base.pop("model", None)
-    chosen = choose({**base, "model": {"name": "gpt-6.7b"}, "data": {"seq_len": 1024}}, target)
-    best = estimate(chosen, target)
-    prediction["planner_choice"] = {"step_s": best.step_seconds, "mfu": mfu(best.step_seconds),
-                                    "summary": {k: best.plan.summary()[k] for k in ("checkpointed", "streamed",
-                                                                                      "step_runner", "optimizer")}}
-    print(f"planner's choice at {tokens:,} tokens/step (prediction): {best.step_seconds:.2f} s, "
-          f"MFU {mfu(best.step_seconds):.1%}: {prediction['planner_choice']['summary']}")
-    return {"rows": rows, "gpt_6_7b_64k": prediction}
+        def mfu(seconds: float, setup: Any = setup, tokens: int = tokens) -> float:
+            return setup.flops_per_token() * tokens / seconds / 989e12
+        prediction = {"tokens_per_step": tokens, "step_s": est.step_seconds, "mfu": mfu(est.step_seconds),
+                      "device_peak_gib": est.device_peak_bytes / 2**30, "host_gib": est.host_bytes / 2**30,
+                      "problems": est.problems(0.10), "host_step_exposed_s": t.host_step_exposed,
+                      "next_forward_s_approx": t.compute / 3,  # forward FLOPs are a third of fwd+bwd
+                      "parts_s": binding, "binds": max(binding, key=binding.__getitem__)}
+        print(f"GPT-6.7B layer-major, clipping, {tokens:,} tokens/step (prediction): {est.step_seconds:.2f} s, "
+              f"MFU {prediction['mfu']:.1%}, device {prediction['device_peak_gib']:.1f} GiB, host "
+              f"{prediction['host_gib']:.1f} GiB; " + ", ".join(f"{k} {v:.2f} s" for k, v in binding.items())
+              + f", host step exposed {t.host_step_exposed:.2f} s; binds: {prediction['binds']}")
+        base = bench.engine_config(setup, "plain")
+        base.pop("model", None)
+        chosen = choose({**base, "gradient_clipping": 1.0, "model": {"name": "gpt-6.7b"},
+                         "data": {"seq_len": 1024}}, target)
+        best = estimate(chosen, target)
+        prediction["planner_choice"] = {"step_s": best.step_seconds, "mfu": mfu(best.step_seconds),
+                                        "summary": {k: best.plan.summary()[k] for k in (
+                                            "batch", "checkpointed", "streamed", "step_runner", "optimizer")}}
+        print(f"planner's choice at {tokens:,} tokens/step (prediction): {best.step_seconds:.2f} s, "
+              f"MFU {mfu(best.step_seconds):.1%}: {prediction['planner_choice']['summary']}")
+        predictions[f"gpt_6_7b_{tokens // 1024}k"] = prediction
+    return {"rows": rows, **predictions}
+
+
+def _merged(base: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``settings`` laid over it, one section deep."""
+    out = dict(base)
+    for key, value in settings.items():
+        out[key] = {**out.get(key, {}), **value} if isinstance(value, dict) else value
+    return out
 
 
 def main() -> None:

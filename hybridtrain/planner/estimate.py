@@ -178,7 +178,8 @@ class Estimate:
 
 
 def estimate(config: ConfigSource, target: Target | None = None, world_size: int = 1,
-             all_passes: bool = False, model: ModelSource | None = None, half_width: bool = True) -> Estimate:
+             all_passes: bool = False, model: ModelSource | None = None, half_width: bool = True,
+             pipelined_host_step: bool = True) -> Estimate:
     """Estimate one training step of ``config`` on ``target`` (see the module docstring).
 
     Args:
@@ -191,6 +192,10 @@ def estimate(config: ConfigSource, target: Target | None = None, world_size: int
             (:func:`model_source`).
         half_width: model half-width transfers as build applies them; False plans every
             transfer at full width (the code before them: holding older measurements).
+        pipelined_host_step: a deferred host step (clipping, fp16, skipped non-finite
+            losses) hides behind the next forward; False plans it exposed after the
+            backward (the code before the pipelined step: with ``half_width=False``,
+            what the older H100 measurements were predicted with).
 
     Raises:
         ConfigError / ValueError: what ``hybridtrain train`` would refuse, in one line.
@@ -206,9 +211,10 @@ def estimate(config: ConfigSource, target: Target | None = None, world_size: int
     example = source.example(micro) if source.real_example is None else source.real_example
     plan = resolve(planned, source.model, world_size, example_batch=example)
     trace = _trace(cfg, source, plan, target.kind, PASSES[1:] if all_passes else passes_for(plan))
-    memory = estimate_memory(plan, trace, target.kind)
-    seconds = estimate_time(plan, trace, hardware(target, plan.compute_dtype), trace.kernels,
-                            half_width_numel(source.model, plan, [p.name for p in trace.blocks]) if half_width else None)
+    half = half_width_numel(source.model, plan, [p.name for p in trace.blocks]) if half_width else None
+    memory = estimate_memory(plan, trace, target.kind, half)
+    seconds = estimate_time(plan, trace, hardware(target, plan.compute_dtype), trace.kernels, half,
+                            pipelined_host_step)
     tokens = plan.batch.global_batch * source.tokens_per_sample
     return Estimate(cfg, plan, target, memory, seconds, tokens)
 

@@ -26,6 +26,7 @@ includes the host buffers (that is what a CPU run measures).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from hybridtrain.plan.types import TrainingPlan
@@ -105,9 +106,31 @@ class _Replay:
         return max(0, self.peak - self.start - self.peak_grads)
 
 
-def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "cpu") -> MemoryEstimate:
+def kept_blocks(plan: TrainingPlan, streamed: list[str]) -> list[str]:
+    """The streamed blocks (of ``streamed``, in forward order) whose uploaded weights stay
+    on the device from forward to backward: the last ``keep_blocks_for_backward`` of them
+    under layer-major (-1: all), none otherwise."""
+    keep = plan.config.layer_streaming.keep_blocks_for_backward
+    if plan.step_runner != "layer_major" or keep == 0:
+        return []
+    return list(streamed) if keep < 0 else list(streamed[max(0, len(streamed) - keep):])
+
+
+def uploaded_bytes(numel: int, half: int) -> int:
+    """Bytes of one upload of ``numel`` elements of which ``half`` cross at half width."""
+    return _FP32 * numel - 2 * min(half, numel)
+
+
+def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "cpu",
+                    half_numel: Mapping[str, int] | None = None) -> MemoryEstimate:
     """Replay one step of ``plan`` over ``trace`` on a ``cpu`` or ``cuda`` device (see the
-    module docstring)."""
+    module docstring).
+
+    ``half_numel``: elements crossing at half width, per block and under ``""`` for the
+    model (:func:`hybridtrain.planner.estimate.half_width_numel`): the host keeps a half
+    image of each streamed one (2 bytes), and kept blocks hold their uploads at that width.
+    """
+    half = half_numel or {}
     cfg = plan.config
     sizes = plan.sizes
     on_cpu = device_kind == "cpu"
@@ -166,6 +189,9 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
         buckets = (1 if offloaded_numel > streamed_numel else 0) + sum(streamed)
         pooled = 0 if (lasting and trace.micro_batch and plan.batch.accumulation_steps == 1) else min(3, buckets)
         host_buffers = _FP32 * largest_bucket * pooled
+        # Streamed half-width weights keep their cast image in host memory (2 bytes each).
+        host_params += 2 * sum(min(half.get(blocks[i].name, 0) // tp, x)
+                               for x, i in zip(block_numel, stage_blocks, strict=True) if streamed[i])
         del streamed_bytes
     if zero_offload:
         host_params = _FP32 * model_numel // shard
@@ -183,6 +209,12 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
     prefetch = cfg.layer_streaming.prefetch_blocks
     stream_window = _FP32 * (prefetch + 1) * max((b for b, i in zip(block_numel, stage_blocks, strict=True)
                                                   if streamed[i]), default=0)
+    # Layer-major's kept blocks hold their uploads from forward to backward; counted for
+    # the whole step (they are all live when the backward starts, where the peak falls).
+    stage_streamed = [blocks[i].name for i in stage_blocks if streamed[i]]
+    kept = set(kept_blocks(plan, stage_streamed))
+    stream_window += sum(uploaded_bytes(x, half.get(blocks[i].name, 0) // tp)
+                         for x, i in zip(block_numel, stage_blocks, strict=True) if blocks[i].name in kept)
     replay.current += stream_window  # the streamed blocks in flight (their device copies)
     replay.start = replay.current
     how = [treatment(plan, p.name) for p in blocks]

@@ -113,9 +113,41 @@ def plan(config: ConfigSource, target: Target, world_size: int = 1, margin: floa
             continue
         plans.add(plan_key)
         problems = tuple(est.problems(margin))
+        if not problems and est.plan.step_runner == "layer_major":
+            variant, changes, est = _keep_most(variant, changes, est, target, world, margin, model)
         (refused if problems else ranked).append(Candidate(variant, changes, est, problems))
     refused.sort(key=lambda c: c.estimate.device_peak_bytes)
     return PlanResult(tuple(rank(ranked)), tuple(refused))
+
+
+def _keep_most(variant: Config, changes: tuple[str, ...], est: Estimate, target: Target, world: int,
+               margin: float, model: ModelSource | None) -> tuple[Config, tuple[str, ...], Estimate]:
+    """The layer-major variant with the most kept blocks (``keep_blocks_for_backward``) that
+    still fits: -1 when all fit, else the largest count (device memory grows with it)."""
+    streamed = sum(1 for b in est.plan.blocks if b.stream)
+    best: tuple[Config, tuple[str, ...], Estimate] = (variant, changes, est)
+    if not streamed:
+        return best
+    trial = _with_keep(variant, -1)
+    trial_est = estimate(trial, target, world, all_passes=True, model=model)
+    if not trial_est.problems(margin):
+        return trial, (*changes, "keep all streamed blocks for backward"), trial_est
+    low, high = 1, streamed - 1  # binary search over the count: memory grows with it
+    while low <= high:
+        mid = (low + high) // 2
+        trial = _with_keep(variant, mid)
+        trial_est = estimate(trial, target, world, all_passes=True, model=model)
+        if trial_est.problems(margin):
+            high = mid - 1
+        else:
+            best = (trial, (*changes, f"keep {mid} streamed blocks for backward"), trial_est)
+            low = mid + 1
+    return best
+
+
+def _with_keep(cfg: Config, keep: int) -> Config:
+    streaming = cfg.layer_streaming.model_copy(update={"keep_blocks_for_backward": keep})
+    return cfg.model_copy(update={"layer_streaming": streaming})
 
 
 def rank(candidates: list[Candidate], equal: float = EQUAL_TIME) -> list[Candidate]:

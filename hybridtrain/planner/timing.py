@@ -10,7 +10,11 @@ bandwidth, overlapped as each technique overlaps them.
     host step  = offloaded optimizer elements ÷ host update rate (the host's memory
                  bandwidth ÷ 28 B); the eager step runs during the backward that completes
                  the gradients (the last micro-batch's, or all of layer-major's) and hides
-                 up to that time, a deferred one after
+                 up to that time; a deferred one (clipping, fp16 loss scaling, skipping
+                 non-finite losses need every gradient first) runs bucket by bucket in the
+                 order the next forward uses them, behind that forward (one micro-batch's,
+                 all of layer-major's): only the first bucket's update is waited for.
+                 Unpipelined (the code before it): the deferred step is all exposed
     optimizer  = device-updated elements × 28 bytes ÷ device memory bandwidth
                  + one kernel per parameter tensor and operation (torch's per-tensor Adam)
     comm       = all-reduce / reduce-scatter / all-gather bytes ÷ device link;
@@ -28,6 +32,7 @@ from dataclasses import dataclass, fields
 
 from hybridtrain.hardware.links import Links
 from hybridtrain.plan.types import TrainingPlan
+from hybridtrain.planner.memory import kept_blocks, uploaded_bytes
 from hybridtrain.planner.trace import ModelTrace
 
 MATMUL_EFFICIENCY = 0.55
@@ -59,13 +64,15 @@ class Hardware:
 
 @dataclass(frozen=True)
 class StepTime:
-    """Predicted seconds of one step, by part (``total`` is not their sum: parts overlap)."""
+    """Predicted seconds of one step, by part (``total`` is not their sum: parts overlap;
+    ``host_step_exposed`` is the part of ``host_step`` no device work hides)."""
 
     compute: float = 0.0
     recompute: float = 0.0
     optimizer: float = 0.0
     transfers: float = 0.0
     host_step: float = 0.0
+    host_step_exposed: float = 0.0
     communication: float = 0.0
     bubble: float = 0.0
     total: float = 0.0
@@ -80,11 +87,13 @@ _ADAM_KERNELS_PER_TENSOR = 10
 
 
 def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_per_micro_batch: int,
-                  half_numel: Mapping[str, int] | None = None) -> StepTime:
+                  half_numel: Mapping[str, int] | None = None, pipelined_host_step: bool = True) -> StepTime:
     """Predict one step of ``plan`` (see the module docstring).
 
     ``half_numel``: elements that cross in half precision, per block and under ``""`` for
     the whole model (2 bytes instead of 4: Linear weights under bf16/fp16 autocast).
+    ``pipelined_host_step``: a deferred host step hides behind the next forward (False:
+    it runs exposed after the backward, as before the pipelined step).
     """
     half = half_numel or {}
     sizes = plan.sizes
@@ -92,6 +101,7 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
     tp, pp, dp = sizes.tp, sizes.pp, sizes.dp
     stage = 1.0 / pp
     fwd = sum(p.forward_flops for p in trace.phases) * stage / tp
+    first_update = 0.0  # elements of the first bucket the next forward waits for
     bwd = sum(p.backward_flops for p in trace.phases) * stage / tp
     checkpointed = set(plan.checkpoint_modules)
     recomputed = sum(p.forward_flops for p in trace.blocks if p.name in checkpointed) * stage / tp
@@ -114,17 +124,22 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
         # weights come back once per step (fp32: the device keeps fp32 weights).
         down = 4 * host_elems - 2 * min(half.get("", 0) * opt.host_ratio, host_elems)
         transfers += (down * k + 4 * host_elems) / link
+        first_update = min(host_elems, plan.optimizer.bucket_size)
     streamed = [p for p in trace.blocks if any(b.stream and b.name == p.name for b in plan.blocks)]
     if opt.placement == "host_streamed":
         host_elems = trace.param_numel * stage / tp
         full = 4 * sum(p.param_numel for p in streamed)
-        width = full - 2 * sum(half.get(p.name, 0) for p in streamed)  # half-width weights at 2 bytes
+        width = sum(uploaded_bytes(p.param_numel, half.get(p.name, 0)) for p in streamed)  # half width: 2 bytes
         layer_major = plan.step_runner == "layer_major"
         uploads = 1 if layer_major else k
-        # Each block comes up for forward and again for backward; its gradients go down
-        # (layer-major sums micro-batches on the device in fp32: full width unless k is 1).
+        # Each block comes up for forward and again for backward (kept blocks only for
+        # forward); its gradients go down (layer-major sums micro-batches on the device
+        # in fp32: full width unless k is 1).
+        kept = set(kept_blocks(plan, [p.name for p in streamed]))
+        kept_width = sum(uploaded_bytes(p.param_numel, half.get(p.name, 0)) for p in streamed if p.name in kept)
         grads = full if layer_major and k > 1 else width
-        transfers += (2 * uploads * width + uploads * grads) / link
+        transfers += (uploads * (2 * width - kept_width) + uploads * grads) / link
+        first_update = float(streamed[0].param_numel) if streamed else host_elems
     host_step = host_elems / hw.host_update_rate if host_elems else 0.0
     device_elems = max(0.0, trace.param_numel * stage / tp - host_elems)
     if plan.zero_stage:
@@ -142,8 +157,15 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
         # A block's update needs its whole gradient: in micro-batch order that exists only
         # during the last micro-batch's backward (H100, GPT-1.3B, 2 micro-batches: hiding it
         # behind every backward predicted 0.35 s for optimizer offload, 0.73 s measured).
-        window = backward_time if plan.step_runner == "layer_major" else backward_time / max(k, 1)
+        whole = plan.step_runner == "layer_major"
+        window = backward_time if whole else backward_time / max(k, 1)
         hidden_host = min(host_step, window) if eager else 0.0
+        if not eager and pipelined_host_step and host_step:
+            # The next forward (all micro-batches in layer-major) waits only for the
+            # first bucket's update; the rest runs behind that forward.
+            forward_time = (k if whole else 1) * fwd / hw.flops
+            first = min(host_step, first_update / hw.host_update_rate)
+            hidden_host = min(host_step - first, forward_time)
     # Data parallel: gradient all-reduce (ring: 2 (n-1)/n of the bytes); ZeRO-3 also
     # gathers parameters for forward and backward.
     comm = 0.0
@@ -164,4 +186,5 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
     total = compute + recompute + optimizer + bubble + (transfers - hidden_transfers) + (host_step - hidden_host) + \
         (comm - hidden_comm)
     return StepTime(compute=compute, recompute=recompute, optimizer=optimizer, transfers=transfers, host_step=host_step,
+                    host_step_exposed=host_step - hidden_host,
                     communication=comm, bubble=bubble, total=total)

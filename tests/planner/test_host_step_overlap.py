@@ -1,0 +1,126 @@
+"""The time and memory model of the pipelined host step and of layer-major's kept blocks,
+derived by hand from the model's parts: a deferred host step (clipping) hides behind the
+next forward except the first block's update; kept blocks cross once instead of twice and
+hold their half-width uploads on the device; the host keeps a half image of each streamed
+half-width weight."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from hybridtrain.config import load_config
+from hybridtrain.plan.resolve import resolve
+from hybridtrain.planner.estimate import (
+    PASSES,
+    Target,
+    _config_source,
+    _trace,
+    estimate,
+    half_width_numel,
+    hardware,
+)
+from hybridtrain.planner.search import MARGIN, _keep_most
+from hybridtrain.planner.timing import Hardware, StepTime, estimate_time
+
+H100 = Target("cuda", "H100 SXM", 80 * 2**30, 128 * 2**30, host_bandwidth=152e9)
+LAYER_MAJOR = {"model": {"name": "gpt-tiny"}, "data": {"seq_len": 64}, "train_micro_batch_size_per_gpu": 4,
+               "gradient_accumulation_steps": 2, "device": "cpu", "bf16": {"enabled": True},
+               "layer_streaming": {"enabled": True, "layer_major": True, "boundary_activations": "host"}}
+
+
+def _setup(clip: float, keep: int = 0, **extra: Any) -> tuple[Any, Any, Any, dict[str, int]]:
+    config = load_config({**LAYER_MAJOR, "gradient_clipping": clip, **extra,
+                          "layer_streaming": {**LAYER_MAJOR["layer_streaming"], "keep_blocks_for_backward": keep}})
+    source = _config_source(config)
+    plan = resolve(config, source.model, 1, example_batch=source.example(4))
+    trace = _trace(config, source, plan, "cuda", PASSES[1:])
+    return plan, trace, source, half_width_numel(source.model, plan, [p.name for p in trace.blocks])
+
+
+def _forward_seconds(trace: Any, hw: Hardware, k: int) -> float:
+    return k * sum(p.forward_flops for p in trace.phases) / hw.flops
+
+
+def _time(plan: Any, trace: Any, hw: Hardware, half: dict[str, int], pipelined: bool = True) -> StepTime:
+    return estimate_time(plan, trace, hw, trace.kernels, half, pipelined_host_step=pipelined)
+
+
+@pytest.mark.parametrize("host_over_forward", [0.5, 3.0])
+def test_a_deferred_host_step_hides_behind_the_next_forward_but_the_first_blocks_update(
+        host_over_forward: float) -> None:
+    plan, trace, _, half = _setup(clip=1.0)
+    assert plan.optimizer.defer_step and plan.step_runner == "layer_major"
+    hw = hardware(H100, plan.compute_dtype)
+    forward = _forward_seconds(trace, hw, k=2)  # layer-major: the forward of both micro-batches
+    # A host update rate that makes the host step the wanted multiple of that forward.
+    hw = replace(hw, host_update_rate=trace.param_numel / (host_over_forward * forward))
+    first = trace.blocks[0].param_numel / hw.host_update_rate
+    pipelined, serial = _time(plan, trace, hw, half), _time(plan, trace, hw, half, pipelined=False)
+    assert pipelined.host_step == pytest.approx(host_over_forward * forward)
+    # Shorter than the forward: only the first block's update is waited for; longer: what
+    # the forward cannot cover, plus that first update.
+    expected = first if host_over_forward < 1 else pipelined.host_step - forward
+    assert pipelined.host_step_exposed == pytest.approx(expected)
+    assert serial.host_step_exposed == pytest.approx(serial.host_step)  # the code before: all exposed
+    assert serial.total - pipelined.total == pytest.approx(serial.host_step - expected)
+
+
+def test_without_clipping_the_step_is_eager_and_the_switch_changes_nothing() -> None:
+    plan, trace, _, half = _setup(clip=0.0)
+    assert not plan.optimizer.defer_step
+    hw = hardware(H100, plan.compute_dtype)
+    backward = 2 * sum(p.backward_flops for p in trace.phases) / hw.flops
+    hw = replace(hw, host_update_rate=trace.param_numel / (3 * backward))
+    pipelined, serial = _time(plan, trace, hw, half), _time(plan, trace, hw, half, pipelined=False)
+    assert pipelined == serial
+    # Hidden behind the backward that completes the gradients (recomputed forwards included).
+    assert pipelined.host_step_exposed == pytest.approx(pipelined.host_step - backward - pipelined.recompute)
+
+
+def test_keeping_all_blocks_halves_the_weight_bytes_up_and_holds_them_on_the_device() -> None:
+    plan0, trace, source, half = _setup(clip=1.0)
+    plan_all = _setup(clip=1.0, keep=-1)[0]
+    plan_last = _setup(clip=1.0, keep=1)[0]
+    hw = hardware(H100, plan0.compute_dtype)
+    blocks = trace.blocks
+    # One upload of a block: 2 bytes per half-width (Linear) weight, 4 per other parameter.
+    upload = {p.name: 4 * p.param_numel - 2 * half[p.name] for p in blocks}
+    assert all(half[p.name] for p in blocks)
+    t0, t_all, t_last = (_time(p, trace, hw, half).transfers for p in (plan0, plan_all, plan_last))
+    # Weights up: 2 crossings per block (forward, backward); kept blocks cross once.
+    assert t0 - t_all == pytest.approx(sum(upload.values()) / hw.links.host_to_device)
+    assert t0 - t_last == pytest.approx(upload[blocks[-1].name] / hw.links.host_to_device)
+    cfg = load_config({**LAYER_MAJOR, "gradient_clipping": 1.0})
+    peaks = {}
+    for keep in (0, -1, 1):
+        streaming = cfg.layer_streaming.model_copy(update={"keep_blocks_for_backward": keep})
+        est = estimate(cfg.model_copy(update={"layer_streaming": streaming}), H100)
+        peaks[keep] = est.device_peak_bytes
+    assert peaks[-1] - peaks[0] == sum(upload.values())
+    assert peaks[1] - peaks[0] == upload[blocks[-1].name]
+
+
+def test_the_host_keeps_a_half_image_of_each_streamed_half_width_weight() -> None:
+    _, trace, _, half = _setup(clip=1.0)
+    cfg = {**LAYER_MAJOR, "gradient_clipping": 1.0}
+    narrow, full = estimate(cfg, H100, half_width=True), estimate(cfg, H100, half_width=False)
+    assert narrow.host_bytes - full.host_bytes == 2 * sum(half[p.name] for p in trace.blocks)
+
+
+def test_the_search_keeps_the_most_blocks_that_fit() -> None:
+    cfg = load_config({**LAYER_MAJOR, "gradient_clipping": 1.0})
+    est = estimate(cfg, H100, all_passes=True)
+    _, changes, kept = _keep_most(cfg, (), est, H100, 1, MARGIN, None)
+    assert kept.config.layer_streaming.keep_blocks_for_backward == -1
+    assert changes == ("keep all streamed blocks for backward",)
+    # Room for the kept last block but not for two: the search keeps one.
+    _, trace, _, half = _setup(clip=1.0)
+    last = 4 * trace.blocks[-1].param_numel - 2 * half[trace.blocks[-1].name]
+    room = int((est.device_peak_bytes + 1.5 * last) / (1 - MARGIN))
+    small = replace(H100, memory_bytes=room)
+    variant, _, kept = _keep_most(cfg, (), est, small, 1, MARGIN, None)
+    assert variant.layer_streaming.keep_blocks_for_backward == 1
+    assert not kept.problems(MARGIN)
