@@ -58,9 +58,12 @@ MODES: dict[str, dict[str, Any]] = {
                                                 "offload_optimizer": OFFLOAD_OPTIMIZER}},
     "layer_streaming": {"layer_streaming": {"enabled": True, "boundary_activations": "host"}},
     "layer_major": {"layer_streaming": {"enabled": True, "boundary_activations": "host", "layer_major": True}},
-    # Every block's uploaded weights kept from forward to backward: weights cross once per step.
-    "layer_major_kept": {"layer_streaming": {"enabled": True, "boundary_activations": "host", "layer_major": True,
-                                             "keep_blocks_for_backward": -1}},
+    # The planner's 6.7B choice: every block's uploaded weights kept from forward to backward
+    # (weights cross once per step) and block inputs kept on the device (recomputed): with
+    # clipping, gradients wait on the host (+4 B/param), and 64k tokens of swapped inputs
+    # would not fit a 128 GiB host beside them.
+    "layer_major_kept": {"layer_streaming": {"enabled": True, "boundary_activations": "recompute",
+                                             "layer_major": True, "keep_blocks_for_backward": -1}},
 }
 # Each incumbent, the zero_optimization DeepSpeed is given, and our mode doing the same job.
 DEEPSPEED: dict[str, tuple[dict[str, Any], str]] = {
@@ -208,7 +211,7 @@ def host_bytes(setup: Setup, name: str) -> int:
     inputs = cfg.n_layer * setup.batch * cfg.seq_len * cfg.d_model * 4
     # Every saved activation: about 34 residual-stream-sized tensors per block (Korthikanti et al.), in bf16.
     swapped = {"activation_swap": inputs, "activation_swap_all": inputs * 34 // 2, "layer_streaming": inputs,
-               "layer_major": inputs * setup.accumulation, "layer_major_kept": inputs * setup.accumulation}
+               "layer_major": inputs * setup.accumulation}
     return per_param * gpt_param_count(cfg) + swapped.get(name, 0)
 
 

@@ -27,8 +27,9 @@
 #   depth        the largest depth plain training and layer-major streaming train at 1.3B's width
 #                (each search starts at the planner's prediction, stops within 5 %)
 #   big          GPT-6.7B, layer-major streaming, 16k tokens/step, clipping at 1.0 (overlapped
-#                updates), without and with every block kept for backward (weights up once):
-#                tokens/s, MFU, bytes moved
+#                updates), as measured before (block inputs in host memory) and as the planner
+#                now plans it (block inputs on the device, every block kept for backward:
+#                weights up once): tokens/s, MFU, bytes moved
 #   big64k       the same, blocks kept, at 64k tokens/step (8 micro-batches): the offload issue's MFU target
 #   deepspeed    DeepSpeed ZeRO-Offload and ZeRO-3 offload at 1.3B beside our peers, in the same
 #                run (its CPU Adam op is compiled in the background from the start)
