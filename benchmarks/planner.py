@@ -292,9 +292,9 @@ H100_TECHNIQUES: list[tuple[str, dict[str, Any]]] = [
                                                           "boundary_activations": "host"}}),
 ]
 H100_SIZES = ["gpt-1.3b", "gpt-2.7b", "gpt-6.7b", "gpt-13b"]
-H100_HOST_BANDWIDTH = 152e9
-"""Host memory bandwidth of the H100 machine (in-place STREAM triad, 16 threads), measured
-there on 2026-11-26 (benchmarks/results/h100-2026-11-26/)."""
+H100_HOST_BANDWIDTH = 152.3e9
+"""Host memory bandwidth of the H100 machine: the in-place STREAM triad measured there at 16
+threads on 2026-11-26 (benchmarks/results/h100-2026-11-26/; fused CPU AdamW reached 0.996 of it)."""
 
 
 def h100_part() -> dict[str, Any]:
@@ -355,8 +355,6 @@ H100_MEASURED: list[tuple[str, str, float, float]] = [
     ("1.3b", "layer_streaming", 0.890, 1.61), ("1.3b", "layer_major", 0.664, 4.99),
     ("6.7b", "layer_major", 2.331, 13.10),
 ]
-H100_HOST_BANDWIDTH = 152.3e9
-"""The in-place triad measured on that machine at 16 threads (fused CPU AdamW reached 0.996 of it)."""
 
 
 def _offload_benchmark() -> Any:
