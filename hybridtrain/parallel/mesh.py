@@ -14,6 +14,8 @@ on every rank before any collective starts.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import os
 import time
@@ -108,6 +110,18 @@ def init_process_group(device: torch.device, timeout_s: float = 600.0, host_coll
     else:
         dist.init_process_group(backend_for(device, host_collectives), timeout=timeout, store=store,
                                 rank=int(os.environ["RANK"]), world_size=env_world_size())
+    atexit.register(_leave_at_exit)
+
+
+def _leave_at_exit() -> None:
+    """At interpreter exit, leave a group the program did not leave itself (a Hugging Face
+    Trainer or Lightning script never does): gloo's worker threads must not outlive the
+    teardown, where they abort a rank that trained to the end ("terminate called without
+    an active exception", SIGABRT, a failed run for the launcher). No barrier: a peer may be
+    gone, and every collective of this process has returned by now."""
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def end_process_group() -> None:
