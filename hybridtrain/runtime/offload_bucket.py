@@ -85,6 +85,36 @@ class Bucket:
         master directly (DeepSpeed's fp16-wrapper step gives every parameter a zero one)."""
         return any(self.has_grad) or any(m.grad is not None for m in self.masters)
 
+    def expose_grads(self, grads: list[torch.Tensor] | None = None) -> None:
+        """Put the step's gradients (``grads``, else the lasting buffer's) on the masters:
+        only once they are complete — a streamed block's master *is* its parameter, which
+        holds device gradients again in the next micro-batch."""
+        if grads is None:
+            if self.flat_grad is None:
+                return
+            grads = self.views(self.flat_grad)
+        for master, grad, has in zip(self.masters, grads, self.has_grad, strict=True):
+            if has:
+                master.grad = grad
+
+    @property
+    def unfinished_update(self) -> Future[None] | None:
+        """:attr:`update` while it runs or if it failed (an upload must wait for it), else None."""
+        update = self.update
+        if update is not None and update.done() and update.exception() is None:
+            return None
+        return update
+
+    def norm(self, j: int) -> torch.Tensor:
+        """Parameter ``j``'s gradient 2-norm: the one :meth:`take_norms` took, else taken now
+        from the gradient on its master (the same kernel, so the same bits)."""
+        taken = self.norms[j] if self.norms is not None else None
+        if taken is not None:
+            return taken
+        grad = self.masters[j].grad
+        assert grad is not None
+        return torch.linalg.vector_norm(grad, 2.0)
+
     def clear(self) -> None:
         """Forget the step's gradients (host and device) and that it stepped."""
         self.has_grad = [False] * len(self.params)

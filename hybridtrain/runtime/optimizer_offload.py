@@ -41,9 +41,7 @@ class has one) shares its ``state``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -55,6 +53,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hybridtrain.runtime import transfer
+from hybridtrain.runtime.background_updates import PendingWeights, running_in_background
 from hybridtrain.runtime.device import normalize_device
 from hybridtrain.runtime.half_width import cast_once
 from hybridtrain.runtime.inner_optimizer import inner_optimizer, sync_hyperparams
@@ -67,7 +66,6 @@ from hybridtrain.runtime.offload_layout import (
     master_dtype,
 )
 from hybridtrain.runtime.step_parts import PartClock, running_clocks, step_part, work_part
-from hybridtrain.runtime.wait_before_reads import WaitBeforeReads
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
@@ -103,7 +101,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     Attributes:
         background: a deferred :meth:`step` updates the streamed blocks on the host worker
             after it returns, in block order; each block's next upload waits for its own
-            update (:meth:`update_of`), so the next forward starts while later blocks still
+            update (``Bucket.unfinished_update``), so the next forward starts while later blocks still
             update. Until :meth:`settle`, the blocks' parameters (their host masters) and
             this optimizer's state may still be changing: read them only after it (
             ``state_dict`` and ``load_state_dict`` settle first).
@@ -126,11 +124,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """With :attr:`background`: the other buckets too, their device weights written
         while the next forward runs — only for a caller that runs that forward under
         :meth:`reads_wait`."""
-        self._failed: BaseException | None = None
-        """A background update's error: every later wait raises it (the step's result is
-        lost; continuing would train on partly updated weights)."""
-        self._awaited: dict[int, Callable[[], None]] = {}
-        """Device parameters of buckets updating in the background → their waiter."""
+        self._pending = PendingWeights(device)
+        """Resident weights updating in the background, and a background update's failure:
+        every later wait raises it (continuing would train on partly updated weights)."""
         self._clip_coef: torch.Tensor | None = None
         """The clipping factor :meth:`clip_grad_norm` found, applied by each bucket's update."""
         self._d2h = transfer.SideStream(device)
@@ -248,7 +244,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             with step_part("host_optimizer"):
                 self._wait()
             for bucket in self.buckets:
-                self._expose_grads(bucket)
+                bucket.expose_grads()
 
     def land(self, index: int, then: Callable[[], None] | None = None,
              grads: Sequence[torch.Tensor | None] | None = None) -> None:
@@ -387,7 +383,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if bucket.stepped or not (any(bucket.has_grad) or given):
             return
         assert bucket.optimizer is not None
-        self._expose_grads(bucket, grads)
+        bucket.expose_grads(grads)
         if not background:
             sync_hyperparams(bucket.optimizer, self)
         with work_part("host_step", clocks):
@@ -410,18 +406,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
                         transfer.count_bytes("weights_up", p.numel() * p.element_size())
                 bucket.uploaded = self._h2d.record()
 
-    @staticmethod
-    def _expose_grads(bucket: Bucket, grads: list[torch.Tensor] | None = None) -> None:
-        # Only once the step's gradients are complete: a streamed block's master *is* its
-        # parameter, which holds device gradients again in the next micro-batch.
-        if grads is None:
-            if bucket.flat_grad is None:
-                return
-            grads = bucket.views(bucket.flat_grad)
-        for master, grad, has in zip(bucket.masters, grads, bucket.has_grad, strict=True):
-            if has:
-                master.grad = grad
-
     def _wait(self) -> None:
         # Every job finishes before the first error is raised: none may still run unseen
         # while the caller resets the buckets.
@@ -429,16 +413,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         errors = [job.exception() for job in jobs]
         for bucket in self.buckets:
             bucket.update = None
-        if self._awaited:  # device weights updated in the background that nothing read yet
-            for bucket in self.buckets:
-                transfer.compute_waits(bucket.uploaded, self.device)
-                bucket.uploaded = None
-            self._awaited.clear()
+        self._pending.settled(self.buckets)
         first = next((e for e in errors if e is not None), None)
-        if first is not None and self._failed is None and self.background:
-            self._failed = first
-        if self._failed is not None:
-            raise self._failed
+        if first is not None and self._pending.failed is None and self.background:
+            self._pending.failed = first
+        if self._pending.failed is not None:
+            raise self._pending.failed
         if first is not None:
             raise first
 
@@ -451,14 +431,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """
         with step_part("host_optimizer"):
             self._wait()
-
-    def update_of(self, index: int) -> Future[None] | None:
-        """Bucket ``index``'s background update while it runs (or failed), else None:
-        whoever uploads the bucket's weights waits for it first."""
-        update = self.buckets[index].update
-        if update is not None and update.done() and update.exception() is None:
-            return None
-        return update
 
     # ------------------------------------------------------------------ optimizer API
     @torch.no_grad()
@@ -489,8 +461,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._jobs.append(bucket.update)
                 if not bucket.streamed:
                     transfer.count_bytes("weights_up", sum(p.numel() * p.element_size() for p in bucket.params))
-                    waiter = functools.partial(self._await_update, bucket)
-                    self._awaited.update({id(p): waiter for p in bucket.params})
+                    self._pending.watch(bucket)
         if self._device_optimizer is not None:
             sync_hyperparams(self._device_optimizer, self)
             self._device_optimizer.step()
@@ -502,32 +473,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def reads_wait(self) -> AbstractContextManager[Any]:
         """On this thread, the first op that reads a device weight still updating in the
         background (:attr:`background_resident`) waits for its update first."""
-        return WaitBeforeReads(self._awaited) if self._awaited else contextlib.nullcontext()
+        return self._pending.reads_wait()
 
     @property
     def resident_pending(self) -> bool:
         """Whether device weights are still updating in the background."""
-        return bool(self._awaited)
-
-    def _await_update(self, bucket: Bucket) -> None:
-        update = bucket.update
-        if update is not None:
-            with step_part("host_optimizer"):
-                error = update.exception()
-            if error is not None:
-                self._failed = error
-                raise error
-        transfer.compute_waits(bucket.uploaded, self.device)
-        bucket.uploaded = None
-        for p in bucket.params:
-            self._awaited.pop(id(p), None)
+        return bool(self._pending)
 
     def _update_in_background(self, bucket: Bucket, coef: torch.Tensor | None, clocks: list[PartClock]) -> None:
-        _in_background.active = True
-        try:
+        with running_in_background():
             self._step_bucket(bucket, coef=coef, background=True, clocks=clocks)
-        finally:
-            _in_background.active = False
         bucket.clear()  # zero_grad left it alone while this ran
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -558,8 +513,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         Returns:
             The total norm before clipping.
         """
-        with step_part("host_optimizer"):
-            self._wait()
+        self.settle()
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         if self._device_optimizer is not None or len({p.grad.dtype for p in params}) > 1:
             # Device-kept parameters or mixed types: torch groups the norms by device and
@@ -567,11 +521,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
         if not params:
             return torch.tensor(0.0)
-        norms = []
-        for p in params:
-            bucket, j = self._slot_of[id(p)]
-            taken = bucket.norms[j] if bucket.norms is not None else None
-            norms.append(taken if taken is not None else torch.linalg.vector_norm(p.grad, 2.0))
+        norms = [bucket.norm(j) for bucket, j in (self._slot_of[id(p)] for p in params)]
         total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
         self._clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         return total
@@ -637,15 +587,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def host_numel(self) -> int:
         """Elements whose master weights and state live in host memory."""
         return sum(b.flat_master.numel() for b in self.buckets)
-
-
-_in_background = threading.local()
-
-
-def in_background_update() -> bool:
-    """Whether the calling thread is running a background update (:attr:`OffloadOptimizer.background`):
-    the update of a step that has already returned, not of the step running now."""
-    return bool(getattr(_in_background, "active", False))
 
 
 def _arrived(optimizer: weakref.ref[OffloadOptimizer], index: int, _param: torch.Tensor) -> None:

@@ -249,7 +249,7 @@ class LayerStreamer:
         cast = block.image is not None and not (backward and block.imaged)
         # The block's update may still run on the host worker (a background step): the
         # upload follows it, and only this block's waits for it.
-        block.update = self.optimizer.update_of(block.index)
+        block.update = block.bucket.unfinished_update
         if cast or block.update is not None:
             # The cast reads and writes host memory for every parameter: on the caster
             # thread, so the compute thread goes on queueing the current block's kernels.
