@@ -320,11 +320,19 @@ class Engine:
         if isinstance(self.optimizer, OffloadOptimizer) and self.optimizer.resident_pending:
             self.optimizer.settle()
 
-    def settle(self) -> None:
-        """Wait for host updates still running after the last step (:attr:`overlap_updates`):
-        afterwards the model's parameters and the optimizer's state are that step's result."""
+    def _settle_updates(self) -> None:
+        # Before reading through state_dict (which gives rounded weights' masters) or training on.
         if isinstance(self.optimizer, OffloadOptimizer):
             self.optimizer.settle()
+
+    def settle(self) -> None:
+        """Wait for host updates still running after the last step (:attr:`overlap_updates`),
+        and give weights that went up in half their exact fp32 values
+        (:mod:`~hybridtrain.runtime.half_uploads`): afterwards the model's parameters and the
+        optimizer's state are that step's result."""
+        self._settle_updates()
+        if isinstance(self.optimizer, OffloadOptimizer):
+            self.optimizer.half_uploads.exact()  # also before a checkpoint is loaded in place
 
     # ------------------------------------------------------------------ readings
     @property
@@ -346,7 +354,7 @@ class Engine:
 
         Under ZeRO or tensor/pipeline parallel this is a collective: call it on every rank.
         """
-        self.settle()
+        self._settle_updates()
         return self.parallel.model_state_dict()
 
     @property
@@ -365,7 +373,7 @@ class Engine:
         See :mod:`hybridtrain.profiling.profiler`."""
         from hybridtrain.profiling.profiler import profile_engine
 
-        self.settle()
+        self._settle_updates()
         return profile_engine(self, batch, steps, output_dir)
 
     # ------------------------------------------------------------------ checkpoints
@@ -383,7 +391,7 @@ class Engine:
         Raises:
             CheckpointError: a rank could not write (the previous checkpoint is untouched).
         """
-        self.settle()
+        self._settle_updates()
         meta = {"step": self.global_step, "setup": self.options.setup,
                 "params": {k: list(v) for k, v in self.parallel.model_state_shapes().items()}}
         counters = {"global_step": self.global_step, "nonfinite_skips": self._nonfinite_skips}

@@ -97,9 +97,16 @@ def cast_once(loss: torch.Tensor, params: Collection[int]) -> set[int]:
     widened to fp32 and narrowing it back is exact. A Linear called twice, a weight also
     read by other ops (a parent's arithmetic, a regularizer in the loss) or recomputed
     inside a reentrant checkpoint (not in this graph) is not among them."""
+    return graph_uses(loss, params)[0]
+
+
+def graph_uses(loss: torch.Tensor, params: Collection[int]) -> tuple[set[int], set[int]]:
+    """``(cast_once, otherwise)``: the ``params`` read in ``loss``'s graph only through one
+    cast (:func:`cast_once`), and those read in it in any other way (two uses, or an op
+    that is not a cast). Parameters the graph does not read are in neither."""
     root = loss.grad_fn
     if root is None or not params:
-        return set()
+        return set(), set()
     edges: Counter[int] = Counter()
     casts: Counter[int] = Counter()
     seen = {root}
@@ -116,7 +123,8 @@ def cast_once(loss: torch.Tensor, params: Collection[int]) -> set[int]:
             if nxt not in seen:
                 seen.add(nxt)
                 stack.append(nxt)
-    return {i for i, n in edges.items() if n == 1 and casts[i] == 1}
+    once = {i for i, n in edges.items() if n == 1 and casts[i] == 1}
+    return once, set(edges) - once
 
 
 _HALF_READERS = (torch.nn.functional.linear, torch.addmm)

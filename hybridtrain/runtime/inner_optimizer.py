@@ -6,7 +6,7 @@ hyperparameters (which the LR scheduler edits)."""
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -14,6 +14,27 @@ from torch import nn
 
 NOT_HYPERPARAMS = ("params", "fused", "foreach", "capturable", "differentiable")
 """Group entries that are not the update's hyperparameters."""
+
+
+def groups_over(optimizer: torch.optim.Optimizer, master_of: Mapping[int, nn.Parameter]) -> list[dict[str, Any]]:
+    """``optimizer``'s parameter groups with each parameter replaced by its host master
+    (``master_of``, by the parameter's ``id``) where it has one."""
+    return [{**{k: v for k, v in g.items() if k != "params"},
+             "params": [master_of.get(id(p), p) for p in g["params"]]} for g in optimizer.param_groups]
+
+
+def state_over(optimizer: torch.optim.Optimizer, master_of: Mapping[int, nn.Parameter]) -> dict[Any, Any]:
+    """``optimizer``'s state (one that has stepped), unchanged, keyed as :func:`groups_over`
+    keys the parameters: a host master's state moves to the host with it, a parameter
+    without one (device-kept, twin-flow) keeps its state where it is."""
+    state: dict[Any, Any] = {}
+    for p, entry in optimizer.state.items():
+        master = master_of.get(id(p))
+        if master is None:
+            state[p] = entry
+        else:
+            state[master] = {k: v.to(master.device) if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+    return state
 
 
 def inner_optimizer(cls: Callable[..., torch.optim.Optimizer], outer: torch.optim.Optimizer,

@@ -55,8 +55,9 @@ from torch.utils.hooks import RemovableHandle
 from hybridtrain.runtime import transfer
 from hybridtrain.runtime.background_updates import PendingWeights, running_in_background
 from hybridtrain.runtime.device import normalize_device
-from hybridtrain.runtime.half_width import cast_once
-from hybridtrain.runtime.inner_optimizer import inner_optimizer, sync_hyperparams
+from hybridtrain.runtime.half_uploads import HalfUploads
+from hybridtrain.runtime.half_width import graph_uses
+from hybridtrain.runtime.inner_optimizer import groups_over, inner_optimizer, state_over, sync_hyperparams
 from hybridtrain.runtime.offload_bucket import Bucket
 from hybridtrain.runtime.offload_layout import (
     POOLED_BUFFERS,
@@ -151,6 +152,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                         if i not in streamed_ids and i not in on_device and i not in late}
         self._cast_once: set[int] = set()
         """Of those, the ones whose gradient this backward is one widened half gradient."""
+        self.half_uploads = HalfUploads(self._narrow, pin_memory, device)
+        """Which of them go up in half after an update, once attached to the model."""
         group_index = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
         auto = [p for p in params if id(p) not in streamed_ids and id(p) not in on_device]
         plan = [(list(block), True) for block in streamed] + \
@@ -172,25 +175,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # Pooled buffers are bytes viewed as each bucket's master type (fp64 models keep fp64).
         self._pool = transfer.HostBufferPool(largest, torch.uint8, pin_memory, device, POOLED_BUFFERS)
 
-        groups = []
-        for g in optimizer.param_groups:
-            groups.append({**{k: v for k, v in g.items() if k != "params"},
-                           "params": [master_of.get(id(p), p) for p in g["params"]]})
-        super().__init__(groups, optimizer.defaults)
-        for p, entry in optimizer.state.items():  # a stepped optimizer's state, unchanged
-            master = master_of.get(id(p))
-            if master is None:  # a device-kept (twin-flow) parameter keeps it where it is
-                self.state[p] = entry
-            else:  # a host master's moves to the host with it
-                self.state[master] = {k: v.to(master.device) if isinstance(v, torch.Tensor) else v
-                                      for k, v in entry.items()}
+        super().__init__(groups_over(optimizer, master_of), optimizer.defaults)
+        self.state.update(state_over(optimizer, master_of))  # a stepped optimizer's, unchanged
         for bucket in self.buckets:
             if bucket.params:  # a streamed block may have none (an activation function)
                 bucket.optimizer = inner_optimizer(self._cls, self, [bucket.masters], [bucket.group_of], fused=True)
         device_params = [p for p in params if id(p) in on_device]
         self._device_optimizer = (inner_optimizer(self._cls, self, [device_params], [[group_index[id(p)] for p in device_params]],
                                               fused=False) if device_params else None)
-        self._device_groups = [group_index[id(p)] for p in device_params]
         # The hooks live on the model's parameters, which outlive this optimizer (an OOM
         # recovery rebuilds the engine around the same model): they hold it weakly, so a
         # dropped optimizer is freed, and :meth:`close` removes them, so a rebuilt engine's
@@ -222,7 +214,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         with step_part("host_optimizer"):
             self._wait()
         # Read from the graph before backward frees it (the landing hooks run during it).
-        self._cast_once = cast_once(loss, self._narrow) if self._narrow and not self.manual_landing else set()
+        once, other = graph_uses(loss, self._narrow) if self._narrow and not self.manual_landing else (set(), set())
+        self.half_uploads.observe(once, other, final)
+        self._cast_once = once
         for bucket in self.buckets:
             bucket.arrived = 0
         if not self.defer:
@@ -400,11 +394,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             # Overwrite the device weights only after the kernels that read them: those ran
             # before the gradient copy (the host also waited for it; this says so to CUDA).
             with step_part("transfer"), self._h2d.after(bucket.copied):
-                for p, m in zip(bucket.params, bucket.masters, strict=True):
-                    p.data.copy_(m.detach(), non_blocking=True)
-                    if not background:
-                        transfer.count_bytes("weights_up", p.numel() * p.element_size())
+                self.half_uploads.send(bucket)
+                if not background:
+                    transfer.count_bytes("weights_up", self.half_uploads.bytes_up(bucket))
                 bucket.uploaded = self._h2d.record()
+                self.half_uploads.sent(bucket, bucket.uploaded)
 
     def _wait(self) -> None:
         # Every job finishes before the first error is raised: none may still run unseen
@@ -460,7 +454,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 bucket.update = self._worker.submit(self._update_in_background, bucket, coef, clocks)
                 self._jobs.append(bucket.update)
                 if not bucket.streamed:
-                    transfer.count_bytes("weights_up", sum(p.numel() * p.element_size() for p in bucket.params))
+                    transfer.count_bytes("weights_up", self.half_uploads.bytes_up(bucket))
                     self._pending.watch(bucket)
         if self._device_optimizer is not None:
             sync_hyperparams(self._device_optimizer, self)
@@ -550,26 +544,32 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def refresh_masters(self) -> None:
         """Copy the model's device weights into the host masters: after something wrote the
         weights directly (a model-only checkpoint load), the next update starts from them.
-        Streamed blocks' parameters *are* their masters."""
+        Streamed blocks' parameters *are* their masters; a weight that went up in half
+        and was not loaded since keeps its master."""
         self.settle()
         for bucket in self.buckets:
             if not bucket.streamed:
                 for p, m in zip(bucket.params, bucket.masters, strict=True):
-                    m.data.copy_(p.detach())
+                    if id(p) not in self.half_uploads.rounded:
+                        m.data.copy_(p.detach())
 
     def close(self) -> None:
         """Stop the host worker thread, remove the gradient hooks from the parameters and
         drop the host state (masters, gradient buffers, pool): a closed optimizer cannot
         step, and whoever still holds it (an engine being replaced after an OOM) no longer
         holds its pinned host memory while the next one is built. Updates still running in
-        the background finish first (an error of theirs is raised once all is released)."""
+        the background finish first (an error of theirs is raised once all is released),
+        and weights that went up in half get their exact masters (a rebuilt engine takes
+        its masters from them)."""
         try:
             self._wait()
+            self.half_uploads.exact()
         finally:
             self._release()
 
     def _release(self) -> None:
         self._worker.shutdown(wait=True)
+        self.half_uploads.detach()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
