@@ -120,10 +120,10 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
     host_elems = 0.0
     if opt.placement == "host":
         host_elems = trace.param_numel * opt.host_ratio * stage / tp
-        # Gradients go down once per micro-batch (half-width ones at 2 bytes), updated
-        # weights come back once per step (fp32: the device keeps fp32 weights).
-        down = 4 * host_elems - 2 * min(half.get("", 0) * opt.host_ratio, host_elems)
-        transfers += (down * k + 4 * host_elems) / link
+        # Gradients go down once per micro-batch and updated weights come back once per
+        # step, half-width ones at 2 bytes both ways.
+        width = 4 * host_elems - 2 * min(half.get("", 0) * opt.host_ratio, host_elems)
+        transfers += (width * k + width) / link
         first_update = min(host_elems, plan.optimizer.bucket_size)
     streamed = [p for p in trace.blocks if any(b.stream and b.name == p.name for b in plan.blocks)]
     if opt.placement == "host_streamed":

@@ -10,10 +10,9 @@ shape (code that reads ``weight.dtype`` is unaffected) and holds ``fp32(half(mas
 
 Which weights, decided from what each step's backward graphs show
 (:func:`~hybridtrain.runtime.half_width.graph_uses`): a candidate (the rule's, host-updated,
-landed once per backward) goes up in half after a step whose every backward read it only
-through one cast; otherwise in fp32, which also makes it exact again. (A Linear called
-twice qualifies: autocast casts a weight once per forward and reuses the copy, in the
-plain loop too.) A later forward that reads a rounded weight any other way (an op on the
+landed once per backward) goes up in half after a step whose every backward read it, and
+only through casts (a Linear called twice casts its weight twice, to the same bits);
+otherwise in fp32, which also makes it exact again. A later forward that reads a rounded weight any other way (an op on the
 fp32 weight, a regularizer in the loss) would have computed with the rounding: that step
 is refused before anything is updated (:class:`HalfWidthReadError`).
 
@@ -98,10 +97,10 @@ class HalfUploads:
         """Whether any weight may go up in half (attached to a model with candidates)."""
         return bool(self._hooks)
 
-    def observe(self, once: set[int], other: set[int], final: bool) -> None:
-        """A backward is about to run whose graph reads ``once`` only through one cast and
-        ``other`` otherwise (``final``: the step's last). After the final one, the step's
-        half set is the candidates every backward of the step read only through the cast.
+    def observe(self, read: set[int], other: set[int], final: bool) -> None:
+        """A backward is about to run whose graph reads ``read`` and, among them, ``other``
+        by an op that is not a cast (``final``: the step's last). After the final one, the
+        step's half set is the candidates the step's backward passes read, only through casts.
 
         Raises:
             HalfWidthReadError: this forward read a weight that went up in half otherwise.
@@ -116,7 +115,7 @@ class HalfUploads:
                 "any update. Train without bf16/fp16 autocast, or without offload_optimizer, to read it this way")
         if self._fresh:
             self._once, self._other = set(), set()
-        self._once |= once & self.candidates.keys()
+        self._once |= read & self.candidates.keys()
         self._other |= other
         self._fresh = final
         if final:

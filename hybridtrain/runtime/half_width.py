@@ -28,9 +28,10 @@ of the base weight), a reused block — is learnt from the ops at run time:
   :class:`WeightReads` watches each block's forward; afterwards the candidates read
   exactly once, by ``F.linear``/``addmm``, cross in half, the others stay fp32 (and a half
   Linear that later runs twice in one forward is refused with an error naming it);
-- optimizer offload (device weights stay fp32) narrows a gradient only when the
-  backward's graph shows one cast as its only use (:func:`cast_once`), which also rules
-  out a regularizer in the loss; otherwise it crosses in fp32.
+- optimizer offload narrows a gradient only when the backward's graph shows one cast as
+  its only use (:func:`cast_once`), which also rules out a regularizer in the loss;
+  otherwise it crosses in fp32. Its updated weights go up in half when every backward of
+  the step read them only through casts (:mod:`~hybridtrain.runtime.half_uploads`).
 """
 
 from __future__ import annotations
@@ -100,13 +101,14 @@ def cast_once(loss: torch.Tensor, params: Collection[int]) -> set[int]:
     return graph_uses(loss, params)[0]
 
 
-def graph_uses(loss: torch.Tensor, params: Collection[int]) -> tuple[set[int], set[int]]:
-    """``(cast_once, otherwise)``: the ``params`` read in ``loss``'s graph only through one
-    cast (:func:`cast_once`), and those read in it in any other way (two uses, or an op
-    that is not a cast). Parameters the graph does not read are in neither."""
+def graph_uses(loss: torch.Tensor, params: Collection[int]) -> tuple[set[int], set[int], set[int]]:
+    """``(cast_once, not_cast, read)``: the ``params`` read in ``loss``'s graph only through
+    one cast (:func:`cast_once`), those read in it by any op that is not a cast, and all
+    it reads. (Autocast runs without its weight-cast cache, so a Linear called twice casts
+    its weight twice: read, in neither of the others.)"""
     root = loss.grad_fn
     if root is None or not params:
-        return set(), set()
+        return set(), set(), set()
     edges: Counter[int] = Counter()
     casts: Counter[int] = Counter()
     seen = {root}
@@ -124,7 +126,7 @@ def graph_uses(loss: torch.Tensor, params: Collection[int]) -> tuple[set[int], s
                 seen.add(nxt)
                 stack.append(nxt)
     once = {i for i, n in edges.items() if n == 1 and casts[i] == 1}
-    return once, set(edges) - once
+    return once, {i for i, n in edges.items() if casts[i] < n}, set(edges)
 
 
 _HALF_READERS = (torch.nn.functional.linear, torch.addmm)

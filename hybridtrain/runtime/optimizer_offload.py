@@ -214,8 +214,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         with step_part("host_optimizer"):
             self._wait()
         # Read from the graph before backward frees it (the landing hooks run during it).
-        once, other = graph_uses(loss, self._narrow) if self._narrow and not self.manual_landing else (set(), set())
-        self.half_uploads.observe(once, other, final)
+        once, other, read = graph_uses(loss, self._narrow) if self._narrow and not self.manual_landing else (set(),) * 3
+        self.half_uploads.observe(read, other, final)
         self._cast_once = once
         for bucket in self.buckets:
             bucket.arrived = 0

@@ -78,10 +78,10 @@ def _expected(mode: str, model: torch.nn.Module) -> dict[str, int]:
                 "weights_up": accum * (2 * LAYERS - 1) * block + resident,
                 "gradients_down": accum * everything}
     if mode == "offload_opt_bf16_accum2_clip":
-        # Every gradient down per micro-batch — the Linear weights' in half, the tied
-        # embedding/head and the norms in fp32 — and every updated fp32 weight up once.
-        return {**zero, "weights_up": everything,
-                "gradients_down": accum * (LAYERS * half_block + _half_width_bytes([model]) - _half_width_bytes(blocks))}
+        # Every gradient down per micro-batch and every updated weight up once — the Linear
+        # weights in half, the tied embedding/head and the norms in fp32.
+        half_everything = LAYERS * half_block + _half_width_bytes([model]) - _half_width_bytes(blocks)
+        return {**zero, "weights_up": half_everything, "gradients_down": accum * half_everything}
     if mode == "stream_bf16_accum2_clip":
         # As above with half-width blocks: their Linear weights up and gradients down at 2
         # bytes a parameter per micro-batch (norms and the resident tied embedding at 4).

@@ -119,8 +119,8 @@ def test_weights_loaded_into_a_trained_model_reach_the_masters(tmp_path: Path) -
 
 class _Head(nn.Module):
     """Two Linears; ``again`` makes the forward also read ``second``'s weight in fp32.
-    (Calling ``second`` twice would not: autocast casts a weight once per forward and
-    reuses the copy, so the plain loop reads its rounding too.)"""
+    (Calling ``second`` twice would not: each call casts the weight to half, the same
+    bits from the rounding as from the master.)"""
 
     def __init__(self) -> None:
         super().__init__()
