@@ -57,7 +57,12 @@ from hybridtrain.runtime.background_updates import PendingWeights, running_in_ba
 from hybridtrain.runtime.device import normalize_device
 from hybridtrain.runtime.half_uploads import HalfUploads
 from hybridtrain.runtime.half_width import graph_uses
-from hybridtrain.runtime.inner_optimizer import groups_over, inner_optimizer, state_over, sync_hyperparams
+from hybridtrain.runtime.inner_optimizer import (
+    groups_over,
+    inner_optimizer,
+    state_over,
+    sync_hyperparams,
+)
 from hybridtrain.runtime.offload_bucket import Bucket
 from hybridtrain.runtime.offload_layout import (
     POOLED_BUFFERS,
@@ -150,8 +155,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # a graph that shows other uses of the weight (checked before each backward).
         self._narrow = {i: dtype for i, dtype in (half or {}).items()
                         if i not in streamed_ids and i not in on_device and i not in late}
-        self._cast_once: set[int] = set()
-        """Of those, the ones whose gradient this backward is one widened half gradient."""
+        self._cast_once: set[int] = set()  # those whose gradient this backward is one widened half one
         self.half_uploads = HalfUploads(self._narrow, pin_memory, device)
         """Which of them go up in half after an update, once attached to the model."""
         group_index = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
@@ -184,9 +188,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._device_optimizer = (inner_optimizer(self._cls, self, [device_params], [[group_index[id(p)] for p in device_params]],
                                               fused=False) if device_params else None)
         # The hooks live on the model's parameters, which outlive this optimizer (an OOM
-        # recovery rebuilds the engine around the same model): they hold it weakly, so a
-        # dropped optimizer is freed, and :meth:`close` removes them, so a rebuilt engine's
-        # backward does not land buckets of the old one.
+        # recovery rebuilds the engine around the same model): they hold it weakly, and
+        # :meth:`close` removes them (a rebuilt engine's backward must not land old buckets).
         me = weakref.ref(self)
         self._hooks: list[RemovableHandle] = []
         for bucket in self.buckets:
@@ -202,7 +205,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.register_load_state_dict_post_hook(lambda opt: opt._after_load())  # type: ignore[attr-defined]
         transfer.note_cpu_offload(device, "optimizer offload")
 
-    # ------------------------------------------------------------------ construction
     # ------------------------------------------------------------------ backward protocol
     def before_backward(self, final: bool, loss: torch.Tensor) -> None:
         """Called before each micro-batch's backward (``final``: last of the step).
