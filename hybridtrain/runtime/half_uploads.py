@@ -39,6 +39,10 @@ from torch.utils.hooks import RemovableHandle
 from hybridtrain.runtime import transfer
 from hybridtrain.runtime.offload_bucket import Bucket
 
+STAGING_BUFFERS = 2
+"""Host half buffers for uploads, each the size of the largest bucket (a bucket's cast
+into one while the other's upload runs); counted by the optimizer's host memory check."""
+
 
 class HalfWidthReadError(RuntimeError):
     """A weight sent to the device in half is read by a later forward in another way."""
@@ -71,7 +75,9 @@ class HalfUploads:
         self._names: dict[int, str] = {}
         self._masters: dict[int, torch.Tensor] = {}
         self._params: dict[int, nn.Parameter] = {}
-        self._staging: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        self._staging: list[tuple[torch.Tensor | None, torch.cuda.Event | None]] = [(None, None)] * STAGING_BUFFERS
+        """Host half buffers the uploads take in turn, each with the event of its last upload."""
+        self._turn = 0
         self._hooks: list[RemovableHandle] = []
 
     def attach(self, model: nn.Module, buckets: Sequence[Bucket]) -> None:
@@ -144,19 +150,23 @@ class HalfUploads:
             p.data.copy_(staged[j].to(p.device, non_blocking=True))
             self.rounded.add(id(p))
 
-    def sent(self, bucket: Bucket, event: torch.cuda.Event | None) -> None:
-        """``event`` marks :meth:`send`'s copies of ``bucket``: its staging buffer is
-        written again only after it."""
-        if bucket.index in self._staging:
-            self._staging[bucket.index] = (self._staging[bucket.index][0], event)
+    def sent(self, event: torch.cuda.Event | None) -> None:
+        """``event`` marks the copies of the last :meth:`send`: the staging buffer it used
+        is written again only after it."""
+        buffer, _ = self._staging[self._turn]
+        if buffer is not None:
+            self._staging[self._turn] = (buffer, event)
 
     def _staged(self, bucket: Bucket, dtype: torch.dtype) -> list[torch.Tensor]:
-        buffer, last = self._staging.get(bucket.index, (None, None))
-        if buffer is None or buffer.dtype != dtype:
+        # The next buffer in turn: an upload may still read the other one (asynchronous
+        # copies), so the host casts into this one while it runs.
+        self._turn = (self._turn + 1) % STAGING_BUFFERS
+        buffer, last = self._staging[self._turn]
+        transfer.host_waits(last)  # the upload that last read it is done
+        if buffer is None or buffer.dtype != dtype or buffer.numel() < bucket.numel:
             buffer = transfer.host_buffer(bucket.numel, dtype, self.pin_memory, self.device)
-        transfer.host_waits(last)  # the previous upload has read it
-        self._staging[bucket.index] = (buffer, None)
-        return bucket.views(buffer)
+        self._staging[self._turn] = (buffer, None)
+        return bucket.views(buffer[:bucket.numel])
 
     @torch.no_grad()
     def exact(self) -> None:
@@ -172,7 +182,7 @@ class HalfUploads:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        self._staging.clear()
+        self._staging = [(None, None)] * STAGING_BUFFERS
         self._masters.clear()
         self._params.clear()
 

@@ -55,7 +55,7 @@ from torch.utils.hooks import RemovableHandle
 from hybridtrain.runtime import transfer
 from hybridtrain.runtime.background_updates import PendingWeights, running_in_background
 from hybridtrain.runtime.device import normalize_device
-from hybridtrain.runtime.half_uploads import HalfUploads
+from hybridtrain.runtime.half_uploads import STAGING_BUFFERS, HalfUploads
 from hybridtrain.runtime.half_width import graph_uses
 from hybridtrain.runtime.inner_optimizer import (
     groups_over,
@@ -163,7 +163,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         plan = [(list(block), True) for block in streamed] + \
             [(chunk, False) for chunk in chunks(list(reversed(auto)), bucket_numel)]
         largest = max((sum(p.numel() * master_dtype(p).itemsize for p in ps) for ps, _ in plan), default=0)
-        check_host_memory(params, on_device, optimizer, lasting_grads or defer, POOLED_BUFFERS * largest)
+        staging = STAGING_BUFFERS * largest // 2 if self._narrow else 0  # half uploads' (half of fp32 bytes)
+        check_host_memory(params, on_device, optimizer, lasting_grads or defer, POOLED_BUFFERS * largest + staging)
 
         self.buckets: list[Bucket] = []
         for bucket_params, is_streamed in plan:
@@ -400,7 +401,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 if not background:
                     transfer.count_bytes("weights_up", self.half_uploads.bytes_up(bucket))
                 bucket.uploaded = self._h2d.record()
-                self.half_uploads.sent(bucket, bucket.uploaded)
+                self.half_uploads.sent(bucket.uploaded)
 
     def _wait(self) -> None:
         # Every job finishes before the first error is raised: none may still run unseen
