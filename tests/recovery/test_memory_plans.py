@@ -18,3 +18,15 @@ def test_a_limit_below_the_least_memory_plans_estimate_is_one_line_before_alloca
         check_limit_reachable(load_config(raw))
     assert "\n" not in str(caught.value)
     check_limit_reachable(load_config({**raw, "device_memory_limit": "64MiB"}))
+
+
+def test_the_end_of_a_layer_major_ladder_gives_up_the_kept_blocks_and_is_checked() -> None:
+    """The ladder under streaming (its checkpointing rung refused there, so left out)
+    reaches an estimable end: no kept blocks, micro-batch 1."""
+    raw = {"device": "cpu", "train_batch_size": 4, "model": {"name": "gpt-tiny"}, "data": {"seq_len": 32},
+           "device_memory_limit": "100kB", "oom_recovery": {"enabled": True},
+           "layer_streaming": {"enabled": True, "layer_major": True, "keep_blocks_for_backward": -1}}
+    with pytest.raises(ValueError, match=r"too small: even with no streamed blocks kept for backward \(all -> 0\), "
+                                         r"micro-batch 4 -> 2 .* micro-batch 2 -> 1 .* a step needs about \d+ bytes"):
+        check_limit_reachable(load_config(raw))
+    check_limit_reachable(load_config({**raw, "device_memory_limit": "64MiB"}))
