@@ -254,11 +254,7 @@ def _summarise(engine: Any, count: StepCount, per_step: list[list[Event]], steps
     peak, source = peak_flops(engine.device, dtype)
     total = count.forward_flops + count.backward_flops
     achieved = total / step_seconds if step_seconds > 0 else 0.0
-    notes = []
-    if count.threads_missed:
-        notes.append("layer_major runs forwards in worker threads, which neither FLOP counting nor torch.profiler "
-                     "sees: forward FLOPs and the per-module figures are missing; the step's parts (the main "
-                     "thread waits for the workers) and the step's backward FLOPs are complete")
+    notes: list[str] = []
     profile = Profile(
         device=str(engine.device), dtype=str(dtype).removeprefix("torch."), timed_steps=steps,
         step_seconds=step_seconds, parts=parts, collective_seconds=collectives, device_utilisation=busy,
