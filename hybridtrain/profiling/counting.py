@@ -29,7 +29,7 @@ from hybridtrain.models.blocks import BlocksNotFoundError, find_block_lists
 from hybridtrain.parallel.gradient_sync import local
 from hybridtrain.profiling.attention_flops import ATTENTION_FLOP_FORMULAS, raw_formula
 from hybridtrain.profiling.memory import SavedTensorMeter
-from hybridtrain.profiling.thread_flops import ThreadFlopCounter, ThreadModuleTracker
+from hybridtrain.profiling.thread_flops import ThreadFlopCounter, ThreadModuleTracker, tracked_name
 from hybridtrain.runtime.memory_limit import LiveTensorBytes
 from hybridtrain.runtime.step_parts import PartClock
 
@@ -110,20 +110,11 @@ def _backward_only(counter: ThreadModuleTracker) -> dict[Any, Any]:
     return {op: only_backward(formula) for op, formula in {**flop_registry, **ATTENTION_FLOP_FORMULAS}.items()}
 
 
-def _module_name(key: str, wanted: set[str]) -> str:
-    """A module tracker's name (``GPT.transformer.h.0``: the root's class name first; under
-    DDP ``DistributedDataParallel.module.transformer.h.0``) as a name in the user's model."""
-    parts = key.split(".")[1:]
-    if parts[:1] == ["module"] and ".".join(parts) not in wanted:
-        parts = parts[1:]
-    return ".".join(parts)
-
-
 def _module_flops(counts: dict[str, dict[Any, int]], wanted: set[str]) -> dict[str, int]:
     """FLOPs per module name from a counter's table."""
     out: dict[str, int] = {}
     for key, ops in counts.items():
-        name = _module_name(key, wanted)
+        name = tracked_name(key, wanted)
         if name in wanted:
             out[name] = out.get(name, 0) + sum(ops.values())
     return out
@@ -148,7 +139,7 @@ def count_step(engine: Any, batch: Any, model: nn.Module | None = None) -> StepC
     params = frozenset(local(p).untyped_storage().data_ptr() for p in model.parameters())
     wanted = {row.name for row in rows}
     blocks = {row.name for row in rows if row.kind == "block"}
-    tracker = ThreadModuleTracker(unit=lambda key: _module_name(key, wanted) in blocks)
+    tracker = ThreadModuleTracker(unit=lambda key: tracked_name(key, wanted) in blocks)
     # torch's table lacks the CPU flash-attention kernels and, before torch 2.13, refuses
     # grouped key/value heads (Hugging Face's Llama family): ours handle both.
     everything = ThreadFlopCounter(tracker, ATTENTION_FLOP_FORMULAS)
@@ -158,7 +149,7 @@ def count_step(engine: Any, batch: Any, model: nn.Module | None = None) -> StepC
         # What forward leaves for backward; a recomputation inside backward is not that.
         if everything.mod_tracker.is_bw:
             return ()
-        return (_module_name(key, wanted) for key in everything.mod_tracker.parents)
+        return (tracked_name(key, wanted) for key in everything.mod_tracker.parents)
 
     saved = SavedTensorMeter(owners=running, skip_storages=params)
     start = time.perf_counter()

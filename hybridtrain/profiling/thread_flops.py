@@ -32,6 +32,15 @@ from torch.utils.module_tracker import ModuleTracker
 from hybridtrain.runtime.thread_counters import register, unregister
 
 
+def tracked_name(key: str, wanted: set[str]) -> str:
+    """A module tracker's name (``GPT.transformer.h.0``: the root's class name first; under
+    DDP ``DistributedDataParallel.module.transformer.h.0``) as a name in the user's model."""
+    parts = key.split(".")[1:]
+    if parts[:1] == ["module"] and ".".join(parts) not in wanted:
+        parts = parts[1:]
+    return ".".join(parts)
+
+
 class _Running(set[str]):
     """One thread's running modules: the names the tracker added, and — while none of them
     is a *unit* (a block) — the units they lie in.
@@ -44,12 +53,17 @@ class _Running(set[str]):
     otherwise imply the wrong block).
     """
 
-    def __init__(self, names: Iterable[str], unit: Callable[[str], bool]) -> None:
+    def __init__(self, names: Iterable[str], unit: Callable[[str], bool],
+                 on_change: Callable[[set[str]], None] | None = None) -> None:
         super().__init__()
         self._named: set[str] = set()
         self._unit = unit
+        self._on_change = None
         for name in names:
             self.add(name)
+        self._on_change = on_change
+        if on_change is not None:
+            on_change(self)
 
     def add(self, name: str) -> None:
         self._named.add(name)
@@ -67,11 +81,12 @@ class _Running(set[str]):
     def _refill(self) -> None:
         self.clear()
         self.update(self._named)
-        if any(self._unit(name) for name in self._named):
-            return
-        for name in self._named:
-            parts = name.split(".")
-            self.update(a for a in (".".join(parts[:i]) for i in range(1, len(parts))) if self._unit(a))
+        if not any(self._unit(name) for name in self._named):
+            for name in self._named:
+                parts = name.split(".")
+                self.update(a for a in (".".join(parts[:i]) for i in range(1, len(parts))) if self._unit(a))
+        if self._on_change is not None:
+            self._on_change(self)
 
 
 class ThreadModuleTracker(ModuleTracker):
@@ -82,11 +97,14 @@ class ThreadModuleTracker(ModuleTracker):
     Args:
         unit: whether a tracker name (``GPT.blocks.0``) is a block, implied by its
             submodules where a cut graph leaves it out (see :class:`_Running`).
+        on_change: called in a thread with its running modules each time they change.
     """
 
-    def __init__(self, unit: Callable[[str], bool] = lambda _name: False) -> None:
+    def __init__(self, unit: Callable[[str], bool] = lambda _name: False,
+                 on_change: Callable[[set[str]], None] | None = None) -> None:
         self._local = threading.local()
         self._unit = unit
+        self._on_change = on_change
         self._entries = 0
         self._entry_lock = threading.Lock()
         super().__init__()
@@ -96,12 +114,12 @@ class ThreadModuleTracker(ModuleTracker):
         """The modules the calling thread is running (always ``Global``)."""
         parents: set[str] | None = getattr(self._local, "parents", None)
         if parents is None:
-            parents = self._local.parents = _Running({"Global"}, self._unit)
+            parents = self._local.parents = _Running({"Global"}, self._unit, self._on_change)
         return parents
 
     @parents.setter
     def parents(self, value: set[str]) -> None:
-        self._local.parents = _Running(value, self._unit)
+        self._local.parents = _Running(value, self._unit, self._on_change)
 
     def __enter__(self) -> ThreadModuleTracker:
         with self._entry_lock:
