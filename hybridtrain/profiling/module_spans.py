@@ -43,6 +43,8 @@ class ModuleSpans:
         self.forward: dict[str, float] = defaultdict(float)
         self.backward: dict[str, float] = defaultdict(float)
         self.worker_busy = 0.0
+        self._running_backward: set[str] = set()
+        self._since = 0.0
         self._names = names
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -82,15 +84,18 @@ class ModuleSpans:
         return started
 
     def _changed(self, running: set[str]) -> None:
-        """The calling thread's running modules changed: the ones running until now get
-        the time since the last change, if it was backward."""
+        """Running modules changed in some thread: the ones running in backward until now
+        get the time since the last change. One backward runs at a time, so one state:
+        whichever autograd thread changes it (a change outside backward, or the tracker's
+        reset when a backward ends, closes it)."""
         now = time.perf_counter()
-        previous: set[str] = getattr(self._local, "backward", set())
-        since: float = getattr(self._local, "since", now)
-        with self._lock:
-            for name in previous:
-                self.backward[name] += now - since
         tracker = getattr(self, "_tracker", None)  # None: the tracker is being built
-        names = {tracked_name(key, self._names) for key in running} if tracker is not None and tracker.is_bw else set()
-        self._local.backward = names & self._names
-        self._local.since = now
+        in_backward = tracker is not None and tracker.is_bw
+        with self._lock:
+            if not in_backward and not self._running_backward:
+                return  # a forward's change: nothing to close
+            for name in self._running_backward:
+                self.backward[name] += now - self._since
+            names = {tracked_name(key, self._names) for key in running} if in_backward else set()
+            self._running_backward = names & self._names
+            self._since = now

@@ -102,7 +102,7 @@ class ThreadModuleTracker(ModuleTracker):
 
     def __init__(self, unit: Callable[[str], bool] = lambda _name: False,
                  on_change: Callable[[set[str]], None] | None = None) -> None:
-        self._local = threading.local()
+        self._by_thread: dict[int, _Running] = {}
         self._unit = unit
         self._on_change = on_change
         self._entries = 0
@@ -112,14 +112,18 @@ class ThreadModuleTracker(ModuleTracker):
     @property
     def parents(self) -> set[str]:
         """The modules the calling thread is running (always ``Global``)."""
-        parents: set[str] | None = getattr(self._local, "parents", None)
+        thread = threading.get_ident()
+        parents = self._by_thread.get(thread)
         if parents is None:
-            parents = self._local.parents = _Running({"Global"}, self._unit, self._on_change)
+            parents = self._by_thread[thread] = _Running({"Global"}, self._unit, self._on_change)
         return parents
 
     @parents.setter
     def parents(self, value: set[str]) -> None:
-        self._local.parents = _Running(value, self._unit, self._on_change)
+        # torch sets it when a backward ends (from an autograd callback, in whichever thread
+        # finishes the graph): nothing runs in any thread then, the backward's threads
+        # included (on CUDA, autograd's device threads), as torch's one set says.
+        self._by_thread = {threading.get_ident(): _Running(value, self._unit, self._on_change)}
 
     def __enter__(self) -> ThreadModuleTracker:
         with self._entry_lock:
