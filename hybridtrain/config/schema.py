@@ -374,9 +374,9 @@ class DistributedConfig(Section):
 class OOMRecoveryConfig(Section):
     """What an out-of-memory error inside a training step does: stop (off), or free the
     step's tensors, switch to a plan that needs less memory and computes the same math (the
-    planner's choice, or the next of: checkpoint every block, swap activations, offload the
-    optimizer, stream layers, smaller micro-batches with more accumulation at the same global
-    batch) and rerun the same step from the same state. In ``hybridtrain train``, or a loop
+    planner's choice, or the next of: no blocks kept for backward under layer-major
+    streaming, checkpoint every block, swap activations, offload the optimizer, stream layers,
+    smaller micro-batches with more accumulation at the same global batch) and rerun the same step from the same state. In ``hybridtrain train``, or a loop
     of your own through ``hybridtrain.recovery.oom.initialize_guarded`` (the model
     is rebuilt, so ``initialize(model, …)`` refuses it)."""
 

@@ -8,6 +8,7 @@ the equivalence tests)::
     swapping()               the same saved tensors, kept in host memory meanwhile
     optimizer_offload(r)     the same update, computed on the host
     streaming(...)           the same blocks and update, the weights in host memory
+    kept_blocks(k)           the same weights, uploaded once more for backward or kept
     micro_batches(m)         the same global batch summed over more, smaller micro-batches
                              (only when the forward draws no random numbers: dropout masks
                              are drawn per micro-batch, see draws_random_numbers)
@@ -27,8 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridtrain.config import BatchSizes, Config, resolve_batch_sizes
-from hybridtrain.plan.checks import parallel_sizes
+from hybridtrain.config import BatchSizes, Config, ConfigError, resolve_batch_sizes
+from hybridtrain.plan.checks import check_supported, parallel_sizes
 
 Change = dict[str, Any]
 """A partial config (nested like the config) that a move merges in."""
@@ -60,6 +61,12 @@ def optimizer_offload(cfg: Config, ratio: float | None) -> Change:
 def streaming(**settings: Any) -> Change:
     """Layer-to-layer streaming (``layer_major``, ``boundary_activations`` … as given)."""
     return {"layer_streaming": {"enabled": True, **settings}}
+
+
+def kept_blocks(count: int) -> Change:
+    """Layer-major streaming keeps its last ``count`` streamed blocks on the device from
+    their forward to their backward (-1: all, 0: none, each uploaded again)."""
+    return {"layer_streaming": {"keep_blocks_for_backward": count}}
 
 
 def micro_batches(batch: BatchSizes, micro: int) -> Change:
@@ -118,30 +125,52 @@ def describe_changes(old: Config, new: Config) -> str:
 def ladder(config: Config, batch: BatchSizes, device: torch.device,
            random_forward: bool) -> Iterator[tuple[str, Config]]:
     """Same-math variants of ``config`` that need less device memory, one rung further each,
-    in the order out-of-memory recovery tries them: checkpoint every block, swap
-    activations, offload the optimizer, stream layers (these three beside a GPU only: on
-    CPU host memory is the same memory), halve the micro-batch."""
+    in the order out-of-memory recovery tries them: give up the blocks layer-major streaming
+    keeps for backward, checkpoint every block, swap activations, offload the optimizer,
+    stream layers (these three beside a GPU only: on CPU host memory is the same memory),
+    halve the micro-batch. Rungs this build refuses with ``config`` on one process are
+    left out (under layer streaming, checkpointing and optimizer offload: it recomputes its
+    blocks and keeps their optimizer state on the host itself).
+
+    The order is by what each rung costs in time. Kept blocks cost bandwidth only: without
+    them each streamed block but the last is uploaded once more for its backward, while the
+    block after it computes its backward (prefetch), and their weight images leave the
+    device's peak; every later rung adds work (recomputation, activations or updates over
+    the bus, smaller kernels). That rung goes straight to no kept blocks, as checkpointing
+    goes straight to every block: each rung costs a failed step and a rebuild, and the
+    count that just fits is the planner's to find (a replanner, as ``hybridtrain train``
+    has, searches it from the measured peak before this ladder is asked)."""
     raw = config.model_dump()
+    for words, change in _rungs(config, batch, device, random_forward):
+        variant = Config.model_validate(merge(raw, change))
+        try:
+            check_supported(variant, 1)
+        except ConfigError:
+            continue
+        yield words, variant
 
-    def rung(change: Change) -> Config:
-        return Config.model_validate(merge(raw, change))
 
+def _rungs(config: Config, batch: BatchSizes, device: torch.device,
+           random_forward: bool) -> Iterator[tuple[str, Change]]:
+    keep = config.layer_streaming.keep_blocks_for_backward
+    if keep != 0:
+        yield f"no streamed blocks kept for backward ({'all' if keep < 0 else keep} -> 0)", kept_blocks(0)
     ac = config.activation_checkpointing
     if not ac.enabled or (ac.every_n_blocks > 1 and not ac.module_classes):
-        yield "activation checkpointing of every block", rung(checkpointing(1))
+        yield "activation checkpointing of every block", checkpointing(1)
     if device.type == "cuda":
         if not config.activation_offload.enabled:
-            yield "activation swapping", rung(swapping())
+            yield "activation swapping", swapping()
         offload = config.zero_optimization.offload_optimizer
         if offload.device == "none" or offload.ratio < 1.0 or config.zero_optimization.stage == 0:
-            yield "optimizer offload", rung(optimizer_offload(config, 1.0))
+            yield "optimizer offload", optimizer_offload(config, 1.0)
         if not config.layer_streaming.enabled:
-            yield "layer streaming", rung(streaming())
+            yield "layer streaming", streaming()
     micro, steps = batch.micro_batch, batch.accumulation_steps
     if micro > 1 and micro_batch_may_change(config, random_forward):
         smaller = max(d for d in range(1, micro // 2 + 1) if micro % d == 0)
         yield (f"micro-batch {micro} -> {smaller} with {steps} -> {steps * micro // smaller} accumulation steps",
-               rung(micro_batches(batch, smaller)))
+               micro_batches(batch, smaller))
 
 
 # ---------------------------------------------------------------- walk 2: the grid
@@ -195,7 +224,11 @@ def _batches(cfg: Config, dp: int, random_forward: bool) -> Iterator[tuple[tuple
 
 def _techniques(cfg: Config, world: int) -> Iterator[tuple[tuple[str, ...], Change]]:
     """Checkpointing × swapping × optimizer offload, and layer streaming (one process)."""
-    off = merge(merge(checkpointing(None), swapping(False)), {"layer_streaming": {"enabled": False}})
+    # Without streaming, a layer-major config's layer_major and kept blocks would be refused
+    # (they need streaming): they go too. Layer-major variants start at no kept blocks (the
+    # planner's search raises the count as far as it fits).
+    off = merge(merge(merge(checkpointing(None), swapping(False)),
+                      {"layer_streaming": {"enabled": False, "layer_major": False}}), kept_blocks(0))
     off["activation_checkpointing"]["every_n_blocks"] = 1
     offloads: list[tuple[str, Change]] = [("", optimizer_offload(cfg, None))]
     if world == 1:
@@ -214,7 +247,8 @@ def _techniques(cfg: Config, world: int) -> Iterator[tuple[tuple[str, ...], Chan
             for boundary in ("recompute", "host"):
                 yield (f"layer streaming{' layer-major' if layer_major else ''}",
                        "boundary activations in host memory" if boundary == "host" else ""), {
-                    **off, **streaming(layer_major=layer_major, boundary_activations=boundary)}
+                    **off, **streaming(layer_major=layer_major, boundary_activations=boundary,
+                                       keep_blocks_for_backward=0)}
 
 
 def _divisors(n: int) -> list[int]:

@@ -8,9 +8,11 @@ everything, the other only what runs inside autograd's backward, so backward is 
 Counting slows the step down, so this step is not the one that is timed.
 
 The modules reported are the ones a user reasons about: every repeated block, the
-embeddings and the rest outside the blocks (final norm, head). Dispatch modes are
-per thread: forwards that layer-major streaming runs in worker threads are not counted,
-nor attributed to their modules (``StepCount.threads_missed``).
+embeddings and the rest outside the blocks (final norm, head). Dispatch modes and
+saved-tensor hooks are per thread: the forwards layer-major streaming runs in worker
+threads join the counts (:mod:`hybridtrain.profiling.thread_flops`,
+:mod:`hybridtrain.runtime.thread_counters`), so FLOPs, their modules and saved bytes are
+the same as without streaming.
 """
 
 from __future__ import annotations
@@ -21,14 +23,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode, flop_registry
-from torch.utils.module_tracker import ModuleTracker
+from torch.utils.flop_counter import flop_registry
 
 from hybridtrain.models.blocks import BlocksNotFoundError, find_block_lists
 from hybridtrain.parallel.gradient_sync import local
 from hybridtrain.profiling.attention_flops import ATTENTION_FLOP_FORMULAS, raw_formula
 from hybridtrain.profiling.memory import SavedTensorMeter
-from hybridtrain.runtime.layer_major import LayerMajorRunner
+from hybridtrain.profiling.thread_flops import ThreadFlopCounter, ThreadModuleTracker, tracked_name
 from hybridtrain.runtime.memory_limit import LiveTensorBytes
 from hybridtrain.runtime.step_parts import PartClock
 
@@ -65,7 +66,6 @@ class StepCount:
         peak_live_bytes: the most tensor bytes alive on the device at once.
         timeline: ``(seconds, live bytes)`` through the step.
         parts: ``(seconds, part)`` each time the innermost step part changed (None: none).
-        threads_missed: forwards ran in worker threads that no counter saw.
         loss: the step's loss.
     """
 
@@ -75,7 +75,6 @@ class StepCount:
     peak_live_bytes: int
     timeline: list[tuple[float, int]] = field(default_factory=list)
     parts: list[tuple[float, str | None]] = field(default_factory=list)
-    threads_missed: bool = False
     loss: float = 0.0
 
 
@@ -99,7 +98,7 @@ def profiled_modules(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
     return found
 
 
-def _backward_only(counter: ModuleTracker) -> dict[Any, Any]:
+def _backward_only(counter: ThreadModuleTracker) -> dict[Any, Any]:
     """A flop-formula table that counts only inside autograd's backward."""
 
     def only_backward(formula: Callable[..., int]) -> Callable[..., int]:
@@ -111,20 +110,11 @@ def _backward_only(counter: ModuleTracker) -> dict[Any, Any]:
     return {op: only_backward(formula) for op, formula in {**flop_registry, **ATTENTION_FLOP_FORMULAS}.items()}
 
 
-def _module_name(key: str, wanted: set[str]) -> str:
-    """A module tracker's name (``GPT.transformer.h.0``: the root's class name first; under
-    DDP ``DistributedDataParallel.module.transformer.h.0``) as a name in the user's model."""
-    parts = key.split(".")[1:]
-    if parts[:1] == ["module"] and ".".join(parts) not in wanted:
-        parts = parts[1:]
-    return ".".join(parts)
-
-
 def _module_flops(counts: dict[str, dict[Any, int]], wanted: set[str]) -> dict[str, int]:
     """FLOPs per module name from a counter's table."""
     out: dict[str, int] = {}
     for key, ops in counts.items():
-        name = _module_name(key, wanted)
+        name = tracked_name(key, wanted)
         if name in wanted:
             out[name] = out.get(name, 0) + sum(ops.values())
     return out
@@ -147,19 +137,19 @@ def count_step(engine: Any, batch: Any, model: nn.Module | None = None) -> StepC
         owner.update({id(p): name for p in own})
         rows.append(ModuleCount(name, kind, sum(p.numel() for p in own)))
     params = frozenset(local(p).untyped_storage().data_ptr() for p in model.parameters())
-    tracker = ModuleTracker()
+    wanted = {row.name for row in rows}
+    blocks = {row.name for row in rows if row.kind == "block"}
+    tracker = ThreadModuleTracker(unit=lambda key: tracked_name(key, wanted) in blocks)
     # torch's table lacks the CPU flash-attention kernels and, before torch 2.13, refuses
     # grouped key/value heads (Hugging Face's Llama family): ours handle both.
-    everything = FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOP_FORMULAS)
-    backward = FlopCounterMode(display=False, custom_mapping=_backward_only(tracker))
-
-    wanted = {row.name for row in rows}
+    everything = ThreadFlopCounter(tracker, ATTENTION_FLOP_FORMULAS)
+    backward = ThreadFlopCounter(tracker, _backward_only(tracker))
 
     def running() -> Iterable[str]:
         # What forward leaves for backward; a recomputation inside backward is not that.
         if everything.mod_tracker.is_bw:
             return ()
-        return (_module_name(key, wanted) for key in everything.mod_tracker.parents)
+        return (tracked_name(key, wanted) for key in everything.mod_tracker.parents)
 
     saved = SavedTensorMeter(owners=running, skip_storages=params)
     start = time.perf_counter()
@@ -184,5 +174,5 @@ def count_step(engine: Any, batch: Any, model: nn.Module | None = None) -> StepC
     return StepCount(
         modules=rows, forward_flops=step_total - step_backward, backward_flops=step_backward,
         peak_live_bytes=live.peak_bytes, timeline=list(live.timeline),
-        parts=marks, threads_missed=isinstance(engine.runner, LayerMajorRunner), loss=float(loss),
+        parts=marks, loss=float(loss),
     )

@@ -100,7 +100,9 @@ def diagnose(profile: dict[str, Any]) -> list[Finding]:
     forward, backward = float(flops.get("forward", 0)), float(flops.get("backward", 0))
     if forward > 0 and backward / forward > RECOMPUTE_RATIO:
         ratio = backward / forward
+        cause = ("layer streaming recomputes each block in backward; set layer_streaming.boundary_activations: "
+                 "device (keep the activations) if memory allows" if "layer_streaming" in using else
+                 "activation checkpointing recomputes forwards; checkpoint fewer blocks if memory allows")
         found.append(Finding("recompute", ratio / 3.0, f"backward does {ratio:.1f}× the forward FLOPs (2× without "
-                             "recomputation): activation checkpointing recomputes forwards; checkpoint fewer "
-                             "blocks if memory allows"))
+                             f"recomputation): {cause}"))
     return sorted(found, key=lambda f: -f.share)

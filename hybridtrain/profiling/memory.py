@@ -6,6 +6,7 @@ counted on any device (CPU included), unlike allocator peaks.
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from types import TracebackType
@@ -13,10 +14,13 @@ from types import TracebackType
 import torch
 
 from hybridtrain.parallel.gradient_sync import local
+from hybridtrain.runtime.thread_counters import register, unregister
 
 
 class SavedTensorMeter:
-    """Context manager counting bytes that autograd saves for backward inside it.
+    """Context manager counting bytes that autograd saves for backward inside it, in the
+    entering thread and in worker threads that join it
+    (:mod:`hybridtrain.runtime.thread_counters`: saved-tensor hooks are per thread).
 
     >>> with SavedTensorMeter() as meter:
     ...     loss = model(x).sum()
@@ -41,22 +45,35 @@ class SavedTensorMeter:
         self.by_owner: dict[str, int] = defaultdict(int)
         self._owners = owners
         self._skip = skip_storages
-        self._seen: set[tuple[str, int]] = set()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        # (owner, storage, thread): a joined worker thread runs one micro-batch (layer-major),
+        # so a storage counts once per owner in each, as in each micro-batch's window.
+        self._seen: set[tuple[str, int, int]] = set()
+        self._hooks = self.joined()
+        self._lock = threading.Lock()
+
+    def joined(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """This meter's hooks for one thread (entered by the meter itself, and by each
+        worker thread that joins it)."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage, whole = _storage(tensor)
         if storage in self._skip:
             return tensor
+        with self._lock:
+            self._count(tensor, storage, whole)
+        return tensor
+
+    def _count(self, tensor: torch.Tensor, storage: int, whole: int) -> None:
         size = tensor.numel() * tensor.element_size()
         self.bytes += size
         self.tensors += 1
         if self._owners is not None:
             for owner in self._owners():
-                if (owner, storage) not in self._seen:
-                    self._seen.add((owner, storage))
+                key = (owner, storage, threading.get_ident())
+                if key not in self._seen:
+                    self._seen.add(key)
                     self.by_owner[owner] += whole
-        return tensor
 
     def new_window(self) -> None:
         """Count storages again from here on (call when the saved tensors were freed, e.g. at
@@ -65,10 +82,12 @@ class SavedTensorMeter:
 
     def __enter__(self) -> SavedTensorMeter:
         self._hooks.__enter__()
+        register(self)
         return self
 
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
                  traceback: TracebackType | None) -> None:
+        unregister(self)
         self._hooks.__exit__(kind, value, traceback)
 
 

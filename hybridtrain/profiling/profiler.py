@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from hybridtrain.profiling.breakdown import (
 )
 from hybridtrain.profiling.counting import StepCount, count_step, profiled_modules
 from hybridtrain.profiling.diagnosis import diagnose
+from hybridtrain.profiling.module_spans import ModuleSpans
 from hybridtrain.profiling.report import ModuleProfile, Profile, hidden_share
 from hybridtrain.runtime.device import peak_reserved_bytes
 from hybridtrain.runtime.layer_major import LayerMajorRunner
@@ -84,18 +85,23 @@ def _without_kineto_markers() -> Iterator[None]:
 
 
 @contextmanager
-def _module_labels(modules: list[tuple[str, str, nn.Module]]) -> Iterator[None]:
-    """Label every module's forward for the profiler (``hybridtrain.module::NAME``)."""
+def _module_labels(modules: list[tuple[str, str, nn.Module]], spans: ModuleSpans | None = None) -> Iterator[None]:
+    """Label every module's forward for the profiler (``hybridtrain.module::NAME``), and
+    time it in ``spans`` where the profiler does not see it (worker threads)."""
     handles = []
     for name, _, module in modules:
         opened: list[Any] = []
 
-        def enter(_m: nn.Module, _args: Any, label: str = MODULE_LABEL + name, stack: list[Any] = opened) -> None:
-            scope = torch.profiler.record_function(label)
+        def enter(_m: nn.Module, _args: Any, name: str = name, stack: list[Any] = opened) -> None:
+            scope = torch.profiler.record_function(MODULE_LABEL + name)
             scope.__enter__()
             stack.append(scope)
+            if spans is not None:
+                spans.forward_began(name)
 
-        def leave(_m: nn.Module, _args: Any, _out: Any, stack: list[Any] = opened) -> None:
+        def leave(_m: nn.Module, _args: Any, _out: Any, name: str = name, stack: list[Any] = opened) -> None:
+            if spans is not None:
+                spans.forward_ended(name)
             if stack:
                 stack.pop().__exit__(None, None, None)
 
@@ -126,6 +132,8 @@ class ProfileSession:
         # Each timed step's clock: its host optimizer work (any thread) is read at the end,
         # as a background update may finish after its step returned.
         self._clocks: list[PartClock] = []
+        # Layer-major: each timed step's module seconds, measured beside the profiler.
+        self._spans: list[ModuleSpans] = []
 
     def count_step(self, batch: Any) -> float:
         """The counted step (the first): returns its loss."""
@@ -140,16 +148,20 @@ class ProfileSession:
         if self.engine.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         modules = profiled_modules(self.model)
+        spans = ModuleSpans({name for name, _, _ in modules}, {name for name, kind, _ in modules if kind == "block"}) \
+            if isinstance(self.engine.runner, LayerMajorRunner) else None
         prof = torch.profiler.profile(activities=activities)
         with _without_kineto_markers():
             prof.start()
         try:
-            with _module_labels(modules), PartClock().running() as clock:
+            with _module_labels(modules, spans), spans or nullcontext(), PartClock().running() as clock:
                 start = time.perf_counter()
                 with torch.profiler.record_function(STEP_LABEL):
                     loss = self.engine.train_batch(batch)
                 self._walls.append(time.perf_counter() - start)
             self._clocks.append(clock)
+            if spans is not None:
+                self._spans.append(spans)
         finally:
             with _without_kineto_markers():
                 prof.stop()
@@ -168,7 +180,8 @@ class ProfileSession:
             raise RuntimeError("a profile needs one counted step and at least one timed step")
         self.engine.settle()
         host_step = [clock.work.get("host_step", 0.0) for clock in self._clocks]
-        profile = _summarise(self.engine, self.count, self._events, len(self._walls), sum(host_step) / len(host_step))
+        profile = _summarise(self.engine, self.count, self._events, len(self._walls), sum(host_step) / len(host_step),
+                             self._spans)
         if output_dir is not None:
             out = Path(output_dir)
             out.mkdir(parents=True, exist_ok=True)
@@ -225,40 +238,46 @@ def _techniques(engine: Any) -> list[str]:
 
 
 def _summarise(engine: Any, count: StepCount, per_step: list[list[Event]], steps: int,
-               host_step: float = 0.0) -> Profile:
+               host_step: float = 0.0, spans: list[ModuleSpans] | None = None) -> Profile:
     """Means over the timed steps (each step's events on its own profiler clock);
-    ``host_step``: mean seconds of host optimizer work per step, on any thread."""
+    ``host_step``: mean seconds of host optimizer work per step, on any thread; ``spans``:
+    each timed step's module seconds where the profiler cannot attribute them (layer-major)."""
     parts = dict.fromkeys(PARTS, 0.0)
     busy = collectives = step_seconds = 0.0
     on_cuda = engine.device.type == "cuda"
     names = [m.name for m in count.modules]
     times = dict.fromkeys(names, (0.0, 0.0))
     on_device: dict[str, float] = {}
-    for events in per_step:
+    for index, events in enumerate(per_step):
         step = next((e for e in events if e.name == STEP_LABEL), None)
         if step is None:
             raise RuntimeError("the profiler recorded no training step (was another torch.profiler running?)")
         for name, seconds in split_step(events, step.start, step.end, step.thread).items():
             parts[name] += seconds / steps
         busy += busy_fraction(events, step.start, step.end, on_device=on_cuda) / steps
+        if spans and not on_cuda and step.end > step.start:
+            # The CPU computing the workers' forwards, unseen by the profiler (the calling
+            # thread waits meanwhile; on CUDA the profiler sees every kernel, whoever launched it).
+            busy += spans[index].worker_busy / (step.end - step.start) / steps
         collectives += collective_seconds(events, step.start, step.end) / steps
         step_seconds += (step.end - step.start) / steps
         if on_cuda:
             for kind, seconds in device_split(events, step.start, step.end).items():
                 on_device[kind] = on_device.get(kind, 0.0) + seconds / steps
-        for name, (forward, backward) in module_times(events, names).items():
-            times[name] = (times[name][0] + forward / steps, times[name][1] + backward / steps)
+        if not spans:
+            for name, (forward, backward) in module_times(events, names).items():
+                times[name] = (times[name][0] + forward / steps, times[name][1] + backward / steps)
+    for measured in spans or ():
+        for name in names:
+            times[name] = (times[name][0] + measured.forward.get(name, 0.0) / steps,
+                           times[name][1] + measured.backward.get(name, 0.0) / steps)
     rows = [ModuleProfile(m.name, m.kind, m.params, m.forward_flops, m.backward_flops, m.saved_bytes,
                           *times[m.name]) for m in count.modules]
     dtype = engine.options.compute_dtype or torch.float32
     peak, source = peak_flops(engine.device, dtype)
     total = count.forward_flops + count.backward_flops
     achieved = total / step_seconds if step_seconds > 0 else 0.0
-    notes = []
-    if count.threads_missed:
-        notes.append("layer_major runs forwards in worker threads, which neither FLOP counting nor torch.profiler "
-                     "sees: forward FLOPs and the per-module figures are missing; the step's parts (the main "
-                     "thread waits for the workers) and the step's backward FLOPs are complete")
+    notes: list[str] = []
     profile = Profile(
         device=str(engine.device), dtype=str(dtype).removeprefix("torch."), timed_steps=steps,
         step_seconds=step_seconds, parts=parts, collective_seconds=collectives, device_utilisation=busy,

@@ -59,7 +59,12 @@ def check_limit_reachable(config: Config) -> None:
         changes.append(rung[0])
         least = rung[1]
     try:
-        needed = estimate(least, resolve_target("cpu" if device.type == "cpu" else None)).device_peak_bytes
+        planned = estimate(least, resolve_target("cpu" if device.type == "cpu" else None))
+        # On a CPU the estimate's peak includes the host side (offloaded optimizer state,
+        # host masters and buffers: one memory there). A CPU limit stands for a device's
+        # memory, and the guard does not count what the host optimizer's worker thread
+        # makes: only the device side is held against it (a run that fits is not refused).
+        needed = planned.device_peak_bytes - (planned.host_bytes if device.type == "cpu" else 0)
     except (ConfigError, ValueError) as unplanned:
         log.info("device_memory_limit not checked before training: %s", unplanned)
         return

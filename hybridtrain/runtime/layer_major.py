@@ -50,10 +50,10 @@ from torch.utils.hooks import RemovableHandle
 from hybridtrain.compat import tree_flatten, tree_unflatten
 from hybridtrain.runtime.activation_offload import ActivationSwapper
 from hybridtrain.runtime.batch import Batch
-from hybridtrain.runtime.memory_limit import counters_here, counting_with
 from hybridtrain.runtime.precision import reported_loss
 from hybridtrain.runtime.step_runner import StepContext
 from hybridtrain.runtime.streaming import LayerStreamer
+from hybridtrain.runtime.thread_counters import counters_here, counting_with
 
 
 class _Aborted(BaseException):
@@ -198,8 +198,8 @@ class LayerMajorRunner:
         self._scopes = [[None] * count for _ in self.streamer.blocks]
         losses: list[torch.Tensor | None] = [None] * count
         device = self.streamer.device
-        # A device_memory_limit's counters (dispatch modes are per thread) must see the
-        # forwards' allocations: the workers join the caller's.
+        # The caller's counters (a device_memory_limit's live bytes, the profiler's FLOPs:
+        # dispatch modes are per thread) must see the forwards: the workers join them.
         counters = counters_here()
 
         def work(worker: int) -> None:

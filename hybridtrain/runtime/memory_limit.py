@@ -15,8 +15,9 @@ plans and out-of-memory recovery can be tested on a machine without a GPU:
 * a storage's death is seen with a ``weakref.finalize`` on its Python object, which torch
   keeps alive exactly as long as the storage itself;
 * dispatch modes are per thread: a worker thread doing the entering thread's work (the
-  layer-major runner's micro-batch forwards) joins its counters with
-  :func:`counting_with` (:func:`counters_here` read in the entering thread);
+  layer-major runner's micro-batch forwards) joins the count with
+  :func:`~hybridtrain.runtime.thread_counters.counting_with`
+  (:func:`~hybridtrain.runtime.thread_counters.counters_here` read in the entering thread);
 * a storage resized in place through ``UntypedStorage.resize_`` (not an aten op: layer
   streaming frees and refills its blocks' device buffers so) is reported by the code that
   resizes it with :func:`storage_resized`, which counts, and limits, like an op's output.
@@ -29,12 +30,11 @@ Python object.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
 
@@ -42,6 +42,7 @@ import torch
 
 from hybridtrain.compat import TorchDispatchMode, is_traceable_wrapper_subclass
 from hybridtrain.runtime.device import normalize_device
+from hybridtrain.runtime.thread_counters import counters_here, register, unregister
 from hybridtrain.units import format_bytes
 
 
@@ -76,7 +77,8 @@ class LiveTensorBytes:
 
     Storages already alive at ``__enter__`` (parameters, gradients, optimizer state ...)
     count too. Counting covers the thread that entered (and autograd's backward, which runs
-    with its modes) and the threads that join it (:func:`counting_with`); it is thread-safe.
+    with its modes) and the threads that join it (:mod:`hybridtrain.runtime.thread_counters`);
+    it is thread-safe.
     Values stay readable after exit.
 
     >>> with LiveTensorBytes("cpu", limit_bytes=parse_bytes("2GiB")) as live:
@@ -134,7 +136,6 @@ class LiveTensorBytes:
         # Joined threads observe concurrently with finalizers, which run in whichever thread
         # drops a storage (re-entrantly, when an allocation inside _observe collects garbage).
         self._lock = threading.RLock()
-        self._entered = False
 
     def __enter__(self) -> LiveTensorBytes:
         self._start = time.perf_counter()
@@ -146,19 +147,23 @@ class LiveTensorBytes:
                 self._track(storage, storage.nbytes())
         self._changed()
         self._mode.__enter__()
-        self._entered = True
-        _here().append(self)
+        register(self)
         return self
 
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
                  traceback: TracebackType | None) -> None:
-        self._entered = False
-        _leave(self)
+        unregister(self)
         self._mode.__exit__(kind, value, traceback)
         for _, finalizer in [*self._storages.values(), *((0, f) for f in self._ignored.values())]:
             finalizer.detach()
         self._storages.clear()
         self._ignored.clear()
+
+    def joined(self) -> _OpOutputs:
+        """This count in a worker thread (:func:`~hybridtrain.runtime.thread_counters.counting_with`):
+        a dispatch mode of that thread's own (a mode object keeps per-entry state, so one is
+        never entered by two threads)."""
+        return _OpOutputs(self._observe)
 
     def reset_peak(self) -> None:
         """Start a new peak window at the bytes live now."""
@@ -237,48 +242,6 @@ class LiveTensorBytes:
             self.timeline.append((time.perf_counter() - self._start, self.current_bytes))
 
 
-_threads = threading.local()
-
-
-def _here() -> list[LiveTensorBytes]:
-    """The calling thread's counters; one exited in another thread than it entered is dropped."""
-    counters: list[LiveTensorBytes] | None = getattr(_threads, "counters", None)
-    if counters is None:
-        counters = _threads.counters = []
-    counters[:] = [c for c in counters if c._entered]
-    return counters
-
-
-def _leave(counter: LiveTensorBytes) -> None:
-    counters = _here()
-    if counter in counters:  # exited in the thread that entered it
-        counters.remove(counter)
-
-
-def counters_here() -> tuple[LiveTensorBytes, ...]:
-    """The :class:`LiveTensorBytes` counting in the calling thread (entered here or joined),
-    outermost first; hand them to :func:`counting_with` in a worker thread."""
-    return tuple(_here())
-
-
-@contextlib.contextmanager
-def counting_with(counters: Sequence[LiveTensorBytes]) -> Iterator[None]:
-    """In a worker thread doing another thread's work: count (and limit) this thread's ops
-    in ``counters`` too, until exit. Each counter gets a dispatch mode of this thread's own
-    (a mode object keeps per-entry state, so one is never entered by two threads).
-
-    Args:
-        counters: from :func:`counters_here` in the thread that entered them; they must
-            stay entered while this thread works (the caller joins the worker first).
-    """
-    with contextlib.ExitStack() as stack:
-        for counter in counters:
-            stack.enter_context(_OpOutputs(counter._observe))
-            _here().append(counter)
-            stack.callback(_leave, counter)
-        yield
-
-
 def storage_resized(tensor: torch.Tensor, what: str) -> None:
     """Tell the counters of the calling thread that ``tensor``'s storage was just resized in
     place (``UntypedStorage.resize_``, which no dispatch mode sees): they count its new size
@@ -292,8 +255,9 @@ def storage_resized(tensor: torch.Tensor, what: str) -> None:
         DeviceMemoryLimitError: the storage grew past a counter's limit; that counter's
             count stays as before, and the caller should shrink the storage back.
     """
-    for counter in _here():
-        counter._observe(tensor, what)
+    for counter in counters_here():
+        if isinstance(counter, LiveTensorBytes):
+            counter._observe(tensor, what)
 
 
 def _tensors_in(out: Any) -> list[torch.Tensor]:

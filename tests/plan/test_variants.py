@@ -8,6 +8,7 @@ import torch
 
 from hybridtrain.config import BatchSizes, ConfigError, load_config
 from hybridtrain.plan import resolve
+from hybridtrain.plan.checks import check_supported
 from hybridtrain.plan.variants import (
     changed_settings,
     describe_changes,
@@ -65,3 +66,34 @@ def test_conflicting_parallel_sizes_are_an_error_not_the_larger() -> None:
                           "tensor_model_parallel_size": 4})
     with pytest.raises(ConfigError, match="^tensor_model_parallel_size=4 but tensor_parallel.size=2; "):
         next(grid(config, 8, False))
+
+
+LAYER_MAJOR = {**PLAIN, "layer_streaming": {"enabled": True, "layer_major": True, "keep_blocks_for_backward": -1}}
+
+
+def test_kept_blocks_are_given_up_first_and_refused_rungs_are_left_out() -> None:
+    """Kept blocks cost only bandwidth: they go first, all at once; under streaming the
+    checkpointing and offload rungs (refused there) are not offered."""
+    config, batch = load_config(LAYER_MAJOR), BatchSizes(8, 8, 1, 1)
+    gpu = dict(ladder(config, batch, torch.device("cuda"), False))
+    assert list(gpu) == ["no streamed blocks kept for backward (all -> 0)", "activation swapping",
+                         "micro-batch 8 -> 4 with 1 -> 2 accumulation steps"]
+    [(words, fewer), *_] = gpu.items()
+    assert describe_changes(config, fewer) == "layer_streaming.keep_blocks_for_backward: 0"
+    assert resolve(fewer.model_dump(), gpt_case(0.0).build(), world_size=1).stream_keep_blocks == 0
+    some = load_config({**PLAIN, "layer_streaming": {**LAYER_MAJOR["layer_streaming"], "keep_blocks_for_backward": 2}})
+    assert next(ladder(some, batch, torch.device("cpu"), True))[0] == "no streamed blocks kept for backward (2 -> 0)"
+    assert "no streamed blocks" not in dict(ladder(fewer, batch, torch.device("cpu"), True))
+
+
+def test_the_grid_of_a_layer_major_config_keeps_its_other_variants() -> None:
+    """Variants without streaming drop layer_major and the kept blocks (else refused);
+    layer-major variants start at none kept (the planner's search raises the count)."""
+    variants = [variant for _, variant, _ in grid(load_config(LAYER_MAJOR), 1, False)]
+    for variant in variants:
+        check_supported(variant, 1)
+    assert variants[0].layer_streaming.keep_blocks_for_backward == -1  # the config itself first
+    streamed = [v for v in variants if v.layer_streaming.enabled]
+    assert len(streamed) < len(variants)
+    # the config's own techniques at each micro-batch keep its count; the grid's layer-major variants none
+    assert {v.layer_streaming.keep_blocks_for_backward for v in streamed if v.layer_streaming.layer_major} == {-1, 0}

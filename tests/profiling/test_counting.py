@@ -76,3 +76,24 @@ def test_profiled_modules_are_blocks_embeddings_and_head() -> None:
     kinds = {name: kind for name, kind, _ in profiled_modules(engine.module)}
     assert kinds == {"tok_emb": "embedding", "pos_emb": "embedding", "blocks.0": "block", "blocks.1": "block",
                      "ln_f": "head", "head": "head"}
+
+
+def _rows(count: object) -> list[tuple[str, int, int, int]]:
+    return [(m.name, m.forward_flops, m.backward_flops, m.saved_bytes) for m in count.modules]  # type: ignore[attr-defined]
+
+
+def test_layer_major_counts_the_forwards_its_worker_threads_run() -> None:
+    """Layer-major streaming runs each micro-batch's forward in a worker thread (taking turns
+    at every block) and backwards each block from its cut output: the counts join the
+    workers and keep each thread's running modules, so the step counts as without it."""
+    two = {"train_micro_batch_size_per_gpu": B // 2, "gradient_accumulation_steps": 2}
+    plain, batch = _engine(**two)
+    kept, _ = _engine(**two, layer_streaming={"enabled": True, "layer_major": True, "boundary_activations": "device"})
+    base, layer_major = count_step(plain, batch), count_step(kept, batch)
+    assert (layer_major.forward_flops, layer_major.backward_flops) == (base.forward_flops, base.backward_flops)
+    assert [row[:3] for row in _rows(layer_major)] == [row[:3] for row in _rows(base)]
+    assert all(m.forward_flops > 0 and m.backward_flops > 0 for m in layer_major.modules if m.kind == "block")
+    # With recomputation: equal to micro-batch-major streaming's, saved bytes per micro-batch included.
+    streamed, _ = _engine(**two, layer_streaming={"enabled": True})
+    recomputed, _ = _engine(**two, layer_streaming={"enabled": True, "layer_major": True})
+    assert _rows(count_step(recomputed, batch)) == _rows(count_step(streamed, batch))

@@ -47,5 +47,10 @@ def test_utilisation_idle_transfer_mfu_recompute_largest_first() -> None:
     messages = " | ".join(f.message for f in diagnose(profile))
     assert "device utilisation is 55 % (below 70 %)" in messages
     assert "MFU is 12 %" in messages and "backward does 2.9× the forward FLOPs" in messages
+    # Layer streaming recomputes its blocks itself (its forward FLOPs are counted under
+    # layer-major too): the advice names its setting, not checkpointing.
+    [streamed] = [f.message for f in diagnose({**profile, "techniques": ["layer_streaming", "layer_major"]})
+                  if f.rule == "recompute"]
+    assert "boundary_activations: device" in streamed and "checkpoint" not in streamed
     # A measured (not tabled) peak says little about the hardware: no MFU finding.
     assert "mfu" not in [f.rule for f in diagnose({**profile, "peak_source": "measured matmul"})]

@@ -177,3 +177,23 @@ def test_with_overlapped_updates_the_clipped_host_step_hides_behind_the_next_for
     overlapped = profile_engine(engine, batch, steps=4)
     assert overlapped.host_step_seconds > 0 and "overlapped_updates" in overlapped.techniques
     assert waited.host_step_hidden <= 0.1 < 0.5 <= overlapped.host_step_hidden, (waited.table(), overlapped.table())
+
+
+def test_layer_major_profile_counts_and_times_the_worker_threads_forwards() -> None:
+    """Under layer-major the forwards run in worker threads that torch.profiler does not
+    record: FLOPs and MFU count them (as the same step without streaming), and each module's
+    forward and backward seconds are measured beside the profiler."""
+    plain, batch = _engine()
+    engine, _ = _engine(layer_streaming={"enabled": True, "layer_major": True, "boundary_activations": "device"})
+    expected = profile_engine(plain, batch, steps=2)
+    profile = profile_engine(engine, batch, steps=2)
+    assert "layer_major" in profile.techniques and not profile.notes
+    assert profile.flops == expected.flops and profile.flops["forward"] > 0
+    assert profile.mfu == pytest.approx(profile.flops["total"] / profile.step_seconds / (profile.peak_tflops * 1e12))
+    assert [(m.name, m.forward_flops, m.backward_flops) for m in profile.modules] == [
+        (m.name, m.forward_flops, m.backward_flops) for m in expected.modules]
+    blocks = [m for m in profile.modules if m.kind == "block"]
+    assert len(blocks) == 2 and all(m.forward_seconds > 0 and m.backward_seconds > 0 for m in blocks)
+    head = next(m for m in profile.modules if m.name == "head")
+    assert head.forward_seconds > 0 and head.backward_seconds > 0
+    assert sum(m.forward_seconds + m.backward_seconds for m in profile.modules) < profile.step_seconds

@@ -20,6 +20,7 @@ import hybridtrain as ht
 import hybridtrain.trainer as trainer
 from hybridtrain.config import BatchSizes, Config, ConfigError, load_config
 from hybridtrain.engine import Engine
+from hybridtrain.models.gpt import GPT, GPTConfig, causal_lm_loss
 from hybridtrain.plan.build import build
 from hybridtrain.plan.resolve import resolve
 from hybridtrain.recovery.oom import MemoryGuard, _release, initialize_guarded
@@ -223,6 +224,55 @@ def test_recovery_needs_a_model_factory() -> None:
     with pytest.raises(ValueError, match="oom_recovery.enabled needs a model factory"):
         MemoryGuard(engine, config)
 
+
+
+LAYER_MAJOR_GPT = GPTConfig(n_layer=6, n_head=2, d_model=64, seq_len=8, vocab_size=64)
+
+
+def _layer_major(keep: int, limit: int, recovery: bool = False) -> tuple[list[float], list[int], MemoryGuard]:
+    """Layer-major streaming with ``keep`` blocks kept for backward, two micro-batches,
+    under ``limit``: the losses, each step's peak live bytes and the guard."""
+    def make(_: Config) -> nn.Module:
+        torch.manual_seed(SEED)
+        return GPT(LAYER_MAJOR_GPT)
+
+    config = load_config({"device": "cpu", "train_batch_size": 4, "gradient_accumulation_steps": 2,
+                          "optimizer": OPTIMIZER, "device_memory_limit": limit, "oom_recovery": {"enabled": recovery},
+                          "layer_streaming": {"enabled": True, "layer_major": True, "keep_blocks_for_backward": keep}})
+    torch.manual_seed(1)
+    tokens = [torch.randint(0, LAYER_MAJOR_GPT.vocab_size, (4, LAYER_MAJOR_GPT.seq_len + 1)) for _ in range(STEPS)]
+    gc.collect()
+    others = tensors_alive()
+    model = make(config)
+    engine = build(resolve(config, model, world_size=1), model, causal_lm_loss)
+    losses, peaks = [], []
+    with MemoryGuard(engine, config, make, untracked=others) as guard:
+        for t in tokens:
+            losses.append(guard.train_batch((t[:, :-1], t[:, 1:])))
+            assert guard.live is not None
+            peaks.append(guard.live.peak_bytes)
+    return losses, peaks, guard
+
+
+def test_layer_major_gives_up_its_kept_blocks_first_and_trains_to_the_same_bits(caplog: Any) -> None:
+    """Every block kept for backward holds N-2 more weight images at the turn from forward to
+    backward; out of memory in step 1, the step reruns with none kept: the same bits."""
+    unlimited = 10**12  # counted, never reached
+    expected, none_kept, reference = _layer_major(0, unlimited)
+    kept_losses, all_kept, _ = _layer_major(-1, unlimited)
+    assert kept_losses == expected  # keeping changes no bit
+    assert max(none_kept) < min(all_kept)
+    limit = (max(none_kept) + min(all_kept)) // 2
+    with caplog.at_level(logging.WARNING, logger="hybridtrain.recovery.oom"):
+        losses, _, guard = _layer_major(-1, limit, recovery=True)
+    [switch] = guard.switches
+    assert switch.step == 1 and switch.change == "no streamed blocks kept for backward (all -> 0)"
+    assert switch.needed_bytes is not None and switch.needed_bytes > limit
+    assert guard.config.layer_streaming.keep_blocks_for_backward == 0
+    assert losses == expected and guard.engine.global_step == STEPS
+    torch.testing.assert_close(guard.engine.model_state_dict(), reference.engine.model_state_dict(), rtol=0, atol=0)
+    [line] = [r.getMessage() for r in caplog.records if "rerunning" in r.getMessage()]
+    assert "step 1 ran out of memory" in line and line.endswith("no streamed blocks kept for backward (all -> 0)")
 
 
 class _RecordingGuard(MemoryGuard):

@@ -18,12 +18,11 @@ from hybridtrain.models.gpt import GPT, GPTConfig, causal_lm_loss
 from hybridtrain.runtime.memory_limit import (
     DeviceMemoryLimitError,
     LiveTensorBytes,
-    counters_here,
-    counting_with,
     storage_resized,
     tensors_alive,
 )
 from hybridtrain.runtime.streaming import LayerStreamer
+from hybridtrain.runtime.thread_counters import counters_here, counting_with
 
 
 def _others() -> list[torch.Tensor]:
