@@ -245,7 +245,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for bucket in self.buckets:
             bucket.begin_backward()
         # The last backward lands final sums: the worker unscales those that land once in one.
-        self._unscale = self._inv_scale if final and self._seen_backward else None
+        self._unscale = self._inv_scale if final and (self._seen_backward or self.manual_landing) else None
         self._seen_backward = True
         if not self.defer:
             finite = torch.isfinite(loss.detach()).all()
