@@ -39,7 +39,7 @@ INITIAL_POWER = 20  # overflows the first steps of this model: a skipped step fo
 FP16 = {"fp16": {"enabled": True, "hysteresis": 1, "initial_scale_power": INITIAL_POWER},
         "gradient_accumulation_steps": 2, "gradient_clipping": CLIP}
 OFFLOAD = {"zero_optimization": {"stage": 1, "reduce_bucket_size": 2000, "offload_optimizer": {"device": "cpu"}}}
-PLACEMENTS = {
+PLACEMENTS: dict[str, dict[str, Any]] = {
     "offload": OFFLOAD,
     "stream": {"layer_streaming": {"enabled": True}},
     "stream_layer_major": {"layer_streaming": {"enabled": True, "layer_major": True}},
@@ -57,9 +57,12 @@ def plain_fp16_loop(steps: int = STEPS, accumulation: int = 2) -> tuple[Run, int
     CPU AdamW, the kernel the host steps with. Returns the run and the skipped steps."""
     torch.manual_seed(SEED)
     model = CASE.build()
-    opt = torch.optim.AdamW(model.parameters(), **OPTIMIZER["params"], fused=True)
+    opt = torch.optim.AdamW(model.parameters(), **OPTIMIZER["params"], fused=True)  # type: ignore[arg-type]
     scale = float(2**INITIAL_POWER)
-    losses, scales, norms, skipped = [], [], [], 0
+    losses: list[float] = []
+    scales: list[float] = []
+    norms: list[float | None] = []
+    skipped = 0
     torch.manual_seed(SEED + 1)
     for inputs, targets in CASE.batches(steps):
         opt.zero_grad()
@@ -69,7 +72,7 @@ def plain_fp16_loop(steps: int = STEPS, accumulation: int = 2) -> tuple[Run, int
                 part_loss = CASE.plain_loss(model, part) / accumulation
             (part_loss.float() * scale).backward()
             loss = loss + part_loss.detach().float()
-        losses.append(loss.item())
+        losses.append(float(loss))
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         if not all(bool(torch.isfinite(g).all()) for g in grads):
             skipped += 1
@@ -81,7 +84,7 @@ def plain_fp16_loop(steps: int = STEPS, accumulation: int = 2) -> tuple[Run, int
             g.mul_(1.0 / scale)
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
-        scales.append(scale)  # a window of 1000 good steps doubles it: not in 4 steps
+        scales.append(scale)  # a window of 1000 good steps doubles it: not in these
     return (losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, scales, norms), skipped
 
 
@@ -121,7 +124,7 @@ def unscaled_by_thread() -> Iterator[Counter[str]]:
         counts[threading.current_thread().name.rsplit("_", 1)[0]] += len(grads)
         real(grads, found_inf, inv_scale)
 
-    torch._amp_foreach_non_finite_check_and_unscale_ = counting
+    torch._amp_foreach_non_finite_check_and_unscale_ = counting  # type: ignore[assignment]
     try:
         yield counts
     finally:
@@ -146,7 +149,7 @@ def test_fp16_steps_are_the_plain_loops_and_the_calling_threads_bit_for_bit(plac
     expected, skipped = plain_fp16_loop()
     assert 0 < skipped < STEPS  # an overflowing step was skipped, and others stepped
     assert any(n is not None and n > CLIP for n in expected[3])  # the clip clipped
-    config = {**FP16, **PLACEMENTS[placement]}
+    config: dict[str, Any] = {**FP16, **PLACEMENTS[placement]}
     engine = _engine(config)
     with unscaled_by_thread() as counts:
         actual = _train(engine)
@@ -232,7 +235,7 @@ def test_the_manual_forward_backward_step_keeps_the_calling_thread_path() -> Non
     expected = _train(_engine(config, case), case.batches(STEPS))
     engine = _engine(config, case)
     torch.manual_seed(SEED + 1)
-    losses, scales = [], []
+    scales = []
     for x, y in case.batches(STEPS):
         for part in zip(x.chunk(2), y.chunk(2), strict=True):
             engine.backward(case.loss_fn(engine(part[0]), part))  # type: ignore[misc]
