@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import hybridtrain as ht
 from hybridtrain.runtime.offload_bucket import Bucket
@@ -244,3 +246,39 @@ def test_the_manual_forward_backward_step_keeps_the_calling_thread_path() -> Non
     assert scales == expected[2]
     for name, value in engine.model_state_dict().items():
         assert torch.equal(value, expected[1][name]), name
+
+
+class _SharedLayer(nn.Module):
+    """One layer applied three times, twice inside reentrant checkpoints (ALBERT-like
+    sharing under Hugging Face's gradient checkpointing): each checkpoint runs a backward of
+    its own, so the layer's gradient lands in pieces within one backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.layer(x))
+        for _ in range(2):
+            x = checkpoint(lambda h: torch.tanh(self.layer(h)), x, use_reentrant=True)
+        return self.head(x)
+
+
+def test_a_gradient_landing_twice_in_one_backward_is_unscaled_on_the_calling_thread() -> None:
+    case = ModelCase("shared", _SharedLayer, CASE.batches, CASE.loss_fn, CASE.plain_loss)
+    config = {**FP16, **OFFLOAD, "gradient_accumulation_steps": 1}
+    with calling_thread_path():
+        expected = _train(_engine(config, case))
+    engine = _engine(config, case)
+    with unscaled_by_thread() as counts:
+        actual = _train(engine)
+    assert_same_bits(actual, expected)
+    assert any(n is not None for n in actual[3])  # it stepped
+    opt = engine.optimizer
+    assert isinstance(opt, OffloadOptimizer)
+    relanding = {id(p) for b in opt.buckets for p, twice in zip(b.params, b.relands, strict=True) if twice}
+    assert relanding == {id(p) for p in engine.module.layer.parameters()}  # learned from the first backward
+    # From the second step: the head's on the worker, the shared layer's on the caller.
+    assert counts["hybridtrain-host-step"] == 2 * (STEPS - 1)
+    assert counts["MainThread"] == 4 + 2 * (STEPS - 1)
