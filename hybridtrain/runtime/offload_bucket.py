@@ -168,9 +168,14 @@ class Bucket:
         Each gradient once per step: a sum that may still grow would be unscaled twice."""
         assert self.flat_grad is not None
         if any(self.unscaled[j] for j in slots):
-            raise RuntimeError(f"a gradient of host optimizer bucket {self.index} landed twice in the step's "
-                               "last backward after it was unscaled; train with train_batch (one backward "
-                               "per micro-batch) or report this model")
+            # Not seen in an earlier backward (those are never unscaled at a landing, see
+            # ``relands``): the unscaled part and the new one cannot be summed exactly.
+            raise RuntimeError(f"a gradient of host optimizer bucket {self.index} landed again in the step's last "
+                               "backward after the host worker had unscaled it (a parameter whose gradient arrives "
+                               "in pieces, which no earlier backward showed); this step is lost, later steps "
+                               "unscale that gradient after backward")
+        if not slots:
+            return
         if self.found_inf is None:
             self.found_inf = found_inf_flag(self.flat_grad.device)
         grads = self.views(self.flat_grad)

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 import hybridtrain as ht
 from hybridtrain.runtime.offload_bucket import Bucket
 from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
+from hybridtrain.runtime.precision import LossScaler
 from hybridtrain.runtime.step_parts import PartClock
 from tests.equivalence import (
     MODES,
@@ -278,7 +279,37 @@ def test_a_gradient_landing_twice_in_one_backward_is_unscaled_on_the_calling_thr
     opt = engine.optimizer
     assert isinstance(opt, OffloadOptimizer)
     relanding = {id(p) for b in opt.buckets for p, twice in zip(b.params, b.relands, strict=True) if twice}
-    assert relanding == {id(p) for p in engine.module.layer.parameters()}  # learned from the first backward
+    assert relanding == {id(p) for p in engine.module.get_submodule("layer").parameters()}  # learned from the first backward
     # From the second step: the head's on the worker, the shared layer's on the caller.
     assert counts["hybridtrain-host-step"] == 2 * (STEPS - 1)
     assert counts["MainThread"] == 4 + 2 * (STEPS - 1)
+
+
+@pytest.mark.parametrize("scale", [2.0**20, 1000.0])
+def test_a_buckets_unscale_is_the_scalers_bit_for_bit_and_refuses_a_second(scale: float) -> None:
+    """Per bucket and per landing, the kernel and factor of ``LossScaler.unscale_and_check``
+    over all gradients: the same bits (subnormal results included), the same verdict."""
+    params = [nn.Parameter(torch.zeros(5, 3)), nn.Parameter(torch.zeros(7))]
+    bucket = Bucket.create(0, params, False, {id(p): 0 for p in params}, False, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(SEED)
+    grads = [torch.randn(p.shape, generator=gen) * 1e-38 * scale for p in params]  # some end subnormal
+    bucket.flat_grad = torch.cat([g.flatten() for g in grads])
+    bucket.has_grad = [True, True]
+    scaler = LossScaler(static_scale=scale if scale == 1000.0 else 0.0, initial_scale_power=20)
+    references = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for ref, g in zip(references, grads, strict=True):
+        ref.grad = g.clone()
+    assert scaler.unscale_and_check(references)
+    bucket.unscale([1], scaler.inverse_scale(torch.device("cpu")))
+    bucket.unscale([0], scaler.inverse_scale(torch.device("cpu")))
+    assert bucket.found_inf is not None and not bucket.found_inf.item()
+    for view, ref in zip(bucket.views(bucket.flat_grad), references, strict=True):
+        assert ref.grad is not None and torch.equal(view, ref.grad)
+    assert any(0 < abs(float(x)) < torch.finfo(torch.float32).tiny for x in bucket.flat_grad)
+    with pytest.raises(RuntimeError, match="landed again in the step's last backward"):
+        bucket.unscale([0], scaler.inverse_scale(torch.device("cpu")))
+    bucket.clear()
+    bucket.has_grad = [True, True]
+    bucket.flat_grad[3] = float("inf")
+    bucket.unscale([0, 1], scaler.inverse_scale(torch.device("cpu")))
+    assert bucket.found_inf is not None and bucket.found_inf.item() == 1
