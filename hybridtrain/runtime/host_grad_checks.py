@@ -16,8 +16,9 @@ The same kernels on the same tensors as :meth:`LossScaler.unscale_and_check
 ``torch.nn.utils.clip_grad_norm_`` over the host gradients (both elementwise or per
 tensor), with the same factor, so the same bits. What the worker did not cover — a
 gradient that no landing of the last backward completed, one that lands twice in a
-backward, the device-kept (twin-flow) parameters — is unscaled on the calling thread as
-before.
+backward, the device-kept (twin-flow) parameters, every gradient of a step driven by the
+forward/backward/step trio (``engine.backward`` cannot know that a backward is its step's
+last) — is unscaled on the calling thread as before.
 """
 
 from __future__ import annotations
