@@ -30,6 +30,7 @@ from tests.equivalence import (
     OPTIMIZER,
     SEED,
     ModelCase,
+    assert_resume_exact,
     engine_config,
     model_cases,
     reduced_precision_tolerance,
@@ -313,3 +314,15 @@ def test_a_buckets_unscale_is_the_scalers_bit_for_bit_and_refuses_a_second(scale
     bucket.flat_grad[3] = float("inf")
     bucket.unscale([0, 1], scaler.inverse_scale(torch.device("cpu")))
     assert bucket.found_inf is not None and bucket.found_inf.item() == 1
+
+
+def test_a_resumed_run_unscales_with_the_restored_scale(tmp_path: Any) -> None:
+    """The scale a checkpoint restores (halved by the overflows before it) is the one the
+    worker unscales with after the load: the resumed run is the straight one, bit for bit."""
+    def make() -> ht.Engine:
+        return _engine({**FP16, **OFFLOAD})
+
+    torch.manual_seed(SEED + 1)
+    first, resumed = assert_resume_exact(make, CASE.batches(STEPS), tmp_path / "ckpt", stop_at=2)
+    assert first.loss_scale < 2.0**INITIAL_POWER  # the overflows before the save moved it
+    assert resumed.skipped_steps > 0
