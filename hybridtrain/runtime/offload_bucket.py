@@ -183,7 +183,8 @@ class Bucket:
         for j in slots:
             self.unscaled[j] = True
 
-    def staged(self, through: torch.Tensor, landed: Sequence[tuple[int, bool, torch.dtype | None]]) -> list[torch.Tensor]:
+    def staged(self, through: torch.Tensor,
+               landed: Sequence[tuple[int, bool, torch.dtype | None]]) -> list[torch.Tensor]:
         """The gradients of a landing in the pooled buffer ``through``: :meth:`slots` with each
         landed one's type (``landed``: ``(j, first, dtype)``, dtype None: the master's)."""
         dtypes = [self.flat_master.dtype] * len(self.params)

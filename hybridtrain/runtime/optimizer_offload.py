@@ -19,16 +19,16 @@ offloaded Adam parameter in the first case and 16 in the second, plus the pool. 
 host step of the bucket starts at once (the *eager* step) — unless something needs all
 gradients first: gradient clipping (global norm), fp16 loss scaling (global overflow
 check) or ``nonfinite_loss: skip``. Then the step is *deferred* to :meth:`OffloadOptimizer.step`,
-its work off the critical path where the math allows: as the step's last backward lands
-each bucket, the host worker, behind the rest of backward, unscales its gradients (fp16,
-with the scale :meth:`~OffloadOptimizer.unscale_on_landing` gave; its found-inf flag) and
-takes their norms (clipping): the engine's :meth:`~OffloadOptimizer.unscale_and_check` and
+its work off the critical path where the math allows: as the step's last backward lands each
+bucket, the host worker, behind the rest of backward, unscales its gradients (fp16, with the
+scale :meth:`~OffloadOptimizer.unscale_on_landing` gave; its found-inf flag) and takes their
+norms (clipping): the engine's :meth:`~OffloadOptimizer.unscale_and_check` and
 :meth:`~OffloadOptimizer.clip_grad_norm` only combine them (:mod:`~hybridtrain.runtime.host_grad_checks`),
-and each bucket's update multiplies its own gradients by the clip factor — torch's kernels
-on the host tensors, bit for bit: each element sees the plain optimizer's update. With :attr:`~OffloadOptimizer.background`
-(``engine.overlap_updates``) the streamed blocks are then updated on the worker after
-:meth:`~OffloadOptimizer.step` returns, in block order, while the next forward starts: each
-block's upload waits for its own update only.
+each bucket's update multiplies its own gradients by the clip factor — torch's kernels on the
+host tensors, bit for bit: each element sees the plain optimizer's update. With
+:attr:`~OffloadOptimizer.background` (``engine.overlap_updates``) the streamed blocks are then
+updated on the worker after :meth:`~OffloadOptimizer.step` returns, in block order, while the
+next forward starts: each block's upload waits for its own update only.
 
 :class:`OffloadOptimizer` is the optimizer the engine and the LR scheduler see. Its
 parameters are the host masters (and, with a ``ratio`` below 1, the device parameters
@@ -211,9 +211,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.register_load_state_dict_post_hook(lambda opt: opt._after_load())  # type: ignore[attr-defined]
         transfer.note_cpu_offload(device, "optimizer offload")
 
+    # ------------------------------------------------------------------ construction
     # ------------------------------------------------------------------ backward protocol
-    # fp16: this step's inverse loss scale (None: not told), the same while its last backward
-    # runs (None otherwise), and whether a backward showed which gradients land twice in one.
+    # fp16: the step's inverse loss scale; the same during its last backward; whether one ran.
     _inv_scale: torch.Tensor | None = None
     _unscale: torch.Tensor | None = None
     _seen_backward = False
@@ -336,9 +336,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if then is not None:
                 then()
             if landed:
-                unscale = None if self._unscale is None else \
-                    (self._unscale, [j for j, _, _ in landed if not bucket.relands[j]])
-                # Norms of scaled gradients are not clipping's (the calling thread takes those).
+                # Norms of scaled gradients are not clipping's: the calling thread takes those.
+                once = [j for j, *_ in landed if not bucket.relands[j]]  # sums final at this landing
+                unscale = None if self._unscale is None else (self._unscale, once)
                 norms = self._final and self.grad_norms and (unscale is not None or self._inv_scale is None)
                 self._jobs.append(self._worker.submit(self._accumulate, bucket, landed, copied, through, self._eager,
                                                       finite, norms, unscale))
