@@ -145,6 +145,8 @@ class Engine:
         self.module.train()
         micro_batches = split_batch(batch, self.options.batch.accumulation_steps)
         self.optimizer.zero_grad(set_to_none=True)
+        if isinstance(self.optimizer, OffloadOptimizer) and self.scaler is not None:
+            self.optimizer.unscale_on_landing(self.scaler)  # its host worker unscales as the last backward lands
         backward = self._scaled_backward if self.micro_batch_done is None else \
             _counted(self._scaled_backward, self.micro_batch_done, len(micro_batches))
         step = StepContext(self._micro_loss, backward, 1.0 / len(micro_batches), self.loss_scale, self._timed)
@@ -275,7 +277,10 @@ class Engine:
         ``resident``: the next forward runs under :meth:`_reads_wait` on this thread."""
         self.global_step += 1
         if self.scaler is not None:
-            finite = self.parallel.all_finite(self.scaler.unscale_and_check(self._params))
+            # The host optimizer's worker unscaled and checked its gradients as they landed.
+            local = self.optimizer.unscale_and_check(self.scaler) if isinstance(self.optimizer, OffloadOptimizer) \
+                else self.scaler.unscale_and_check(self._params)
+            finite = self.parallel.all_finite(local)
             self.scaler.update(overflow=not finite)
             if not finite:
                 self.optimizer.zero_grad(set_to_none=True)

@@ -97,7 +97,7 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
                                    streamed=[list(block.parameters()) for block in streamed],
                                    lasting_grads=placement.lasting_grads,
                                    late=params_in_several_backwards(model, swap_recompute), half=half,
-                                   grad_norms=plan.step_rules.gradient_clipping > 0 and plan.loss_scaler is None)
+                                   grad_norms=plan.step_rules.gradient_clipping > 0)
         offload.half_uploads.attach(model, offload.buckets)  # updated weights go up in half where exact
         optimizer = offload
     schedule = plan.scheduler

@@ -18,18 +18,17 @@ deferred step — get a lasting host buffer per bucket. The host thus holds 12 b
 offloaded Adam parameter in the first case and 16 in the second, plus the pool. On the last micro-batch of a step the
 host step of the bucket starts at once (the *eager* step) — unless something needs all
 gradients first: gradient clipping (global norm), fp16 loss scaling (global overflow
-check) or ``nonfinite_loss: skip``. Then the step is *deferred*: the engine unscales the
-host gradients, clips them and calls :meth:`OffloadOptimizer.step`. Either way each element
-sees exactly the plain optimizer's update.
-
-A deferred step keeps its work off the critical path where the math allows: under clipping
-(without loss scaling) the host worker takes each gradient's norm as the step's last
-landing completes its bucket, behind the rest of backward; :meth:`~OffloadOptimizer.clip_grad_norm`
-only combines them, and each bucket's update multiplies its own gradients by the factor
-(torch's ``clip_grad_norm_`` on host tensors, bit for bit). With :attr:`~OffloadOptimizer.background`
-(``engine.overlap_updates``) the streamed blocks are then updated on the worker after
-:meth:`~OffloadOptimizer.step` returns, in block order, while the next forward starts: each
-block's upload waits for its own update only.
+check) or ``nonfinite_loss: skip``. Then the step is *deferred* to :meth:`OffloadOptimizer.step`,
+its work off the critical path where the math allows: as the step's last backward lands each
+bucket, the host worker, behind the rest of backward, unscales its gradients (fp16, with the
+scale :meth:`~OffloadOptimizer.unscale_on_landing` gave; its found-inf flag) and takes their
+norms (clipping): the engine's :meth:`~OffloadOptimizer.unscale_and_check` and
+:meth:`~OffloadOptimizer.clip_grad_norm` only combine them (:mod:`~hybridtrain.runtime.host_grad_checks`),
+each bucket's update multiplies its own gradients by the clip factor — torch's kernels on the
+host tensors, bit for bit: each element sees the plain optimizer's update. With
+:attr:`~OffloadOptimizer.background` (``engine.overlap_updates``) the streamed blocks are then
+updated on the worker after :meth:`~OffloadOptimizer.step` returns, in block order, while the
+next forward starts: each block's upload waits for its own update only.
 
 :class:`OffloadOptimizer` is the optimizer the engine and the LR scheduler see. Its
 parameters are the host masters (and, with a ``ratio`` below 1, the device parameters
@@ -57,6 +56,7 @@ from hybridtrain.runtime.background_updates import PendingWeights, running_in_ba
 from hybridtrain.runtime.device import normalize_device
 from hybridtrain.runtime.half_uploads import STAGING_BUFFERS, HalfUploads
 from hybridtrain.runtime.half_width import graph_uses
+from hybridtrain.runtime.host_grad_checks import clip_grad_norm, finish_landing, unscale_and_check
 from hybridtrain.runtime.inner_optimizer import (
     groups_over,
     inner_optimizer,
@@ -71,6 +71,7 @@ from hybridtrain.runtime.offload_layout import (
     device_kept,
     master_dtype,
 )
+from hybridtrain.runtime.precision import LossScaler
 from hybridtrain.runtime.step_parts import PartClock, running_clocks, step_part, work_part
 
 
@@ -101,8 +102,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             that land once per backward send their gradients down in half (exactly) when
             the backward's graph shows one cast as their only use.
         grad_norms: take each gradient's norm on the host worker as the step's last
-            backward completes its bucket, for :meth:`clip_grad_norm` (gradient clipping
-            without loss scaling: a scaled gradient's norm is not the one clipping needs).
+            backward completes its bucket, for :meth:`clip_grad_norm` (gradient clipping;
+            under fp16 loss scaling, once unscaled there: :meth:`unscale_on_landing`).
 
     Attributes:
         background: a deferred :meth:`step` updates the streamed blocks on the host worker
@@ -207,6 +208,24 @@ class OffloadOptimizer(torch.optim.Optimizer):
         transfer.note_cpu_offload(device, "optimizer offload")
 
     # ------------------------------------------------------------------ backward protocol
+    # fp16: the step's inverse loss scale; the same during its last backward; whether one ran.
+    _inv_scale: torch.Tensor | None = None
+    _unscale: torch.Tensor | None = None
+    _seen_backward = False
+
+    def unscale_on_landing(self, scaler: LossScaler) -> None:
+        """Before a step whose last backward lands every gradient's final sum (``train_batch``):
+        the host worker unscales them with ``scaler``'s scale as they land (module docstring)."""
+        self._inv_scale = scaler.inverse_scale(torch.device("cpu"))
+
+    def unscale_and_check(self, scaler: LossScaler) -> bool:
+        """Whether every gradient is finite, after ``scaler.unscale_and_check`` over the
+        parameters (the same bits): the calling thread unscales what the worker did not."""
+        self.settle()
+        self._inv_scale = None
+        params = [p for group in self.param_groups for p in group["params"]]
+        return unscale_and_check(params, self._slot_of, self.buckets, scaler)
+
     def before_backward(self, final: bool, loss: torch.Tensor) -> None:
         """Called before each micro-batch's backward (``final``: last of the step).
 
@@ -221,7 +240,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.half_uploads.observe(read, other, final)
         self._cast_once = once
         for bucket in self.buckets:
-            bucket.arrived = 0
+            bucket.begin_backward()
+        # The last backward lands final sums: the worker unscales those that land once in one.
+        self._unscale = self._inv_scale if final and (self._seen_backward or self.manual_landing) else None
+        self._seen_backward = True
         if not self.defer:
             finite = torch.isfinite(loss.detach()).all()
             self._finite = finite if self._finite is None else self._finite & finite
@@ -304,14 +326,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     self._d2h.keep_alive(grad)
                     p.grad = None
                     bucket.has_grad[j] = True
+                    bucket.note_landing(j)
                     landed.append((j, first, None if direct else grad.dtype))
                 copied = self._d2h.record()
             bucket.copied = copied
             if then is not None:
                 then()
             if landed:
-                self._jobs.append(self._worker.submit(self._accumulate, bucket, landed, copied, through,
-                                                      self._eager, finite, self._final and self.grad_norms))
+                # Norms of scaled gradients are not clipping's: the calling thread takes those.
+                once = [j for j, *_ in landed if not bucket.relands[j]]  # sums final at this landing
+                unscale = None if self._unscale is None else (self._unscale, once)
+                norms = self._final and self.grad_norms and (unscale is not None or self._inv_scale is None)
+                self._jobs.append(self._worker.submit(self._accumulate, bucket, landed, copied, through, self._eager,
+                                                      finite, norms, unscale))
         except BaseException:
             if through is not None:  # a lost pool buffer would block every later landing
                 transfer.host_waits(self._d2h.record())  # copies into it may be queued
@@ -328,42 +355,28 @@ class OffloadOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ host side (worker)
     def _accumulate(self, bucket: Bucket, landed: list[tuple[int, bool, torch.dtype | None]],
                     copied: torch.cuda.Event | None, through: torch.Tensor | None, step: bool,
-                    finite: torch.Tensor | None = None, norms: bool = False) -> None:
+                    finite: torch.Tensor | None = None, norms: bool = False,
+                    unscale: tuple[torch.Tensor, list[int]] | None = None) -> None:
         bucket.norms = None  # any landing changes the sums; the step's last one takes them again
         try:
             transfer.host_waits(copied)
             # A non-finite loss this step: the engine skips or refuses the step, so the
             # masters stay as they are (the flag landed with the gradients).
             step = step and (finite is None or bool(finite))
-            master_dtype = bucket.flat_master.dtype
-            if through is not None:
-                dtypes = [master_dtype] * len(bucket.params)
-                for j, _, dtype in landed:
-                    dtypes[j] = dtype or master_dtype
-                staged = bucket.slots(through, dtypes)
             if bucket.flat_grad is None:
                 # The step's only gradients, in a pooled buffer: step with them at once
                 # (a half one becomes the master's type first, exactly).
                 assert through is not None
                 if step:
-                    self._step_bucket(bucket, [g.to(master_dtype) for g in staged])
+                    self._step_bucket(bucket, [g.to(bucket.flat_master.dtype) for g in bucket.staged(through, landed)])
                 return
             if through is not None:
-                grads = bucket.views(bucket.flat_grad)
-                for j, first, dtype in landed:
-                    if dtype is None:  # copied straight into the lasting buffer
-                        continue
-                    if first:
-                        grads[j].copy_(staged[j])
-                    else:
-                        # Same order as the plain loop's accumulation: earlier micro-batches +
-                        # this one, in the master's type (a half addend is widened exactly).
-                        grads[j].add_(staged[j])
+                bucket.sum_staged(through, landed)
         finally:
             if through is not None:  # even after a failure: a lost buffer would block backward
                 self._pool.release(through)
-        if norms:
-            bucket.take_norms()  # behind the rest of backward
+        if unscale is not None or norms:  # behind the rest of backward
+            finish_landing(bucket, unscale, norms)
         if step:
             self._step_bucket(bucket)
 
@@ -512,15 +525,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """
         self.settle()
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if self._device_optimizer is not None or len({p.grad.dtype for p in params}) > 1:
-            # Device-kept parameters or mixed types: torch groups the norms by device and
-            # type; let it do so.
-            return torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if not params:
-            return torch.tensor(0.0)
-        norms = [bucket.norm(j) for bucket, j in (self._slot_of[id(p)] for p in params)]
-        total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
-        self._clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        total, self._clip_coef = clip_grad_norm(params, self._slot_of, max_norm, self._device_optimizer is not None)
         return total
 
     def state_dict(self) -> dict[str, Any]:
@@ -557,13 +562,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
                         m.data.copy_(p.detach())
 
     def close(self) -> None:
-        """Stop the host worker thread, remove the gradient hooks from the parameters and
-        drop the host state (masters, gradient buffers, pool): a closed optimizer cannot
-        step, and whoever still holds it (an engine being replaced after an OOM) no longer
-        holds its pinned host memory while the next one is built. Updates still running in
-        the background finish first (an error of theirs is raised once all is released),
-        and weights that went up in half get their exact masters (a rebuilt engine takes
-        its masters from them)."""
+        """Stop the host worker, remove the gradient hooks and drop the host state: a closed
+        optimizer cannot step, and whoever still holds it (an engine replaced after an OOM)
+        no longer holds its pinned host memory. Background updates finish first (an error
+        of theirs is raised once all is released); weights that went up in half get their
+        exact masters (a rebuilt engine takes its masters from them)."""
         try:
             self._wait()
             self.half_uploads.exact()
@@ -580,10 +583,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             group["params"] = []
         for bucket in self.buckets:
-            bucket.masters.clear()
-            bucket.flat_master = torch.empty(0, dtype=bucket.flat_master.dtype)
-            bucket.flat_grad = None
-            bucket.optimizer = None
+            bucket.release()
         self._pool = transfer.HostBufferPool(0, torch.uint8, False, torch.device("cpu"), 0)
 
     @property

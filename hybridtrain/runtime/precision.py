@@ -75,11 +75,16 @@ class LossScaler:
                 groups[(grad.device, grad.dtype)].append(grad)
         found_inf = False
         for (device, _), grads in groups.items():
-            flag = torch.zeros(1, device=device)
-            inv = torch.full((1,), 1.0 / self.scale, device=device)
-            unscale_and_check_(grads, flag, inv)
+            flag = found_inf_flag(device)
+            unscale_and_check_(grads, flag, self.inverse_scale(device))
             found_inf |= bool(flag.item())
         return not found_inf
+
+    def inverse_scale(self, device: torch.device) -> torch.Tensor:
+        """``1 / scale`` as the one-element tensor :meth:`unscale_and_check` multiplies the
+        gradients on ``device`` by: whoever unscales gradients elsewhere (the host optimizer's
+        worker, :mod:`~hybridtrain.runtime.host_grad_checks`) takes this one, so the same bits."""
+        return torch.full((1,), 1.0 / self.scale, device=device)
 
     def update(self, overflow: bool) -> None:
         """Advance the scale after a step (``overflow``: the step was skipped)."""
@@ -115,3 +120,9 @@ class LossScaler:
         self._hysteresis_left = int(state["hysteresis_left"])
         self._good_steps = int(state["good_steps"])
         self.skipped_steps = int(state["skipped_steps"])
+
+
+def found_inf_flag(device: torch.device) -> torch.Tensor:
+    """A cleared found-inf flag for :func:`~hybridtrain.compat.unscale_and_check_` on
+    ``device``: it becomes 1 when a gradient unscaled with it is inf or NaN, and stays so."""
+    return torch.zeros(1, device=device)
