@@ -163,7 +163,8 @@ class _SlowForward(torch.nn.Module):
 def test_with_overlapped_updates_the_clipped_host_step_hides_behind_the_next_forward() -> None:
     """Clipping makes the streamed blocks' host updates wait for every gradient; with
     ``overlap_updates`` they run while the next forward (slow here) goes through the blocks,
-    so the profile finds most of the host step hidden."""
+    so the profile finds most of the host step hidden. (Without it, only the clipping norms
+    the worker takes as blocks land hide behind backward: 5-18 % measured on CPU.)"""
     torch.manual_seed(0)
     blocks = [torch.nn.Sequential(_SlowForward(), torch.nn.Linear(512, 512)) for _ in range(4)]
     model = torch.nn.Sequential(*blocks)
@@ -176,7 +177,7 @@ def test_with_overlapped_updates_the_clipped_host_step_hides_behind_the_next_for
     engine.overlap_updates = True
     overlapped = profile_engine(engine, batch, steps=4)
     assert overlapped.host_step_seconds > 0 and "overlapped_updates" in overlapped.techniques
-    assert waited.host_step_hidden <= 0.1 < 0.5 <= overlapped.host_step_hidden, (waited.table(), overlapped.table())
+    assert waited.host_step_hidden <= 0.3 < 0.5 <= overlapped.host_step_hidden, (waited.table(), overlapped.table())
 
 
 def test_layer_major_profile_counts_and_times_the_worker_threads_forwards() -> None:
