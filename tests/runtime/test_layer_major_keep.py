@@ -143,9 +143,9 @@ def test_the_plan_carries_how_many_blocks_are_kept(keep: int, resident: list[str
      r"^layer_streaming.keep_blocks_for_backward = 6 but 5 blocks are streamed; use -1 \(all\) or 0..5$"),
     ({"layer_major": True, "keep_blocks_for_backward": 5, "resident": ["blocks.0"]},
      r"= 5 but 4 blocks are streamed; use -1 \(all\) or 0..4$"),
-    ({"keep_blocks_for_backward": -1},
-     r"^layer_streaming.keep_blocks_for_backward = -1 applies to layer-major streaming only .*"
-     r"set layer_streaming.layer_major: true or keep_blocks_for_backward: 0$"),
+    ({"enabled": False, "keep_blocks_for_backward": -1},
+     r"^layer_streaming.keep_blocks_for_backward = -1 needs layer_streaming.enabled: true \(it keeps streamed "
+     r"blocks on the device\); set it to 0$"),
     ({"layer_major": True, "keep_blocks_for_backward": -2}, r"keep_blocks_for_backward.*-2.*-1"),
 ])
 def test_bad_values_are_refused_in_one_line_before_any_work(streaming: dict[str, object], needle: str) -> None:
