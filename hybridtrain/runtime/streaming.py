@@ -31,17 +31,11 @@ thread at every forward upload (backward re-sends the same image), the parameter
 as half, and their half gradients land on the host, which widens them exactly — the same
 bits as autocast casting fp32 weights on the device.
 
-The last ``keep_blocks_for_backward`` blocks (the last one always) are not freed between
-their forward and their backward, so backward sends nothing for them and its prefetch, which
-walks back from the block computing, finds them still there::
-
-    forward    … block N-K-1: free ─► block N-K … block N-1: kept (active, not freed)
-    backward   block N-1 … block N-K: no upload; N-K prefetches N-K-1 ─► land frees each
-
-Micro-batch-major order keeps them within each micro-batch (every block goes up again
-for the next micro-batch's forward: with all kept, 2 bytes per half-width parameter per
-micro-batch); layer-major order within the step (2 bytes per step). A forward without
-gradients (evaluation) keeps nothing; the device memory is every kept block's at the turn.
+The last ``keep_blocks_for_backward`` blocks (the last one always) are not freed after
+their forward: backward uploads nothing for them (its prefetch finds them loaded; block
+N-K prefetches N-K-1), and each is freed when it lands. Micro-batch-major order keeps them
+within each micro-batch (with all kept, 2 bytes up per half-width parameter per
+micro-batch), layer-major within the step (per step). A forward without gradients keeps none.
 
 Because everything is driven by module and autograd hooks, the engine's ordinary step
 (micro-batches, accumulation, loss scaling, clipping) and its forward/backward/step trio
