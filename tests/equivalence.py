@@ -321,6 +321,12 @@ HALF_WIDTH_MODES: dict[str, Mode] = {
         "bf16": {"enabled": True}, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
         "layer_streaming": {"enabled": True, "layer_major": True, "keep_blocks_for_backward": 2}},
         autocast_dtype=torch.bfloat16, clip=0.05, extra={"plain_micro_batches": 2}),
+    # Micro-batch-major streaming with the last two blocks kept from each micro-batch's
+    # forward to its backward (every block of the Hugging Face models' two).
+    "stream_keep2_bf16_accum2_clip": Mode("stream_keep2_bf16_accum2_clip", {
+        "bf16": {"enabled": True}, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
+        "layer_streaming": {"enabled": True, "keep_blocks_for_backward": 2}},
+        autocast_dtype=torch.bfloat16, clip=0.05, extra={"plain_micro_batches": 2, "overlap_updates": True}),
 }
 
 

@@ -189,9 +189,10 @@ class LayerStreamingConfig(Section):
     """Run each block over all micro-batches before the next block, so weights cross the
     bus once per step instead of once per micro-batch."""
     keep_blocks_for_backward: int = Field(default=0, ge=-1)
-    """Layer-major: how many streamed blocks (the last ones) keep their uploaded weights on
-    the device from their forward to their backward instead of uploading them again
-    (-1 = all): fewer bytes up (2 per half-width parameter per step with all), more device memory."""
+    """How many streamed blocks (the last ones) keep their uploaded weights on the device
+    from their forward to their backward instead of uploading them again (-1 = all): fewer
+    bytes up, more device memory. With all kept a half-width parameter crosses at 2 bytes
+    per step layer-major, per micro-batch micro-batch-major (4 without keeping)."""
     boundary_activations: Literal["device", "host", "recompute"] = "recompute"
     """``recompute``: keep each block's input on the device and recompute the block in
     backward; ``host``: the same with the inputs swapped to host memory (device memory
@@ -374,7 +375,7 @@ class DistributedConfig(Section):
 class OOMRecoveryConfig(Section):
     """What an out-of-memory error inside a training step does: stop (off), or free the
     step's tensors, switch to a plan that needs less memory and computes the same math (the
-    planner's choice, or the next of: no blocks kept for backward under layer-major
+    planner's choice, or the next of: no blocks kept for backward under layer
     streaming, checkpoint every block, swap activations, offload the optimizer, stream layers,
     smaller micro-batches with more accumulation at the same global batch) and rerun the same step from the same state. In ``hybridtrain train``, or a loop
     of your own through ``hybridtrain.recovery.oom.initialize_guarded`` (the model

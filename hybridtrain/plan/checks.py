@@ -103,10 +103,9 @@ def _check_offload_combinations(cfg: Config, dp: int, tp: int, pp: int) -> None:
     problems = {
         "layer_streaming.layer_major needs layer_streaming.enabled: true":
             cfg.layer_streaming.layer_major and not streaming,
-        f"layer_streaming.keep_blocks_for_backward = {cfg.layer_streaming.keep_blocks_for_backward} applies to "
-        "layer-major streaming only (micro-batch-major streaming uploads each block per micro-batch); set "
-        "layer_streaming.layer_major: true or keep_blocks_for_backward: 0":
-            cfg.layer_streaming.keep_blocks_for_backward != 0 and not (streaming and cfg.layer_streaming.layer_major),
+        f"layer_streaming.keep_blocks_for_backward = {cfg.layer_streaming.keep_blocks_for_backward} needs "
+        "layer_streaming.enabled: true (it keeps streamed blocks on the device); set it to 0":
+            cfg.layer_streaming.keep_blocks_for_backward != 0 and not streaming,
         "layer_streaming runs on one process; remove data/tensor/pipeline parallel or layer_streaming":
             streaming and (dp > 1 or tp > 1 or pp > 1),
         "layer_streaming already keeps optimizer state in host memory; remove "

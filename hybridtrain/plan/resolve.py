@@ -227,7 +227,8 @@ def _streamed(model: nn.Module, cfg: Config, blocks: _Blocks) -> list[str]:
 
 
 def _kept(cfg: Config, streamed: list[str]) -> int:
-    """How many streamed blocks keep their device copy from forward to backward (layer-major)."""
+    """How many streamed blocks keep their device copy from forward to backward (of each
+    micro-batch; of the step under layer-major order)."""
     keep = cfg.layer_streaming.keep_blocks_for_backward
     if keep > len(streamed):
         raise ConfigError(f"layer_streaming.keep_blocks_for_backward = {keep} but {len(streamed)} blocks are "

@@ -225,9 +225,9 @@ class TrainingPlan:
         loss_scaler: fp16 loss scaling, or None (no fp16).
         swap: how swapped activations move (read where ``swap_modules`` is not empty).
         stream_prefetch_blocks: streamed blocks fetched ahead of the one computing.
-        stream_keep_blocks: layer-major: how many streamed blocks (the last ones) keep their
-            device copy from forward to backward (``-1`` resolved to the number streamed; 0
-            outside layer-major).
+        stream_keep_blocks: how many streamed blocks (the last ones) keep their device copy
+            from forward to backward (``-1`` resolved to the number streamed; 0 without
+            streaming).
         step_rules: clipping, non-finite losses, step timing.
         collective_timeout_s: how long a collective waits for a silent rank.
         data_parallel: DDP's gradient communication (``replication == "ddp"``).

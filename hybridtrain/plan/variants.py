@@ -125,8 +125,8 @@ def describe_changes(old: Config, new: Config) -> str:
 def ladder(config: Config, batch: BatchSizes, device: torch.device,
            random_forward: bool) -> Iterator[tuple[str, Config]]:
     """Same-math variants of ``config`` that need less device memory, one rung further each,
-    in the order out-of-memory recovery tries them: give up the blocks layer-major streaming
-    keeps for backward, checkpoint every block, swap activations, offload the optimizer,
+    in the order out-of-memory recovery tries them: give up the blocks layer streaming keeps
+    for backward, checkpoint every block, swap activations, offload the optimizer,
     stream layers (these three beside a GPU only: on CPU host memory is the same memory),
     halve the micro-batch. Rungs this build refuses with ``config`` on one process are
     left out (under layer streaming, checkpointing and optimizer offload: it recomputes its

@@ -109,9 +109,10 @@ class _Replay:
 def kept_blocks(plan: TrainingPlan, streamed: list[str]) -> list[str]:
     """The streamed blocks (of ``streamed``, in forward order) whose uploaded weights stay
     on the device from forward to backward: the last ``keep_blocks_for_backward`` of them
-    under layer-major (-1: all), none otherwise."""
+    (-1: all), in either streaming order (micro-batch-major keeps them for each micro-batch's
+    backward, layer-major for the step's)."""
     keep = plan.config.layer_streaming.keep_blocks_for_backward
-    if plan.step_runner != "layer_major" or keep == 0:
+    if keep == 0:
         return []
     return list(streamed) if keep < 0 else list(streamed[max(0, len(streamed) - keep):])
 
@@ -209,8 +210,8 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
     prefetch = cfg.layer_streaming.prefetch_blocks
     stream_window = _FP32 * (prefetch + 1) * max((b for b, i in zip(block_numel, stage_blocks, strict=True)
                                                   if streamed[i]), default=0)
-    # Layer-major's kept blocks hold their uploads from forward to backward; counted for
-    # the whole step (they are all live when the backward starts, where the peak falls).
+    # Kept blocks hold their uploads from forward to backward; counted for the whole step
+    # (they are all live when a backward starts, where the peak falls).
     stage_streamed = [blocks[i].name for i in stage_blocks if streamed[i]]
     kept = set(kept_blocks(plan, stage_streamed))
     stream_window += sum(uploaded_bytes(x, half.get(blocks[i].name, 0) // tp)

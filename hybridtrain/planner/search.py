@@ -113,7 +113,7 @@ def plan(config: ConfigSource, target: Target, world_size: int = 1, margin: floa
             continue
         plans.add(plan_key)
         problems = tuple(est.problems(margin))
-        if not problems and est.plan.step_runner == "layer_major":
+        if not problems and any(b.stream for b in est.plan.blocks):
             variant, changes, est = _keep_most(variant, changes, est, target, world, margin, model)
         (refused if problems else ranked).append(Candidate(variant, changes, est, problems))
     refused.sort(key=lambda c: c.estimate.device_peak_bytes)
@@ -122,8 +122,9 @@ def plan(config: ConfigSource, target: Target, world_size: int = 1, margin: floa
 
 def _keep_most(variant: Config, changes: tuple[str, ...], est: Estimate, target: Target, world: int,
                margin: float, model: ModelSource | None) -> tuple[Config, tuple[str, ...], Estimate]:
-    """The layer-major variant with the most kept blocks (``keep_blocks_for_backward``) that
-    still fits: -1 when all fit, else the largest count (device memory grows with it)."""
+    """The streaming variant (either order) with the most kept blocks
+    (``keep_blocks_for_backward``) that still fits: -1 when all fit, else the largest count
+    (device memory grows with it, bytes up shrink)."""
     streamed = sum(1 for b in est.plan.blocks if b.stream)
     best: tuple[Config, tuple[str, ...], Estimate] = (variant, changes, est)
     if not streamed:

@@ -133,8 +133,8 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
         layer_major = plan.step_runner == "layer_major"
         uploads = 1 if layer_major else k
         # Each block comes up for forward and again for backward (kept blocks only for
-        # forward); its gradients go down (layer-major sums micro-batches on the device
-        # in fp32: full width unless k is 1).
+        # forward), per micro-batch or once (layer-major); its gradients go down
+        # (layer-major sums micro-batches on the device in fp32: full width unless k is 1).
         kept = set(kept_blocks(plan, [p.name for p in streamed]))
         kept_width = sum(uploaded_bytes(p.param_numel, half.get(p.name, 0)) for p in streamed if p.name in kept)
         grads = full if layer_major and k > 1 else width

@@ -1,7 +1,7 @@
 """Which blocks' weights are materialised on the compute device, over time.
 
 Layer streaming promises that at most ``prefetch_blocks + 1`` blocks occupy device memory
-at once (plus, under layer-major streaming, the ``keep_blocks_for_backward`` last ones
+at once (plus the ``keep_blocks_for_backward`` last ones, in either streaming order,
 between their forward and their backward); this ledger is where that is counted (tests
 assert on it, the profiler reads it). It also reports each block's device buffer, which
 the streamer resizes in place where no dispatch mode sees it, to the live-byte counters of

@@ -29,10 +29,13 @@ Under bf16/fp16, from the second training step, the parameters
 by a matmul) cross as half: each block uploads a byte image cast from the masters on a caster
 thread at every forward upload (backward re-sends the same image), the parameters compute
 as half, and their half gradients land on the host, which widens them exactly — the same
-bits as autocast casting fp32 weights on the device. Under layer-major streaming the last
-``keep_blocks_for_backward`` blocks are not freed between their forward and their backward,
-so backward sends nothing for them: with all blocks kept, a half-width weight crosses at 2
-bytes per parameter per step (up), for the device memory of every block at once.
+bits as autocast casting fp32 weights on the device.
+
+The last ``keep_blocks_for_backward`` blocks (the last one always) are not freed after
+their forward: backward uploads nothing for them (its prefetch finds them loaded; block
+N-K prefetches N-K-1), and each is freed when it lands. Micro-batch-major order keeps them
+within each micro-batch (with all kept, 2 bytes up per half-width parameter per
+micro-batch), layer-major within the step (per step). A forward without gradients keeps none.
 
 Because everything is driven by module and autograd hooks, the engine's ordinary step
 (micro-batches, accumulation, loss scaling, clipping) and its forward/backward/step trio
@@ -170,9 +173,8 @@ class LayerStreamer:
             :func:`~hybridtrain.runtime.half_width.half_width_params`; the first training
             step (moved in fp32) shows which of them the ops read once by a matmul, and
             only those cross in half afterwards.
-        keep_blocks_for_backward: how many of the last blocks the layer-major runner
-            keeps on the device from their forward to their backward (see
-            :meth:`kept_for_backward`); micro-batch-major streaming keeps only the last.
+        keep_blocks_for_backward: how many of the last blocks stay on the device from
+            their forward to their backward, in either order (see :meth:`kept_for_backward`).
 
     Raises:
         HostMemoryError: the half-width images do not fit in available host memory.
@@ -343,9 +345,10 @@ class LayerStreamer:
         self.optimizer.land(index, then=lambda: self._free(block), grads=grads)
 
     def kept_for_backward(self, index: int) -> bool:
-        """Whether block ``index`` stays on the device from its forward to its backward
-        under layer-major order: the last one always (backward starts with it), and the last
-        ``keep_blocks_for_backward`` (those backward reaches first, after the shortest wait)."""
+        """Whether block ``index`` stays on the device from its forward to its backward (of
+        the same micro-batch, or of the step under layer-major order): the last one always
+        (backward starts with it), and the last ``keep_blocks_for_backward`` (those backward
+        reaches first, after the shortest wait)."""
         return index >= len(self.blocks) - max(1, self.keep_blocks_for_backward)
 
     def half_width(self, index: int) -> list[bool]:
@@ -422,8 +425,9 @@ class LayerStreamer:
         if training and grads:
             # Fires when the gradient of the block's output is ready: its backward is next.
             grads[0].register_hook(lambda g, b=block: self._before_backward(b))
-        # The last block is the first one backward needs: keep it.
-        if not (training and grads and block.index == len(self.blocks) - 1):
+        # The last block is the first one backward needs: keep it, and the kept ones (their
+        # landing frees them after their backward, after_backward whatever is left).
+        if not (training and grads and self.kept_for_backward(block.index)):
             self._free(block)
 
     def _before_backward(self, block: _StreamedBlock) -> None:

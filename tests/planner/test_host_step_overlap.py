@@ -1,4 +1,4 @@
-"""The time and memory model of the pipelined host step and of layer-major's kept blocks,
+"""The time and memory model of the pipelined host step and of kept streamed blocks,
 derived by hand from the model's parts: a deferred host step (clipping) hides behind the
 next forward except the first block's update; kept blocks cross once instead of twice and
 hold their half-width uploads on the device; the host keeps a half image of each streamed
@@ -32,8 +32,8 @@ LAYER_MAJOR = {"model": {"name": "gpt-tiny"}, "data": {"seq_len": 64}, "train_mi
 
 
 def _setup(clip: float, keep: int = 0, **extra: Any) -> tuple[Any, Any, Any, dict[str, int]]:
-    config = load_config({**LAYER_MAJOR, "gradient_clipping": clip, **extra,
-                          "layer_streaming": {**LAYER_MAJOR["layer_streaming"], "keep_blocks_for_backward": keep}})
+    streaming = {**LAYER_MAJOR["layer_streaming"], **extra.pop("layer_streaming", {}), "keep_blocks_for_backward": keep}
+    config = load_config({**LAYER_MAJOR, "gradient_clipping": clip, **extra, "layer_streaming": streaming})
     source = _config_source(config)
     plan = resolve(config, source.model, 1, example_batch=source.example(4))
     trace = _trace(config, source, plan, "cuda", PASSES[1:])
@@ -124,3 +124,23 @@ def test_the_search_keeps_the_most_blocks_that_fit() -> None:
     variant, _, kept = _keep_most(cfg, (), est, small, 1, MARGIN, None)
     assert variant.layer_streaming.keep_blocks_for_backward == 1
     assert not kept.problems(MARGIN)
+
+
+def test_micro_batch_major_keeps_blocks_per_micro_batch_and_the_search_keeps_them() -> None:
+    """Micro-batch-major order: each micro-batch uploads every block for its forward and the
+    ones not kept again for its backward, so keeping all saves one upload per block and
+    micro-batch; the kept images are on the device at each turn; the search picks -1."""
+    mb_major = {"layer_streaming": {**LAYER_MAJOR["layer_streaming"], "layer_major": False}}
+    plan0, trace, _, half = _setup(clip=1.0, **mb_major)
+    plan_all = _setup(clip=1.0, keep=-1, **mb_major)[0]
+    assert plan0.step_runner != "layer_major" and plan_all.stream_keep_blocks == len(trace.blocks)
+    hw = hardware(H100, plan0.compute_dtype)
+    upload = sum(4 * p.param_numel - 2 * half[p.name] for p in trace.blocks)
+    k = plan0.batch.accumulation_steps
+    t0, t_all = (_time(p, trace, hw, half).transfers for p in (plan0, plan_all))
+    assert k == 2 and t0 - t_all == pytest.approx(k * upload / hw.links.host_to_device)
+    cfg = load_config({**LAYER_MAJOR, **mb_major, "gradient_clipping": 1.0})
+    est = estimate(cfg, H100, all_passes=True)
+    _, changes, kept = _keep_most(cfg, (), est, H100, 1, MARGIN, None)
+    assert kept.config.layer_streaming.keep_blocks_for_backward == -1
+    assert kept.device_peak_bytes - est.device_peak_bytes == upload

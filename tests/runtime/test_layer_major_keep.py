@@ -1,5 +1,6 @@
 """``layer_streaming.keep_blocks_for_backward``: layer-major streaming keeps its last blocks
-on the device from their forward to their backward. The same bits as uploading them again,
+on the device from their forward to their backward (micro-batch-major order:
+``test_streaming_keep.py``). The same bits as uploading them again,
 fewer bytes up (2 per half-width parameter per step with every block kept), a device peak
 that grows by the kept blocks' bytes, and one-line refusals. The plain-loop equivalence is
 in the shared suite (``stream_layer_major_keep*`` modes)."""
@@ -143,9 +144,9 @@ def test_the_plan_carries_how_many_blocks_are_kept(keep: int, resident: list[str
      r"^layer_streaming.keep_blocks_for_backward = 6 but 5 blocks are streamed; use -1 \(all\) or 0..5$"),
     ({"layer_major": True, "keep_blocks_for_backward": 5, "resident": ["blocks.0"]},
      r"= 5 but 4 blocks are streamed; use -1 \(all\) or 0..4$"),
-    ({"keep_blocks_for_backward": -1},
-     r"^layer_streaming.keep_blocks_for_backward = -1 applies to layer-major streaming only .*"
-     r"set layer_streaming.layer_major: true or keep_blocks_for_backward: 0$"),
+    ({"enabled": False, "keep_blocks_for_backward": -1},
+     r"^layer_streaming.keep_blocks_for_backward = -1 needs layer_streaming.enabled: true \(it keeps streamed "
+     r"blocks on the device\); set it to 0$"),
     ({"layer_major": True, "keep_blocks_for_backward": -2}, r"keep_blocks_for_backward.*-2.*-1"),
 ])
 def test_bad_values_are_refused_in_one_line_before_any_work(streaming: dict[str, object], needle: str) -> None:
@@ -158,12 +159,12 @@ def test_bad_values_are_refused_in_one_line_before_any_work(streaming: dict[str,
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
 
 
-def _cuda_peak(keep: int, cfg: GPTConfig) -> int:
+def _cuda_peak(keep: int, cfg: GPTConfig, layer_major: bool) -> int:
     gc.collect()  # the previous engine's device memory must not count
     torch.cuda.empty_cache()
     torch.manual_seed(0)
     engine = ht.initialize(GPT(cfg), {"device": "cuda", "bf16": {"enabled": True}, "layer_streaming": {
-        "enabled": True, "layer_major": True, "keep_blocks_for_backward": keep}}, loss_fn=causal_lm_loss)
+        "enabled": True, "layer_major": layer_major, "keep_blocks_for_backward": keep}}, loss_fn=causal_lm_loss)
     first, second, third = (tuple(t.cuda() for t in batch) for batch in _batches(3, cfg, size=2))
     engine.train_batch(first)
     engine.train_batch(second)
@@ -177,11 +178,13 @@ def _cuda_peak(keep: int, cfg: GPTConfig) -> int:
 
 
 @pytest.mark.cuda
-def test_cuda_device_peak_grows_by_the_kept_blocks_bytes() -> None:
+@pytest.mark.parametrize("layer_major", [True, False])
+def test_cuda_device_peak_grows_by_the_kept_blocks_bytes(layer_major: bool) -> None:
     """On a GPU the allocator's peak: every block's bf16 image at the turn from forward to
-    backward with all kept, two blocks (computing + prefetched) without."""
+    backward with all kept, two blocks (computing + prefetched) without; in either order
+    (one micro-batch: micro-batch-major keeps them for its backward)."""
     cfg = GPTConfig(n_layer=8, n_head=8, d_model=512, seq_len=64, vocab_size=512)
     image = _image_bytes(GPT(cfg).blocks[0])
-    growth = _cuda_peak(-1, cfg) - _cuda_peak(0, cfg)
+    growth = _cuda_peak(-1, cfg, layer_major) - _cuda_peak(0, cfg, layer_major)
     expected = (cfg.n_layer - 2) * image
     assert 0.9 * expected <= growth <= 1.1 * expected, (growth, expected)
