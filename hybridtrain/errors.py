@@ -15,7 +15,6 @@ import re
 import torch
 
 from hybridtrain.checkpoint import CheckpointError
-from hybridtrain.engine import NonFiniteLossError
 from hybridtrain.parallel.mesh import stalled_ranks
 
 _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Connection refused", "Broken pipe",
@@ -32,7 +31,8 @@ def describe_failure(exc: BaseException) -> tuple[str, int] | None:
     """``(one-line message, exit code)`` for a failure a user can act on, else None."""
     if isinstance(exc, ValueError | CheckpointError | ImportError | UnicodeDecodeError):
         return _one_line(str(exc)), 2
-    if isinstance(exc, NonFiniteLossError | PeerFailure):
+    # NonFiniteLossError, or an fp16 overflow at the minimum loss scale (LossScaleAtMinimumError).
+    if isinstance(exc, FloatingPointError | PeerFailure):
         return _one_line(str(exc)), 1
     if isinstance(exc, OSError):
         return describe_os_error(exc), 1

@@ -187,8 +187,9 @@ TREATMENTS: dict[str, Treatment] = {
     "bf16.bf16_optimizer_states": _refused("bf16 optimizer states; they stay fp32 here", when=_truthy),
     "fp16.fp16_master_weights_and_grads": _refused("fp16 master weights and gradients; masters stay fp32 here",
                                                    when=_truthy),
-    "fp16.consecutive_hysteresis": _refused("loss-scale hysteresis reset by every good step; the scaler here "
-                                            "counts overflows as DeepSpeed does by default", when=_truthy),
+    "fp16.consecutive_hysteresis": _refused("loss-scale hysteresis refilled by every good step; the scaler here "
+                                            "refills it when the scale grows, as DeepSpeed does by default",
+                                            when=_truthy),
     "zero_optimization.zero_quantized_weights": _refused("ZeRO++ quantized weight all-gather (qwZ); use bf16",
                                                          when=_truthy),
     "zero_optimization.zero_quantized_nontrainable_weights": _refused("quantized frozen weights; use bf16",

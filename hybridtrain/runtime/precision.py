@@ -45,12 +45,20 @@ def precision_name(dtype: torch.dtype | None) -> str:
     return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
 
-class LossScaler:
-    """Dynamic (or static) loss scaling with DeepSpeed's semantics.
+class LossScaleAtMinimumError(FloatingPointError):
+    """An fp16 step overflowed with the loss scale already at ``min_loss_scale``."""
 
-    On an overflowing step the step is skipped; the scale halves (not below
-    ``min_scale``) once ``hysteresis`` overflows have been seen. After ``window``
-    overflow-free steps the scale doubles. A positive ``static_scale`` disables both.
+
+class LossScaler:
+    """Dynamic (or static) loss scaling with DeepSpeed's semantics (its
+    ``DynamicLossScaler.update_scale``, ``consecutive_hysteresis`` off, checked against it).
+
+    An overflowing step is skipped. While overflows are left in the hysteresis (it starts
+    at ``hysteresis``) an overflow only uses one up; after that every overflow halves the
+    scale (not below ``min_scale``; one at ``min_scale`` ends the run, as DeepSpeed's does).
+    The scale doubles at every ``window``-th step after the last overflow's next one
+    (``stable interval = step − last overflow step − 1``, a positive multiple of ``window``),
+    which also refills the hysteresis. A positive ``static_scale`` disables both.
     """
 
     def __init__(self, static_scale: float = 0.0, initial_scale_power: int = 16,
@@ -61,7 +69,8 @@ class LossScaler:
         self.hysteresis = hysteresis
         self.min_scale = min_scale
         self._hysteresis_left = hysteresis
-        self._good_steps = 0
+        self._step = 0
+        self._last_overflow = -1
         self.skipped_steps = 0
 
     def unscale_and_check(self, params: Iterable[torch.nn.Parameter]) -> bool:
@@ -93,24 +102,30 @@ class LossScaler:
         if not self.dynamic:
             return
         if overflow:
-            self._good_steps = 0
             if self._hysteresis_left <= 1:
-                self.scale = max(self.scale / 2, self.min_scale)
-                self._hysteresis_left = self.hysteresis
+                if self.scale <= self.min_scale:
+                    raise LossScaleAtMinimumError(
+                        f"fp16 step {self._step + 1} overflowed with the loss scale already at its minimum "
+                        f"(fp16.min_loss_scale = {self.min_scale:g}); the gradients are inf/NaN at every scale: "
+                        "lower the learning rate, or train in bf16")
+                self.scale = max(self.scale / 2, self.min_scale)  # the hysteresis stays spent
             else:
                 self._hysteresis_left -= 1
-            return
-        self._good_steps += 1
-        if self._good_steps % self.window == 0:
-            self.scale *= 2
-            self._hysteresis_left = self.hysteresis
+            self._last_overflow = self._step
+        else:
+            stable = self._step - self._last_overflow - 1
+            if stable > 0 and stable % self.window == 0:
+                self.scale *= 2
+                self._hysteresis_left = self.hysteresis
+        self._step += 1
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume the scale trajectory exactly."""
         return {
             "scale": self.scale,
             "hysteresis_left": self._hysteresis_left,
-            "good_steps": self._good_steps,
+            "step": self._step,
+            "last_overflow_step": self._last_overflow,
             "skipped_steps": self.skipped_steps,
         }
 
@@ -118,7 +133,10 @@ class LossScaler:
         """Restore what :meth:`state_dict` returned."""
         self.scale = float(state["scale"])
         self._hysteresis_left = int(state["hysteresis_left"])
-        self._good_steps = int(state["good_steps"])
+        if "step" in state:
+            self._step, self._last_overflow = int(state["step"]), int(state["last_overflow_step"])
+        else:  # saved before the step count: its clean steps since the last overflow
+            self._step, self._last_overflow = int(state["good_steps"]), -1
         self.skipped_steps = int(state["skipped_steps"])
 
 

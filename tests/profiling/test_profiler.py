@@ -132,12 +132,13 @@ class _SlowFirst(torch.nn.Module):
         return _SlowBackward.apply(x)
 
 
-@pytest.mark.parametrize(("clipping", "hidden_at_least", "hidden_at_most"), [(0.0, 0.5, 1.0), (1.0, 0.0, 0.0)])
+@pytest.mark.parametrize(("clipping", "hidden_at_least", "hidden_at_most"), [(0.0, 0.5, 1.0), (1.0, 0.0, 0.1)])
 def test_profile_says_how_much_of_the_host_step_was_hidden(clipping: float, hidden_at_least: float,
                                                             hidden_at_most: float) -> None:
     """Backward reaches the slow first layer last: each later layer's bucket is updated on the
-    host (the eager step) while it sleeps. Clipping needs the global norm first, so the whole
-    host step runs after backward and none of it is hidden."""
+    host (the eager step) while it sleeps. Clipping needs the global norm first, so the
+    updates run after backward: only the gradients' norms, which the worker takes as the
+    buckets land, hide (a few % here)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(_SlowFirst(), *[torch.nn.Linear(512, 512) for _ in range(4)])
     engine = ht.initialize(model, {"device": "cpu", "train_micro_batch_size_per_gpu": 8,

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import hybridtrain as ht
-from hybridtrain.runtime.precision import LossScaler
+from hybridtrain.runtime.precision import LossScaleAtMinimumError, LossScaler
 from tests.equivalence import MODES, MLPStack, _regression_batches, engine_config
 
 
@@ -44,17 +45,59 @@ def test_hysteresis_delays_the_shrink() -> None:
     assert scaler.scale == 8 and scaler.skipped_steps == 2
 
 
-def test_scale_grows_after_window_and_respects_minimum() -> None:
+def test_scale_grows_after_window_and_stops_the_run_at_the_minimum() -> None:
     scaler = LossScaler(initial_scale_power=1, hysteresis=1, window=3, min_scale=1.0)
     for _ in range(3):
         scaler.update(overflow=False)
+    assert scaler.scale == 2  # DeepSpeed: the stable interval is the step minus one
+    scaler.update(overflow=False)
     assert scaler.scale == 4
-    for _ in range(5):
-        scaler.update(overflow=True)
+    scaler.update(overflow=True)
+    scaler.update(overflow=True)
     assert scaler.scale == 1.0
     restored = LossScaler()
     restored.load_state_dict(scaler.state_dict())
     assert restored.state_dict() == scaler.state_dict()
+    with pytest.raises(LossScaleAtMinimumError, match=r"^fp16 step 7 overflowed with the loss scale already at its "
+                                                      r"minimum \(fp16.min_loss_scale = 1\)"):
+        scaler.update(overflow=True)
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2, 3])
+@pytest.mark.parametrize("window", [1, 2, 3, 1000])
+def test_the_scale_follows_deepspeeds_own_loss_scaler(hysteresis: int, window: int) -> None:
+    """Side by side with DeepSpeed's ``DynamicLossScaler`` (its defaults: no consecutive
+    hysteresis, an error at the minimum scale) over the same random overflows."""
+    loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
+    gen = torch.Generator().manual_seed(hysteresis * 100 + window)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loss_scaler.dist, "get_rank", lambda: 0)  # its log line's rank; no group needed
+        theirs = loss_scaler.DynamicLossScaler(init_scale=2.0**6, scale_window=window, min_scale=1.0,
+                                               delayed_shift=hysteresis, consecutive_hysteresis=False)
+        ours = LossScaler(initial_scale_power=6, window=window, hysteresis=hysteresis, min_scale=1.0)
+        for step in range(200):
+            overflow = bool(torch.rand(1, generator=gen) < 0.35)
+            try:
+                theirs.update_scale(overflow)
+            except Exception as stopped:  # DeepSpeed's at the minimum scale: a bare Exception
+                with pytest.raises(LossScaleAtMinimumError):
+                    ours.update(overflow)
+                assert "minimum" in str(stopped)
+                break
+            ours.update(overflow)
+            assert ours.scale == theirs.cur_scale, step
+            restored = LossScaler(initial_scale_power=6, window=window, hysteresis=hysteresis)
+            restored.load_state_dict(ours.state_dict())
+            ours = restored  # a resume at any step follows the same trajectory
+
+
+def test_a_scaler_saved_before_the_step_count_loads() -> None:
+    scaler = LossScaler(window=3)
+    scaler.load_state_dict({"scale": 8.0, "hysteresis_left": 2, "good_steps": 2, "skipped_steps": 1})
+    scaler.update(overflow=False)
+    assert scaler.scale == 8.0
+    scaler.update(overflow=False)
+    assert scaler.scale == 16.0
 
 
 def test_static_loss_scale_never_changes() -> None:
