@@ -79,6 +79,8 @@ class EngineOptions:
     """Runs each step's forwards and backwards (None: the plain micro-batch loop)."""
     observers: Sequence[BackwardObserver] = ()
     """Told about every backward of the micro-batch loop and of ``engine.backward``, in this order."""
+    autocast_cache: bool = False
+    """Autocast's weight-cast cache (:func:`~hybridtrain.runtime.precision.autocast`)."""
 
 
 class Engine:
@@ -179,6 +181,7 @@ class Engine:
                 # No gradient depends on equal sizes here, so the last chunk may be smaller.
                 for micro, samples in chunk_batch(batch, self.options.batch.micro_batch):
                     micro = to_device(micro, self.device)
+                    # Without gradients the cache changes no result, only holds copies.
                     with autocast(self.device, self.options.compute_dtype):
                         loss = compute_loss(run_model(self.parallel.module, micro), micro, self.loss_fn)
                     total += float(self.parallel.mean_loss(reported_loss(loss))) * samples / size
@@ -204,7 +207,7 @@ class Engine:
         self._settle_resident()
         args, kwargs = to_device((args, kwargs), self.device)
         self.parallel.set_grad_sync(self.is_gradient_accumulation_boundary())
-        with autocast(self.device, self.options.compute_dtype):
+        with self._autocast():
             return self.parallel.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -262,8 +265,11 @@ class Engine:
 
     def _micro_loss(self, micro: Batch) -> torch.Tensor:
         micro = to_device(micro, self.device)
-        with autocast(self.device, self.options.compute_dtype):
+        with self._autocast():
             return compute_loss(run_model(self.parallel.module, micro), micro, self.loss_fn)
+
+    def _autocast(self) -> AbstractContextManager[Any]:
+        return autocast(self.device, self.options.compute_dtype, self.options.autocast_cache)
 
     def _scaled_backward(self, loss: torch.Tensor, final: bool) -> None:
         notify_before(self.options.observers, final, loss)

@@ -98,7 +98,8 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
                                    lasting_grads=placement.lasting_grads,
                                    late=params_in_several_backwards(model, swap_recompute), half=half,
                                    grad_norms=plan.step_rules.gradient_clipping > 0)
-        offload.half_uploads.attach(model, offload.buckets)  # updated weights go up in half where exact
+        # model.state_dict() settles first; updated weights go up in half where exact.
+        offload.half_uploads.attach(model, offload.buckets, offload.settle)
         optimizer = offload
     schedule = plan.scheduler
     scheduler = build_scheduler(optimizer, schedule.type, dict(schedule.params)) if schedule else None
@@ -119,7 +120,7 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
         batch=plan.batch, device=device, compute_dtype=plan.compute_dtype,
         gradient_clipping=rules.gradient_clipping, nonfinite_loss=rules.nonfinite_loss,
         wall_clock_breakdown=rules.wall_clock_breakdown, setup=setup, parallel=parallel,
-        runner=runner, observers=observers,
+        runner=runner, observers=observers, autocast_cache=plan.autocast_cache,
     )
     return Engine(model, optimizer, scheduler, scaler, loss_fn, options)
 

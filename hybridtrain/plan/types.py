@@ -270,6 +270,15 @@ class TrainingPlan:
         """Whether fp16 loss scaling is on."""
         return self.loss_scaler is not None
 
+    @property
+    def autocast_cache(self) -> bool:
+        """Whether autocast keeps its weight-cast cache (torch's default: a weight read twice
+        in one forward shares one half copy, as in a plain loop): where nothing is
+        checkpointed, swapped, streamed, split by tensor or pipeline parallel, so the saved
+        tensors hold every cast copy anyway (:func:`hybridtrain.runtime.precision.autocast`)."""
+        return not (self.checkpoint_modules or self.swap_modules or any(b.stream for b in self.blocks)
+                    or self.tensor_plan or self.pipeline is not None or self.step_runner != "micro_batches")
+
     def blocks_where(self, flag: str) -> list[str]:
         """Names of the blocks whose ``flag`` (``checkpoint``/``swap``/``stream``) is set."""
         return [b.name for b in self.blocks if getattr(b, flag)]

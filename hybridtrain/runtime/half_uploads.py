@@ -16,7 +16,8 @@ otherwise in fp32, which also makes it exact again. A later forward that reads a
 fp32 weight, a regularizer in the loss) would have computed with the rounding: that step
 is refused before anything is updated (:class:`HalfWidthReadError`).
 
-Reading the weights stays exact: the model's ``state_dict`` gives the host masters for
+Reading the weights stays exact: the model's ``state_dict`` first waits for updates still
+running in the background (``overlap_updates``), then gives the host masters for
 rounded weights (so checkpoints, ``model_state_dict`` and Hugging Face's
 ``save_pretrained`` save the masters); loading a weight through ``load_state_dict``
 makes it exact; :meth:`HalfUploads.exact` sends the fp32 masters of all rounded weights
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -79,13 +80,20 @@ class HalfUploads:
         """Host half buffers the uploads take in turn, each with the event of its last upload."""
         self._turn = 0
         self._hooks: list[RemovableHandle] = []
+        self.active = False
+        """Whether any weight may go up in half (attached to a model with candidates)."""
 
-    def attach(self, model: nn.Module, buckets: Sequence[Bucket]) -> None:
-        """Start sending half: hook ``model``'s modules that own candidates so that their
-        ``state_dict`` gives the masters of rounded weights and their ``load_state_dict``
-        marks loaded weights exact. ``buckets``: the optimizer's (each parameter's master)."""
+    def attach(self, model: nn.Module, buckets: Sequence[Bucket], settle: Callable[[], None]) -> None:
+        """Keep ``model``'s ``state_dict`` the last step's result and start sending half:
+        ``model.state_dict()`` first calls ``settle`` (the optimizer's: updates may still run
+        in the background), the modules that own candidates give the masters of rounded
+        weights and mark the weights their ``load_state_dict`` loads exact. ``buckets``: the
+        optimizer's (each parameter's master)."""
+        settle_ref = weakref.WeakMethod(settle)  # the model must not keep the optimizer alive
+        self._hooks.append(model.register_state_dict_pre_hook(functools.partial(_settle_first, settle_ref)))
         if not self.candidates:
             return
+        self.active = True
         self._masters = {id(p): m for b in buckets for p, m in zip(b.params, b.masters, strict=True)
                          if id(p) in self.candidates}
         me = weakref.ref(self)
@@ -97,11 +105,6 @@ class HalfUploads:
             self._params.update({id(p): p for p in own.values()})
             self._hooks.append(module.register_state_dict_post_hook(functools.partial(_exact_entries, me, own)))
             self._hooks.append(module.register_load_state_dict_pre_hook(functools.partial(_loaded, me, own)))
-
-    @property
-    def active(self) -> bool:
-        """Whether any weight may go up in half (attached to a model with candidates)."""
-        return bool(self._hooks)
 
     def observe(self, read: set[int], other: set[int], final: bool) -> None:
         """A backward is about to run whose graph reads ``read`` and, among them, ``other``
@@ -182,9 +185,17 @@ class HalfUploads:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        self.active = False
         self._staging = [(None, None)] * STAGING_BUFFERS
         self._masters.clear()
         self._params.clear()
+
+
+def _settle_first(settle: weakref.WeakMethod[Callable[[], None]], *_: Any) -> None:
+    """A ``state_dict`` pre-hook: wait for the optimizer's background updates."""
+    live = settle()
+    if live is not None:
+        live()
 
 
 def _exact_entries(uploads: weakref.ref[HalfUploads], own: dict[str, nn.Parameter], _module: nn.Module,

@@ -19,18 +19,23 @@ from torch.distributed.tensor import DTensor
 from hybridtrain.compat import unscale_and_check_
 
 
-def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
+def autocast(device: torch.device, dtype: torch.dtype | None,
+             cache: bool = False) -> contextlib.AbstractContextManager[Any]:
     """Autocast context for ``dtype`` (``None`` = full precision, no context).
 
-    The weight-cast cache is off: it keeps the half-precision copy of every weight until
-    the forward ends, so checkpointed, swapped or streamed blocks — whose saved tensors are
-    meant to leave the device — would still hold two bytes per parameter of the whole model
-    on it. A weight is rarely used twice in one forward, so the cache saves few casts; the
-    casts (and therefore the results) are the same without it.
+    ``cache``: torch's weight-cast cache (its default, what a plain loop gets). It keeps the
+    half copy of every weight until the forward ends, which decides the math of a weight
+    read twice: both reads share one half copy, whose two gradients are summed in half
+    before the cast widens them; without the cache each read casts anew and the two widened
+    gradients are summed in fp32. Where every block's saved tensors stay on the device they
+    hold those copies anyway, and the cache costs nothing (:attr:`TrainingPlan.autocast_cache`);
+    checkpointed, swapped or streamed blocks — whose saved tensors are meant to leave the
+    device — would still hold two bytes per parameter of the whole model, so there it is off
+    (the same results for a weight read once).
     """
     if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=False)
+    return torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=cache)
 
 
 def reported_loss(loss: torch.Tensor) -> torch.Tensor:

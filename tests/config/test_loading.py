@@ -41,6 +41,11 @@ def test_source_document_config_loads_and_names_what_it_needs() -> None:
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enable at most one"),
         ({"amp": {"enabled": True}}, "amp: NVIDIA Apex mixed precision"),
         ({"train": {"steps": -1}}, "train.steps = -1"),
+        # A boolean is not taken as 1 (YAML's yes/no are booleans too).
+        ({"layer_streaming": {"enabled": True, "keep_blocks_for_backward": True}},
+         "layer_streaming.keep_blocks_for_backward = True is not allowed: true is a boolean; give an integer"),
+        ({"gradient_clipping": False}, "gradient_clipping = False is not allowed: false is a boolean; give a number"),
+        ({"zero_optimization": {"stage": True}}, "true is a boolean; give one of 0, 1, 2, 3"),
     ],
 )
 def test_bad_config_is_one_line_naming_the_field(raw: dict, needle: str) -> None:

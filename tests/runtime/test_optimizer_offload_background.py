@@ -107,11 +107,14 @@ def test_overlapped_updates_give_the_same_bits_as_waiting_for_them(config: dict[
     assert waited[0] == overlapped[0]
     for name, value in waited[1].items():
         assert torch.equal(value, overlapped[1][name]), name
-    # Right after a step, evaluation uploads each block once its update is done, and the
-    # optimizer's state dict is read once every update is.
+    # Right after a step, the model's state dict is read once every update is done,
+    # evaluation uploads each block once its update is, and so on for the optimizer's state.
     batch = CASE.batches(STEPS + 1)[-1]
     waiting.train_batch(batch)
     overlapping.train_batch(batch)
+    # The model's own state_dict (Hugging Face's save_pretrained) waits for the updates.
+    mine, reference = overlapping.module.state_dict(), waiting.module.state_dict()
+    assert all(torch.equal(mine[k].cpu(), v.cpu()) for k, v in reference.items())
     assert overlapping.eval_batch(batch) == waiting.eval_batch(batch)
     theirs, ours = waiting.optimizer.state_dict()["state"], overlapping.optimizer.state_dict()["state"]
     assert theirs.keys() == ours.keys()

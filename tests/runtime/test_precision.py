@@ -116,3 +116,55 @@ def test_unscale_divides_and_detects() -> None:
     assert torch.equal(p.grad, torch.ones(3))
     p.grad = torch.tensor([1.0, float("nan"), 1.0])
     assert not scaler.unscale_and_check([p])
+
+
+class _ReadTwice(torch.nn.Module):
+    """One Linear applied twice (ALBERT's shared layer, a weight-tied loop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.shared(torch.tanh(self.shared(x)))))
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_weight_read_twice_trains_as_a_plain_autocast_loop(offload: bool) -> None:
+    """torch.autocast's default cache casts a weight once per forward: its two half
+    gradients are summed in half, then widened. The engine keeps the cache where the saved
+    tensors hold the copies anyway, so the bits are the plain loop's (they differ without)."""
+    def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        gen = torch.Generator().manual_seed(1)
+        return [(torch.randn(8, 16, generator=gen), torch.randn(8, 1, generator=gen)) for _ in range(3)]
+
+    def loss_fn(out: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return (out.float() - batch[1]).pow(2).mean()
+
+    torch.manual_seed(0)
+    plain = _ReadTwice()
+    torch.manual_seed(0)
+    model = _ReadTwice()
+    # SGD: the update is the gradient itself (Adam's first steps would hide its last bits).
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    expected = []
+    for batch in batches():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_fn(plain(batch[0]), batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(loss.item())
+    config: dict[str, object] = {"device": "cpu", "bf16": {"enabled": True},
+                                 "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    if offload:
+        config["zero_optimization"] = {"stage": 1, "offload_optimizer": {"device": "cpu"}}
+    engine = ht.initialize(model, config, loss_fn=loss_fn)
+    assert engine.options.autocast_cache
+    assert [engine.train_batch(b) for b in batches()] == expected
+    final = engine.model_state_dict()
+    assert all(torch.equal(final[k], v) for k, v in plain.state_dict().items())
+    checkpointed = ht.initialize(torch.nn.Sequential(_ReadTwice(), torch.nn.Linear(1, 1)),
+                                 {**config, "activation_checkpointing": {"enabled": True}}, loss_fn=loss_fn)
+    assert not checkpointed.options.autocast_cache  # its saved tensors leave: no cached copies
