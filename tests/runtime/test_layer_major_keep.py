@@ -18,7 +18,7 @@ from hybridtrain.config import ConfigError
 from hybridtrain.models.gpt import GPT, GPTConfig, causal_lm_loss
 from hybridtrain.plan.resolve import resolve
 from hybridtrain.runtime.memory_limit import LiveTensorBytes
-from hybridtrain.runtime.streaming import LayerStreamer
+from tests.runtime.streamed_gpt import gpt_batches, streamer_of
 
 CFG = GPTConfig(n_layer=5, n_head=2, d_model=32, seq_len=16, vocab_size=64)
 N = CFG.n_layer
@@ -32,15 +32,7 @@ def _engine(keep: int, accumulation: int = 2, cfg: GPTConfig = CFG, **extra: obj
 
 
 def _batches(count: int, cfg: GPTConfig = CFG, size: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    torch.manual_seed(1)
-    tokens = [torch.randint(0, cfg.vocab_size, (size, cfg.seq_len + 1)) for _ in range(count)]
-    return [(t[:, :-1], t[:, 1:]) for t in tokens]
-
-
-def _streamer(engine: ht.Engine) -> LayerStreamer:
-    streamer = engine.options.observers[0]
-    assert isinstance(streamer, LayerStreamer)
-    return streamer
+    return gpt_batches(count, cfg, size)
 
 
 def _linear_numel(block: nn.Module) -> int:
@@ -61,7 +53,7 @@ def test_kept_blocks_train_to_the_same_bits_with_fewer_uploads(keep: int) -> Non
     runs = {}
     for k in (0, keep):
         engine = _engine(k, gradient_clipping=0.05)
-        residency = _streamer(engine).residency
+        residency = streamer_of(engine).residency
         losses, uploads, peaks = [], [], []
         for batch in _batches(3):
             residency.reset_peak()

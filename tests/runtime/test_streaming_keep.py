@@ -23,7 +23,7 @@ from hybridtrain.plan.build import build
 from hybridtrain.plan.resolve import resolve
 from hybridtrain.recovery.oom import MemoryGuard
 from hybridtrain.runtime.memory_limit import DeviceMemoryLimitError, tensors_alive
-from hybridtrain.runtime.streaming import LayerStreamer
+from tests.runtime.streamed_gpt import gpt_batches, streamer_of
 
 CFG = GPTConfig(n_layer=5, n_head=2, d_model=32, seq_len=16, vocab_size=64)
 N = CFG.n_layer
@@ -43,15 +43,7 @@ def _config(keep: int, precision: str, accumulation: int = ACCUMULATION, **strea
 
 
 def _batches(count: int, cfg: GPTConfig = CFG, size: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    torch.manual_seed(1)
-    tokens = [torch.randint(0, cfg.vocab_size, (size, cfg.seq_len + 1)) for _ in range(count)]
-    return [(t[:, :-1], t[:, 1:]) for t in tokens]
-
-
-def _streamer(engine: ht.Engine) -> LayerStreamer:
-    streamer = engine.options.observers[0]
-    assert isinstance(streamer, LayerStreamer)
-    return streamer
+    return gpt_batches(count, cfg, size)
 
 
 @dataclasses.dataclass
@@ -70,7 +62,7 @@ class _Run:
 
 def _train(model: nn.Module, config: dict[str, Any], batches: list[Any], loss_fn: Any = causal_lm_loss) -> _Run:
     engine = ht.initialize(model, config, loss_fn=loss_fn)
-    residency = _streamer(engine).residency
+    residency = streamer_of(engine).residency
     run = _Run([], {}, [], [], [], [], 0, [])
     for batch in batches:
         residency.reset_peak()
@@ -82,7 +74,7 @@ def _train(model: nn.Module, config: dict[str, Any], batches: list[Any], loss_fn
             run.norms.append(float(engine.last_grad_norm))
         assert residency.on_device == set()  # landed blocks freed, kept ones too
     run.state, run.skipped = engine.model_state_dict(), engine.skipped_steps
-    run.images = [block.nbytes for block in _streamer(engine).blocks]
+    run.images = [block.nbytes for block in streamer_of(engine).blocks]
     return run
 
 
@@ -158,7 +150,7 @@ def test_a_forward_without_gradients_keeps_nothing() -> None:
     engine = ht.initialize(GPT(CFG), _config(-1, "bf16"), loss_fn=causal_lm_loss)
     first, second = _batches(2)
     engine.train_batch(first)
-    residency = _streamer(engine).residency
+    residency = streamer_of(engine).residency
     residency.keep_events = True
     one_forward = [("load", 0)] + [e for i in range(N) for e in ([("load", i + 1)] if i + 1 < N else [])
                                    + [("release", i)]]
