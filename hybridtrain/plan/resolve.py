@@ -10,6 +10,7 @@ fails identically everywhere and no rank waits in a collective.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -101,7 +102,7 @@ def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | Non
         if example_batch is not None and (pp > 1 or streamed) else None
     if streamed and usage is not None:
         _refuse_foreign_uses(usage, {i for i, name in enumerate(blocks.names) if name in streamed},
-                             "layer_streaming", "list that block in layer_streaming.resident")
+                             "layer_streaming", "list that block in layer_streaming.resident", blocks.names)
     pipeline = _pipeline(cfg, pp, blocks, usage, batch.accumulation_steps) if pp > 1 else None
     counts = pipeline.counts if pipeline is not None and pipeline.counts else ()
     stage_of = {b: s for s, (start, stop) in enumerate(stage_bounds(counts)) for b in range(start, stop)}
@@ -293,19 +294,24 @@ def _usage(model: nn.Module, blocks: _Blocks, example: Batch, compute_dtype: tor
                           "on it") from None
 
 
-def _refuse_foreign_uses(usage: ModelUsage, indices: set[int], section: str, hint: str) -> None:
-    """A block parameter that code outside its block reads cannot live with the block only."""
+def _refuse_foreign_uses(usage: ModelUsage, indices: set[int], section: str, hint: str,
+                         names: Sequence[str]) -> None:
+    """A block parameter that code outside its block reads cannot live with the block only.
+    ``names``: the blocks' module paths (the message names blocks by them)."""
     for name, places in sorted(usage.used_outside_own_block().items()):
-        if usage.owner[name] in indices:
-            where = ", ".join(sorted(_place_words(p) for p in places))
-            raise ConfigError(f"{section}: parameter {name} belongs to block {usage.owner[name]} but the "
+        owner = usage.owner[name]
+        if owner in indices:
+            where = ", ".join(sorted(_place_words(p, names) for p in places))
+            raise ConfigError(f"{section}: parameter {name} belongs to block {owner} ({names[owner]}) but the "
                               f"model's code also uses it {where}; {hint}")
 
 
-def _place_words(place: str) -> str:
+def _place_words(place: str, names: Sequence[str]) -> str:
     kind, _, index = place.partition(":")
-    return {"pre": "before the blocks", "post": "after the blocks", "block": f"in block {index}",
-            "between": f"between blocks {index} and {int(index or 0) + 1}"}[kind]
+    i = int(index or 0)
+    block = f"{i} ({names[i]})" if i < len(names) else str(i)
+    return {"pre": "before the blocks", "post": "after the blocks", "block": f"in block {block}",
+            "between": f"between blocks {i} and {i + 1}"}[kind]
 
 
 def _pipeline(cfg: Config, pp: int, blocks: _Blocks, usage: ModelUsage | None, micro_batches: int) -> PipelinePlan:
@@ -325,7 +331,7 @@ def _pipeline(cfg: Config, pp: int, blocks: _Blocks, usage: ModelUsage | None, m
                           "(the shape train_batch receives): initialize(model, config, example_batch=batch)")
     _refuse_foreign_uses(usage, set(range(len(container))), "pipeline",
                          "a pipeline holds each block on one stage only; move the parameter out of the "
-                         "blocks or use tensor/data parallel")
+                         "blocks or use tensor/data parallel", blocks.names)
     between = sorted(n for n, places in usage.places.items() if n not in usage.owner
                      and any(p.startswith("between:") for p in places))
     if between:

@@ -485,13 +485,15 @@ def check_not_shared(model: nn.Module, streamed: Sequence[nn.Module]) -> None:
     Raises:
         ValueError: naming the parameter and its second owner.
     """
+    path = {id(m): n for n, m in model.named_modules()}  # blocks named by their module paths
     owner: dict[int, str] = {}
     for i, block in enumerate(streamed):
+        where = path.get(id(block), f"streamed block {i}")
         for name, p in block.named_parameters():
             if id(p) in owner:
-                raise ValueError(f"parameter {name} of streamed block {i} is shared with {owner[id(p)]}; "
+                raise ValueError(f"parameter {where}.{name} is shared with {owner[id(p)]}; "
                                  "list the sharing blocks in layer_streaming.resident")
-            owner[id(p)] = f"streamed block {i}"
+            owner[id(p)] = f"{where}.{name}"
     streamed_ids = {id(m) for block in streamed for m in block.modules()}
     for mname, module in model.named_modules():
         if id(module) in streamed_ids:

@@ -82,7 +82,7 @@ class _Shared(torch.nn.Module):
 
 
 @pytest.mark.parametrize(("model", "streaming", "needle"), [
-    (_Shared(), {}, "shared with streamed block 1"),
+    (_Shared(), {}, r"parameter head\.weight is shared with blocks\.1\.weight"),
     (GPT(CFG), {"resident": ["blocks.9"]}, "not blocks"),
     (torch.nn.Module(), {}, "model.blocks"),
 ])
