@@ -124,11 +124,10 @@ def test_overlapped_updates_give_the_same_bits_as_waiting_for_them(config: dict[
 
 
 def test_clipping_on_the_host_is_torchs_clipping_bit_for_bit() -> None:
-    # fp32, the fused CPU AdamW the host steps with in the reference too: the only
-    # difference left is where the norm and the clip factor are computed.
+    # fp32, the fused CPU AdamW the host steps with in the reference too (plain_run takes
+    # the engine's kernel): the only difference left is where the norm and the clip factor are computed.
     mode = Mode("offload_clip", {"gradient_clipping": 0.05, "zero_optimization": {
-        "stage": 1, "reduce_bucket_size": 2000, "offload_optimizer": {"device": "cpu"}}},
-        clip=0.05, extra={"fused_reference": True})
+        "stage": 1, "reduce_bucket_size": 2000, "offload_optimizer": {"device": "cpu"}}}, clip=0.05)
     expected = plain_run(CASE, mode, steps=STEPS)
     engine = _engine(mode.config, overlap=False)
     opt = engine.optimizer
