@@ -15,7 +15,6 @@ LAYERS: list[list[str]] = [  # bottom first; a module may import its own layer a
     ["config"],
     ["data", "models", "metrics", "stopping", "terminate", "run_dir", "run_lock", "outputs"],
     ["runtime"],                                               # one-process techniques
-    ["plan.types"],                                            # the plan, a value
     ["parallel"],
     ["profiling"],
     ["monitoring"],

@@ -54,8 +54,8 @@ from hybridtrain.models.usage import POST, PRE, ModelUsage, first_names
 from hybridtrain.parallel.gradient_sync import GradientSync
 from hybridtrain.parallel.mesh import Topology
 from hybridtrain.parallel.partition import choose_partition, stage_bounds, time_blocks
+from hybridtrain.parallel.pipeline_plan import PipelinePlan
 from hybridtrain.parallel.pipeline_stage import HollowBlock, StageModule, StageRouter
-from hybridtrain.plan.types import PipelinePlan
 from hybridtrain.runtime.batch import (
     Batch,
     LossFn,

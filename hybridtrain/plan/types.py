@@ -14,7 +14,7 @@ from typing import Any, Literal
 import torch
 
 from hybridtrain.config import BatchSizes, Config
-from hybridtrain.models.usage import ModelUsage
+from hybridtrain.parallel.pipeline_plan import PipelinePlan
 from hybridtrain.runtime.precision import precision_name
 
 StepRunnerKind = Literal["micro_batches", "layer_major", "pipeline"]
@@ -54,29 +54,6 @@ class BlockPlan:
     swap: bool = False
     stream: bool = False
     stage: int | None = None
-
-
-@dataclass(frozen=True)
-class PipelinePlan:
-    """How the blocks are split into pipeline stages.
-
-    Attributes:
-        schedule: ``gpipe`` | ``1f1b`` | ``interleaved_1f1b`` | ``zero_bubble``.
-        micro_batches: micro-batches per step.
-        virtual_stages: stages per rank.
-        partition: the rule (``time`` | ``params`` | ``uniform``) or block counts.
-        counts: blocks per stage, or None when ``partition: time`` measures them at build.
-        blocks_path: dotted path of the block container.
-        usage: where the example micro-batch's forward used each parameter.
-    """
-
-    schedule: str
-    micro_batches: int
-    virtual_stages: int
-    partition: str | tuple[int, ...]
-    counts: tuple[int, ...] | None
-    blocks_path: str
-    usage: ModelUsage
 
 
 @dataclass(frozen=True)
