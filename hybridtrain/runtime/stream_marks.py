@@ -92,17 +92,21 @@ def _marked(part: str, stream: torch.cuda.Stream | None, marks: list[StreamMarks
         if not outermost:
             yield
             return
-        if stream is None:
-            start = time.perf_counter()
+        # Recorded however the block ends: torch's checkpoint stops a recomputation early by
+        # raising once it has every tensor backward needs, and that work was done all the same.
+        first = time.perf_counter() if stream is None else torch.cuda.Event(enable_timing=True)
+        if stream is not None:
+            first.record(stream)  # type: ignore[union-attr]
+        try:
             yield
-            span: Span = (start, time.perf_counter())
-        else:
-            first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            first.record(stream)
-            yield
-            last.record(stream)
-            span = (first, last)
-        for recorder in marks:
-            recorder._add(part, span)
+        finally:
+            if stream is None:
+                span: Span = (first, time.perf_counter())  # type: ignore[assignment]
+            else:
+                last = torch.cuda.Event(enable_timing=True)
+                last.record(stream)
+                span = (first, last)  # type: ignore[assignment]
+            for recorder in marks:
+                recorder._add(part, span)
     finally:
         depths[part] -= 1
