@@ -37,7 +37,7 @@
 #   host_adam    the host optimizer step (torch's fused CPU AdamW), Gparam/s at this machine's threads
 #   depth        the largest depth plain training and layer-major streaming train at 1.3B's width
 #
-# Environment: OUT (default ./gpu-logs), GPU_CHECK_BUDGET_S (default 480; dry run 420: on a fresh
+# Environment: OUT (default ./gpu-logs), GPU_CHECK_BUDGET_S (default 480; dry run 600: on a fresh
 # machine it also compiles DeepSpeed's two CPU ops, ~2 minutes on 2 cores),
 # GPU_CHECK_PARTS (the parts to run, default all), GPU_CHECK_RESUME=1 (skip the parts an
 # earlier call on this same machine finished: a follow-up call on a warm machine).
@@ -50,7 +50,7 @@ cd "$(dirname "$0")/.."
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
 results="$out/gpu_results.jsonl"
-budget=${GPU_CHECK_BUDGET_S:-$([[ $dry == 1 ]] && echo 420 || echo 480)}
+budget=${GPU_CHECK_BUDGET_S:-$([[ $dry == 1 ]] && echo 600 || echo 480)}
 start=$SECONDS
 py=${PYTHON:-python3}
 
