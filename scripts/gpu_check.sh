@@ -120,7 +120,8 @@ wants_ds=0
 for name in $parts; do [[ $ds_parts == *" $name "* ]] && ! grep -qx "$name" "$finished" 2>/dev/null && wants_ds=1; done
 if [[ $wants_ds == 1 ]] && "$py" -c "import deepspeed" 2>/dev/null; then
   rm -f "$state/deepspeed_built"
-  setsid bash -c 'MAX_JOBS=4 "$1" "$2/scripts/build_deepspeed_ops.py" > "$3/deepspeed_build.log" 2>&1; echo $? > "$4/deepspeed_built"' \
+  setsid bash -c 'MAX_JOBS=4 "$1" "$2/scripts/build_deepspeed_ops.py" > "$3/deepspeed_build.log" 2>&1
+                 echo $? > "$4/deepspeed_built"' \
     _ "$py" "$PWD" "$out" "$state" &
   ds_build=$!
 fi

@@ -206,7 +206,8 @@ def test_wait_before_reads_tiny_run(capsys: pytest.CaptureFixture[str]) -> None:
 def test_peers_without_deepspeed_are_skipped_with_their_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where DeepSpeed is not installed its rows say so and still carry the settings they would run."""
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "deepspeed" else real(name, *rest))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "deepspeed" else real(name, *rest))
     summary = offload.main([*TINY, "--modes", "optimizer_offload", "--baselines", "deepspeed_zero_offload",
                             "deepspeed_zero3_offload"])
     peers = {row["name"]: row for row in summary["rows"] if row["kind"] == "baseline"}

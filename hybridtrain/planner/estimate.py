@@ -380,7 +380,8 @@ def link_bandwidth_source(target: Target) -> tuple[float, str]:
         return target.link_bandwidth, "given"
     if target.local and torch.cuda.is_available():
         return probe_link_bandwidth(), "measured here"
-    return links_for(target.name).host_to_device, f"the {target.name} table figure; --link-bandwidth for another machine"
+    table = f"the {target.name} table figure; --link-bandwidth for another machine"
+    return links_for(target.name).host_to_device, table
 
 
 @lru_cache(maxsize=1)
