@@ -23,29 +23,37 @@ import copy
 import ctypes
 import functools
 import gc
-import importlib.util
 import json
 import math
-import os
-import socket
-import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
-import hybridtrain as ht
-from hybridtrain.models.gpt import GPT, GPTConfig, causal_lm_loss, gpt_config, gpt_param_count
-from hybridtrain.planner.estimate import Estimate, estimate, model_source, resolve_target
-from hybridtrain.planner.search import MARGIN
-from hybridtrain.runtime.transfer import available_host_bytes
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # workload.py, peers.py beside this script
 
-GIB = 2**30
-OPTIMIZER = {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}}
-OFFLOAD_OPTIMIZER = {"device": "cpu", "pin_memory": True}
+from peers import PEERS, peer_config, peer_run  # noqa: E402
+from workload import (  # noqa: E402
+    GIB,
+    OFFLOAD_OPTIMIZER,
+    Result,
+    Setup,
+    bind_host_threads,
+    build_model,
+    time_steps,
+)
+
+import hybridtrain as ht  # noqa: E402
+from hybridtrain.models.gpt import GPT, causal_lm_loss, gpt_config, gpt_param_count  # noqa: E402
+from hybridtrain.planner.estimate import Estimate, estimate, model_source, resolve_target  # noqa: E402
+from hybridtrain.planner.search import MARGIN  # noqa: E402
+from hybridtrain.profiling.timeline import measure_timeline, settle_updates  # noqa: E402
+from hybridtrain.runtime.transfer import available_host_bytes  # noqa: E402
+
 MODES: dict[str, dict[str, Any]] = {
     "plain": {},
     "checkpointing": {"activation_checkpointing": {"enabled": True}},
@@ -65,52 +73,22 @@ MODES: dict[str, dict[str, Any]] = {
     "layer_major_kept": {"layer_streaming": {"enabled": True, "boundary_activations": "recompute",
                                              "layer_major": True, "keep_blocks_for_backward": -1}},
 }
-# Each incumbent, the zero_optimization DeepSpeed is given, and our mode doing the same job.
-DEEPSPEED: dict[str, tuple[dict[str, Any], str]] = {
-    "deepspeed_zero_offload": ({"stage": 2, "offload_optimizer": OFFLOAD_OPTIMIZER}, "optimizer_offload"),
-    "deepspeed_zero3_offload": ({"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
-                                 "offload_optimizer": OFFLOAD_OPTIMIZER}, "layer_major"),
-}
-PEERS = {"fsdp2_cpu_offload": "layer_major", **{name: peer for name, (_, peer) in DEEPSPEED.items()}}
-BASELINES = list(PEERS)
 # Host bytes per parameter an offload cannot do without: the fp32 master and AdamW's two
 # moments; FSDP2 and DeepSpeed also keep an fp32 gradient there (ZeRO-3 bf16 weights too).
 # Lower bounds: our engine checks its exact need itself (HostMemoryError; +4 B of gradient
 # where micro-batches are summed on the host); this only keeps a configuration that cannot
 # fit from being built at all.
+BASELINES = list(PEERS)
+TIMELINE_MODES = {"activation_swap", "activation_swap_all", "optimizer_offload", "layer_streaming", "layer_major",
+                  "layer_major_kept"}
+"""Our offload and streaming modes: their rows carry a measured ``timeline``."""
 HOST_PER_PARAM = {"optimizer_offload": 12, "layer_streaming": 12, "layer_major": 12, "layer_major_kept": 12,
-                  "fsdp2_cpu_offload": 16, "deepspeed_zero_offload": 16, "deepspeed_zero3_offload": 18}
+                  "fsdp2_cpu_offload": 16, "deepspeed_zero_offload": 16, "deepspeed_zero3_offload": 18,
+                  "deepspeed_super_offload": 18}
 # A mode doing the same computation as another but moving data: its cost is shown against it.
 SAME_WORK = {"activation_swap": "checkpointing", "activation_swap_all": "plain"}
 HOST_MARGIN = 0.9
 REFUSED = "host memory: needs >="
-
-
-@dataclass
-class Result:
-    """One configuration's outcome: measurements when ``status`` is ``ok``, else why not."""
-
-    name: str
-    status: str = "ok"
-    step_s: float = math.nan
-    tokens_s: float = math.nan
-    tflops: float = math.nan
-    mfu: float = math.nan
-    peak_gib: float = math.nan
-    reserved_gib: float = math.nan
-    """Peak memory the CUDA caching allocator reserved: what the device's capacity limits."""
-    host_gib: float = math.nan
-    params: int = 0
-    transfer_bytes: dict[str, int] | None = None
-    """Host⇄device bytes of the last timed step by kind (our engine only)."""
-    planned_peak_gib: float = math.nan
-    """The planner's device peak for this configuration (our engine only), to hold against ``peak_gib``."""
-    planned_step_s: float = math.nan
-    """The planner's step time, to hold against ``step_s``."""
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
 
 
 @dataclass
@@ -126,79 +104,6 @@ class Depth:
     lower_bound: bool = False
     predicted_n_layer: int | None = None
     """The planner's largest depth (device and host memory), where the search started."""
-
-
-@dataclass(frozen=True)
-class Setup:
-    """The workload every configuration trains."""
-
-    model: GPTConfig
-    batch: int
-    accumulation: int
-    steps: int
-    device: str
-    peak_tflops: float = 989.0
-    clip: float = 0.0
-    """Gradient clipping (every engine and baseline clips: the same math); 0 = none."""
-    overlap: bool = True
-    """Our engine's ``overlap_updates`` (as ``hybridtrain train`` sets it)."""
-
-    def flops_per_token(self) -> int:
-        """Model FLOPs per trained token: 6·N (the matmuls forward and backward; the tied
-        embedding counted once, as the head) + 12·n_layer·seq_len·d_model (attention scores
-        and values): PaLM's MFU definition. Recomputation is not counted."""
-        cfg = self.model
-        return 6 * gpt_param_count(cfg) + 12 * cfg.n_layer * cfg.seq_len * cfg.d_model
-
-    def depth(self, n_layer: int, steps: int | None = None) -> Setup:
-        return replace(self, model=replace(self.model, n_layer=n_layer), steps=self.steps if steps is None else steps)
-
-    def settings(self, **extra: Any) -> dict[str, Any]:
-        """The shared settings in DeepSpeed keys (its batch check: total = micro × accumulation × 1)."""
-        return {"train_batch_size": self.batch * self.accumulation, "train_micro_batch_size_per_gpu": self.batch,
-                "gradient_accumulation_steps": self.accumulation, "bf16": {"enabled": self.device == "cuda"},
-                "optimizer": copy.deepcopy(OPTIMIZER), **({"gradient_clipping": self.clip} if self.clip else {}),
-                **extra}
-
-    def example(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One global batch's shapes, allocating nothing."""
-        shape = (self.batch * self.accumulation, self.model.seq_len)
-        return torch.empty(shape, dtype=torch.long, device="meta"), torch.empty(shape, dtype=torch.long, device="meta")
-
-    def data(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One global batch (``batch × accumulation`` sequences)."""
-        torch.manual_seed(0)
-        tokens = torch.randint(0, self.model.vocab_size, (self.batch * self.accumulation, self.model.seq_len + 1),
-                               device=self.device)
-        return tokens[:, :-1], tokens[:, 1:]
-
-    def micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The global batch cut into the micro-batches a hand-written loop feeds."""
-        inputs, targets = self.data()
-        return list(zip(inputs.split(self.batch), targets.split(self.batch), strict=True))
-
-
-def build_model(cfg: GPTConfig) -> GPT:
-    """The reference GPT in host memory, built on the meta device and filled cheaply: torch's
-    random init takes minutes for billions of parameters, a tiled random pattern (std 0.02,
-    GPT-2's depth-scaled residual projections) is a memory copy. Values change neither a
-    step's speed nor its memory; they only have to keep the loss finite."""
-    with torch.device("meta"):
-        model = GPT(cfg)
-    model.to_empty(device="cpu")  # GPT re-ties its head to the embedding
-    pattern = torch.randn(1_000_003, generator=torch.Generator().manual_seed(0)) * 0.02
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() < 2:  # LayerNorm gains (the only 1-D weights) 1, biases 0
-                p.fill_(1.0 if name.endswith("weight") else 0.0)
-                continue
-            flat, size = p.view(-1), pattern.numel()
-            rows, rest = divmod(flat.numel(), size)
-            flat[:rows * size].view(rows, size).copy_(pattern.expand(rows, size))
-            flat[rows * size:].copy_(pattern[:rest])
-            if name.endswith("proj.weight"):
-                p.mul_(1 / math.sqrt(2 * cfg.n_layer))
-    return model
 
 
 def host_bytes(setup: Setup, name: str) -> int:
@@ -281,24 +186,6 @@ def run_isolated(name: str, setup: Setup, run: Callable[[], Result], needs_host:
     return result
 
 
-def _time(setup: Setup, name: str, step: Callable[[], object]) -> Result:
-    """Median seconds of ``setup.steps`` steps after a warm-up step (the only one with ``steps=0``);
-    the median shrugs off a step that another process slowed down."""
-    times = []
-    for index in range(setup.steps + 1):
-        start = time.perf_counter()
-        step()
-        if setup.device == "cuda":
-            torch.cuda.synchronize()
-        if index:
-            times.append(time.perf_counter() - start)
-    seconds = statistics.median(times) if times else math.nan
-    tokens_s = setup.batch * setup.accumulation * setup.model.seq_len / seconds
-    tflops = setup.flops_per_token() * tokens_s / 1e12
-    mfu = tflops / setup.peak_tflops if setup.device == "cuda" else math.nan
-    return Result(name, "ok", seconds, tokens_s, tflops, mfu, params=gpt_param_count(setup.model))
-
-
 def measure(setup: Setup, name: str) -> Result:
     """Our engine in mode ``name``; the engine lives in this frame only. ``model.blocks``
     is named because a 1-layer model has no repetition to find its blocks by."""
@@ -311,9 +198,12 @@ def measure(setup: Setup, name: str) -> Result:
     engine = ht.initialize(build_model(setup.model), engine_config(setup, name), loss_fn=causal_lm_loss)
     engine.overlap_updates = setup.overlap
     data = setup.data()
-    result = _time(setup, name, lambda: engine.train_batch(data))
-    return replace(result, transfer_bytes=dict(engine.last_timings.transfer_bytes), planned_peak_gib=peak,
-                   planned_step_s=step_s)
+    result = time_steps(setup, name, lambda: engine.train_batch(data), functools.partial(settle_updates, engine),
+                        config=engine_config(setup, name))
+    moved = dict(engine.last_timings.transfer_bytes)  # the last timed step's
+    # One further step, after the timed ones (its recorders must not touch their figures).
+    timeline = measure_timeline(engine, data) if name in TIMELINE_MODES and setup.steps else None
+    return replace(result, transfer_bytes=moved, planned_peak_gib=peak, planned_step_s=step_s, timeline=timeline)
 
 
 def engine_config(setup: Setup, name: str) -> dict[str, Any]:
@@ -348,77 +238,6 @@ def predicted_depth(setup: Setup, name: str, limit: int) -> int:
         if per_layer > 0:
             fits.append(1 + int((have - at_one - model_bytes[0]) // per_layer))
     return max(1, min(fits))
-
-
-def measure_fsdp2(setup: Setup) -> Result:
-    """FSDP2 (``fully_shard`` per block and at the root) with ``CPUOffloadPolicy``: fp32
-    parameters, gradients and AdamW state in host memory, the optimizer step on the host.
-    The model is given in host memory: each ``fully_shard`` moves one unit to the device and
-    its shards back, so the whole fp32 model is never on the device."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-    _single_process_group(setup.device)
-    mesh = init_device_mesh(setup.device, (1,))
-    model = build_model(setup.model)
-    precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if setup.device == "cuda" else None)
-    policy = CPUOffloadPolicy(pin_memory=setup.device == "cuda")
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, offload_policy=policy, mp_policy=precision)
-    fully_shard(model, mesh=mesh, offload_policy=policy, mp_policy=precision)
-    # fused: the host step runs torch's fused CPU kernel, as ours does (the default on CPU
-    # parameters is the for-loop AdamW, ~8x slower: that would measure the optimizer choice).
-    optimizer = torch.optim.AdamW(model.parameters(), fused=True, **OPTIMIZER["params"])  # type: ignore[arg-type]
-    micro_batches = setup.micro_batches()
-
-    def step() -> None:
-        for index, micro in enumerate(micro_batches):
-            model.set_requires_gradient_sync(index == len(micro_batches) - 1)  # type: ignore[operator]
-            (causal_lm_loss(model(micro[0]), micro) / len(micro_batches)).backward()
-        if setup.clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), setup.clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return _time(setup, "fsdp2_cpu_offload", step)
-
-
-def measure_deepspeed(setup: Setup, name: str) -> Result:
-    """DeepSpeed with the shared settings and ``zero_optimization`` of :data:`DEEPSPEED`.
-    Its "AdamW" with offload is DeepSpeedCPUAdam, an op built just in time (ninja,
-    ``CUDA_HOME``): a failed build is this row's status."""
-    import deepspeed
-
-    _single_process_group(setup.device)
-    model = build_model(setup.model)
-    config = setup.settings(zero_optimization=copy.deepcopy(DEEPSPEED[name][0]))
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    del model
-    try:
-        micro_batches = setup.micro_batches()
-
-        def step() -> None:
-            # engine.backward scales each loss by 1/gradient_accumulation_steps and engine.step
-            # steps only at the boundary: the batch's mean loss, as in our engine.
-            for micro in micro_batches:
-                engine.backward(causal_lm_loss(engine(micro[0]), micro))
-                engine.step()
-
-        return _time(setup, name, step)
-    finally:
-        with contextlib.suppress(Exception):  # older versions lack it; never hide the step's error
-            engine.destroy()  # ZeRO-3 keeps hooks on the module and parameters in coordinators
-
-
-def baseline_run(setup: Setup, name: str) -> Callable[[], Result] | str:
-    """How to measure incumbent ``name``, or why it cannot run here."""
-    if name == "fsdp2_cpu_offload":
-        return functools.partial(measure_fsdp2, setup)
-    if importlib.util.find_spec("deepspeed") is None:
-        return "not installed (pip install deepspeed)"
-    if setup.device != "cuda":
-        return "needs CUDA (its offload optimizer is a compiled CPU op for GPU training)"
-    return functools.partial(measure_deepspeed, setup, name)
 
 
 def largest_depth(setup: Setup, name: str, limit: int = 512, budget_s: float = math.inf,
@@ -461,21 +280,6 @@ def largest_depth(setup: Setup, name: str, limit: int = 512, budget_s: float = m
     return Depth(name, low, gpt_param_count(setup.depth(low).model) if low else 0, why, detail, lower_bound, start)
 
 
-def _single_process_group(device: str) -> None:
-    """The one-process group FSDP2 and DeepSpeed need even for one rank, made once per process and
-    reused: CPU collectives over gloo, CUDA ones over NCCL."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    # DeepSpeed reads the rendezvous from the environment, as torchrun would set it.
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
-
-
 def _emit(path: str | None, common: dict[str, Any], row: dict[str, Any]) -> None:
     """Append ``common | row`` to ``path`` as one strict-JSON line (NaN → null), at once."""
     if path is None:
@@ -496,7 +300,7 @@ def _told(run: Callable[[], Result]) -> Result:
 
 def _row(r: Result, ratio: str = "") -> str:
     if not r.ok:
-        return f"{r.name:24s} {r.status}"
+        return f"{r.name:24s} {r.status}" + (f": {r.reason}" if r.reason else "")
     mfu, peak, host = (f"{v:{f}}" if math.isfinite(v) else "-" for v, f in
                        ((r.mfu, ".1%"), (r.peak_gib, ".2f"), (r.host_gib, ".2f")))  # "-": not measurable here
     return (f"{r.name:24s} {r.step_s:8.3f} {r.tokens_s:10.0f} {r.tflops:8.3f} {mfu:>6s} {peak:>8s} {host:>8s} "
@@ -547,7 +351,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seq-len", type=int, default=None, help="override the size's sequence length")
     parser.add_argument("--batch", type=int, default=4, help="micro-batch size")
     parser.add_argument("--accumulation", type=int, default=2, help="micro-batches per step")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (after the warm-up steps)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps before the timed ones")
+    parser.add_argument("--peer-checkpointing", action="store_true",
+                        help="the peers checkpoint every block (where their one big micro-batch's activations "
+                             "would not fit the device otherwise)")
+    parser.add_argument("--bind-cores", action="store_true",
+                        help="bind this process to the physical cores, one thread each (DeepSpeed's "
+                             "--bind_cores_to_rank for one rank), for every configuration alike")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
     parser.add_argument("--baselines", nargs="*", default=BASELINES, choices=BASELINES)
@@ -573,8 +384,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--part", default="offload", help="the rows' part field in --jsonl")
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in (("n_layer", args.n_layer), ("seq_len", args.seq_len)) if v is not None}
+    bound = bind_host_threads() if args.bind_cores else None
     setup = Setup(gpt_config(args.size, **overrides), args.batch, args.accumulation, args.steps, args.device,
-                  args.peak_tflops, args.clip, not args.no_overlap)
+                  args.peak_tflops, args.clip, not args.no_overlap, args.warmup, args.peer_checkpointing)
     cfg = setup.model
     print(f"device={args.device} torch={torch.__version__} threads={torch.get_num_threads()} size=gpt-{args.size} "
           f"n_layer={cfg.n_layer} d_model={cfg.d_model} seq_len={cfg.seq_len} micro_batch={args.batch} "
@@ -588,7 +400,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     emit = functools.partial(_emit, args.jsonl, {"part": args.part, "size": args.size, "n_layer": cfg.n_layer,
                                                  "tokens_per_step": args.batch * args.accumulation * cfg.seq_len,
                                                  "device": args.device, "clip": args.clip,
-                                                 "overlap": not args.no_overlap})
+                                                 "overlap": not args.no_overlap, "bind": bound})
     if not args.search_only:
         # The process's first run pays one-off costs (CUDA context, kernels, allocator, thread
         # pools) that would land on whichever configuration came first: a 1-layer plain step.
@@ -611,8 +423,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             depths.append(largest_depth(setup, name, args.search_max_layers, share, start, args.search_tolerance))
             emit({"kind": "depth", **asdict(depths[-1])})
     for name in [] if args.no_baselines or args.search_only else args.baselines:
-        run = baseline_run(setup, name)
-        baselines.append(Result(name, run, params=gpt_param_count(cfg)) if isinstance(run, str) else
+        run = peer_run(setup, name)
+        baselines.append(Result(name, "skipped", reason=run, params=gpt_param_count(cfg),
+                                config=peer_config(setup, name)) if isinstance(run, str) else
                          _told(functools.partial(run_isolated, name, setup, run, host_bytes(setup, name))))
         emit({"kind": "baseline", "peer": PEERS[name], **asdict(baselines[-1])})
     report(modes, baselines, depths)

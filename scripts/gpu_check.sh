@@ -1,42 +1,44 @@
 #!/usr/bin/env bash
 # The GPU check: everything a GPU machine must tell us, in one command that fits one device
-# call (8 minutes on one H100 80 GB, 16 cores, 128 GiB host, the image's torch, `.whl`
-# carried; fill it here first with `../shared/device/wheels.sh pytest pluggy iniconfig packaging`:
-# the image lacks pydantic and pytest).
+# call (8 minutes on one H100 80 GB, 16 cores, 128 GiB host, the image's torch 2.11, `.whl`
+# carried; fill it here first with `../shared/device/wheels.sh pytest pluggy iniconfig packaging
+# psutil py-cpuinfo ninja msgpack einops`: the image lacks pydantic, pytest and DeepSpeed with its
+# dependencies; check that the DeepSpeed wheel is 0.19.8, the version the peers' settings were read from).
 #
 #   bash scripts/gpu_check.sh            # on the GPU machine; rows go to $OUT/gpu_results.jsonl
-#   bash scripts/gpu_check.sh --dry-run  # every part at toy sizes on the CPU (CI runs this)
+#   bash scripts/gpu_check.sh --dry-run  # every part at toy sizes on the CPU (CI runs this);
+#                                        # DeepSpeed, where installed, on its CPU accelerator over gloo
 #
 # Parts, in the order worth spending device time on. Each appends its JSON rows to
 # $OUT/gpu_results.jsonl as soon as it has them (a run cut off still returns what it
 # measured), runs under its own time limit, and starts only if the budget left allows it
-# (else one row says it was skipped):
+# (else one row says it was skipped). Every benchmark part binds the process to the physical
+# cores (DeepSpeed's --bind_cores_to_rank for one rank) and times >= 3 steps after a warm-up,
+# settled (background host updates waited for) before the clock starts and before it stops;
+# DeepSpeed's ops (CPU Adam; on the CPU also its shared-memory comm) are built before the first
+# timed part:
 #   env          device, driver, torch, CUDA, cores, host memory
 #   cuda_tests   every test marked `cuda` (engine == plain loop on CUDA, swap cuts activation
 #                memory >= 3x, streaming memory independent of depth, offload CUDA == CPU,
 #                device_map, byte counts on `device: cuda`, CUDA-event partition timing), and
 #                beside them a short stream-race run (asynchronous == CUDA_LAUNCH_BLOCKING for
-#                three modes, the CUDA sanitizer for one): one row per test
-#   modes        GPT-1.3B, bf16, 16k tokens/step: tokens/s, MFU, peak allocated and reserved,
-#                host<->device bytes by kind, for plain, checkpointing, swap, optimizer offload,
-#                layer streaming (both orders), and FSDP2 CPUOffloadPolicy measured in the same run
-#   clip_overlap GPT-1.3B optimizer offload and layer streaming (both orders) with gradient
-#                clipping (the host step waits for every gradient): with overlap_updates (the
-#                updates run while the next forward starts) and without, same run
+#                three modes, torch's CUDA sanitizer for one): one row per test
+#   link         pinned host->device, device->host and both at once, GB/s (`part: link`; the
+#                planner's --link-bandwidth)
+#   big          GPT-6.7B, 16k tokens/step, clipping at 1.0: our best mode (layer-major, blocks
+#                kept for backward) against tuned DeepSpeed ZeRO-Offload in the same run (ZeRO-3
+#                offload and SuperOffload rows say whether they fit the host); peers checkpoint
+#   big64k       ours at 64k tokens/step (8 micro-batches of 8 x 1024): the offload issue's MFU target
+#   modes        GPT-1.3B, bf16, 16k tokens/step: plain, checkpointing, swap, optimizer offload,
+#                layer streaming (both orders), with a measured timeline on the offload and
+#                streaming rows, against the tuned peers (FSDP2 CPUOffloadPolicy, ZeRO-Offload,
+#                ZeRO-3 offload, SuperOffload), same run
+#   clip_overlap GPT-1.3B offload and streaming with clipping, overlap_updates off and on
 #   host_adam    the host optimizer step (torch's fused CPU AdamW), Gparam/s at this machine's threads
 #   depth        the largest depth plain training and layer-major streaming train at 1.3B's width
-#                (each search starts at the planner's prediction, stops within 5 %)
-#   big          GPT-6.7B, layer-major streaming, 16k tokens/step, clipping at 1.0 (overlapped
-#                updates), as measured before (block inputs in host memory) and as the planner
-#                now plans it (block inputs on the device, every block kept for backward:
-#                weights up once): tokens/s, MFU, bytes moved
-#   big64k       the same, blocks kept, at 64k tokens/step (8 micro-batches): the offload issue's MFU target
-#   deepspeed    DeepSpeed ZeRO-Offload and ZeRO-3 offload at 1.3B beside our peers, in the same
-#                run (its CPU Adam op is compiled in the background from the start)
-#   deepspeed_6p7b  GPT-6.7B layer-major against DeepSpeed ZeRO-3 offload, 16k tokens/step, both
-#                clipping at 1.0, same run
 #
-# Environment: OUT (default ./gpu-logs), GPU_CHECK_BUDGET_S (default 480; dry run 300),
+# Environment: OUT (default ./gpu-logs), GPU_CHECK_BUDGET_S (default 480; dry run 600: on a fresh
+# machine it also compiles DeepSpeed's two CPU ops, ~2 minutes on 2 cores),
 # GPU_CHECK_PARTS (the parts to run, default all), GPU_CHECK_RESUME=1 (skip the parts an
 # earlier call on this same machine finished: a follow-up call on a warm machine).
 set -uo pipefail
@@ -48,12 +50,12 @@ cd "$(dirname "$0")/.."
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
 results="$out/gpu_results.jsonl"
-budget=${GPU_CHECK_BUDGET_S:-$([[ $dry == 1 ]] && echo 300 || echo 480)}
+budget=${GPU_CHECK_BUDGET_S:-$([[ $dry == 1 ]] && echo 600 || echo 480)}
 start=$SECONDS
 py=${PYTHON:-python3}
 
 left() { echo $(( budget - (SECONDS - start) )); }
-parts=${GPU_CHECK_PARTS:-cuda_tests modes clip_overlap host_adam depth big big64k deepspeed deepspeed_6p7b}
+parts=${GPU_CHECK_PARTS:-cuda_tests link big big64k modes clip_overlap host_adam depth}
 # What outlives one call on a warm machine: the parts done (a follow-up call skips them) and
 # DeepSpeed's build status. A dry run keeps it beside its output.
 state=$([[ $dry == 1 ]] && echo "$out/.gpu_check" || echo /tmp/gpu_check)
@@ -106,25 +108,34 @@ else
 fi
 export PYTHONUNBUFFERED=1
 
-# DeepSpeed's CPU Adam compiles just in time (a minute or more): start it now, on a few cores,
-# beside the CUDA tests, so the deepspeed part finds it built (the build cache outlives this
-# call on a warm machine). It must not share the host with a timed part: `settle_build`
-# waits for it before one, and stops it after a while (the deepspeed part then builds inline).
+# DeepSpeed's ops compile just in time (a minute or more): start the build now, on a few
+# cores, beside the CUDA tests, so no timed part pays it (the build cache outlives this call on
+# a warm machine). It must not share the host with a timed part: `settle_build` waits for it
+# before the first one, and stops it after a while (a DeepSpeed row then builds inline).
+# On the CPU (dry run) DeepSpeed runs on its CPU accelerator over gloo.
+ds_parts=" big modes "
+[[ $dry == 1 ]] && export DS_ACCELERATOR=cpu
 ds_build=none
-if [[ $dry == 0 && " $parts " == *" deepspeed "* ]] && ! grep -qx deepspeed "$finished" 2>/dev/null \
-   && "$py" -c "import deepspeed" 2>/dev/null; then
+wants_ds=0
+for name in $parts; do [[ $ds_parts == *" $name "* ]] && ! grep -qx "$name" "$finished" 2>/dev/null && wants_ds=1; done
+if [[ $wants_ds == 1 ]] && "$py" -c "import deepspeed" 2>/dev/null; then
   rm -f "$state/deepspeed_built"
-  setsid bash -c 'MAX_JOBS=4 "$1" -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
-      > "$2/deepspeed_build.log" 2>&1; echo $? > "$3/deepspeed_built"' _ "$py" "$out" "$state" &
+  setsid bash -c 'MAX_JOBS=4 "$1" "$2/scripts/build_deepspeed_ops.py" > "$3/deepspeed_build.log" 2>&1
+                 echo $? > "$4/deepspeed_built"' \
+    _ "$py" "$PWD" "$out" "$state" &
   ds_build=$!
 fi
 settle_build() {  # settle_build SECONDS: wait for the background build at most that long, then stop it
   [[ $ds_build == none ]] && return 0
-  local waited=0
-  while [[ ! -s "$state/deepspeed_built" ]] && (( waited < $1 )); do sleep 2; waited=$(( waited + 2 )); done
+  local waited=0 most=$1
+  (( $(left) < most )) && most=$(left)  # never past the budget (a budget too small for any part)
+  while [[ ! -s "$state/deepspeed_built" ]] && (( waited < most )); do sleep 2; waited=$(( waited + 2 )); done
   if [[ ! -s "$state/deepspeed_built" ]]; then
     kill -- -"$ds_build" 2>/dev/null
     echo "[gpu_check] DeepSpeed's build stopped after $waited s more (it would disturb the timings)"
+    row deepspeed_build status=stopped waited_s=$waited
+  else
+    row deepspeed_build status="$([[ $(cat "$state/deepspeed_built") == 0 ]] && echo built || echo failed)"
   fi
   ds_build=none
 }
@@ -182,32 +193,56 @@ EOF
 export py out results
 part cuda_tests 60 150 bash -c "$(declare -f cuda_tests); cuda_tests"
 
-# (b) one size where plain PyTorch also fits: GPT-1.3B (d_model 2048, 24 layers), bf16,
-# 8 x 1024 tokens x 2 micro-batches = 16,384 tokens per step.
+# The first timed part starts on a settled host: DeepSpeed's build finished (or stopped).
+settle_build 240
+bench=("$py" benchmarks/offload.py --bind-cores --steps 3 --warmup 1 --jsonl "$results")
+
+# (b) the link, first: every offload figure below divides bytes by it.
+if [[ $dry == 1 ]]; then link_bytes=16MiB; else link_bytes=1GiB; fi
+part link 10 30 "$py" benchmarks/link.py --bytes "$link_bytes" --jsonl "$results"
+
+# (c) GPT-6.7B (d_model 4096, 32 layers), 8 x 1024 tokens x 2 micro-batches, clipping at 1.0:
+# our best mode against tuned ZeRO-Offload (one micro-batch of 16, every block checkpointed:
+# its activations would not fit otherwise), same run. ZeRO-3 offload needs >= 18 B/param of
+# host (116 GB at 6.45B params): its rows say whether the host has it.
 if [[ $dry == 1 ]]; then
-  size=(--size tiny --n-layer 2 --batch 2 --accumulation 2 --steps 1 --device cpu)
+  big=(--size tiny --n-layer 3 --batch 2 --accumulation 2 --device cpu)
 else
-  size=(--size 1.3b --seq-len 1024 --batch 8 --accumulation 2 --steps 2 --device cuda)
+  big=(--size 6.7b --seq-len 1024 --batch 8 --accumulation 2 --device cuda)
 fi
-[[ " $parts " == *" modes "* ]] && settle_build 60
-part modes 90 240 "$py" benchmarks/offload.py "${size[@]}" --part modes --jsonl "$results" \
+part big 120 240 "${bench[@]}" "${big[@]}" --clip 1.0 --modes layer_major_kept --peer-checkpointing \
+  --baselines deepspeed_zero_offload deepspeed_zero3_offload deepspeed_super_offload --part big
+
+# (d) ours at 65,536 tokens per step (8 micro-batches of 8 x 1024).
+part big64k 90 150 "${bench[@]}" "${big[@]}" --clip 1.0 --accumulation $([[ $dry == 1 ]] && echo 4 || echo 8) \
+  --modes layer_major_kept --no-baselines --part big64k
+
+# (e) one size where plain PyTorch also fits: GPT-1.3B (d_model 2048, 24 layers), bf16,
+# 8 x 1024 tokens x 2 micro-batches = 16,384 tokens per step, against every tuned peer (one
+# micro-batch of 16, no checkpointing: their activations fit) in the same run.
+if [[ $dry == 1 ]]; then
+  size=(--size tiny --n-layer 2 --batch 2 --accumulation 2 --device cpu)
+else
+  size=(--size 1.3b --seq-len 1024 --batch 8 --accumulation 2 --device cuda)
+fi
+part modes 120 240 "${bench[@]}" "${size[@]}" --part modes \
   --modes plain checkpointing activation_swap optimizer_offload layer_streaming layer_major \
-  --baselines fsdp2_cpu_offload
+  --baselines fsdp2_cpu_offload deepspeed_zero_offload deepspeed_zero3_offload deepspeed_super_offload
 
-# (b2) the host step under clipping, overlapped with the next forward and not, same run.
+# (f) the host step under clipping, overlapped with the next forward and not, same run.
 clip_overlap() {
-  "$py" benchmarks/offload.py "$@" --clip 1.0 --no-overlap && "$py" benchmarks/offload.py "$@" --clip 1.0
+  "$@" --clip 1.0 --no-overlap && "$@" --clip 1.0
 }
-part clip_overlap 60 150 bash -c "$(declare -f clip_overlap); clip_overlap \"\$@\"" _ "${size[@]}" \
-  --modes optimizer_offload layer_streaming layer_major --no-baselines --part clip_overlap --jsonl "$results"
+part clip_overlap 60 150 bash -c "$(declare -f clip_overlap); clip_overlap \"\$@\"" _ "${bench[@]}" "${size[@]}" \
+  --modes optimizer_offload layer_streaming layer_major --no-baselines --part clip_overlap
 
-# (c) the host optimizer step at this machine's thread count, as a fraction of its memory
+# (g) the host optimizer step at this machine's thread count, as a fraction of its memory
 # bandwidth (a STREAM triad in the same run).
 if [[ $dry == 1 ]]; then numel=200_000; triad=1_000_000; else numel=200_000_000; triad=268_435_456; fi
 part host_adam 20 60 "$py" benchmarks/cpu_adam.py --numel "$numel" --steps 3 --triad-numel "$triad" \
   --only torch_fused --jsonl "$results"
 
-# (d) the largest depth plain training and layer-major streaming train at 1.3B's width, each
+# (h) the largest depth plain training and layer-major streaming train at 1.3B's width, each
 # search starting at the planner's prediction and stopping within 5 %.
 depth_cap=150
 if [[ $dry == 1 ]]; then
@@ -218,30 +253,5 @@ fi
 part depth 60 $depth_cap "$py" benchmarks/offload.py "${search[@]}" --search --search-only --search-from-plan \
   --search-tolerance 0.05 --modes plain layer_major --search-budget-s $(( depth_cap - 20 )) \
   --part depth --jsonl "$results"
-
-# (e) GPT-6.7B (d_model 4096, 32 layers) streamed layer-major, 8 x 1024 tokens x 2 micro-batches.
-if [[ $dry == 1 ]]; then
-  big=(--size tiny --n-layer 3 --batch 2 --accumulation 2 --steps 1 --device cpu)
-else
-  big=(--size 6.7b --seq-len 1024 --batch 8 --accumulation 2 --steps 1 --device cuda)
-fi
-part big 90 180 "$py" benchmarks/offload.py "${big[@]}" --clip 1.0 --modes layer_major layer_major_kept --no-baselines --part big \
-  --jsonl "$results"
-
-# (e2) the same at 65,536 tokens per step (8 micro-batches of 8 x 1024).
-part big64k 90 180 "$py" benchmarks/offload.py "${big[@]}" --clip 1.0 --accumulation $([[ $dry == 1 ]] && echo 4 || echo 8) \
-  --modes layer_major_kept --no-baselines --part big64k --jsonl "$results"
-
-# (f) DeepSpeed's offloads at 1.3B beside our peers (it needs CUDA: on the CPU only its rows
-# saying why run).
-settle_build 120
-part deepspeed 90 180 \
-  "$py" benchmarks/offload.py "${size[@]}" --modes optimizer_offload layer_major \
-  --baselines deepspeed_zero_offload deepspeed_zero3_offload --part deepspeed --jsonl "$results"
-
-# (g) the headline comparison: GPT-6.7B layer-major against DeepSpeed ZeRO-3 offload, same run.
-settle_build 120
-part deepspeed_6p7b 150 300 "$py" benchmarks/offload.py "${big[@]}" --clip 1.0 --modes layer_major \
-  --baselines deepspeed_zero3_offload --part deepspeed_6p7b --jsonl "$results"
 
 echo "[gpu_check] done in $(( SECONDS - start )) s; rows in $results"

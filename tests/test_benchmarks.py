@@ -201,3 +201,36 @@ def test_wait_before_reads_tiny_run(capsys: pytest.CaptureFixture[str]) -> None:
     ratios = _load("wait_before_reads").main(["--model", "gpt-tiny", "--batch", "2", "--steps", "1", "--rounds", "1"])
     assert ratios["calls"] > 10 and ratios["guarded"] > 0 and ratios["settled"] > 0
     assert "guarded/bare" in capsys.readouterr().out
+
+
+def test_peers_without_deepspeed_are_skipped_with_their_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where DeepSpeed is not installed its rows say so and still carry the settings they would run."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "deepspeed" else real(name, *rest))
+    summary = offload.main([*TINY, "--modes", "optimizer_offload", "--baselines", "deepspeed_zero_offload",
+                            "deepspeed_zero3_offload"])
+    peers = {row["name"]: row for row in summary["rows"] if row["kind"] == "baseline"}
+    assert {name: (row["status"], row["reason"]) for name, row in peers.items()} == {
+        name: ("skipped", "deepspeed not installed") for name in ("deepspeed_zero_offload", "deepspeed_zero3_offload")}
+    assert peers["deepspeed_zero_offload"]["config"]["zero_optimization"]["stage"] == 2
+    assert peers["deepspeed_zero3_offload"]["config"]["zero_optimization"]["stage"] == 3
+
+
+def test_peer_settings_follow_their_experts() -> None:
+    """One micro-batch per step (DeepSpeed's fast path), ZeRO-3 prefetching two blocks and keeping
+    three live, SuperOffload as an offload_optimizer key, checkpointing only where asked."""
+    peers = sys.modules["peers"]
+    setup = offload.Setup(gpt_config("tiny", n_layer=4, seq_len=16), 2, 4, 3, "cpu", peer_checkpointing=True)
+    layer = peers.block_params(setup)
+    zero3 = peers.deepspeed_config(setup, "deepspeed_zero3_offload")
+    assert (zero3["train_micro_batch_size_per_gpu"], zero3["gradient_accumulation_steps"]) == (8, 1)
+    section = zero3["zero_optimization"]
+    assert (section["stage3_prefetch_bucket_size"], section["stage3_max_live_parameters"]) == (2 * layer, 3 * layer)
+    assert section["offload_param"] == section["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert peers.zero_settings(setup, "deepspeed_super_offload")["offload_optimizer"]["super_offload"] is True
+    fsdp2 = peers.peer_config(setup, "fsdp2_cpu_offload")
+    assert fsdp2["reshard_after_forward"] is False and fsdp2["mixed_precision"]["reduce_dtype"] == "float32"
+    assert fsdp2["activation_checkpointing"].startswith("every block")
+    model = peers.build_peer_model(setup)
+    assert all(isinstance(block, peers.CheckpointedBlock) for block in model.blocks)

@@ -45,6 +45,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-bandwidth", metavar="BYTES/S",
                         help="host memory bandwidth of the machine planned for, e.g. 152GB/s (default: measured "
                              "when planning for this machine, else the GPU model's figure)")
+    parser.add_argument("--link-bandwidth", metavar="BYTES/S",
+                        help="host<->device bytes/s per direction of the machine planned for, e.g. 53GB/s "
+                             "(`part: link` of the GPU check; default: measured when planning for this machine's "
+                             "GPU, else the GPU model's figure)")
     parser.add_argument("--world-size", type=int, default=1, metavar="N", help="processes (default 1)")
 
 
@@ -59,7 +63,8 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any]:
     device_memory = _bytes("--device-memory", args.device_memory, parse_bytes)
     host_memory = _bytes("--host-memory", args.host_memory, parse_bytes)
     host_bandwidth = _bytes("--host-bandwidth", args.host_bandwidth, parse_rate)
-    target = resolve_target(args.device, device_memory, host_memory, host_bandwidth)
+    link = _bytes("--link-bandwidth", getattr(args, "link_bandwidth", None), parse_rate)
+    target = resolve_target(args.device, device_memory, host_memory, host_bandwidth, link)
     return load_config(args.config, args.overrides), target
 
 
@@ -114,10 +119,12 @@ def render_estimate(result: Any) -> str:
         if part != "total" and value:
             lines.append(f"  {part:<17} {value:.4g} s")
     if result.target.kind == "cuda":
-        from hybridtrain.planner.estimate import host_bandwidth_source
+        from hybridtrain.planner.estimate import host_bandwidth_source, link_bandwidth_source
 
         bandwidth, source = host_bandwidth_source(result.target)
+        link, link_source = link_bandwidth_source(result.target)
         lines.append(f"host memory bandwidth: {bandwidth / 1e9:.1f} GB/s ({source})")
+        lines.append(f"host<->device link: {link / 1e9:.1f} GB/s each way ({link_source})")
     if result.target.kind == "cpu":
         lines.append("(on a CPU, host and device are one memory: the device peak includes the host bytes)")
     return "\n".join(lines)

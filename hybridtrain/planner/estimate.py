@@ -40,6 +40,7 @@ from hybridtrain.planner.memory import MemoryEstimate, estimate_memory, passes_f
 from hybridtrain.planner.timing import MATMUL_EFFICIENCY, Hardware, StepTime, estimate_time
 from hybridtrain.planner.trace import PASSES, ModelTrace, trace_model
 from hybridtrain.profiling.host_bandwidth import ADAM_BYTES_PER_PARAM, probe_host_bandwidth
+from hybridtrain.profiling.link_bandwidth import probe_link_bandwidth
 from hybridtrain.runtime.batch import Batch, LossFn
 from hybridtrain.runtime.half_width import half_width_params
 from hybridtrain.units import format_bytes
@@ -61,6 +62,9 @@ class Target:
             machine's, measured, when the target is this machine; else the GPU model's
             figure in :mod:`hybridtrain.hardware.links`).
         local: the target is this machine (its GPU found by torch, or its CPU).
+        link_bandwidth: host⇄device bytes/s per direction (None: this machine's, measured by
+            pinned copies, when the target is this machine's GPU; else the GPU model's
+            figure in :mod:`hybridtrain.hardware.links`).
     """
 
     kind: Literal["cpu", "cuda"]
@@ -69,17 +73,20 @@ class Target:
     host_memory_bytes: int | None = None
     host_bandwidth: float | None = None
     local: bool = False
+    link_bandwidth: float | None = None
 
 
 def resolve_target(device: str | None = None, device_memory: int | None = None,
-                   host_memory: int | None = None, host_bandwidth: float | None = None) -> Target:
+                   host_memory: int | None = None, host_bandwidth: float | None = None,
+                   link_bandwidth: float | None = None) -> Target:
     """The target from ``--device NAME`` / ``--device-memory`` / ``--host-memory`` /
     ``--host-bandwidth``.
 
     Without a name: this machine's GPU when it has one, else the CPU (then the host
     bandwidth is this machine's, probed once). A GPU name gives its memory unless
     ``device_memory`` says otherwise, and a machine elsewhere: its host bandwidth is
-    ``host_bandwidth`` or the model's figure in :mod:`hybridtrain.hardware.links`.
+    ``host_bandwidth`` or the model's figure in :mod:`hybridtrain.hardware.links`; its link
+    ``link_bandwidth`` likewise (``--link-bandwidth``).
 
     Raises:
         ValueError: an unknown device name, naming the known ones.
@@ -99,7 +106,7 @@ def resolve_target(device: str | None = None, device_memory: int | None = None,
     memory = device_memory if device_memory is not None else device_memory_bytes(spec.name)
     # A named GPU is this machine when it is the one torch sees here.
     local = local or (torch.cuda.is_available() and find_device(torch.cuda.get_device_name()) == spec)
-    return Target("cuda", spec.name, memory, host_memory, host_bandwidth, local)
+    return Target("cuda", spec.name, memory, host_memory, host_bandwidth, local, link_bandwidth)
 
 
 @dataclass(frozen=True)
@@ -170,7 +177,8 @@ class Estimate:
                        "memory_bytes": self.target.memory_bytes,
                        "host_memory_bytes": self.target.host_memory_bytes,
                        "host_bandwidth": host_bandwidth(self.target) if self.target.kind == "cuda" else
-                       self.target.host_bandwidth},
+                       self.target.host_bandwidth,
+                       "link_bandwidth": link_bandwidth(self.target) if self.target.kind == "cuda" else None},
             "plan": {k: summary[k] for k in ("world", "batch", "precision", "checkpointed", "swapped",
                                                "streamed", "step_runner", "replication", "zero_stage",
                                                "optimizer")},
@@ -336,7 +344,7 @@ def hardware(target: Target, dtype: torch.dtype | None) -> Hardware:
         return Hardware("cpu", measured_matmul_flops(torch.device("cpu"), dtype), cpu_links(bandwidth),
                         _cpu_op_seconds(), (target.host_bandwidth or bandwidth) / ADAM_BYTES_PER_PARAM)
     peak = device_peak_flops(target.name, dtype) or device_peak_flops(target.name, torch.float16) or 1e14
-    links = replace(links_for(target.name), host_memory=host_bandwidth(target))
+    links = replace(links_for(target.name), host_memory=host_bandwidth(target), host_to_device=link_bandwidth(target))
     return Hardware("cuda", peak * MATMUL_EFFICIENCY, links, GPU_KERNEL_SECONDS, links.host_memory / ADAM_BYTES_PER_PARAM)
 
 
@@ -356,6 +364,24 @@ def host_bandwidth_source(target: Target) -> tuple[float, str]:
     if target.local:
         return probe_host_bandwidth(), "measured here"
     return links_for(target.name).host_memory, f"the {target.name} table figure; --host-bandwidth for another machine"
+
+
+def link_bandwidth(target: Target) -> float:
+    """Host⇄device bytes/s per direction of a GPU ``target``, taken as :func:`host_bandwidth`
+    is: as given; this machine's, measured (the slower direction of pinned copies, cached
+    per process), when the target is this machine's GPU; else the GPU model's figure."""
+    return link_bandwidth_source(target)[0]
+
+
+def link_bandwidth_source(target: Target) -> tuple[float, str]:
+    """:func:`link_bandwidth` and where it comes from: ``given``, ``measured here`` or
+    ``the NAME table figure``."""
+    if target.link_bandwidth is not None:
+        return target.link_bandwidth, "given"
+    if target.local and torch.cuda.is_available():
+        return probe_link_bandwidth(), "measured here"
+    table = f"the {target.name} table figure; --link-bandwidth for another machine"
+    return links_for(target.name).host_to_device, table
 
 
 @lru_cache(maxsize=1)

@@ -50,6 +50,7 @@ from hybridtrain.runtime.device import peak_reserved_bytes
 from hybridtrain.runtime.layer_major import LayerMajorRunner
 from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
 from hybridtrain.runtime.step_parts import PartClock
+from hybridtrain.runtime.stream_marks import StreamMarks
 from hybridtrain.runtime.streaming import LayerStreamer
 
 _KINETO_MARKER = re.compile(rb"^USDT:.*\] profiler_(start|stop)\s*$")
@@ -134,6 +135,8 @@ class ProfileSession:
         self._clocks: list[PartClock] = []
         # Layer-major: each timed step's module seconds, measured beside the profiler.
         self._spans: list[ModuleSpans] = []
+        # Each timed step's side-stream copies and recomputation (the benchmark's timeline parts).
+        self._marks: list[StreamMarks] = []
 
     def count_step(self, batch: Any) -> float:
         """The counted step (the first): returns its loss."""
@@ -154,12 +157,15 @@ class ProfileSession:
         with _without_kineto_markers():
             prof.start()
         try:
-            with _module_labels(modules, spans), spans or nullcontext(), PartClock().running() as clock:
+            marks = StreamMarks()
+            with _module_labels(modules, spans), spans or nullcontext(), PartClock().running() as clock, \
+                    marks.recording():
                 start = time.perf_counter()
                 with torch.profiler.record_function(STEP_LABEL):
                     loss = self.engine.train_batch(batch)
                 self._walls.append(time.perf_counter() - start)
             self._clocks.append(clock)
+            self._marks.append(marks)
             if spans is not None:
                 self._spans.append(spans)
         finally:
@@ -182,6 +188,9 @@ class ProfileSession:
         host_step = [clock.work.get("host_step", 0.0) for clock in self._clocks]
         profile = _summarise(self.engine, self.count, self._events, len(self._walls), sum(host_step) / len(host_step),
                              self._spans)
+        marked = [marks.seconds() for marks in self._marks]
+        kinds = sorted({kind for seconds in marked for kind in seconds})
+        profile.stream_parts = {kind: sum(s.get(kind, 0.0) for s in marked) / len(marked) for kind in kinds} or None
         if output_dir is not None:
             out = Path(output_dir)
             out.mkdir(parents=True, exist_ok=True)

@@ -75,6 +75,10 @@ class Profile:
     allocator_peak_bytes: int | None = None
     allocator_reserved_peak_bytes: int | None = None
     device_parts: dict[str, float] | None = None
+    stream_parts: dict[str, float] | None = None
+    """Seconds per timed step of the marked stream work (:mod:`hybridtrain.runtime.stream_marks`):
+    ``uploads``, ``downloads``, ``recomputation`` — CUDA timing events on the stream that ran
+    them, wall clock on a CPU device; the same figures as the offload benchmark's ``timeline``."""
     host_step_seconds: float = 0.0
     host_step_hidden: float = 0.0
     techniques: list[str] = field(default_factory=list)
@@ -124,6 +128,9 @@ def format_profile(profile: Profile) -> str:
         lines.append(f"  host optimizer step: {_ms(profile.host_step_seconds)} of work, "
                      f"{_ms(profile.parts.get('host_optimizer', 0.0))} waited for: "
                      f"{100 * profile.host_step_hidden:.0f} % hidden behind the step's other work")
+    if profile.stream_parts:
+        lines.append("  on their streams: " + ", ".join(f"{kind} {_ms(seconds)}"
+                                                       for kind, seconds in profile.stream_parts.items()))
     if profile.device_parts:
         lines.append("  on the device: " + ", ".join(f"{kind} {_ms(seconds)}"
                                                     for kind, seconds in profile.device_parts.items()))

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridtrain.runtime import transfer
+from hybridtrain.runtime import stream_marks, transfer
 from hybridtrain.runtime.device import normalize_device
 from hybridtrain.runtime.forward_wrap import wrap_forward
 from hybridtrain.runtime.recompute import tensor_call, without_kv_cache
@@ -121,8 +121,8 @@ class ActivationSwapper:
         self.pin_memory = pin_memory
         self.min_bytes = min_bytes
         self.stats = SwapStats()
-        self._d2h = transfer.SideStream(device)
-        self._h2d = transfer.SideStream(device)
+        self._d2h = transfer.SideStream(device, "downloads")
+        self._h2d = transfer.SideStream(device, "uploads")
         self._seq = 0
         self._pending: dict[int, list[weakref.ref[_Swapped]]] = {}
         self._prefetched: set[int] = set()
@@ -312,7 +312,8 @@ class _SwappedRecompute(torch.autograd.Function):
                 torch.cuda.set_rng_state(ctx.rng[1], device)
             # The weight-cast cache is off, as in the engine's forward (runtime/precision.py):
             # one cached cast shared by several ops would sum their gradients in low precision.
-            with torch.enable_grad(), torch.autocast(device.type, dtype=dtype, enabled=enabled, cache_enabled=False):
+            with torch.enable_grad(), torch.autocast(device.type, dtype=dtype, enabled=enabled, cache_enabled=False), \
+                    stream_marks.mark_compute("recomputation", device):
                 outs = ctx.run(*inputs)
         pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad and g is not None]
         if pairs:

@@ -136,8 +136,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         every later wait raises it (continuing would train on partly updated weights)."""
         self._clip_coef: torch.Tensor | None = None
         """The clipping factor :meth:`clip_grad_norm` found, applied by each bucket's update."""
-        self._d2h = transfer.SideStream(device)
-        self._h2d = transfer.SideStream(device)
+        self._d2h = transfer.SideStream(device, "downloads")
+        self._h2d = transfer.SideStream(device, "uploads")
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridtrain-host-step")
         self._jobs: list[Future[None]] = []
         # Typed as a factory: the user's class takes (params, **hyperparameters), not the

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hybridtrain.compat import tree_flatten, tree_unflatten
+from hybridtrain.runtime import stream_marks
 from hybridtrain.runtime.forward_wrap import unwrap_forward, wrap_forward
 
 _ORIGINAL_FORWARD = "_hybridtrain_original_forward"
@@ -97,7 +98,21 @@ def _checkpointed_forward(forward: Callable[..., Any], *args: Any, **kwargs: Any
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     kwargs = without_kv_cache(getattr(forward, "__self__", None), kwargs)
-    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+    return checkpoint(_marked_in_backward(forward), *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+
+def _marked_in_backward(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward``, its second run (inside backward: the recomputation) marked for a measured
+    step timeline (:mod:`hybridtrain.runtime.stream_marks`) on the compute stream."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch._C._current_graph_task_id() == -1:  # not inside backward: the first forward
+            return forward(*args, **kwargs)
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        with stream_marks.mark_compute("recomputation", device):
+            return forward(*args, **kwargs)
+
+    return run
 
 
 def tensor_call(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],

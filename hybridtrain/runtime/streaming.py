@@ -192,7 +192,7 @@ class LayerStreamer:
                                    unload=lambda i: self._free(self.blocks[i]))
         self.driven = False
         """True while a whole-step runner moves the blocks itself (the hooks stand aside)."""
-        self._h2d = transfer.SideStream(device)
+        self._h2d = transfer.SideStream(device, "uploads")
         self._caster = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridtrain-cast")
         self._candidates = dict(half or {})
         """What the structural rule allows to cross in half; the first training step

@@ -29,6 +29,8 @@ from collections.abc import Iterator
 
 import torch
 
+from hybridtrain.runtime import stream_marks
+
 log = logging.getLogger("hybridtrain")
 
 GIB = 1024**3
@@ -70,32 +72,40 @@ class SideStream:
 
     Args:
         device: the compute device.
+        direction: ``uploads`` or ``downloads``: the part of a measured step timeline its
+            copies count in (:mod:`hybridtrain.runtime.stream_marks`); None: not marked.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, direction: str | None = None) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.direction = direction
+
+    def _marked(self) -> contextlib.AbstractContextManager[None]:
+        return stream_marks.mark(self.direction, self.stream) if self.direction else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def after_compute(self) -> Iterator[None]:
         """Run the enclosed copies on this stream, after all work queued so far on the
         current (compute) stream — so a copy never reads a tensor still being produced."""
         if self.stream is None:
-            yield
+            with self._marked():
+                yield
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream), self._marked():
             yield
 
     @contextlib.contextmanager
     def after(self, event: torch.cuda.Event | None) -> Iterator[None]:
         """Run the enclosed copies on this stream after ``event`` (e.g. an earlier copy)."""
         if self.stream is None:
-            yield
+            with self._marked():
+                yield
             return
         if event is not None:
             self.stream.wait_event(event)
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream), self._marked():
             yield
 
     def record(self) -> torch.cuda.Event | None:

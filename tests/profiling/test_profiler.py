@@ -151,6 +151,9 @@ def test_profile_says_how_much_of_the_host_step_was_hidden(clipping: float, hidd
     assert profile.host_step_seconds > 0
     assert hidden_at_least <= profile.host_step_hidden <= hidden_at_most, profile.table()
     assert "host optimizer step:" in profile.table()
+    # The copies on their streams, as the offload benchmark's timeline measures them.
+    assert profile.stream_parts is not None and profile.stream_parts["downloads"] > 0
+    assert "on their streams: downloads" in profile.table()
 
 
 class _SlowForward(torch.nn.Module):
