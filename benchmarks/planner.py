@@ -108,7 +108,7 @@ def with_device(cfg: dict[str, Any], device: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------- workers
 def _measure_worker(raw: str) -> None:
     """``--measure-one CONFIG``: one config's peak and step time, as one JSON line."""
-    from hybridtrain.planner.measure import measure_step
+    from hybridtrain.commands.measure import measure_step
 
     cfg = json.loads(raw)
     m = measure_step(cfg, timed_steps=3)

@@ -43,19 +43,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_service_commands(sub)
 
-    from hybridtrain.report.cli import add_report_command
+    from hybridtrain.commands.report import add_report_command
 
     add_report_command(sub)
 
-    from hybridtrain.checkpoint.cli import add_checkpoint_command
+    from hybridtrain.commands.checkpoint import add_checkpoint_command
 
     add_checkpoint_command(sub)
 
-    from hybridtrain.profiling.cli import add_profile_command
+    from hybridtrain.commands.profile import add_profile_command
 
     add_profile_command(sub)
 
-    from hybridtrain.planner.cli import add_planner_commands
+    from hybridtrain.commands.plan import add_planner_commands
 
     add_planner_commands(sub)
     return parser

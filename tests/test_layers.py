@@ -26,8 +26,8 @@ LAYERS: list[list[str]] = [  # bottom first; a module may import its own layer a
     ["recovery"],                                              # memory policy above the engine
     ["errors", "trainer"],
     ["deepspeed", "report", "hpo", "service"],
-    ["", "cli", "train_cli", "parallel.worker", "planner.measure", "planner.cli", "profiling.cli",
-     "checkpoint.cli", "report.cli", "hpo.cli", "hpo.__main__", "service.cli", "deepspeed.__main__"],  # commands
+    ["", "cli", "train_cli", "commands", "parallel.worker", "hpo.cli", "hpo.__main__", "service.cli",
+     "deepspeed.__main__"],  # commands
 ]
 
 

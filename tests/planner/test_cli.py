@@ -153,7 +153,7 @@ def test_a_plan_that_leaves_stage_0_writes_no_wrapper_step(tmp_path: Path) -> No
     # own road takes no fp16-wrapper step at either stage (that is the DeepSpeed drop-in's rule),
     # so the written file is the plan's config, key for key, and loads back to the same math.
     from hybridtrain.plan.resolve import optimizer_settings
-    from hybridtrain.planner.cli import write_config
+    from hybridtrain.commands.plan import write_config
 
     for given in ({**TINY, "fp16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
                   {**TINY, "fp16": {"enabled": True}}):

@@ -20,7 +20,7 @@ from hybridtrain.planner.estimate import (
     model_source,
     resolve_target,
 )
-from hybridtrain.planner.measure import measure_step
+from hybridtrain.commands.measure import measure_step
 from hybridtrain.planner.timing import estimate_time
 from hybridtrain.profiling.host_bandwidth import ADAM_BYTES_PER_PARAM
 
