@@ -296,7 +296,8 @@ class DeepSpeedEngine(nn.Module):
         files (the real DeepSpeed's ZeRO-0/1/2 checkpoints, or the drop-in's) or hybridtrain's.
 
         Returns:
-            ``(path, client_state)``; ``(None, None)`` when no tag is given and there is no
+            ``(path, client_state)``: the model-states file (DeepSpeed's layout) or the tag directory
+            (hybridtrain's); ``(None, None)`` when no tag is given and there is no
             ``latest`` file, as DeepSpeed.
         """
         if not load_module_strict or custom_load_fn is not None:
@@ -308,8 +309,9 @@ class DeepSpeedEngine(nn.Module):
             tag = latest.read_text().strip()
         path = Path(load_dir) / str(tag)
         if files.is_deepspeed_layout(path):
-            return str(path), loader.load(self.engine, path, load_optimizer_states, load_lr_scheduler_states,
-                                          load_module_only)
+            # DeepSpeed returns the model-states file's path here.
+            return str(path / files.MODEL_STATES), loader.load(self.engine, path, load_optimizer_states,
+                                                               load_lr_scheduler_states, load_module_only)
         if load_module_only:
             return str(path), self.engine.load_checkpoint(path, model_only=True)
         optimizer_state = None if load_optimizer_states else copy.deepcopy(self.engine.optimizer.state_dict())
