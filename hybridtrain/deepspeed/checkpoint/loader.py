@@ -83,7 +83,12 @@ def _load_optimizer(engine: Any, state: reader.DeepSpeedState) -> None:
     if len(state.param_groups) == len(current["param_groups"]):
         current["param_groups"] = [{**mine, **saved, "params": mine["params"]}
                                    for mine, saved in zip(current["param_groups"], state.param_groups, strict=True)]
+    groups = optimizer.param_groups
     optimizer.load_state_dict(current)
+    # Loading gave the optimizer a new group list; a caller's optimizer and schedulers hold the
+    # old one (see hybridtrain.deepspeed.building.build_engine): it gets the loaded groups.
+    groups[:] = optimizer.param_groups
+    optimizer.param_groups = groups
 
 
 def _by_name(torch_optimizer: dict[str, Any], names: list[list[str]]) -> dict[str, dict[str, Any]]:

@@ -124,3 +124,20 @@ def test_a_crafted_checkpoint_file_runs_no_code(tmp_path: Path, script: Any, vic
     with pytest.raises(UnreadableDeepSpeedFile, match="is not plain checkpoint data"):
         engine.load_checkpoint(checkpoint)
     assert not marker.exists()
+
+
+def test_a_callers_scheduler_still_drives_the_optimizer_after_a_load(tmp_path: Path) -> None:
+    """Accelerate and Lightning step their own scheduler over the optimizer they gave: after
+    ``load_checkpoint`` its rates are still the ones the engine trains with."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    given = torch.optim.AdamW(model.parameters(), lr=0.1)
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=given, config=config)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+    engine.backward(engine(torch.ones(2, 3)).sum())
+    engine.step()
+    engine.save_checkpoint(tmp_path)
+    engine.load_checkpoint(tmp_path)
+    scheduler.step()
+    assert engine.get_lr() == [0.05] == [group["lr"] for group in optimizer.param_groups]
