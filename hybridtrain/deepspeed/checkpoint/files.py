@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 import os
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,7 @@ class FragmentAddress:
     start: int
 
 
-_STAND_INS: list[tuple[Any, str]] = [
+_STAND_INS: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
     (ZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
     (LossScalerSettings, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
     (LossScalerSettings, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
