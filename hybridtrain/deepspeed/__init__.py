@@ -93,6 +93,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     raw = _raw_config(args, config, config_params)
     raw_config = plain_copy(raw)
     _never_print(raw)
+    # DeepSpeed's first engine log line; users and transformers' tests look for it.
+    utils.log_dist(f"DeepSpeed info: version={VERSION}, git-hash=unknown, git-branch=unknown", ranks=[0])
     loader_options = {key: raw.pop(key) for key in _LOADER_KEYS if key in raw}
     drop_last = bool(loader_options.get("dataloader_drop_last"))
     params = list(model_parameters) if model_parameters is not None else None
