@@ -108,7 +108,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                                    dist_init_required, collate_fn, drop_last)
     wrapper_steps = wrapper_step(raw, client=optimizer is not None)
     cfg = load_config(raw)
-    if dist_init_required or (dist_init_required is None and int(os.environ.get("WORLD_SIZE", "1")) > 1):
+    # As DeepSpeed's engine: join the group a launcher describes (one process too, as under
+    # `deepspeed script.py` or `python -m hybridtrain.deepspeed`, so a framework's collectives run).
+    if dist_init_required or (dist_init_required is None and (int(os.environ.get("WORLD_SIZE", "1")) > 1
+                                                              or comm.launched())):
         init_distributed(dist_init_required=True)
     engine = build_engine(model, cfg, wrapper_steps, optimizer, params, lr_scheduler)
     loader = None
