@@ -118,6 +118,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if training_data is not None:
         loader = _data_loader(training_data, engine, collate_fn, drop_last)
     wrapped = DeepSpeedEngine(engine, cfg, loader, raw_config=raw_config)
+    if isinstance(optimizer, torch.optim.Optimizer) and optimizer is not engine.optimizer:
+        wrapped.callers_optimizer = optimizer
     return wrapped, engine.optimizer, loader, engine.scheduler
 
 

@@ -47,6 +47,9 @@ class DeepSpeedEngine(nn.Module):
         self._step_applied = False
         self._compiled = False
         self._grad_norm: float | None = None
+        self.callers_optimizer: torch.optim.Optimizer | None = None
+        """The optimizer the caller gave ``initialize`` when the engine updates through another
+        (rebuilt, or the host optimizer of an offload) sharing its param groups."""
 
     # ------------------------------------------------------------ forward / backward / step
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -81,6 +84,10 @@ class DeepSpeedEngine(nn.Module):
         self.engine.step()  # clears the gradients after the update, as DeepSpeed
         if boundary:
             self._step_applied = self.engine.skipped_steps == skipped
+            if self.callers_optimizer is not None:
+                # DeepSpeed steps the caller's optimizer itself, so torch's schedulers built on it
+                # (Accelerate's) see it stepped; here another optimizer updated through its groups.
+                self.callers_optimizer._opt_called = True  # type: ignore[attr-defined]
             if self._config.gradient_clipping > 0 and self.engine.last_grad_norm is not None:
                 self._grad_norm = float(self.engine.last_grad_norm)
 
