@@ -17,7 +17,7 @@ from torch import nn
 
 from hybridtrain.config import Config
 from hybridtrain.deepspeed import weights
-from hybridtrain.deepspeed.checkpoint import files, loader, writer
+from hybridtrain.deepspeed.checkpoint import files, loader, writer, zero3
 from hybridtrain.engine import Engine
 
 LATEST = "latest"
@@ -316,9 +316,11 @@ class DeepSpeedEngine(nn.Module):
             tag = latest.read_text().strip()
         path = Path(load_dir) / str(tag)
         if files.is_deepspeed_layout(path):
-            # DeepSpeed returns the model-states file's path here.
-            return str(path / files.MODEL_STATES), loader.load(self.engine, path, load_optimizer_states,
-                                                               load_lr_scheduler_states, load_module_only)
+            # DeepSpeed returns the model-states file's path here (this rank's under ZeRO-3).
+            states = zero3.model_states_name(self.engine.topology.dp_rank) if zero3.is_zero3_layout(path) \
+                else files.MODEL_STATES
+            return str(path / states), loader.load(self.engine, path, load_optimizer_states,
+                                                   load_lr_scheduler_states, load_module_only)
         if load_module_only:
             return str(path), self.engine.load_checkpoint(path, model_only=True)
         optimizer_state = None if load_optimizer_states else copy.deepcopy(self.engine.optimizer.state_dict())

@@ -119,8 +119,8 @@ def resolve_tag(checkpoint_dir: str | os.PathLike[str], tag: Any = None) -> Path
 
 
 def is_deepspeed_layout(tag_dir: Path) -> bool:
-    """Whether ``tag_dir`` holds DeepSpeed's files (its model-states file)."""
-    return (tag_dir / MODEL_STATES).is_file()
+    """Whether ``tag_dir`` holds DeepSpeed's files (its model-states file; rank 0's under ZeRO-3)."""
+    return (tag_dir / MODEL_STATES).is_file() or (tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt").is_file()
 
 
 def write_atomically(state: Any, path: Path) -> None:

@@ -1,11 +1,10 @@
-"""Read a DeepSpeed checkpoint (its layout, any ZeRO stage up to 2, any data-parallel size)
+"""Read a DeepSpeed checkpoint (its layout, any ZeRO stage, any data-parallel size)
 into whole, named tensors: what ``load_checkpoint`` restores and ``zero_to_fp32`` exports.
 
 ZeRO-1/2: each optimizer group's flat fp32 masters and flat optimizer state (``exp_avg`` …)
 are put back together from every rank's slice and cut into parameters by the names and
 shapes the model-states file lists (``param_shapes``). Without ZeRO the model-states file
-holds the torch optimizer's own state dict (its parameters by index). ZeRO-3's per-rank
-model files are refused in one line.
+holds the torch optimizer's own state dict (its parameters by index). ZeRO-3: see :mod:`.zero3`.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from typing import Any
 
 import torch
 
-from hybridtrain.deepspeed.checkpoint import files, flat
+from hybridtrain.deepspeed.checkpoint import files, flat, zero3
 
 # What the model-states file holds besides the caller's client state (DeepSpeed's own keys).
 ENGINE_KEYS = frozenset({
@@ -71,12 +70,11 @@ def read(tag_dir: Path, with_optimizer: bool = True) -> DeepSpeedState:
 
     Raises:
         UnreadableDeepSpeedFile: a file is missing or holds more than checkpoint data.
-        NotImplementedError: a ZeRO-3 or model-parallel checkpoint.
+        NotImplementedError: a model-parallel checkpoint.
     """
-    if not files.is_deepspeed_layout(tag_dir):
-        if any(tag_dir.glob("zero_pp_rank_*_mp_rank_*_model_states.pt")):
-            raise NotImplementedError(f"{tag_dir} is a ZeRO-3 DeepSpeed checkpoint; hybridtrain.deepspeed reads "
-                                      "ZeRO-0/1/2 ones (export it with DeepSpeed's zero_to_fp32.py first)")
+    if zero3.is_zero3_layout(tag_dir):
+        return _read_zero3(tag_dir, with_optimizer)
+    if not (tag_dir / files.MODEL_STATES).is_file():
         raise files.UnreadableDeepSpeedFile(f"{tag_dir} has no {files.MODEL_STATES}")
     model_states = files.read(tag_dir / files.MODEL_STATES)
     if int(model_states.get("mp_world_size", 1)) != 1:
@@ -91,6 +89,20 @@ def read(tag_dir: Path, with_optimizer: bool = True) -> DeepSpeedState:
                                   for g in torch_optimizer.get("param_groups", [])]
         return state
     _read_zero(state, int(model_states["dp_world_size"]), with_optimizer)
+    return state
+
+
+def _read_zero3(tag_dir: Path, with_optimizer: bool) -> DeepSpeedState:
+    """A ZeRO-3 checkpoint (:mod:`.zero3`): rank 0's model states, every rank's slices."""
+    model_states = files.read(tag_dir / zero3.model_states_name(0))
+    ranks = zero3.read_ranks(tag_dir, int(model_states["dp_world_size"]))
+    state = DeepSpeedState(tag_dir, model_states, 3, dict(model_states.get("module") or {}))
+    param_shapes: list[dict[str, torch.Size]] = model_states["param_shapes"]
+    state.fp32, state.optimizer_state, hypers = zero3.unflatten(ranks, param_shapes, with_optimizer)
+    state.groups = [list(shapes) for shapes in param_shapes]
+    state.param_groups = hypers if len(hypers) == len(param_shapes) else []
+    scaler = ranks[0].get("loss_scaler")
+    state.loss_scale = float(getattr(scaler, "cur_scale", 1.0)) if scaler is not None else None
     return state
 
 

@@ -141,3 +141,16 @@ def test_a_callers_scheduler_still_drives_the_optimizer_after_a_load(tmp_path: P
     engine.load_checkpoint(tmp_path)
     scheduler.step()
     assert engine.get_lr() == [0.05] == [group["lr"] for group in optimizer.param_groups]
+
+
+def test_a_real_zero3_checkpoint_of_two_ranks_loads_here_in_one_process(script: Any) -> None:
+    """Every parameter put back together from both ranks' ZeRO-3 slices: the weights the run had,
+    its client state and step; its optimizer state reaches this run's optimizer."""
+    engine = script.build(deepspeed, 3)
+    path, client_state = engine.load_checkpoint(DATA / "real_zero3_dp2")
+    assert Path(path).name == "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    assert client_state["epoch"] == 7 and engine.global_steps == 3
+    saved = torch.load(DATA / "real_zero3_dp2_weights.pt", weights_only=True)
+    assert all(torch.equal(value, saved[name]) for name, value in _weights(engine).items())
+    steps = {float(s["step"]) for s in engine.optimizer.state.values()}
+    assert steps == {3.0} and len(engine.optimizer.state) == 4

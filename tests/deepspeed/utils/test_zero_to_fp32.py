@@ -48,6 +48,14 @@ def test_deepspeeds_functions_read_a_two_rank_real_checkpoint(tmp_path: Path) ->
         zero_to_fp32.get_model_state_file(tag, 3)
 
 
+def test_a_two_rank_real_zero3_checkpoint_is_read_whole() -> None:
+    """ZeRO-3 cuts each parameter over the ranks (the last slice padded): put back exactly."""
+    expected = torch.load(DATA / "real_zero3_dp2_weights.pt", weights_only=True)
+    _assert_same(zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(DATA / "real_zero3_dp2"), expected)
+    tag = DATA / "real_zero3_dp2" / "global_step3"
+    assert zero_to_fp32.get_model_state_file(tag, 3) == str(tag / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+
+
 def _saved_by_the_dropin(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
