@@ -1,5 +1,5 @@
 """Checkpoints cross between the real DeepSpeed (0.19.8, CPU) and hybridtrain's drop-in, both
-ways, without ZeRO and under ZeRO-1/2, with one process and with two: the resuming system
+ways, without ZeRO and under ZeRO-1/2, with one process and with two (and the optimizer offloaded): the resuming system
 loads exactly the weights the saving one had (bit for bit), and continues as the saving
 system's run straight through (same steps and learning rates; losses and parameters as
 the two systems' fp32 math agrees, to the last bits of float32).
@@ -20,7 +20,8 @@ pytest.importorskip("deepspeed")  # the reference
 SCRIPT = "checkpoint_script.py"
 
 
-def _run_pair(tmp: Path, stage: int, mode: str, nproc: int, dirs: dict[str, Path]) -> dict[str, Path]:
+def _run_pair(tmp: Path, stage: int, mode: str, nproc: int, dirs: dict[str, Path],
+              env: dict[str, str] | None = None) -> dict[str, Path]:
     """``mode`` on both systems at once; ``dirs`` maps each system ("real", "ours") to the
     checkpoint directory its run saves to or resumes from. Returns each run's record path."""
     records = {}
@@ -28,7 +29,7 @@ def _run_pair(tmp: Path, stage: int, mode: str, nproc: int, dirs: dict[str, Path
     for system, checkpoint in dirs.items():
         records[system] = tmp / f"{system}-{mode}-{checkpoint.name}.json"
         runs.append((system, start(SCRIPT, [str(stage), mode, str(checkpoint), str(records[system])], tmp,
-                                   real=system == "real", nproc=nproc)))
+                                   real=system == "real", env=env, nproc=nproc)))
     for system, process in runs:
         finish(process, f"{system} {mode} (ZeRO-{stage}, {nproc} process(es))")
     return records
@@ -54,19 +55,21 @@ def _assert_continuation(resumed: Path, saved: Path, full: Path) -> None:
         torch.testing.assert_close(my_params[name], value, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize(("stage", "nproc"), [(0, 1), (1, 1), (2, 1), (2, 2)])
-def test_checkpoints_cross_both_ways(tmp_path: Path, stage: int, nproc: int) -> None:
+@pytest.mark.parametrize(("stage", "nproc", "offload"), [(0, 1, False), (1, 1, False), (2, 1, False), (2, 2, False),
+                                                        (2, 2, True)])
+def test_checkpoints_cross_both_ways(tmp_path: Path, stage: int, nproc: int, offload: bool) -> None:
     """Real DeepSpeed's checkpoint resumes on hybridtrain, hybridtrain's on the real
     DeepSpeed: the weights arrive exactly, the run continues as the saving system's."""
     real_dir, our_dir = tmp_path / "real-ckpt", tmp_path / "our-ckpt"
-    full = _run_pair(tmp_path, stage, "full", nproc, {"real": tmp_path / "none-r", "ours": tmp_path / "none-o"})
-    saved = _run_pair(tmp_path, stage, "save", nproc, {"real": real_dir, "ours": our_dir})
+    env = {"CHECKPOINT_OFFLOAD": "1" if offload else "0"}
+    full = _run_pair(tmp_path, stage, "full", nproc, {"real": tmp_path / "none-r", "ours": tmp_path / "none-o"}, env)
+    saved = _run_pair(tmp_path, stage, "save", nproc, {"real": real_dir, "ours": our_dir}, env)
     assert (our_dir / "latest").read_text() == "global_step3"
     expected = {"mp_rank_00_model_states.pt"} | ({f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
                                                   for r in range(nproc)} if stage else set())
     assert {p.name for p in (our_dir / "global_step3").iterdir()} == expected
     assert {p.name for p in (real_dir / "global_step3").iterdir()} == expected
-    crossed = _run_pair(tmp_path, stage, "resume", nproc, {"ours": real_dir, "real": our_dir})
+    crossed = _run_pair(tmp_path, stage, "resume", nproc, {"ours": real_dir, "real": our_dir}, env)
     _assert_continuation(crossed["ours"], saved["real"], full["real"])
     _assert_continuation(crossed["real"], saved["ours"], full["ours"])
     assert "+hybridtrain" in json.loads(crossed["ours"].read_text())["deepspeed"]

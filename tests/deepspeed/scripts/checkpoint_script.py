@@ -4,6 +4,7 @@ run unchanged on the real DeepSpeed and on hybridtrain's drop-in (one or several
 Usage: checkpoint_script.py STAGE MODE CHECKPOINT_DIR RECORD
   MODE full: 6 optimizer steps; save: 3 steps, then save_checkpoint(CHECKPOINT_DIR, client_state);
   resume: load_checkpoint(CHECKPOINT_DIR), then the steps up to 6.
+With CHECKPOINT_OFFLOAD=1 the optimizer is offloaded to the host.
 RECORD (rank 0) gets the steps, learning rates and losses of the steps run, the client state
 read back, and the final parameters (RECORD.pt); a resume also the weights as loaded
 (RECORD.loaded.pt). Tests import :func:`build` and :func:`train` to run it in-process.
@@ -27,7 +28,9 @@ def build(deepspeed: Any, stage: int, world: int = 1) -> Any:
               "gradient_clipping": 0.5, "steps_per_print": float("inf"), "zero_allow_untested_optimizer": True,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
               "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}},
-              "zero_optimization": {"stage": stage}}
+              "zero_optimization": {"stage": stage}, "zero_force_ds_cpu_optimizer": False}
+    if os.environ.get("CHECKPOINT_OFFLOAD") == "1":  # the optimizer on the host (ZeRO-Offload)
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
