@@ -33,9 +33,12 @@ def test_initialize_logs_deepspeeds_info_line() -> None:
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
     logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)  # its default; importing the real DeepSpeed in-process sets WARNING
     try:
         deepspeed.initialize(model=torch.nn.Linear(2, 2), config={"train_micro_batch_size_per_gpu": 1,
                                                                    "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
     assert any("DeepSpeed info: version=0.19.8+hybridtrain" in r.getMessage() for r in records)
