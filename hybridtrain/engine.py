@@ -432,6 +432,15 @@ class Engine:
             self.optimizer.zero_grad(set_to_none=True)
         return restored.client_state
 
+    def restore_progress(self, global_step: int, skipped_steps: int) -> None:
+        """Set the step counters after weights and optimizer state were restored from
+        another checkpoint format; a new accumulation window starts, gradients cleared."""
+        self.global_step = int(global_step)
+        scaler_skips = self.scaler.skipped_steps if self.scaler else 0
+        self._nonfinite_skips = max(0, int(skipped_steps) - scaler_skips)
+        self._manual_micro_steps, self._manual_loss = 0, None
+        self.optimizer.zero_grad(set_to_none=True)
+
     def _checkpoint_parts(self) -> ckpt.TrainingParts:
         return ckpt.TrainingParts(self.parallel, self.optimizer, self.scheduler, self.scaler)
 

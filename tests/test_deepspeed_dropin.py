@@ -119,7 +119,9 @@ def test_checkpoint_round_trip_resumes_exactly_through_latest(tmp_path: Path) ->
 
     resumed, *_ = deepspeed.initialize(model=_model(seed=5), config=config)
     path, client_state = resumed.load_checkpoint(tmp_path)
-    assert path == str(tmp_path / "global_step3") and client_state == {"epoch": 7} and resumed.global_steps == 3
+    # DeepSpeed's layout; load_checkpoint returns its model-states file, as DeepSpeed.
+    assert path == str(tmp_path / "global_step3" / "mp_rank_00_model_states.pt") and resumed.global_steps == 3
+    assert client_state["epoch"] == 7
     assert _train(resumed, batches[3 * ACCUMULATION:]) == after
     for mine, theirs in zip(resumed.module.parameters(), engine.module.parameters(), strict=True):
         assert torch.equal(mine, theirs)
@@ -127,7 +129,7 @@ def test_checkpoint_round_trip_resumes_exactly_through_latest(tmp_path: Path) ->
 
     engine.save_checkpoint(tmp_path, tag="final", save_latest=False)
     assert (tmp_path / "latest").read_text() == "global_step3"
-    assert resumed.load_checkpoint(tmp_path, tag="final")[0] == str(tmp_path / "final")
+    assert resumed.load_checkpoint(tmp_path, tag="final")[0] == str(tmp_path / "final" / "mp_rank_00_model_states.pt")
     assert resumed.load_checkpoint(tmp_path / "empty") == (None, None)
 
 

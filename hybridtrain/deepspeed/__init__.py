@@ -93,6 +93,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     raw = _raw_config(args, config, config_params)
     raw_config = plain_copy(raw)
     _never_print(raw)
+    # DeepSpeed's first engine log line; users and transformers' tests look for it.
+    utils.log_dist(f"DeepSpeed info: version={VERSION}, git-hash=unknown, git-branch=unknown", ranks=[0])
     loader_options = {key: raw.pop(key) for key in _LOADER_KEYS if key in raw}
     drop_last = bool(loader_options.get("dataloader_drop_last"))
     params = list(model_parameters) if model_parameters is not None else None
@@ -106,13 +108,18 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                                    dist_init_required, collate_fn, drop_last)
     wrapper_steps = wrapper_step(raw, client=optimizer is not None)
     cfg = load_config(raw)
-    if dist_init_required or (dist_init_required is None and int(os.environ.get("WORLD_SIZE", "1")) > 1):
+    # As DeepSpeed's engine: join the group a launcher describes (one process too, as under
+    # `deepspeed script.py` or `python -m hybridtrain.deepspeed`, so a framework's collectives run).
+    if dist_init_required or (dist_init_required is None and (int(os.environ.get("WORLD_SIZE", "1")) > 1
+                                                              or comm.launched())):
         init_distributed(dist_init_required=True)
     engine = build_engine(model, cfg, wrapper_steps, optimizer, params, lr_scheduler)
     loader = None
     if training_data is not None:
         loader = _data_loader(training_data, engine, collate_fn, drop_last)
     wrapped = DeepSpeedEngine(engine, cfg, loader, raw_config=raw_config)
+    if isinstance(optimizer, torch.optim.Optimizer) and optimizer is not engine.optimizer:
+        wrapped.callers_optimizer = optimizer
     return wrapped, engine.optimizer, loader, engine.scheduler
 
 

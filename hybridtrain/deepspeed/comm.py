@@ -34,6 +34,21 @@ def _backend(requested: str | None) -> str:
     return "gloo"
 
 
+def launched() -> bool:
+    """Whether a launcher described the process group (``RANK``, ``WORLD_SIZE``, ``MASTER_*``)."""
+    return all(key in os.environ for key in _LAUNCHER_ENV)
+
+
+def set_one_process_environment() -> None:
+    """What DeepSpeed's launcher sets for one process on this machine (``deepspeed script.py``),
+    where no launcher set anything: ``RANK``/``LOCAL_RANK`` 0, ``WORLD_SIZE`` 1, a free port."""
+    if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
+        return
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}.items():
+        os.environ.setdefault(key, value)
+
+
 def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
                      distributed_port: int = 29500, verbose: bool = True, timeout: timedelta | None = None,
                      init_method: str | None = None, dist_init_required: bool | None = None,

@@ -39,6 +39,10 @@ NAME = "deepspeed"
 OURS = "hybridtrain.deepspeed"
 VERSION = "0.19.8+hybridtrain"
 """What ``deepspeed.__version__`` and the distribution's metadata say under the drop-in."""
+LIGHTNING_STRATEGY_MODULES = ("lightning.pytorch.strategies.deepspeed", "lightning.fabric.strategies.deepspeed",
+                              "pytorch_lightning.strategies.deepspeed", "lightning_fabric.strategies.deepspeed")
+"""Lightning's and Fabric's DeepSpeed strategy modules, run on the CPU too once loaded
+(:mod:`hybridtrain.deepspeed.lightning_cpu`)."""
 
 
 def _ours(fullname: str) -> str | None:
@@ -65,10 +69,30 @@ class _AliasLoader(importlib.abc.Loader):
             module.__spec__ = own
 
 
+class _PatchedAfterLoad(importlib.abc.Loader):
+    """Loads a module with its own loader, then lets Lightning's DeepSpeed strategy run on
+    the CPU (:func:`hybridtrain.deepspeed.lightning_cpu.allow_cpu`)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.loader.exec_module(module)
+        from hybridtrain.deepspeed.lightning_cpu import allow_cpu
+
+        allow_cpu(module)
+
+
 class DropInFinder(importlib.abc.MetaPathFinder):
-    """``deepspeed`` and ``deepspeed.X`` → ``hybridtrain.deepspeed`` and ``hybridtrain.deepspeed.X``."""
+    """``deepspeed`` and ``deepspeed.X`` → ``hybridtrain.deepspeed`` and ``hybridtrain.deepspeed.X``;
+    Lightning's and Fabric's DeepSpeed strategy modules load as they are, then run on the CPU too."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname in LIGHTNING_STRATEGY_MODULES:
+            return self._patched_spec(fullname, path, target)
         ours = _ours(fullname)
         if ours is None:
             return None
@@ -82,6 +106,18 @@ class DropInFinder(importlib.abc.MetaPathFinder):
                 f"(it provides {NAME!r} as {OURS!r}; see `hybridtrain.deepspeed` in the README)", name=fullname)
         return importlib.util.spec_from_loader(fullname, _AliasLoader(ours),
                                                is_package=spec.submodule_search_locations is not None)
+
+    def _patched_spec(self, fullname: str, path: Any, target: Any) -> importlib.machinery.ModuleSpec | None:
+        """The module's own spec (from the finders after this one), loading through
+        :class:`_PatchedAfterLoad`."""
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _PatchedAfterLoad(spec.loader)
+                return spec
+        return None
 
     def find_distributions(self, context: Any = None) -> Iterator[importlib.metadata.Distribution]:
         """The drop-in's ``deepspeed`` distribution, for a search by that name (or for all)."""

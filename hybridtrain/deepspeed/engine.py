@@ -17,6 +17,7 @@ from torch import nn
 
 from hybridtrain.config import Config
 from hybridtrain.deepspeed import weights
+from hybridtrain.deepspeed.checkpoint import files, loader, writer, zero3
 from hybridtrain.engine import Engine
 
 LATEST = "latest"
@@ -46,6 +47,9 @@ class DeepSpeedEngine(nn.Module):
         self._step_applied = False
         self._compiled = False
         self._grad_norm: float | None = None
+        self.callers_optimizer: torch.optim.Optimizer | None = None
+        """The optimizer the caller gave ``initialize`` when the engine updates through another
+        (rebuilt, or the host optimizer of an offload) sharing its param groups."""
 
     # ------------------------------------------------------------ forward / backward / step
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -80,6 +84,10 @@ class DeepSpeedEngine(nn.Module):
         self.engine.step()  # clears the gradients after the update, as DeepSpeed
         if boundary:
             self._step_applied = self.engine.skipped_steps == skipped
+            if self.callers_optimizer is not None:
+                # DeepSpeed steps the caller's optimizer itself, so torch's schedulers built on it
+                # (Accelerate's) see it stepped; here another optimizer updated through its groups.
+                self.callers_optimizer._opt_called = True  # type: ignore[attr-defined]
             if self._config.gradient_clipping > 0 and self.engine.last_grad_norm is not None:
                 self._grad_norm = float(self.engine.last_grad_norm)
 
@@ -258,13 +266,21 @@ class DeepSpeedEngine(nn.Module):
                         client_state: dict[str, Any] | None = None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> bool:
         """Save to ``save_dir/tag`` (default tag ``global_step{N}``) and, with ``save_latest``,
-        write the tag to ``save_dir/latest``. Call it on every rank."""
+        write the tag to ``save_dir/latest``. Call it on every rank.
+
+        Without ZeRO (fp32) and under ZeRO-1/2 the files are DeepSpeed's own
+        (:mod:`hybridtrain.deepspeed.checkpoint.writer`): the real DeepSpeed resumes them and
+        its ``zero_to_fp32`` reads them. ZeRO-3, tensor/pipeline parallel and 16-bit runs
+        without ZeRO write hybridtrain's sharded checkpoint in the tag directory instead."""
         if not save_dir:
             raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
         if exclude_frozen_parameters:
             raise NotImplementedError("save_checkpoint(exclude_frozen_parameters=True) is not supported")
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
-        self.engine.save_checkpoint(Path(save_dir) / tag, client_state or {})
+        if self.writes_deepspeed_layout():
+            writer.save(self.engine, self._config, self.config, Path(save_dir) / tag, client_state or {})
+        else:
+            self.engine.save_checkpoint(Path(save_dir) / tag, client_state or {})
         if save_latest and self.global_rank == 0:
             latest = Path(save_dir) / LATEST
             tmp = latest.with_name(f".{LATEST}.tmp-{os.getpid()}")
@@ -272,14 +288,23 @@ class DeepSpeedEngine(nn.Module):
             tmp.replace(latest)
         return True
 
+    def writes_deepspeed_layout(self) -> bool:
+        """Whether :meth:`save_checkpoint` writes DeepSpeed's files (see there)."""
+        topology = self.engine.topology
+        stage = self._config.zero_optimization.stage
+        half = self._config.bf16.enabled or self._config.fp16.enabled
+        return topology.tp == 1 and topology.pp == 1 and (stage in (1, 2) or (stage == 0 and not half))
+
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False,
                         custom_load_fn: Any = None) -> tuple[str | None, dict[str, Any] | None]:
-        """Load ``load_dir/tag`` (``tag`` read from ``load_dir/latest`` when None).
+        """Load ``load_dir/tag`` (``tag`` read from ``load_dir/latest`` when None): DeepSpeed's
+        files (the real DeepSpeed's ZeRO-0/1/2 checkpoints, or the drop-in's) or hybridtrain's.
 
         Returns:
-            ``(path, client_state)``; ``(None, None)`` when no tag is given and there is no
+            ``(path, client_state)``: the model-states file (DeepSpeed's layout) or the tag directory
+            (hybridtrain's); ``(None, None)`` when no tag is given and there is no
             ``latest`` file, as DeepSpeed.
         """
         if not load_module_strict or custom_load_fn is not None:
@@ -290,6 +315,12 @@ class DeepSpeedEngine(nn.Module):
                 return None, None
             tag = latest.read_text().strip()
         path = Path(load_dir) / str(tag)
+        if files.is_deepspeed_layout(path):
+            # DeepSpeed returns the model-states file's path here (this rank's under ZeRO-3).
+            states = zero3.model_states_name(self.engine.topology.dp_rank) if zero3.is_zero3_layout(path) \
+                else files.MODEL_STATES
+            return str(path / states), loader.load(self.engine, path, load_optimizer_states,
+                                                   load_lr_scheduler_states, load_module_only)
         if load_module_only:
             return str(path), self.engine.load_checkpoint(path, model_only=True)
         optimizer_state = None if load_optimizer_states else copy.deepcopy(self.engine.optimizer.state_dict())

@@ -55,17 +55,18 @@ def poisoned_deepspeed(tmp: Path) -> Path:
 
 
 def start(script: str, args: list[str], tmp: Path, real: bool, env: dict[str, str] | None = None,
-          nproc: int = 1, dropin: bool = True) -> subprocess.Popen[str]:
+          nproc: int = 1, dropin: bool = True, launcher_env: bool = True) -> subprocess.Popen[str]:
     """Start ``script`` on the real DeepSpeed (``real``) or on hybridtrain's drop-in with no
     usable DeepSpeed: one process as ``python -S -m hybridtrain.deepspeed`` (no site-packages
     but a copy without DeepSpeed), several as ``hybridtrain launch`` with a poisoned DeepSpeed
-    first on the path (:func:`poisoned_deepspeed`)."""
+    first on the path (:func:`poisoned_deepspeed`). One process gets a launcher's variables
+    (``RANK`` …) unless ``launcher_env`` is False."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "PL_"))}
     environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1",
                     "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                     **(env or {})})
-    if nproc > 1:
+    if nproc > 1 or not launcher_env:  # a launcher's variables: set by the launcher, or none at all
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             environ.pop(key)
     path = [str(SCRIPTS)]

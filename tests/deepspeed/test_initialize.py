@@ -114,3 +114,24 @@ def test_the_configs_own_optimizer_is_stepped_where_deepspeed_wraps_it(zero: dic
     ht.initialize(native, config)
     for p, p0 in zip(native.parameters(), start, strict=True):
         torch.testing.assert_close(p.detach().cpu(), p0, rtol=0, atol=0)
+
+
+def test_a_scheduler_on_the_callers_optimizer_does_not_warn_under_offload() -> None:
+    """Under ZeRO-2 offload the host optimizer updates through the caller's groups; torch's
+    scheduler built on the caller's optimizer (Accelerate's) must not warn that it stepped
+    before the optimizer, as it does not under DeepSpeed."""
+    import warnings
+
+    model = _model()
+    given = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(given, lambda step: 0.5 ** step)
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False,
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=given, config=config)
+    assert optimizer is not given
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine.backward(engine(torch.ones(2, 6)).sum())
+        engine.step()
+        scheduler.step()
+    assert engine.get_lr() == [0.05]

@@ -104,6 +104,11 @@ class PipelineEngine(DeepSpeedEngine):
         self.micro_batches = batch.accumulation_steps
         self.micro_batch_size = batch.micro_batch
 
+    def writes_deepspeed_layout(self) -> bool:
+        """Never: DeepSpeed saves a pipeline by layer files (``layer_NN-model_states.pt``), a
+        layout not written here; hybridtrain's sharded checkpoint goes in the tag directory."""
+        return False
+
     # ------------------------------------------------------------------ the engine
     @property
     def engine(self) -> Engine:

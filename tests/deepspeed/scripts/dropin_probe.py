@@ -22,6 +22,11 @@ report = {
     "submodule": deepspeed.ops.adam.DeepSpeedCPUAdam.__module__, "schedules": VALID_LR_SCHEDULES,
     "logger": logger.name, "warmup": WarmupLR.__module__,
 }
+# What transformers' tests/deepspeed/test_deepspeed.py imports to decide what to skip.
+from deepspeed.ops.aio import AsyncIOBuilder  # noqa: E402
+from deepspeed.utils.zero_to_fp32 import load_state_dict_from_zero_checkpoint  # noqa: E402, F401
+
+report["aio_compatible"] = deepspeed.ops.__compatible_ops__[AsyncIOBuilder.NAME]
 try:
     import deepspeed.not_a_module  # noqa: F401
 except ModuleNotFoundError as exc:

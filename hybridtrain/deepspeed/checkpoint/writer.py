@@ -1,0 +1,203 @@
+"""Write a training engine's state in DeepSpeed's layout (see :mod:`.files`), so that the
+real DeepSpeed resumes it (``load_checkpoint``) and its tools read it (``zero_to_fp32``).
+
+Every rank gathers the whole model and optimizer state (collectives, in the same order on
+every rank); data-parallel rank 0 writes the model-states file and, under ZeRO-1/2, every
+data-parallel rank writes its own slice of the flat fp32 masters and optimizer state, laid
+out as DeepSpeed's ZeRO optimizer holds them (:mod:`.flat`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from hybridtrain.checkpoint.training_state import optimizer_param_names
+from hybridtrain.deepspeed.checkpoint import files, flat
+
+
+def _whole(value: Any) -> Any:
+    """A CPU copy of ``value``, gathered whole when it is a sharded ``DTensor`` (a collective)."""
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    return value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
+
+
+class EngineSnapshot:
+    """What a DeepSpeed checkpoint holds, gathered from a hybridtrain engine on every rank.
+
+    ``groups``: per optimizer group, each trained parameter's DeepSpeed name (its first name
+    in the model) with its whole optimizer state, in the group's order.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        engine.settle()
+        self.engine = engine
+        self.model = engine.parallel.model
+        self.module = engine.model_state_dict()
+        names = optimizer_param_names(self.model, engine.optimizer)
+        self.groups: list[list[tuple[str, dict[str, Any]]]] = []
+        self.hypers: list[dict[str, Any]] = []
+        index = 0
+        for group in engine.optimizer.param_groups:
+            entries = []
+            for param in group["params"]:
+                state = engine.optimizer.state.get(param, {})
+                entries.append((names[index][0], {k: _whole(v) for k, v in state.items()}))
+                index += 1
+            self.groups.append(entries)
+            self.hypers.append({k: v for k, v in group.items() if k != "params"})
+
+    def shared_params(self) -> dict[str, str]:
+        """Every further name of a tied parameter → its first name, as DeepSpeed records them."""
+        first: dict[int, str] = {}
+        shared = {}
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            if id(param) in first:
+                shared[name] = first[id(param)]
+            else:
+                first[id(param)] = name
+        return shared
+
+    def buffer_names(self) -> list[str]:
+        """The module's persistent buffers (state-dict entries that are no parameter)."""
+        params = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
+        return [k for k in self.module if k not in params]
+
+
+def save(engine: Any, config: Any, raw_config: dict[str, Any], tag_dir: Path,
+         client_state: dict[str, Any]) -> None:
+    """Write ``engine``'s state into ``tag_dir`` in DeepSpeed's layout (call on every rank).
+
+    Args:
+        config: hybridtrain's config (ZeRO stage, precision, clipping).
+        raw_config: the DeepSpeed config as given (stored as ``ds_config``).
+    """
+    snapshot = EngineSnapshot(engine)
+    topology = engine.topology
+    stage = int(config.zero_optimization.stage)
+    bf16 = bool(config.bf16.enabled)
+    tag_dir.mkdir(parents=True, exist_ok=True)
+    if stage > 0:
+        rank_state = {files.OPTIMIZER_STATE_DICT: _zero_state(snapshot, config, topology.dp, topology.dp_rank),
+                      "ds_config": raw_config, "ds_version": files.DS_VERSION_WRITTEN}
+        files.write_atomically(rank_state, tag_dir / files.optim_states_name(topology.dp_rank, bf16))
+    if topology.rank == 0:
+        files.write_atomically(_model_states(snapshot, config, raw_config, topology.dp, client_state),
+                               tag_dir / files.MODEL_STATES)
+        if stage > 0:
+            _write_recovery_script(tag_dir.parent)
+    engine.parallel.barrier()
+
+
+def _module_in_saved_dtype(snapshot: EngineSnapshot, config: Any) -> dict[str, torch.Tensor]:
+    """The module's state dict as DeepSpeed saves it: bit16 floats under bf16/fp16."""
+    half = torch.bfloat16 if config.bf16.enabled else torch.float16 if config.fp16.enabled else None
+    if half is None:
+        return OrderedDict(snapshot.module)
+    return OrderedDict((k, v.to(half) if v.is_floating_point() else v) for k, v in snapshot.module.items())
+
+
+def _model_states(snapshot: EngineSnapshot, config: Any, raw_config: dict[str, Any], dp: int,
+                  client_state: dict[str, Any]) -> dict[str, Any]:
+    """The model-states file's dict (DeepSpeed's keys, then the caller's)."""
+    engine = snapshot.engine
+    stage = int(config.zero_optimization.stage)
+    trained = {name for group in snapshot.groups for name, _ in group}
+    frozen = OrderedDict((n, p) for n, p in snapshot.model.named_parameters() if n not in trained)
+    state: dict[str, Any] = {
+        "module": _module_in_saved_dtype(snapshot, config),
+        "buffer_names": snapshot.buffer_names(),
+        "optimizer": _torch_optimizer_state(snapshot) if stage == 0 else None,
+        "param_shapes": [OrderedDict((n, snapshot.module[n].shape) for n, _ in group) for group in snapshot.groups]
+        if stage > 0 else None,
+        "frozen_param_shapes": OrderedDict((n, p.shape) for n, p in frozen.items()) if stage == 2 else None,
+        "shared_params": snapshot.shared_params() if stage > 0 else None,
+        "frozen_param_fragments": OrderedDict((n, snapshot.module[n]) for n in frozen) if stage == 2 else None,
+        "lr_scheduler": engine.scheduler.state_dict() if engine.scheduler is not None else None,
+        "data_sampler": None, "random_ltd": None,
+        "skipped_steps": engine.skipped_steps, "global_steps": engine.global_step,
+        "global_samples": engine.global_step * engine.options.batch.global_batch,
+        "dp_world_size": dp, "mp_world_size": 1,
+        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+        "ds_config": raw_config, "ds_version": files.DS_VERSION_WRITTEN,
+    }
+    state.update(client_state)
+    return state
+
+
+def _torch_optimizer_state(snapshot: EngineSnapshot) -> dict[str, Any]:
+    """Without ZeRO DeepSpeed saves the torch optimizer's own state dict (parameters by index)."""
+    state: dict[int, dict[str, Any]] = {}
+    param_groups = []
+    index = 0
+    for hypers, group in zip(snapshot.hypers, snapshot.groups, strict=True):
+        indices = []
+        for _, entry in group:
+            if entry:
+                state[index] = entry
+            indices.append(index)
+            index += 1
+        param_groups.append({**hypers, "params": indices})
+    return {"state": state, "param_groups": param_groups}
+
+
+def _zero_state(snapshot: EngineSnapshot, config: Any, dp: int, rank: int) -> dict[str, Any]:
+    """Data-parallel rank ``rank``'s ZeRO-1/2 optimizer state dict, as DeepSpeed's
+    ``Stage1And2ZeroOptimizer.state_dict()`` gives it (non-elastic: the base optimizer's
+    state over each group's flat slice, end padding included)."""
+    masters, paddings, base_state = [], [], {}
+    for index, group in enumerate(snapshot.groups):
+        flat_masters = flat.flatten([snapshot.module[name] for name, _ in group])
+        total = flat_masters.numel()
+        masters.append(flat.rank_slice(flat_masters, dp, rank, padded=False))
+        paddings.append(flat.paddings(total, dp)[rank])
+        entries = [entry for _, entry in group]
+        merged: dict[str, Any] = {}
+        for key, first in (entries[0].items() if entries and all(entries) else ()):
+            if torch.is_tensor(first) and first.dim() > 0:
+                merged[key] = flat.rank_slice(flat.flatten([e[key] for e in entries]), dp, rank, padded=True)
+            else:
+                merged[key] = first
+        if merged:
+            base_state[index] = merged
+    base = {"state": base_state,
+            "param_groups": [{**hypers, "params": [i]} for i, hypers in enumerate(snapshot.hypers)]}
+    return {
+        "dynamic_loss_scale": bool(config.fp16.enabled), "overflow": False,
+        "clip_grad": float(config.gradient_clipping),
+        "base_optimizer_state": base,
+        "single_partition_of_fp32_groups": masters,
+        "zero_stage": int(config.zero_optimization.stage),
+        "group_paddings": paddings,
+        "param_alignment_paddings": [[0] * len(group) for group in snapshot.groups],
+        "partition_count": [dp] * len(snapshot.groups),
+        "ds_version": files.DS_VERSION_WRITTEN,
+    }
+
+
+_RECOVERY_SCRIPT = '''#!/usr/bin/env python
+"""Recover the whole fp32 model from the DeepSpeed checkpoint in this directory:
+    python zero_to_fp32.py . OUTPUT_DIR [-t TAG] [--safe_serialization] [--exclude_frozen_parameters]
+Written by hybridtrain's DeepSpeed drop-in; runs on hybridtrain, else on the real DeepSpeed."""
+import runpy
+import sys
+
+try:
+    from hybridtrain.deepspeed.utils.zero_to_fp32 import main
+except ImportError:
+    runpy.run_module("deepspeed.utils.zero_to_fp32", run_name="__main__")
+else:
+    sys.exit(main())
+'''
+
+
+def _write_recovery_script(save_dir: Path) -> None:
+    """``zero_to_fp32.py`` beside the tags, executable, as DeepSpeed leaves it."""
+    script = save_dir / files.RECOVERY_SCRIPT
+    script.write_text(_RECOVERY_SCRIPT)
+    script.chmod(script.stat().st_mode | 0o111)
