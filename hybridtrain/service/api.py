@@ -21,7 +21,7 @@ its error handler): the routes are mounted on the app that
 
 from __future__ import annotations
 
-import json
+import math
 import re
 import secrets
 from pathlib import Path
@@ -30,6 +30,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends, Query
 
 from hybridtrain.hpo.api import require_token
+from hybridtrain.hpo.metrics import BadMetricLine, parse_json_line
 from hybridtrain.service.errors import JobSpecError
 from hybridtrain.service.scheduler import Scheduler
 from hybridtrain.service.spec import load_job_spec
@@ -37,6 +38,8 @@ from hybridtrain.service.store import JobRecord, JobStore
 
 #: Largest chunk of a log one request returns (the client asks again from the offset).
 LOG_CHUNK = 1 << 20
+#: Largest log offset a request may ask for (a file offset is a signed 64-bit number).
+MAX_OFFSET = 2**63 - 1
 #: Loss-curve points a request returns at most (evenly thinned beyond).
 CURVE_POINTS = 2000
 
@@ -54,6 +57,8 @@ class JobService:
         self.store = store
         self.scheduler = scheduler
         self.jobs_dir = jobs_dir.resolve()
+        # Job directories hold logs and environments: the owner's only.
+        self.jobs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     def job_dir(self, name: str) -> Path:
         """``JOBS_DIR/NAME``, checked to stay inside ``JOBS_DIR`` whatever the name."""
@@ -83,12 +88,12 @@ class JobService:
                                f"; `hybridtrain serve --ray ADDRESS` or `--kubernetes`)")
         if spec.backend == "local":
             # Paths are this machine's: a missing one fails now, in one line, not at start.
-            if not Path(spec.workdir).is_dir():
-                raise JobSpecError(f"job spec field workdir = {spec.workdir!r}: not a directory "
+            if not _is_path(Path(spec.workdir), "dir"):
+                raise JobSpecError(f"job spec field workdir = {spec.workdir[:120]!r}: not a "
+                                   "directory on the service's machine")
+            if spec.config is not None and not _is_path(Path(spec.workdir, spec.config), "file"):
+                raise JobSpecError(f"job spec field config = {spec.config[:120]!r}: no such file "
                                    "on the service's machine")
-            if spec.config is not None and not Path(spec.workdir, spec.config).is_file():
-                raise JobSpecError(f"job spec field config = {spec.config!r}: no such file on "
-                                   "the service's machine")
         record = self.store.submit(spec, str(self.job_dir(spec.name)))
         self.scheduler.wake.set()
         return record
@@ -130,12 +135,16 @@ class JobService:
         if not path.is_file():
             path = directory / "metrics.jsonl"
         try:
-            with path.open() as f:
+            with path.open(errors="replace") as f:
                 for line in f:
+                    # Any program may write this file: a line the HPO service would skip
+                    # (a step or loss no JSON number holds, nesting) is skipped here too.
                     try:
-                        rec = json.loads(line)
-                        step, loss = int(rec["step"]), float(rec["loss"])
-                    except (ValueError, KeyError, TypeError):
+                        values, step = parse_json_line(line)
+                    except BadMetricLine:
+                        continue
+                    loss = values.get("loss")
+                    if step is None or loss is None or not math.isfinite(loss):
                         continue
                     steps.append(step)
                     losses.append(loss)
@@ -159,6 +168,15 @@ class JobService:
         return {"devices": {"kind": slots.kind, "ids": list(slots.ids), "busy": busy},
                 "leader": owner, "leader_url": url, "jobs": counts,
                 "backends": sorted(self.scheduler.backends)}
+
+
+def _is_path(path: Path, kind: str) -> bool:
+    """Whether ``path`` is a directory (``kind="dir"``) or a regular file; an unreadable or
+    too long path is neither (``Path.is_dir`` raises for some of those)."""
+    try:
+        return path.is_dir() if kind == "dir" else path.is_file()
+    except OSError:
+        return False
 
 
 def _make_name(data: dict[str, Any]) -> str:
@@ -200,7 +218,7 @@ def job_router(service: JobService) -> APIRouter:
         return service.resubmit(name).as_dict()
 
     @router.get("/jobs/{name}/logs")
-    def logs(name: str, offset: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
+    def logs(name: str, offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0) -> dict[str, Any]:
         """Output from ``offset`` on; pass the returned ``offset`` to follow."""
         return service.logs(name, offset)
 

@@ -13,10 +13,23 @@ the spec names other files), so ``jobs logs`` reads the same file whatever ran t
 from __future__ import annotations
 
 import abc
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridtrain.hpo.auth import TOKEN_ENV
+from hybridtrain.hpo.storage import STORAGE_ENV
 from hybridtrain.service.store import JobRecord
+
+#: What the service holds that its jobs must not see: its bearer token (anyone with it
+#: may start commands on this machine) and its storage URL and password (the jobs table
+#: holds every job's environment).
+SECRET_ENV = frozenset({TOKEN_ENV, STORAGE_ENV, "PGPASSWORD"})
+
+
+def inherited_env() -> dict[str, str]:
+    """The service's environment less :data:`SECRET_ENV`: what a local job starts from."""
+    return {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
 
 
 @dataclass(frozen=True)
