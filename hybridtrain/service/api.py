@@ -7,7 +7,7 @@ GET      /v1/jobs                          jobs (``?state=queued&kind=job``)
 POST     /v1/jobs                          submit a :class:`~.spec.JobSpec` (201)
 GET      /v1/jobs/{name}                   one job: state, reason, devices, restarts
 POST     /v1/jobs/{name}/cancel            SIGTERM: the trainer saves a checkpoint, stops
-POST     /v1/jobs/{name}/resubmit          queue a finished job again (resumes)
+POST     /v1/jobs/{name}/resubmit          queue a finished job again (resumes; ``set``)
 GET      /v1/jobs/{name}/logs              output from ``?offset=`` on (follow with it)
 GET      /v1/jobs/{name}/curve             the loss curve of a training job
 GET      /v1/service                       devices, leader, queue
@@ -28,12 +28,14 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Query
+from pydantic import BaseModel, ConfigDict, Field
 
+from hybridtrain.config.loading import explain_config
 from hybridtrain.hpo.api import require_token
 from hybridtrain.hpo.metrics import BadMetricLine, parse_json_line
 from hybridtrain.service.errors import JobSpecError
 from hybridtrain.service.scheduler import Scheduler
-from hybridtrain.service.spec import load_job_spec
+from hybridtrain.service.spec import JobSpec, load_job_spec
 from hybridtrain.service.store import JobRecord, JobStore
 
 #: Largest chunk of a log one request returns (the client asks again from the offset).
@@ -94,6 +96,7 @@ class JobService:
             if spec.config is not None and not _is_path(Path(spec.workdir, spec.config), "file"):
                 raise JobSpecError(f"job spec field config = {spec.config[:120]!r}: no such file "
                                    "on the service's machine")
+        check_training_config(spec)
         record = self.store.submit(spec, str(self.job_dir(spec.name)))
         self.scheduler.wake.set()
         return record
@@ -104,9 +107,28 @@ class JobService:
         self.scheduler.wake.set()
         return record
 
-    def resubmit(self, name: str) -> JobRecord:
-        """Queue a finished job again and wake the scheduler."""
-        record = self.store.resubmit(name)
+    def resubmit(self, name: str, overrides: list[str] | tuple[str, ...] = ()) -> JobRecord:
+        """Queue a finished job again and wake the scheduler.
+
+        Args:
+            name: the job.
+            overrides: more ``--set KEY=VALUE`` for a training job, after its own (so they
+                win): e.g. ``train.steps=400`` continues a finished run to step 400.
+
+        Raises:
+            JobSpecError: overrides for a job that runs a command, or a bad key or value.
+            JobConflictError: the job is queued or running.
+        """
+        job = self.store.get(name)
+        spec = None
+        if overrides:
+            if job.spec.config is None:
+                raise JobSpecError(f"job spec field overrides = {list(overrides)!r}: --set "
+                                   f"applies to a training config; job {job.name} runs a command")
+            spec = load_job_spec(job.spec.model_dump() | {
+                "overrides": [*job.spec.overrides, *overrides]})
+            check_training_config(spec)
+        record = self.store.resubmit(job.id, spec)
         self.scheduler.wake.set()
         return record
 
@@ -170,6 +192,27 @@ class JobService:
                 "backends": sorted(self.scheduler.backends)}
 
 
+def check_training_config(spec: JobSpec) -> None:
+    """Validate a training job's config with its overrides (``--set``) now, as ``hybridtrain
+    train`` will: an unknown key or a bad value is refused at submit, not when the job
+    starts. Pure (reads the file, starts nothing, imports no torch). A config that is not
+    on this machine (a Ray or Kubernetes job's) is left to the job.
+
+    Raises:
+        JobSpecError: one line naming the config and the first bad key or value.
+    """
+    if spec.config is None:
+        return
+    path = Path(spec.workdir, spec.config)
+    if spec.backend != "local" and not _is_path(path, "file"):
+        return
+    try:
+        explain_config(path, spec.overrides)
+    except (ValueError, OSError) as exc:
+        shown = "; ".join(str(exc).splitlines())
+        raise JobSpecError(f"job spec field config = {spec.config[:120]!r}: {shown}") from None
+
+
 def _is_path(path: Path, kind: str) -> bool:
     """Whether ``path`` is a directory (``kind="dir"``) or a regular file; an unreadable or
     too long path is neither (``Path.is_dir`` raises for some of those)."""
@@ -184,6 +227,14 @@ def _make_name(data: dict[str, Any]) -> str:
     stem = Path(str(source).split()[0] if source else "job").stem or "job"
     stem = re.sub(r"[^A-Za-z0-9_-]", "-", stem).strip("-")[:40] or "job"
     return f"{stem}-{secrets.token_hex(3)}"
+
+
+class ResubmitBody(BaseModel):
+    """What ``POST /v1/jobs/NAME/resubmit`` may carry: more ``--set`` overrides."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    set: list[str] = Field(default_factory=list, max_length=256)
 
 
 def job_router(service: JobService) -> APIRouter:
@@ -213,9 +264,11 @@ def job_router(service: JobService) -> APIRouter:
         return service.cancel(name).as_dict()
 
     @router.post("/jobs/{name}/resubmit")
-    def resubmit(name: str) -> dict[str, Any]:
-        """Queue a finished job again (409 while it is queued or running)."""
-        return service.resubmit(name).as_dict()
+    def resubmit(name: str, body: Annotated[ResubmitBody | None, Body()] = None
+                 ) -> dict[str, Any]:
+        """Queue a finished job again (409 while it is queued or running); ``{"set":
+        ["train.steps=400"]}`` adds config overrides to a training job's own."""
+        return service.resubmit(name, body.set if body else ()).as_dict()
 
     @router.get("/jobs/{name}/logs")
     def logs(name: str, offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0) -> dict[str, Any]:

@@ -182,7 +182,8 @@ def _wait(client: Any, args: argparse.Namespace, name: str, timeout: float | Non
 @_errors_to_exit
 def cmd_resubmit(args: argparse.Namespace) -> int:
     """Queue a finished job again (a training job resumes from its newest checkpoint)."""
-    job = _client(args).call("POST", f"/v1/jobs/{args.name}/resubmit")
+    body = {"set": list(args.overrides)} if args.overrides else None
+    job = _client(args).call("POST", f"/v1/jobs/{args.name}/resubmit", body)
     _out(args, job, f"{job['name']}: {job['state']} ({job['reason']})")
     return 0
 
@@ -271,9 +272,13 @@ def add_service_commands(sub: Any) -> None:
     q.add_argument("--wait", action="store_true", help="wait until it ends")
     q = add("list", cmd_list, "list jobs (queued and running first)")
     q.add_argument("--state", default=None, help="only these states (comma-separated)")
-    for name, func, help_text in (("show", cmd_show, "one job: state, devices, attempts"),
-                                  ("resubmit", cmd_resubmit, "queue a finished job again")):
-        add(name, func, help_text).add_argument("name")
+    add("show", cmd_show, "one job: state, devices, attempts").add_argument("name")
+    q = add("resubmit", cmd_resubmit, "queue a finished job again (a training job resumes "
+            "from its newest checkpoint)")
+    q.add_argument("name")
+    q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key of a training job from now on, e.g. "
+                        "train.steps=400 to continue it (repeatable)")
     q = add("logs", cmd_logs, "print a job's output")
     q.add_argument("name")
     q.add_argument("-f", "--follow", action="store_true", help="follow until the job ends")
