@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import re
 import secrets
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -33,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from hybridtrain.config.loading import explain_config
 from hybridtrain.hpo.api import require_token
 from hybridtrain.hpo.metrics import BadMetricLine, parse_json_line
+from hybridtrain.service.devices import Want, start_order
 from hybridtrain.service.errors import JobSpecError
 from hybridtrain.service.scheduler import Scheduler
 from hybridtrain.service.spec import JobSpec, load_job_spec
@@ -177,6 +179,21 @@ class JobService:
             steps, losses = steps[::every], losses[::every]
         return {"name": job.name, "steps": steps, "loss": losses}
 
+    def queue_positions(self) -> dict[str, int]:
+        """Every queued job's place in the start order (1 = next), by name."""
+        wants = [Want(j.name, j.spec.devices, j.priority, j.queued_at)
+                 for j in self.store.jobs(("queued",))]
+        order = start_order(wants, time.time(), self.scheduler.aging_s)
+        return {want.name: place for place, want in enumerate(order, 1)}
+
+    def brief(self, job: JobRecord, positions: dict[str, int]) -> dict[str, Any]:
+        """A job without its spec and history, with its queue position (``None``: not
+        queued), as lists show it."""
+        out = job.as_dict()
+        out.pop("spec")
+        out.pop("history")
+        return out | {"queue_position": positions.get(job.name)}
+
     def summary(self) -> dict[str, Any]:
         """Devices, the leader and the number of jobs by state."""
         jobs = self.store.jobs()
@@ -246,7 +263,8 @@ def job_router(service: JobService) -> APIRouter:
                   kind: Annotated[str | None, Query()] = None) -> list[dict[str, Any]]:
         """Jobs, oldest first (``state``: comma-separated states)."""
         states = tuple(state.split(",")) if state else None
-        return [_brief(j) for j in service.store.jobs(states, kind)]
+        positions = service.queue_positions()
+        return [service.brief(j, positions) for j in service.store.jobs(states, kind)]
 
     @router.post("/jobs", status_code=201)
     def submit(spec: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
@@ -255,8 +273,9 @@ def job_router(service: JobService) -> APIRouter:
 
     @router.get("/jobs/{name}")
     def show(name: str) -> dict[str, Any]:
-        """One job with its spec and history of attempts."""
-        return service.store.get(name).as_dict()
+        """One job with its spec, history of attempts and queue position."""
+        job = service.store.get(name)
+        return job.as_dict() | {"queue_position": service.queue_positions().get(job.name)}
 
     @router.post("/jobs/{name}/cancel")
     def cancel(name: str) -> dict[str, Any]:
@@ -287,9 +306,3 @@ def job_router(service: JobService) -> APIRouter:
 
     return router
 
-
-def _brief(job: JobRecord) -> dict[str, Any]:
-    out = job.as_dict()
-    out.pop("spec")
-    out.pop("history")
-    return out

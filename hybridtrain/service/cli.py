@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -21,6 +22,11 @@ _CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 WAIT_CODES = {"succeeded": 0, "failed": 1, "cancelled": 130}
 
 
+#: Exit code of a command whose reader went away (``jobs list | head -1``), as a Unix tool
+#: killed by SIGPIPE reports it.
+BROKEN_PIPE = 141
+
+
 def _errors_to_exit(func: Callable[[argparse.Namespace], int]) -> Callable[..., int]:
     def wrapper(args: argparse.Namespace) -> int:
         try:
@@ -28,6 +34,13 @@ def _errors_to_exit(func: Callable[[argparse.Namespace], int]) -> Callable[..., 
         except (HPOError, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+        except BrokenPipeError:
+            # Python would print a traceback when it flushes stdout at exit: point stdout at
+            # /dev/null so the exit is quiet, as `head` expects of the command before it.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            return BROKEN_PIPE
 
     wrapper.__doc__ = func.__doc__
     return wrapper
@@ -89,6 +102,47 @@ def _line(job: dict[str, Any]) -> str:
             f"{job['restarts']}/{job['max_restarts']}  {job['reason']}")
 
 
+_TABLE = "{:<24} {:<12} {:>8} {:<10} {:>6} {:>8}  {}"
+_HEADER = _TABLE.format("NAME", "STATE", "PRIORITY", "DEVICES", "AGE", "RESTARTS", "REASON")
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit}"
+    return f"{max(0, int(seconds))}s"
+
+
+def _row(job: dict[str, Any], now: float) -> str:
+    state = job["state"] + (f" #{job['queue_position']}" if job.get("queue_position") else "")
+    devices = ",".join(map(str, job["devices"])) or f"{job['devices_requested']} asked"
+    return _TABLE.format(job["name"], state, job["priority"], devices,
+                         _age(now - job["created_at"]), f"{job['restarts']}/{job['max_restarts']}",
+                         job["reason"])
+
+
+def list_order(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Running jobs (oldest start first), the queue in start order, then finished jobs
+    (newest first)."""
+    def key(job: dict[str, Any]) -> tuple[int, float]:
+        if job["state"] == "running":
+            return 0, job["started_at"] or 0.0
+        if job["state"] == "queued":
+            return 1, job.get("queue_position") or 0
+        return 2, -(job["finished_at"] or 0.0)
+    return sorted(jobs, key=key)
+
+
+def waiting_line(job: dict[str, Any]) -> str | None:
+    """What a queued job waits for (``None`` when it is not queued), for ``wait``/``logs -f``."""
+    if job["state"] != "queued":
+        return None
+    place = f"position {job['queue_position']}, " if job.get("queue_position") else ""
+    what = (f"{job['devices_requested']} devices" if job["backend"] == "local"
+            else f"the {job['backend']} cluster")
+    return f"queued: {place}waiting for {what}"
+
+
 def _out(args: argparse.Namespace, data: Any, text: str) -> None:
     print(json.dumps(data) if args.json else text, flush=True)
 
@@ -109,10 +163,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     """List jobs: queued and running first, then finished."""
     query = f"?state={args.state}" if args.state else ""
-    jobs = _client(args).call("GET", f"/v1/jobs{query}")
-    order = {"running": 0, "queued": 1}
-    jobs.sort(key=lambda j: (order.get(j["state"], 2), -j["id"]))
-    _out(args, jobs, "\n".join(_line(j) for j in jobs) if jobs else "no jobs")
+    jobs = list_order(_client(args).call("GET", f"/v1/jobs{query}"))
+    now = time.time()
+    _out(args, jobs, "\n".join([_HEADER, *(_row(j, now) for j in jobs)]) if jobs else "no jobs")
     return 0
 
 
@@ -134,8 +187,11 @@ def cmd_logs(args: argparse.Namespace) -> int:
     """Print a job's output; -f follows it until the job ends."""
     client = _client(args)
     offset = 0
+    said: list[str | None] = [None]
     while True:
         chunk = client.call("GET", f"/v1/jobs/{args.name}/logs?offset={offset}")
+        if args.follow and chunk["state"] == "queued":
+            _say_waiting(client.call("GET", f"/v1/jobs/{args.name}"), said)
         sys.stdout.write(chunk["text"])
         sys.stdout.flush()
         offset = chunk["offset"]
@@ -165,10 +221,20 @@ def cmd_wait(args: argparse.Namespace) -> int:
     return _wait(_client(args), args, args.name, args.timeout)
 
 
+def _say_waiting(job: dict[str, Any], said: list[str | None]) -> None:
+    """Print what a queued job waits for to stderr, once per change."""
+    line = waiting_line(job)
+    if line is not None and line != said[-1]:
+        print(f"info: {job['name']} {line}", file=sys.stderr, flush=True)
+    said.append(line)
+
+
 def _wait(client: Any, args: argparse.Namespace, name: str, timeout: float | None) -> int:
     deadline = None if timeout is None else time.monotonic() + timeout
+    said: list[str | None] = [None]
     while True:
         job = client.call("GET", f"/v1/jobs/{name}")
+        _say_waiting(job, said)
         if job["state"] in WAIT_CODES:
             _out(args, job, _line(job))
             return WAIT_CODES[job["state"]]
