@@ -78,7 +78,7 @@ def kill_members(pgid: int) -> None:
 def served(tmp_path: Path) -> Iterator[dict[str, str]]:
     """A real ``hybridtrain serve --port 0`` on one CPU slot: what it printed, by label
     (``"jobs page"``: the page address...), once it answers."""
-    from hybridtrain.service.client import healthy
+    from hybridtrain.service.transport import healthy
 
     env = os.environ | {"HYBRIDTRAIN_HPO_TOKEN": TOKEN, "PYTHONPATH": str(REPO),
                         "HYBRIDTRAIN_SERVICE_DEVICES": "cpu:1"}
