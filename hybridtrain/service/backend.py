@@ -65,6 +65,14 @@ class Backend(abc.ABC):
     #: Whether the attempts use this machine's device slots.
     uses_local_slots: bool = False
 
+    def check(self) -> None:
+        """Check the backend's configuration (a cluster to reach, a client installed), so
+        ``serve`` refuses to start without it instead of failing the first job.
+
+        Raises:
+            BackendError: one line saying what is missing.
+        """
+
     @abc.abstractmethod
     def start(self, job: JobRecord, argv: list[str], env: dict[str, str],
               devices: tuple[int, ...]) -> Started:

@@ -162,6 +162,10 @@ def serve(host: str = "127.0.0.1", port: int = 8080, storage: str | None = None,
 
     check_serve_options(host, port, lease, jobs_dir)
     token, created = resolve_token(token_file)
+    slots = detect_slots()
+    backends = make_backends(slots, ray_address, kubernetes_namespace, image)
+    for backend in backends.values():
+        backend.check()  # a cluster that is not there: refused now, not at the first job
     sock = bind(host, port)
     port = sock.getsockname()[1]
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
@@ -172,10 +176,7 @@ def serve(host: str = "127.0.0.1", port: int = 8080, storage: str | None = None,
     except OSError as exc:
         sock.close()
         raise HPOError(f"--jobs-dir {str(jobs_dir)[:200]!r}: {exc.strerror}") from None
-    slots = detect_slots()
-    service = open_service(storage, jobs_dir, base,
-                           make_backends(slots, ray_address, kubernetes_namespace, image),
-                           slots, lease)
+    service = open_service(storage, jobs_dir, base, backends, slots, lease)
     app = build_app(service, token, metrics_public=metrics_public)
     if created:
         print(f"generated API token (saved; set ${TOKEN_ENV} to override): {token}", flush=True)

@@ -168,6 +168,8 @@ BAD_SERVE = [
     (["--jobs-dir", "{file}/sub"], "is a file, not a directory"),
     (["--token-file", "/proc/self/nonexistent/tok"], "token file '/proc/self/nonexistent/tok'"),
     (["--port", "{busy}"], "is in use"),
+    (["--kubernetes", "ns"], "no Kubernetes cluster configured"),
+    (["--ray", "http://127.0.0.1:9"], "cannot reach the Ray job server at http://127.0.0.1:9"),
 ]
 
 
@@ -175,6 +177,8 @@ BAD_SERVE = [
 def test_serve_refuses_bad_options_in_one_line_before_starting(
         cli: Callable[..., tuple[int, str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         busy_port: int, args: list[str], words: str) -> None:
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-kubeconfig"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     if "--token-file" in args:
         monkeypatch.delenv("HYBRIDTRAIN_HPO_TOKEN")
     (tmp_path / "file").write_text("x")
