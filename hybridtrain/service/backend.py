@@ -72,6 +72,7 @@ class Backend(abc.ABC):
         Raises:
             BackendError: one line saying what is missing.
         """
+        return None  # this machine's processes need nothing beyond the service itself
 
     @abc.abstractmethod
     def start(self, job: JobRecord, argv: list[str], env: dict[str, str],

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -97,7 +97,7 @@ def submit_args(args: argparse.Namespace) -> tuple[str | list[str], dict[str, An
     return program, options
 
 
-def _line(job: dict[str, Any]) -> str:
+def _line(job: Mapping[str, Any]) -> str:
     devices = ",".join(map(str, job["devices"])) or "-"
     return (f"{job['name']:<24} {job['state']:<10} devices {devices:<8} restarts "
             f"{job['restarts']}/{job['max_restarts']}  {job['reason']}")
@@ -114,7 +114,7 @@ def _age(seconds: float) -> str:
     return f"{max(0, int(seconds))}s"
 
 
-def _row(job: dict[str, Any], now: float) -> str:
+def _row(job: Mapping[str, Any], now: float) -> str:
     state = job["state"] + (f" #{job['queue_position']}" if job.get("queue_position") else "")
     devices = ",".join(map(str, job["devices"])) or f"{job['devices_requested']} asked"
     return _TABLE.format(job["name"], state, job["priority"], devices,
@@ -122,10 +122,10 @@ def _row(job: dict[str, Any], now: float) -> str:
                          job["reason"])
 
 
-def list_order(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def list_order(jobs: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """Running jobs (oldest start first), the queue in start order, then finished jobs
     (newest first)."""
-    def key(job: dict[str, Any]) -> tuple[int, float]:
+    def key(job: Mapping[str, Any]) -> tuple[int, float]:
         if job["state"] == "running":
             return 0, job["started_at"] or 0.0
         if job["state"] == "queued":
@@ -134,7 +134,7 @@ def list_order(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(jobs, key=key)
 
 
-def waiting_line(job: dict[str, Any]) -> str | None:
+def waiting_line(job: Mapping[str, Any]) -> str | None:
     """What a queued job waits for (``None`` when it is not queued), for ``wait``/``logs -f``."""
     if job["state"] != "queued":
         return None
@@ -212,7 +212,7 @@ def cmd_wait(args: argparse.Namespace) -> int:
     return _wait(_client(args), args, args.name, args.timeout)
 
 
-def _say_waiting(job: dict[str, Any], said: list[str | None]) -> None:
+def _say_waiting(job: Mapping[str, Any], said: list[str | None]) -> None:
     """Print what a queued job waits for to stderr, once per change."""
     line = waiting_line(job)
     if line is not None and line != said[-1]:
