@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from hybridtrain.hpo.experiments import ExperimentStore, run_experiment
-from hybridtrain.service.store import JobRecord, JobStore
+from hybridtrain.service.store import JobStore
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -33,24 +33,8 @@ def test_trials_are_jobs_with_devices_of_the_service(make_spec: Any, sqlite_url:
         # The trial saw the device the service gave its job.
         assert trials[job.trial_number]["metrics"]["gpu"] == job.devices[0]
         assert Path(job.job_dir) == Path(trials[job.trial_number]["trial_dir"])
-    _assert_no_slot_shared(jobs)
-
-
-def _assert_no_slot_shared(jobs: list[JobRecord]) -> None:
     for job in jobs:
         overlapping = [o for o in jobs if o is not job and o.devices == job.devices
                        and (o.started_at or 0) < (job.finished_at or 0)
                        and (job.started_at or 0) < (o.finished_at or 0)]
         assert not overlapping, (job.name, [o.name for o in overlapping])
-
-
-def test_trials_on_a_cpu_machine_take_a_core_like_any_job(
-        make_spec: Any, sqlite_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # One core and two trials allowed at once: the second waits for the core.
-    monkeypatch.setenv("HYBRIDTRAIN_SERVICE_DEVICES", "cpu:1")
-    spec = make_spec(parallel_trials=2, max_trials=3,
-                     trial={"command": "sleep 0.2; echo loss=${x1}"})
-    assert run_experiment(spec, sqlite_url)["trials"]["complete"] == 3
-    jobs = JobStore(sqlite_url).jobs(kind="trial")
-    assert [(j.spec.devices, j.devices) for j in jobs] == [(1, (0,))] * 3
-    _assert_no_slot_shared(jobs)
