@@ -27,7 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from hybridtrain.service.client import Client, healthy  # noqa: E402
+from hybridtrain.service.client import Client  # noqa: E402
+from hybridtrain.service.transport import healthy  # noqa: E402
 
 TOKEN = "soak-token-0123456789abcdef"
 

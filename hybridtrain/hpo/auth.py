@@ -40,16 +40,23 @@ def resolve_token(token_file: Path | None = None) -> tuple[str, bool]:
         ``(token, created)``; ``created`` is true when the token was just generated.
 
     Raises:
-        HPOError: the token is shorter than 16 characters.
+        HPOError: the token is shorter than 16 characters, or the token file can be
+            neither read nor created (one line).
     """
     token = os.environ.get(TOKEN_ENV, "").strip()
     created = False
     if not token:
         path = (token_file or DEFAULT_TOKEN_FILE).expanduser()
-        if path.is_file():
-            token = path.read_text().strip()
-        else:
-            token, created = _create_token_file(path)
+        try:
+            if path.is_file():
+                token = path.read_text().strip()
+            else:
+                token, created = _create_token_file(path)
+        except (OSError, UnicodeDecodeError) as exc:
+            why = getattr(exc, "strerror", None) or str(exc)
+            raise HPOError(f"token file {str(path)[:200]!r}: {why}; give a readable file (or a "
+                           f"path where one can be created) with --token-file, or set "
+                           f"${TOKEN_ENV}") from None
     if len(token) < _MIN_LENGTH:
         raise HPOError(f"the HPO API token must have at least {_MIN_LENGTH} characters; got "
                        f"{len(token)} (from ${TOKEN_ENV} or the token file)")
@@ -64,7 +71,7 @@ def _create_token_file(path: Path) -> tuple[str, bool]:
     one creates the file and the other reads it.
     """
     token = secrets.token_urlsafe(32)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -120,7 +127,7 @@ class TokenGuard:
             return
         query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
         if token_matches(self.token, (query.get("token") or [None])[0]):
-            path = scope.get("root_path", "") + scope["path"]
+            path = request_path(scope)
             await respond(send, 303, b"", [(b"location", path.encode()), (
                 b"set-cookie",
                 f"{COOKIE}={self.token}; HttpOnly; SameSite=Strict; Path=/".encode())])
@@ -131,6 +138,13 @@ class TokenGuard:
         await respond(send, 401, b'{"detail":"missing or invalid bearer token"}',
                        [(b"content-type", b"application/json"),
                         (b"www-authenticate", b"Bearer")])
+
+
+def request_path(scope: Scope) -> str:
+    """The path the client asked for, inside a mount or not: Starlette keeps the full path
+    in ``path`` (and the mount's prefix in ``root_path``); other servers strip the prefix."""
+    root, path = scope.get("root_path", ""), scope["path"]
+    return path if path.startswith(root) else root + path
 
 
 async def respond(send: Callable[[Any], Awaitable[None]], status: int, body: bytes,

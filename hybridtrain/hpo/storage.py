@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from hybridtrain.hpo.errors import StorageError
+from hybridtrain.hpo.errors import StorageError, first_line
 
 if TYPE_CHECKING:
     import optuna
@@ -109,12 +109,6 @@ def _engine_kwargs(url: str) -> dict[str, Any]:
     return {"pool_pre_ping": True}
 
 
-def first_line(exc: BaseException) -> str:
-    """The first line of a (database) error's message, for one-line errors."""
-    text = str(getattr(exc, "orig", None) or exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def open_engine(url: str) -> sqlalchemy.engine.Engine:
     """A SQLAlchemy engine on ``url`` for our own tables, checked to be reachable.
 
@@ -190,6 +184,17 @@ def open_optuna_storage(url: str) -> optuna.storages.RDBStorage:
         raise StorageError(f"cannot open storage {safe_url(url)!r}: {first_line(exc)}") from None
 
 
+def _private_opener(path: str, flags: int) -> int:
+    return os.open(path, flags, 0o600)
+
+
+def _create_private(path: str) -> None:
+    """Create ``path`` empty with mode 0600 unless it exists (SQLite takes an empty file
+    for a new database)."""
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+
+
 @contextlib.contextmanager
 def setup_lock(url: str) -> Iterator[None]:
     """Hold a lock that serializes storage set-up among all processes on ``url``.
@@ -207,7 +212,10 @@ def setup_lock(url: str) -> Iterator[None]:
         if not parsed.database or parsed.database == ":memory:":
             yield
             return
-        with open(f"{parsed.database}.lock", "a") as lock:
+        # The database holds every job's environment and every trial's command: created
+        # readable by its owner only (SQLite gives its -wal and -shm files the same mode).
+        _create_private(parsed.database)
+        with open(f"{parsed.database}.lock", "a", opener=_private_opener) as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             yield  # closing the file releases the lock
         return

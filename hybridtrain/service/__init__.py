@@ -9,6 +9,11 @@
 * :mod:`.scheduler` — one tick: watch, settle, restart, start;
 * :mod:`.backend` with :mod:`.local`, :mod:`.ray_backend`, :mod:`.kubernetes`;
 * :mod:`.api`, :mod:`.page`, :mod:`.exporter`, :mod:`.server` — REST, web page, metrics;
-* :mod:`.client`, :mod:`.cli` — the ``jobs`` commands;
+* :mod:`.client` — :class:`Client`, the typed Python client (:mod:`.transport`: its REST);
+* :mod:`.cli` — ``serve`` and the ``jobs`` commands (through :class:`Client`);
 * :mod:`.trial_jobs` — HPO trials as jobs.
 """
+
+from hybridtrain.service.client import Attempt, Client, Job
+
+__all__ = ["Attempt", "Client", "Job"]

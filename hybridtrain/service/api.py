@@ -7,7 +7,7 @@ GET      /v1/jobs                          jobs (``?state=queued&kind=job``)
 POST     /v1/jobs                          submit a :class:`~.spec.JobSpec` (201)
 GET      /v1/jobs/{name}                   one job: state, reason, devices, restarts
 POST     /v1/jobs/{name}/cancel            SIGTERM: the trainer saves a checkpoint, stops
-POST     /v1/jobs/{name}/resubmit          queue a finished job again (resumes)
+POST     /v1/jobs/{name}/resubmit          queue a finished job again (resumes; ``set``)
 GET      /v1/jobs/{name}/logs              output from ``?offset=`` on (follow with it)
 GET      /v1/jobs/{name}/curve             the loss curve of a training job
 GET      /v1/service                       devices, leader, queue
@@ -21,22 +21,29 @@ its error handler): the routes are mounted on the app that
 
 from __future__ import annotations
 
-import json
+import math
 import re
 import secrets
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Query
+from pydantic import BaseModel, ConfigDict, Field
 
+from hybridtrain.config.loading import explain_config
 from hybridtrain.hpo.api import require_token
+from hybridtrain.hpo.metrics import BadMetricLine, parse_json_line
+from hybridtrain.service.devices import Want, start_order
 from hybridtrain.service.errors import JobSpecError
 from hybridtrain.service.scheduler import Scheduler
-from hybridtrain.service.spec import load_job_spec
+from hybridtrain.service.spec import JobSpec, load_job_spec
 from hybridtrain.service.store import JobRecord, JobStore
 
 #: Largest chunk of a log one request returns (the client asks again from the offset).
 LOG_CHUNK = 1 << 20
+#: Largest log offset a request may ask for (a file offset is a signed 64-bit number).
+MAX_OFFSET = 2**63 - 1
 #: Loss-curve points a request returns at most (evenly thinned beyond).
 CURVE_POINTS = 2000
 
@@ -54,6 +61,8 @@ class JobService:
         self.store = store
         self.scheduler = scheduler
         self.jobs_dir = jobs_dir.resolve()
+        # Job directories hold logs and environments: the owner's only.
+        self.jobs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     def job_dir(self, name: str) -> Path:
         """``JOBS_DIR/NAME``, checked to stay inside ``JOBS_DIR`` whatever the name."""
@@ -83,12 +92,13 @@ class JobService:
                                f"; `hybridtrain serve --ray ADDRESS` or `--kubernetes`)")
         if spec.backend == "local":
             # Paths are this machine's: a missing one fails now, in one line, not at start.
-            if not Path(spec.workdir).is_dir():
-                raise JobSpecError(f"job spec field workdir = {spec.workdir!r}: not a directory "
+            if not _is_path(Path(spec.workdir), "dir"):
+                raise JobSpecError(f"job spec field workdir = {spec.workdir[:120]!r}: not a "
+                                   "directory on the service's machine")
+            if spec.config is not None and not _is_path(Path(spec.workdir, spec.config), "file"):
+                raise JobSpecError(f"job spec field config = {spec.config[:120]!r}: no such file "
                                    "on the service's machine")
-            if spec.config is not None and not Path(spec.workdir, spec.config).is_file():
-                raise JobSpecError(f"job spec field config = {spec.config!r}: no such file on "
-                                   "the service's machine")
+        check_training_config(spec)
         record = self.store.submit(spec, str(self.job_dir(spec.name)))
         self.scheduler.wake.set()
         return record
@@ -99,9 +109,28 @@ class JobService:
         self.scheduler.wake.set()
         return record
 
-    def resubmit(self, name: str) -> JobRecord:
-        """Queue a finished job again and wake the scheduler."""
-        record = self.store.resubmit(name)
+    def resubmit(self, name: str, overrides: list[str] | tuple[str, ...] = ()) -> JobRecord:
+        """Queue a finished job again and wake the scheduler.
+
+        Args:
+            name: the job.
+            overrides: more ``--set KEY=VALUE`` for a training job, after its own (so they
+                win): e.g. ``train.steps=400`` continues a finished run to step 400.
+
+        Raises:
+            JobSpecError: overrides for a job that runs a command, or a bad key or value.
+            JobConflictError: the job is queued or running.
+        """
+        job = self.store.get(name)
+        spec = None
+        if overrides:
+            if job.spec.config is None:
+                raise JobSpecError(f"job spec field overrides = {list(overrides)!r}: --set "
+                                   f"applies to a training config; job {job.name} runs a command")
+            spec = load_job_spec(job.spec.model_dump() | {
+                "overrides": [*job.spec.overrides, *overrides]})
+            check_training_config(spec)
+        record = self.store.resubmit(job.id, spec)
         self.scheduler.wake.set()
         return record
 
@@ -130,12 +159,16 @@ class JobService:
         if not path.is_file():
             path = directory / "metrics.jsonl"
         try:
-            with path.open() as f:
+            with path.open(errors="replace") as f:
                 for line in f:
+                    # Any program may write this file: a line the HPO service would skip
+                    # (a step or loss no JSON number holds, nesting) is skipped here too.
                     try:
-                        rec = json.loads(line)
-                        step, loss = int(rec["step"]), float(rec["loss"])
-                    except (ValueError, KeyError, TypeError):
+                        values, step = parse_json_line(line)
+                    except BadMetricLine:
+                        continue
+                    loss = values.get("loss")
+                    if step is None or loss is None or not math.isfinite(loss):
                         continue
                     steps.append(step)
                     losses.append(loss)
@@ -145,6 +178,21 @@ class JobService:
             every = -(-len(steps) // CURVE_POINTS)
             steps, losses = steps[::every], losses[::every]
         return {"name": job.name, "steps": steps, "loss": losses}
+
+    def queue_positions(self) -> dict[str, int]:
+        """Every queued job's place in the start order (1 = next), by name."""
+        wants = [Want(j.name, j.spec.devices, j.priority, j.queued_at)
+                 for j in self.store.jobs(("queued",))]
+        order = start_order(wants, time.time(), self.scheduler.aging_s)
+        return {want.name: place for place, want in enumerate(order, 1)}
+
+    def brief(self, job: JobRecord, positions: dict[str, int]) -> dict[str, Any]:
+        """A job without its spec and history, with its queue position (``None``: not
+        queued), as lists show it."""
+        out = job.as_dict()
+        out.pop("spec")
+        out.pop("history")
+        return out | {"queue_position": positions.get(job.name)}
 
     def summary(self) -> dict[str, Any]:
         """Devices, the leader and the number of jobs by state."""
@@ -161,11 +209,49 @@ class JobService:
                 "backends": sorted(self.scheduler.backends)}
 
 
+def check_training_config(spec: JobSpec) -> None:
+    """Validate a training job's config with its overrides (``--set``) now, as ``hybridtrain
+    train`` will: an unknown key or a bad value is refused at submit, not when the job
+    starts. Pure (reads the file, starts nothing, imports no torch). A config that is not
+    on this machine (a Ray or Kubernetes job's) is left to the job.
+
+    Raises:
+        JobSpecError: one line naming the config and the first bad key or value.
+    """
+    if spec.config is None:
+        return
+    path = Path(spec.workdir, spec.config)
+    if spec.backend != "local" and not _is_path(path, "file"):
+        return
+    try:
+        explain_config(path, spec.overrides)
+    except (ValueError, OSError) as exc:
+        shown = "; ".join(str(exc).splitlines())
+        raise JobSpecError(f"job spec field config = {spec.config[:120]!r}: {shown}") from None
+
+
+def _is_path(path: Path, kind: str) -> bool:
+    """Whether ``path`` is a directory (``kind="dir"``) or a regular file; an unreadable or
+    too long path is neither (``Path.is_dir`` raises for some of those)."""
+    try:
+        return path.is_dir() if kind == "dir" else path.is_file()
+    except OSError:
+        return False
+
+
 def _make_name(data: dict[str, Any]) -> str:
     source = data.get("config") or (data.get("command") or ["job"])[0]
     stem = Path(str(source).split()[0] if source else "job").stem or "job"
     stem = re.sub(r"[^A-Za-z0-9_-]", "-", stem).strip("-")[:40] or "job"
     return f"{stem}-{secrets.token_hex(3)}"
+
+
+class ResubmitBody(BaseModel):
+    """What ``POST /v1/jobs/NAME/resubmit`` may carry: more ``--set`` overrides."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    set: list[str] = Field(default_factory=list, max_length=256)
 
 
 def job_router(service: JobService) -> APIRouter:
@@ -177,7 +263,8 @@ def job_router(service: JobService) -> APIRouter:
                   kind: Annotated[str | None, Query()] = None) -> list[dict[str, Any]]:
         """Jobs, oldest first (``state``: comma-separated states)."""
         states = tuple(state.split(",")) if state else None
-        return [_brief(j) for j in service.store.jobs(states, kind)]
+        positions = service.queue_positions()
+        return [service.brief(j, positions) for j in service.store.jobs(states, kind)]
 
     @router.post("/jobs", status_code=201)
     def submit(spec: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
@@ -186,8 +273,9 @@ def job_router(service: JobService) -> APIRouter:
 
     @router.get("/jobs/{name}")
     def show(name: str) -> dict[str, Any]:
-        """One job with its spec and history of attempts."""
-        return service.store.get(name).as_dict()
+        """One job with its spec, history of attempts and queue position."""
+        job = service.store.get(name)
+        return job.as_dict() | {"queue_position": service.queue_positions().get(job.name)}
 
     @router.post("/jobs/{name}/cancel")
     def cancel(name: str) -> dict[str, Any]:
@@ -195,12 +283,14 @@ def job_router(service: JobService) -> APIRouter:
         return service.cancel(name).as_dict()
 
     @router.post("/jobs/{name}/resubmit")
-    def resubmit(name: str) -> dict[str, Any]:
-        """Queue a finished job again (409 while it is queued or running)."""
-        return service.resubmit(name).as_dict()
+    def resubmit(name: str, body: Annotated[ResubmitBody | None, Body()] = None
+                 ) -> dict[str, Any]:
+        """Queue a finished job again (409 while it is queued or running); ``{"set":
+        ["train.steps=400"]}`` adds config overrides to a training job's own."""
+        return service.resubmit(name, body.set if body else ()).as_dict()
 
     @router.get("/jobs/{name}/logs")
-    def logs(name: str, offset: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
+    def logs(name: str, offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0) -> dict[str, Any]:
         """Output from ``offset`` on; pass the returned ``offset`` to follow."""
         return service.logs(name, offset)
 
@@ -216,9 +306,3 @@ def job_router(service: JobService) -> APIRouter:
 
     return router
 
-
-def _brief(job: JobRecord) -> dict[str, Any]:
-    out = job.as_dict()
-    out.pop("spec")
-    out.pop("history")
-    return out

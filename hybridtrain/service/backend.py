@@ -13,10 +13,23 @@ the spec names other files), so ``jobs logs`` reads the same file whatever ran t
 from __future__ import annotations
 
 import abc
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridtrain.hpo.auth import TOKEN_ENV
+from hybridtrain.hpo.storage import STORAGE_ENV
 from hybridtrain.service.store import JobRecord
+
+#: What the service holds that its jobs must not see: its bearer token (anyone with it
+#: may start commands on this machine) and its storage URL and password (the jobs table
+#: holds every job's environment).
+SECRET_ENV = frozenset({TOKEN_ENV, STORAGE_ENV, "PGPASSWORD"})
+
+
+def inherited_env() -> dict[str, str]:
+    """The service's environment less :data:`SECRET_ENV`: what a local job starts from."""
+    return {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,15 @@ class Backend(abc.ABC):
     name: str = ""
     #: Whether the attempts use this machine's device slots.
     uses_local_slots: bool = False
+
+    def check(self) -> None:
+        """Check the backend's configuration (a cluster to reach, a client installed), so
+        ``serve`` refuses to start without it instead of failing the first job.
+
+        Raises:
+            BackendError: one line saying what is missing.
+        """
+        return None  # this machine's processes need nothing beyond the service itself
 
     @abc.abstractmethod
     def start(self, job: JobRecord, argv: list[str], env: dict[str, str],

@@ -7,18 +7,31 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybridtrain.hpo.errors import HPOError
+from hybridtrain.service.client import CONFIG_SUFFIXES
+
+if TYPE_CHECKING:
+    from hybridtrain.service.client import Client
 
 _STORAGE_HELP = "storage URL (default: $HYBRIDTRAIN_HPO_STORAGE or sqlite:///hpo.db)"
-_CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
-#: ``jobs wait`` exit codes by final state.
+#: Exit codes of the commands that wait for a job to end (``wait``, ``submit --wait``,
+#: ``cancel --wait``), by the job's final state. Every other command exits 0 when the
+#: service did what was asked; every command exits 2 for a refused request (one line).
 WAIT_CODES = {"succeeded": 0, "failed": 1, "cancelled": 130}
+#: ``wait --timeout`` ran out before the job ended.
+WAIT_TIMEOUT = 124
+
+
+#: Exit code of a command whose reader went away (``jobs list | head -1``), as a Unix tool
+#: killed by SIGPIPE reports it.
+BROKEN_PIPE = 141
 
 
 def _errors_to_exit(func: Callable[[argparse.Namespace], int]) -> Callable[..., int]:
@@ -28,18 +41,25 @@ def _errors_to_exit(func: Callable[[argparse.Namespace], int]) -> Callable[..., 
         except (HPOError, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+        except BrokenPipeError:
+            # Python would print a traceback when it flushes stdout at exit: point stdout at
+            # /dev/null so the exit is quiet, as `head` expects of the command before it.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            return BROKEN_PIPE
 
     wrapper.__doc__ = func.__doc__
     return wrapper
 
 
-def _client(args: argparse.Namespace) -> Any:
-    from hybridtrain.service.client import connect
+def _client(args: argparse.Namespace) -> Client:
+    from hybridtrain.service.client import Client
 
-    return connect(args.server, args.storage,
-                   Path(args.token_file) if args.token_file else None,
-                   Path(args.jobs_dir) if args.jobs_dir else None,
-                   say=lambda line: print(f"info: {line}", file=sys.stderr))
+    return Client(args.server, storage=args.storage,
+                  token_file=Path(args.token_file) if args.token_file else None,
+                  jobs_dir=Path(args.jobs_dir) if args.jobs_dir else None,
+                  say=lambda line: print(f"info: {line}", file=sys.stderr))
 
 
 def _pairs(items: list[str], what: str) -> dict[str, str]:
@@ -52,41 +72,76 @@ def _pairs(items: list[str], what: str) -> dict[str, str]:
     return out
 
 
-def spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The job spec dict a ``jobs submit`` command line describes (paths made absolute)."""
+def submit_args(args: argparse.Namespace) -> tuple[str | list[str], dict[str, Any]]:
+    """What a ``jobs submit`` command line asks :meth:`Client.submit` for:
+    ``(config or program, options)``."""
     program = list(args.program)
-    spec: dict[str, Any] = {"devices": args.devices, "nodes": args.nodes,
-                            "priority": args.priority, "max_restarts": args.max_restarts,
-                            "backend": args.backend, "workdir": str(Path.cwd()),
-                            "env": _pairs(args.env, "--env")}
-    if args.name:
-        spec["name"] = args.name
-    if args.kill_grace is not None:
-        spec["kill_grace"] = args.kill_grace
+    options: dict[str, Any] = {
+        "name": args.name, "devices": args.devices, "nodes": args.nodes,
+        "priority": args.priority, "max_restarts": args.max_restarts, "backend": args.backend,
+        "env": _pairs(args.env, "--env"), "kill_grace": args.kill_grace,
+        "set": list(args.overrides)}
     if args.shell is not None:
         if program:
             raise ValueError("--shell takes the whole command as one line; give no other "
                              "program")
-        spec |= {"command": [args.shell], "shell": True}
-    elif len(program) == 1 and program[0].endswith(_CONFIG_SUFFIXES) and not args.command:
-        if not Path(program[0]).is_file():
-            raise ValueError(f"config {program[0]!r} not found")
-        spec |= {"config": str(Path(program[0]).resolve()), "overrides": list(args.overrides)}
-    elif program:
-        if args.overrides:
-            raise ValueError("--set applies to a training config; for your own program pass "
-                             "its options after --")
-        spec["command"] = program
-    else:
+        return args.shell, options | {"shell": True}
+    if len(program) == 1 and program[0].endswith(CONFIG_SUFFIXES) and not args.command:
+        return program[0], options
+    if program and args.overrides:
+        raise ValueError("--set applies to a training config; for your own program pass "
+                         "its options after --")
+    if not program:
         raise ValueError("give a training config (jobs submit CONFIG) or a command "
                          "(jobs submit -- PROGRAM ARGS)")
-    return spec
+    return program, options
 
 
-def _line(job: dict[str, Any]) -> str:
+def _line(job: Mapping[str, Any]) -> str:
     devices = ",".join(map(str, job["devices"])) or "-"
     return (f"{job['name']:<24} {job['state']:<10} devices {devices:<8} restarts "
             f"{job['restarts']}/{job['max_restarts']}  {job['reason']}")
+
+
+_TABLE = "{:<24} {:<12} {:>8} {:<10} {:>6} {:>8}  {}"
+_HEADER = _TABLE.format("NAME", "STATE", "PRIORITY", "DEVICES", "AGE", "RESTARTS", "REASON")
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit}"
+    return f"{max(0, int(seconds))}s"
+
+
+def _row(job: Mapping[str, Any], now: float) -> str:
+    state = job["state"] + (f" #{job['queue_position']}" if job.get("queue_position") else "")
+    devices = ",".join(map(str, job["devices"])) or f"{job['devices_requested']} asked"
+    return _TABLE.format(job["name"], state, job["priority"], devices,
+                         _age(now - job["created_at"]), f"{job['restarts']}/{job['max_restarts']}",
+                         job["reason"])
+
+
+def list_order(jobs: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Running jobs (oldest start first), the queue in start order, then finished jobs
+    (newest first)."""
+    def key(job: Mapping[str, Any]) -> tuple[int, float]:
+        if job["state"] == "running":
+            return 0, job["started_at"] or 0.0
+        if job["state"] == "queued":
+            return 1, job.get("queue_position") or 0
+        return 2, -(job["finished_at"] or 0.0)
+    return sorted(jobs, key=key)
+
+
+def waiting_line(job: Mapping[str, Any]) -> str | None:
+    """What a queued job waits for (``None`` when it is not queued), for ``wait``/``logs -f``."""
+    if job["state"] != "queued":
+        return None
+    place = f"position {job['queue_position']}, " if job.get("queue_position") else ""
+    what = (f"{job['devices_requested']} devices" if job["backend"] == "local"
+            else f"the {job['backend']} cluster")
+    return f"queued: {place}waiting for {what}"
 
 
 def _out(args: argparse.Namespace, data: Any, text: str) -> None:
@@ -96,30 +151,28 @@ def _out(args: argparse.Namespace, data: Any, text: str) -> None:
 @_errors_to_exit
 def cmd_submit(args: argparse.Namespace) -> int:
     """Queue a training config or a command as a job."""
-    spec = spec_from_args(args)
+    program, options = submit_args(args)
     client = _client(args)
-    job = client.call("POST", "/v1/jobs", spec)
-    _out(args, job, f"submitted {job['name']}: {job['state']} ({job['reason']})")
+    job = client.submit(program, **options)
+    _out(args, job.data, f"submitted {job.name}: {job.state} ({job.reason})")
     if args.wait:
-        return _wait(client, args, job["name"], None)
+        return _wait(client, args, job.name, None)
     return 0
 
 
 @_errors_to_exit
 def cmd_list(args: argparse.Namespace) -> int:
     """List jobs: queued and running first, then finished."""
-    query = f"?state={args.state}" if args.state else ""
-    jobs = _client(args).call("GET", f"/v1/jobs{query}")
-    order = {"running": 0, "queued": 1}
-    jobs.sort(key=lambda j: (order.get(j["state"], 2), -j["id"]))
-    _out(args, jobs, "\n".join(_line(j) for j in jobs) if jobs else "no jobs")
+    jobs = list_order([j.data for j in _client(args).list(args.state)])
+    now = time.time()
+    _out(args, jobs, "\n".join([_HEADER, *(_row(j, now) for j in jobs)]) if jobs else "no jobs")
     return 0
 
 
 @_errors_to_exit
 def cmd_show(args: argparse.Namespace) -> int:
     """Show one job: state, reason, devices, attempts."""
-    job = _client(args).call("GET", f"/v1/jobs/{args.name}")
+    job = _client(args).get(args.name).data
     lines = [_line(job), f"  program: {job['program']}", f"  backend: {job['backend']}, "
              f"nodes {job['nodes']}, devices asked {job['devices_requested']}, "
              f"priority {job['priority']}", f"  directory: {job['job_dir']}"]
@@ -132,30 +185,24 @@ def cmd_show(args: argparse.Namespace) -> int:
 @_errors_to_exit
 def cmd_logs(args: argparse.Namespace) -> int:
     """Print a job's output; -f follows it until the job ends."""
-    client = _client(args)
-    offset = 0
-    while True:
-        chunk = client.call("GET", f"/v1/jobs/{args.name}/logs?offset={offset}")
-        sys.stdout.write(chunk["text"])
+    said: list[str | None] = [None]
+    for text in _client(args).logs(args.name, follow=args.follow,
+                                   on_queued=lambda job: _say_waiting(job.data, said)):
+        sys.stdout.write(text)
         sys.stdout.flush()
-        offset = chunk["offset"]
-        if chunk["text"]:
-            continue
-        if not args.follow or chunk["state"] not in ("queued", "running"):
-            return 0
-        time.sleep(1.0)
+    return 0
 
 
 @_errors_to_exit
 def cmd_cancel(args: argparse.Namespace) -> int:
     """Cancel a job (SIGTERM: a trainer saves a checkpoint and stops)."""
     client = _client(args)
-    job = client.call("POST", f"/v1/jobs/{args.name}/cancel")
-    _out(args, job, f"{job['name']}: {job['state']}"
-         + (" (SIGTERM sent; it saves a checkpoint and stops)" if job["state"] == "running"
-            else f" ({job['reason']})"))
+    job = client.cancel(args.name)
+    _out(args, job.data, f"{job.name}: {job.state}"
+         + (" (SIGTERM sent; it saves a checkpoint and stops)" if job.state == "running"
+            else f" ({job.reason})"))
     if args.wait:
-        return _wait(client, args, job["name"], None)
+        return _wait(client, args, job.name, None)
     return 0
 
 
@@ -165,25 +212,32 @@ def cmd_wait(args: argparse.Namespace) -> int:
     return _wait(_client(args), args, args.name, args.timeout)
 
 
-def _wait(client: Any, args: argparse.Namespace, name: str, timeout: float | None) -> int:
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        job = client.call("GET", f"/v1/jobs/{name}")
-        if job["state"] in WAIT_CODES:
-            _out(args, job, _line(job))
-            return WAIT_CODES[job["state"]]
-        if deadline is not None and time.monotonic() > deadline:
-            print(f"error: job {name} is still {job['state']} after {timeout:g} s",
-                  file=sys.stderr)
-            return 124
-        time.sleep(0.5)
+def _say_waiting(job: Mapping[str, Any], said: list[str | None]) -> None:
+    """Print what a queued job waits for to stderr, once per change."""
+    line = waiting_line(job)
+    if line is not None and line != said[-1]:
+        print(f"info: {job['name']} {line}", file=sys.stderr, flush=True)
+    said.append(line)
+
+
+def _wait(client: Client, args: argparse.Namespace, name: str, timeout: float | None) -> int:
+    from hybridtrain.service.client import JobWaitTimeout
+
+    said: list[str | None] = [None]
+    try:
+        job = client.wait(name, timeout, on_poll=lambda j: _say_waiting(j.data, said))
+    except JobWaitTimeout as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return WAIT_TIMEOUT
+    _out(args, job.data, _line(job.data))
+    return WAIT_CODES[job.state]
 
 
 @_errors_to_exit
 def cmd_resubmit(args: argparse.Namespace) -> int:
     """Queue a finished job again (a training job resumes from its newest checkpoint)."""
-    job = _client(args).call("POST", f"/v1/jobs/{args.name}/resubmit")
-    _out(args, job, f"{job['name']}: {job['state']} ({job['reason']})")
+    job = _client(args).resubmit(args.name, args.overrides)
+    _out(args, job.data, f"{job.name}: {job.state} ({job.reason})")
     return 0
 
 
@@ -271,9 +325,13 @@ def add_service_commands(sub: Any) -> None:
     q.add_argument("--wait", action="store_true", help="wait until it ends")
     q = add("list", cmd_list, "list jobs (queued and running first)")
     q.add_argument("--state", default=None, help="only these states (comma-separated)")
-    for name, func, help_text in (("show", cmd_show, "one job: state, devices, attempts"),
-                                  ("resubmit", cmd_resubmit, "queue a finished job again")):
-        add(name, func, help_text).add_argument("name")
+    add("show", cmd_show, "one job: state, devices, attempts").add_argument("name")
+    q = add("resubmit", cmd_resubmit, "queue a finished job again (a training job resumes "
+            "from its newest checkpoint)")
+    q.add_argument("name")
+    q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key of a training job from now on, e.g. "
+                        "train.steps=400 to continue it (repeatable)")
     q = add("logs", cmd_logs, "print a job's output")
     q.add_argument("name")
     q.add_argument("-f", "--follow", action="store_true", help="follow until the job ends")

@@ -108,6 +108,13 @@ def effective_priority(want: Want, now: float, aging_s: float) -> float:
     return want.priority + max(0.0, now - want.queued_at) / aging_s
 
 
+def start_order(queued: Sequence[Want], now: float, aging_s: float = 300.0) -> list[Want]:
+    """The queue in the order jobs are considered for starting: effective priority, then
+    the longest waiting (a job that does not fit may be passed by a smaller one)."""
+    return sorted(queued, key=lambda w: (-effective_priority(w, now, aging_s), w.queued_at,
+                                         w.name))
+
+
 def plan_starts(queued: Sequence[Want], free: Sequence[int], now: float,
                 aging_s: float = 300.0, reserve_after_s: float = 600.0
                 ) -> list[tuple[str, tuple[int, ...]]]:
@@ -123,8 +130,7 @@ def plan_starts(queued: Sequence[Want], free: Sequence[int], now: float,
     Returns:
         ``(name, slots)`` for every job to start, in start order.
     """
-    order = sorted(queued, key=lambda w: (-effective_priority(w, now, aging_s), w.queued_at,
-                                          w.name))
+    order = start_order(queued, now, aging_s)
     pool = sorted(free)
     starts: list[tuple[str, tuple[int, ...]]] = []
     for want in order:

@@ -172,6 +172,10 @@ class KubernetesBackend(Backend):
             self._apis = (client.CustomObjectsApi(), client.CoreV1Api())
         return self._apis
 
+    def check(self) -> None:
+        """A kubeconfig or the pod's service account must be there."""
+        self.apis()
+
     def start(self, job: JobRecord, argv: list[str], env: dict[str, str],
               devices: tuple[int, ...]) -> Started:
         from kubernetes.client.rest import ApiException

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from hybridtrain.hpo.process import group_alive, process_start_ticks
 from hybridtrain.service import wrap
-from hybridtrain.service.backend import Backend, Ended, Started
+from hybridtrain.service.backend import Backend, Ended, Started, inherited_env
 from hybridtrain.service.devices import Slots
 from hybridtrain.service.store import JobRecord
 
@@ -74,10 +74,10 @@ class LocalBackend(Backend):
     def start(self, job: JobRecord, argv: list[str], env: dict[str, str],
               devices: tuple[int, ...]) -> Started:
         directory = Path(job.job_dir)
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         lock_path, exit_path = attempt_paths(job)
         exit_path.unlink(missing_ok=True)
-        full_env = dict(os.environ) | env
+        full_env = inherited_env() | env
         cores = ""
         if devices and self.slots.kind == "gpu":
             full_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
@@ -90,8 +90,8 @@ class LocalBackend(Backend):
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             spec = job.spec
-            with (directory / spec.stdout_file).open("ab") as out, \
-                    (directory / spec.stderr_file).open("ab") as err:
+            with open(directory / spec.stdout_file, "ab", opener=wrap.private) as out, \
+                    open(directory / spec.stderr_file, "ab", opener=wrap.private) as err:
                 if spec.stdout_file == spec.stderr_file:
                     out.write(f"--- attempt {job.attempt} on {self.slots.kind} "
                               f"{list(devices)} ---\n".encode())

@@ -93,10 +93,8 @@ def jobs_page_app(service: JobService, token: str) -> ASGIApp:
 
     @app.get("/data")
     def data() -> dict[str, Any]:
-        jobs = [j.as_dict() for j in service.store.jobs()]
-        for job in jobs:
-            job.pop("spec")
-            job.pop("history")
+        positions = service.queue_positions()
+        jobs = [service.brief(j, positions) for j in service.store.jobs()]
         return {"summary": service.summary(), "jobs": jobs}
 
     @app.get("/data/{name}")

@@ -65,6 +65,10 @@ class RayBackend(Backend):
                                    f"{exc}") from None
         return self._client
 
+    def check(self) -> None:
+        """The Ray job server must answer."""
+        self.client()
+
     def entrypoint(self, job: JobRecord, argv: list[str]) -> str:
         """The Ray job's entrypoint command line."""
         if argv and argv[0] == sys.executable:

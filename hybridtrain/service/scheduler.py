@@ -16,6 +16,7 @@ exactly one act at a time. One tick of the leader:
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -33,6 +34,20 @@ log = logging.getLogger(__name__)
 
 #: Exit code of a trainer (or launcher) that stopped on SIGTERM after saving a checkpoint.
 STOPPED = 130
+
+
+def training_finished(job: JobRecord) -> bool:
+    """Whether this attempt's training ran to its last step: ``run/summary.json`` written
+    since the attempt started and not marked interrupted. A SIGTERM that reaches a trainer
+    after that (while it exits) makes its exit code 143, but nothing was left to train."""
+    path = Path(job.job_dir) / "run" / "summary.json"
+    try:
+        if job.started_at is None or path.stat().st_mtime < job.started_at:
+            return False
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(summary, dict) and summary.get("interrupted") is False
 
 
 class Scheduler:
@@ -128,9 +143,11 @@ class Scheduler:
             self.on_event(f"job {job.name}: attempt {job.attempt} never started; queued again")
             return
         code = ended.code
-        if job.cancel_requested is not None and code == 0:
-            self.store.end_attempt(job, "succeeded", "exit 0 (it finished before the cancel "
-                                   "reached it)", 0)
+        if job.cancel_requested is not None and (code == 0 or training_finished(job)):
+            how = ("exit 0" if code == 0
+                   else f"exit {code}, after its training wrote its final summary")
+            self.store.end_attempt(job, "succeeded", f"{how} (it finished before the cancel "
+                                   "reached it)", code)
             self.on_event(f"job {job.name} succeeded before its cancel took effect")
             return
         if job.cancel_requested is not None:

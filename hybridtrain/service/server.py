@@ -10,14 +10,14 @@ jobs running: the next ``serve`` adopts them (see :mod:`.local`).
 from __future__ import annotations
 
 import logging
-import socket
+import math
 import sys
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi import HTTPException, Request
-from fastapi.responses import Response
+from fastapi.responses import RedirectResponse, Response
 from fastapi.routing import APIRoute
 
 from hybridtrain.service.backend import Backend
@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 DEFAULT_JOBS_DIR = Path("hybridtrain-jobs")
+#: Longest leader lease ``serve --lease`` takes (a leader that dies is replaced after it).
+MAX_LEASE_S = 3600.0
 
 
 def make_backends(slots: Slots, ray_address: str | None = None,
@@ -90,12 +92,21 @@ def build_app(service: JobService, token: str, metrics_public: bool = False,
     # the token (unless --metrics-public) and refused other methods.
     app.router.routes.insert(0, APIRoute(METRICS_PATH, metrics, methods=["GET", "HEAD"],
                                          response_class=Response, include_in_schema=False))
+    # The page's address is /jobs (what `serve` prints); its app is mounted at /jobs/, so
+    # /jobs itself redirects there, query (the login token) kept. Without this route the
+    # dashboard mounted at / would answer /jobs with its 404.
+    app.add_api_route("/jobs", _to_jobs_page, methods=["GET"], include_in_schema=False)
     app.mount("/jobs", jobs_page_app(service, token))
     if dashboard:
         from hybridtrain.hpo.dashboard import dashboard_app
 
         app.mount("/", dashboard_app(experiments.optuna_storage, token))
     return app
+
+
+def _to_jobs_page(request: Request) -> Response:
+    query = request.url.query
+    return RedirectResponse("/jobs/" + (f"?{query}" if query else ""), status_code=307)
 
 
 def open_service(storage: str | None, jobs_dir: Path, url: str | None,
@@ -111,6 +122,27 @@ def open_service(storage: str | None, jobs_dir: Path, url: str | None,
     return JobService(store, scheduler, jobs_dir)
 
 
+def check_serve_options(host: str, port: int, lease: float, jobs_dir: Path) -> None:
+    """Refuse bad ``serve`` options in one line, before anything starts or is written.
+
+    Raises:
+        HPOError: a port TCP does not have, a host that is no address, a lease that is not
+            a positive finite number of seconds, a jobs directory that is a file.
+    """
+    from hybridtrain.hpo.errors import HPOError
+    from hybridtrain.hpo.server import check_host, check_port
+
+    check_port(port)
+    check_host(host)
+    # A lease of nan is never "live" nor "expired", so no scheduler would ever lead.
+    if not (math.isfinite(lease) and 0 < lease <= MAX_LEASE_S):
+        raise HPOError(f"--lease {lease}: give seconds in (0, {MAX_LEASE_S:g}]")
+    for path in (jobs_dir, *jobs_dir.parents):
+        if path.exists() and not path.is_dir():
+            raise HPOError(f"--jobs-dir {str(jobs_dir)[:200]!r}: {str(path)[:200]!r} is a file, "
+                           "not a directory")
+
+
 def serve(host: str = "127.0.0.1", port: int = 8080, storage: str | None = None,
           token_file: Path | None = None, metrics_public: bool = False,
           jobs_dir: Path = DEFAULT_JOBS_DIR, ray_address: str | None = None,
@@ -119,24 +151,32 @@ def serve(host: str = "127.0.0.1", port: int = 8080, storage: str | None = None,
     """Serve until interrupted (port 0: a free port, printed).
 
     Raises:
-        HPOError: bad token or storage; ValueError: bad ``$HYBRIDTRAIN_SERVICE_DEVICES``.
+        HPOError: bad options (:func:`check_serve_options`), token or storage, a port in
+            use; ValueError: bad ``$HYBRIDTRAIN_SERVICE_DEVICES``.
     """
     import uvicorn
 
     from hybridtrain.hpo.auth import TOKEN_ENV, resolve_token
-    from hybridtrain.hpo.server import _is_loopback
+    from hybridtrain.hpo.errors import HPOError
+    from hybridtrain.hpo.server import _is_loopback, bind
 
+    check_serve_options(host, port, lease, jobs_dir)
     token, created = resolve_token(token_file)
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    slots = detect_slots()
+    backends = make_backends(slots, ray_address, kubernetes_namespace, image)
+    for backend in backends.values():
+        backend.check()  # a cluster that is not there: refused now, not at the first job
+    sock = bind(host, port)
     port = sock.getsockname()[1]
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     base = f"http://{shown}:{port}"
-    slots = detect_slots()
-    service = open_service(storage, jobs_dir, base,
-                           make_backends(slots, ray_address, kubernetes_namespace, image),
-                           slots, lease)
+    # Job directories hold logs and environments: the owner's only.
+    try:
+        jobs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        sock.close()
+        raise HPOError(f"--jobs-dir {str(jobs_dir)[:200]!r}: {exc.strerror}") from None
+    service = open_service(storage, jobs_dir, base, backends, slots, lease)
     app = build_app(service, token, metrics_public=metrics_public)
     if created:
         print(f"generated API token (saved; set ${TOKEN_ENV} to override): {token}", flush=True)

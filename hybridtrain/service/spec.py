@@ -24,6 +24,9 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 BACKENDS = ("local", "ray", "kubernetes")
 #: Log files are plain names inside the job's directory.
 _LOG_NAME = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,62}\.log$"
+#: Longest path and path component Linux takes (``PATH_MAX - 1``, ``NAME_MAX``): a longer
+#: one fails every file call with "File name too long", so it is refused at submit.
+MAX_PATH, MAX_NAME = 4095, 255
 #: Environment variable names a job may set (POSIX portable names).
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -82,6 +85,20 @@ class JobSpec(BaseModel):
                 raise ValueError(f"variable name {key!r} is not allowed (letters, digits, _)")
             if "\0" in val:
                 raise ValueError(f"value of {key} contains a NUL byte")
+        return value
+
+    @field_validator("workdir", "config")
+    @classmethod
+    def _path_fits(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        if "\0" in value:
+            raise ValueError("contains a NUL byte")
+        if len(value) > MAX_PATH:
+            raise ValueError(f"a path of {len(value)} characters; at most {MAX_PATH}")
+        longest = max((len(part) for part in value.split("/")), default=0)
+        if longest > MAX_NAME:
+            raise ValueError(f"a path component of {longest} characters; at most {MAX_NAME}")
         return value
 
     @field_validator("command", "overrides")

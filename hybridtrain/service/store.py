@@ -233,16 +233,22 @@ class JobStore:
                     JOBS.c.cancel_requested.is_(None)).values(cancel_requested=now))
         return self.get(job.id)
 
-    def resubmit(self, key: str | int) -> JobRecord:
+    def resubmit(self, key: str | int, spec: JobSpec | None = None) -> JobRecord:
         """Queue a finished job again; a training job continues from its newest checkpoint.
+
+        Args:
+            key: the job's name or id.
+            spec: its spec from now on (``None``: unchanged), e.g. with more overrides.
 
         Raises:
             JobConflictError: the job is still queued or running.
         """
         job = self.get(key)
+        changed = {} if spec is None else {"spec_json": spec.model_dump_json()}
         with self.engine.begin() as conn:
             moved = conn.execute(JOBS.update().where(
                 JOBS.c.id == job.id, JOBS.c.state.in_(TERMINAL)).values(
+                **changed,
                 state="queued", reason="resubmitted", restarts=0, exit_code=None,
                 cancel_requested=None, stop_sent_at=None, queued_at=time.time(),
                 finished_at=None, devices_json="[]")).rowcount

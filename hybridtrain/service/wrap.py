@@ -24,6 +24,12 @@ import subprocess
 import sys
 
 
+def private(path: str, flags: int) -> int:
+    """``open``'s opener for the service's own files: readable by their owner only
+    (mode 0600), whatever the umask, since a job's output may hold what it printed."""
+    return os.open(path, flags, 0o600)
+
+
 def main(argv: list[str]) -> int:
     """Run ``argv`` after ``--``; write ``{"code": N}`` to the exit file; return N."""
     # First of all: a cancel that comes this early must not kill the wrapper.
@@ -32,7 +38,7 @@ def main(argv: list[str]) -> int:
     lock_fd, exit_path, cores = int(argv[0]), argv[1], argv[2]
     program = argv[argv.index("--") + 1:]
     # Who to signal, for a scheduler that adopts this attempt before it recorded the pid.
-    with open(exit_path.replace(".exit", ".pid"), "w") as out:
+    with open(exit_path.replace(".exit", ".pid"), "w", opener=private) as out:
         out.write(str(os.getpid()))
     if cores:
         os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
@@ -51,7 +57,7 @@ def main(argv: list[str]) -> int:
     # A negative code (killed by a signal) is written as the shell writes it: 128 + N.
     code = 128 - code if code < 0 else code
     tmp = f"{exit_path}.tmp"
-    with open(tmp, "w") as out:
+    with open(tmp, "w", opener=private) as out:
         json.dump({"code": code}, out)
         out.flush()
         os.fsync(out.fileno())

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from hybridtrain.hpo.process import group_alive
-from hybridtrain.service.client import Client, healthy
+from hybridtrain.service.client import Client
+from hybridtrain.service.transport import healthy
 from tests.hpo.conftest import free_port
 from tests.service.conftest import REPO, TOKEN, wait_for
 
