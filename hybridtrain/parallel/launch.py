@@ -155,9 +155,14 @@ def launch(spec: LaunchSpec, script: str, script_args: Sequence[str] = (), annou
     try:
         run(parse_args(torchrun_argv(spec, script, script_args)))
     except ChildFailedError as exc:
-        rank = first_failure(exc.failures)
-        failure = exc.failures[rank]
-        others = sorted(set(exc.failures) - {rank})
+        done = finished_ranks(exc.failures)
+        failures = {r: f for r, f in exc.failures.items() if r not in done}
+        if not failures:  # every rank's script ended; one died in the interpreter's teardown after it
+            print(f"warning: {_finished_line(exc.failures)}; the run finished", file=sys.stderr, flush=True)
+            return 0
+        rank = first_failure(failures)
+        failure = failures[rank]
+        others = sorted(set(failures) - {rank})
         also = f"; ranks {others} failed too" if others else ""
         print(f"error: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {_how(failure)}; "
               f"the launcher stopped the other ranks{also}", file=sys.stderr, flush=True)
@@ -193,6 +198,23 @@ def first_failure(failures: Mapping[int, ProcessFailure]) -> int:
         return kind, failure.timestamp, rank
 
     return min(failures.items(), key=order)[0]
+
+
+def finished_ranks(failures: Mapping[int, ProcessFailure]) -> set[int]:
+    """The ranks among ``failures`` that were killed by a signal after their script had ended
+    normally: the worker (:mod:`hybridtrain.parallel.worker`) left its marker beside the
+    error file once the script and its atexit handlers returned."""
+    from hybridtrain.parallel.worker import finished_marker
+
+    return {rank for rank, failure in failures.items()
+            if failure.exitcode < 0 and failure.error_file and os.path.exists(finished_marker(failure.error_file))}
+
+
+def _finished_line(failures: Mapping[int, ProcessFailure]) -> str:
+    rank, failure = min(failures.items())
+    more = f" (and ranks {sorted(set(failures) - {rank})})" if len(failures) > 1 else ""
+    return (f"rank {rank}{more} finished its script and was then killed by {failure.signal_name()} while the "
+            "interpreter shut down")
 
 
 def _lost_peer(failure: ProcessFailure) -> bool:
