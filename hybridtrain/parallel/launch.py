@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -152,6 +154,11 @@ def launch(spec: LaunchSpec, script: str, script_args: Sequence[str] = (), annou
     # a value the user set wins.
     cores = len(os.sched_getaffinity(0))
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(cores, local_ranks(spec.nproc_per_node, cores))))
+    from hybridtrain.parallel.worker import FINISHED_DIR_ENV
+
+    # Where the ranks say that their script ended (see finished_ranks); passed on by torchrun.
+    finished_dir = tempfile.mkdtemp(prefix="hybridtrain-finished-")
+    os.environ[FINISHED_DIR_ENV] = finished_dir
     try:
         run(parse_args(torchrun_argv(spec, script, script_args)))
     except ChildFailedError as exc:
@@ -172,6 +179,9 @@ def launch(spec: LaunchSpec, script: str, script_args: Sequence[str] = (), annou
             print(f"interrupted by {exc.sigval.name}: every rank was told to stop and has exited",
                   file=sys.stderr, flush=True)
         return 130
+    finally:
+        del os.environ[FINISHED_DIR_ENV]
+        shutil.rmtree(finished_dir, ignore_errors=True)
     return 0
 
 
@@ -202,19 +212,17 @@ def first_failure(failures: Mapping[int, ProcessFailure]) -> int:
 
 def finished_ranks(failures: Mapping[int, ProcessFailure]) -> set[int]:
     """The ranks among ``failures`` that were killed by a signal after their script had ended
-    normally: the worker (:mod:`hybridtrain.parallel.worker`) left its marker beside the
-    error file once the script and its atexit handlers returned."""
+    normally: the worker (:mod:`hybridtrain.parallel.worker`) left its marker once the script
+    and its atexit handlers returned."""
     from hybridtrain.parallel.worker import finished_marker
 
     return {rank for rank, failure in failures.items()
-            if failure.exitcode < 0 and failure.error_file and os.path.exists(finished_marker(failure.error_file))}
+            if failure.exitcode < 0 and os.path.exists(finished_marker(rank) or "")}
 
 
 def _finished_line(failures: Mapping[int, ProcessFailure]) -> str:
-    rank, failure = min(failures.items())
-    more = f" (and ranks {sorted(set(failures) - {rank})})" if len(failures) > 1 else ""
-    return (f"rank {rank}{more} finished its script and was then killed by {failure.signal_name()} while the "
-            "interpreter shut down")
+    kills = ", ".join(f"rank {rank} by {failure.signal_name()}" for rank, failure in sorted(failures.items()))
+    return f"every rank finished its script; killed afterwards, while the interpreter shut down: {kills}"
 
 
 def _lost_peer(failure: ProcessFailure) -> bool:

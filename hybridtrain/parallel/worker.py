@@ -10,10 +10,10 @@ exception — a collective that lost its peer as
 :class:`~hybridtrain.errors.PeerFailure` — before the usual traceback and exit code 1.
 :func:`record_failure` writes that file for ``hybridtrain train``'s ranks too.
 
-A script that ends normally leaves its process group (if it did not) at interpreter exit,
-and then a marker beside the error file (:func:`finished_marker`): a rank that dies of a
-signal after it (the interpreter's teardown) finished its work, and the launcher says so
-instead of reporting a crash.
+A script that ends normally leaves a marker for the launcher (:func:`finished_marker`)
+once its atexit handlers have run, and then its process group (if it did not) at
+interpreter exit: a rank that dies of a signal after the marker (in the teardown) finished
+its work, and the launcher says so instead of reporting a crash.
 
     python -m hybridtrain.parallel.worker SCRIPT [ARGS…]
     python -m hybridtrain.parallel.worker -m MODULE [ARGS…]
@@ -46,10 +46,14 @@ def main(argv: Sequence[str]) -> None:
         # must not be written; it gets a file of its own, the launcher's gets ours.
         os.environ["TORCHELASTIC_ERROR_FILE"] = error_file + ".script"
     finished: list[bool] = []
-    # atexit runs last-in, first-out: the script's own handlers, then the group's teardown,
-    # then the marker, which so says that everything before it returned.
-    atexit.register(_mark_finished, error_file, finished)
+    # atexit runs last-in, first-out: the script's own handlers, then the marker (the
+    # script's work is done), then the group's teardown, the step that can abort.
+    marker = finished_marker(os.environ.get("RANK", "0"))
+    if marker:  # a restarted round's rank has not finished yet, whatever the last round did
+        with contextlib.suppress(OSError):
+            os.unlink(marker)
     atexit.register(_leave_process_group)
+    atexit.register(_mark_finished, finished)
     try:
         if module:
             runpy.run_module(target, run_name="__main__", alter_sys=True)
@@ -71,16 +75,22 @@ def main(argv: Sequence[str]) -> None:
         raise
 
 
-def finished_marker(error_file: str) -> str:
-    """The file a rank whose torchrun error file is ``error_file`` writes once its script
-    has ended normally and its atexit handlers have run."""
-    return error_file + ".finished"
+FINISHED_DIR_ENV = "HYBRIDTRAIN_FINISHED_DIR"
+"""The directory ``hybridtrain launch`` gives its ranks for the markers of :func:`finished_marker`."""
 
 
-def _mark_finished(error_file: str | None, finished: list[bool]) -> None:
-    if error_file and finished:
+def finished_marker(rank: int | str) -> str | None:
+    """The file rank ``rank`` writes once its script has ended normally and its own atexit
+    handlers have run (before the group's teardown); None outside ``hybridtrain launch``."""
+    directory = os.environ.get(FINISHED_DIR_ENV)
+    return os.path.join(directory, f"rank-{rank}.finished") if directory else None
+
+
+def _mark_finished(finished: list[bool]) -> None:
+    marker = finished_marker(os.environ.get("RANK", "0"))
+    if marker and finished:
         with contextlib.suppress(OSError):
-            open(finished_marker(error_file), "w").close()
+            open(marker, "w").close()
 
 
 def _leave_process_group() -> None:
