@@ -21,11 +21,12 @@ import hybridtrain.deepspeed as deepspeed
 from hybridtrain.checkpoint.layout import MARKER, CheckpointError
 from hybridtrain.cli import main
 from hybridtrain.config import load_config
-from hybridtrain.deepspeed.__main__ import run as dropin_main
 from hybridtrain.trainer import run_training
 from tests.checkpoint.test_safe_load import recommit
 from tests.tiny_run import tiny_config
 
+ROOT = Path(__file__).resolve().parent.parent
+"""The checkout, first on the import path of the subprocesses these tests start."""
 TINY = ["--set", "device=cpu", "--set", "data.seq_len=16", "--set", "train_batch_size=2", "--set",
         "model.overrides.n_layer=1", "--set", "model.overrides.d_model=32", "--set", "model.overrides.n_head=2",
         "--steps", "1", "--no-progress", "--set", "train.eval_batches=1"]
@@ -264,12 +265,11 @@ def _run_cli(argv: list[str]) -> int:
         return int(exc.code or 0)
 
 
-def _dropin(argv: list[str]) -> int:
-    try:
-        dropin_main(argv)
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    return 0
+def _dropin(argv: list[str], cwd: Path) -> tuple[int, str]:
+    """``python -m hybridtrain.deepspeed ARGV`` as a user runs it: exit status and stderr."""
+    done = subprocess.run([sys.executable, "-m", "hybridtrain.deepspeed", *argv], cwd=cwd, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return done.returncode, done.stderr
 
 
 HUGE = "1" + "0" * 400
@@ -295,9 +295,9 @@ def test_every_number_and_path_is_taken_or_refused_in_one_line(tmp_path: Path, c
                                                                code: int, words: str | None) -> None:
     monkeypatch.chdir(tmp_path)
     if args[0] == "DROPIN":
-        assert _dropin(args[1:]) == code
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].endswith(words.format(tmp=tmp_path)), err
+        status, stderr = _dropin(args[1:], tmp_path)
+        err = stderr.strip().splitlines()
+        assert status == code and len(err) == 1 and err[0].endswith(words.format(tmp=tmp_path)), err
         return
     if args == ["--data", "NEWLINE"]:
         data = tmp_path / "da\nta.txt"  # a newline is a legal character of a file name
@@ -351,7 +351,7 @@ def test_a_launched_rank_that_finished_is_not_reported_failed(tmp_path: Path, dy
     script.write_text(ABORT_IN_TEARDOWN)
     done = subprocess.run([sys.executable, "-m", "hybridtrain.cli", "launch", "--nproc-per-node", "2", str(script),
                            str(tmp_path), str(dying), ending], capture_output=True, text=True, timeout=200,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == code, done.stderr[-2000:]
     assert (tmp_path / "done-0").exists() and (tmp_path / "done-1").exists()
     ours = [line for line in done.stderr.splitlines() if line.startswith(("warning:", "error:"))]

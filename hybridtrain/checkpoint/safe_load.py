@@ -102,7 +102,6 @@ def read_metadata_safely(path: str | Path, name: str = METADATA_FILE) -> dcp_met
         found = MetadataUnpickler(fh).load()
     if not isinstance(found, dcp_metadata.Metadata):
         raise UnsafeCheckpointError(f"{METADATA_FILE} holds a {type(found).__name__}, not checkpoint metadata")
-    check_storage(Path(path), found)
     return found
 
 
@@ -142,6 +141,7 @@ class SafeReader(dcp.FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         rank = kwargs.get("rank")
         found = read_metadata_safely(Path(self.path), METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
+        check_storage(Path(self.path), found)  # before DCP plans a read from any file it names
         if getattr(found, "storage_meta", None) is None:
             found.storage_meta = dcp_metadata.StorageMeta()
         if found.storage_meta is not None and hasattr(self, "load_id"):
