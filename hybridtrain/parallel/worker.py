@@ -52,7 +52,7 @@ def main(argv: Sequence[str]) -> None:
     if marker:  # a restarted round's rank has not finished yet, whatever the last round did
         with contextlib.suppress(OSError):
             os.unlink(marker)
-    atexit.register(_leave_process_group)
+    atexit.register(_leave_process_group, finished)
     atexit.register(_mark_finished, finished)
     try:
         if module:
@@ -93,9 +93,11 @@ def _mark_finished(finished: list[bool]) -> None:
             open(marker, "w").close()
 
 
-def _leave_process_group() -> None:
-    # Only where the script used torch.distributed: other scripts do not import torch for it.
-    if "torch.distributed" in sys.modules:
+def _leave_process_group(finished: list[bool]) -> None:
+    # Only after a normal end (a failing rank exits at once, so that the launcher sees its own
+    # error first rather than its peer's lost connection), and only where the script used
+    # torch.distributed: other scripts do not import torch for it.
+    if finished and "torch.distributed" in sys.modules:
         from hybridtrain.parallel.mesh import leave_process_group
 
         leave_process_group()
