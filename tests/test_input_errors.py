@@ -297,7 +297,7 @@ def test_every_number_and_path_is_taken_or_refused_in_one_line(tmp_path: Path, c
     if args[0] == "DROPIN":
         status, stderr = _dropin(args[1:], tmp_path)
         err = stderr.strip().splitlines()
-        assert status == code and len(err) == 1 and err[0].endswith(words.format(tmp=tmp_path)), err
+        assert status == code and len(err) == 1 and err[0].endswith(str(words).format(tmp=tmp_path)), err
         return
     if args == ["--data", "NEWLINE"]:
         data = tmp_path / "da\nta.txt"  # a newline is a legal character of a file name

@@ -14,7 +14,11 @@ from typing import Any
 
 import torch
 
-from hybridtrain.checkpoint.layout import IncompleteCheckpointError, plain_file_problem, verify_files
+from hybridtrain.checkpoint.layout import (
+    IncompleteCheckpointError,
+    plain_file_problem,
+    verify_files,
+)
 
 
 def read(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
