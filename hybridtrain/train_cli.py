@@ -116,12 +116,14 @@ def memory_words(summary: TrainSummary) -> str:
     return words
 
 
-def _overrides(args: argparse.Namespace) -> list[str]:
-    overrides = list(args.overrides)
+def _overrides(args: argparse.Namespace) -> list[str | tuple[str, Any]]:
+    # The flags' values are typed already (argparse): taken as given, not re-read as YAML,
+    # so a path keeps its newlines and a directory named "null" stays a name.
+    overrides: list[str | tuple[str, Any]] = list(args.overrides)
     for key, value in (("train.output_dir", args.output_dir), ("train.steps", args.steps), ("data.path", args.data),
                        ("train.metrics_port", args.metrics_port)):
         if value is not None:
-            overrides.append(f"{key}={value}")
+            overrides.append((key, value))
     return overrides
 
 

@@ -150,7 +150,7 @@ def test_bad_config_files_are_one_line_naming_the_file(content: bytes | None, ne
 @pytest.mark.parametrize(("override", "needle"), [
     ("train.steps", "override 'train.steps' must look like section.key=value"),
     ("=3", "override '=3' must look like section.key=value"),
-    ("optimizer.params.betas=[0.9", "optimizer.params.betas = '[0.9' must be two numbers"),
+    ("optimizer.params.betas=[0.9", "optimizer.params.betas = '[0.9': must be two numbers"),
     ("train_batch_size=100000000", "need at least"),  # refused from its size, nothing allocated
 ])
 def test_malformed_overrides_are_one_line(override: str, needle: str, tmp_path: Path,

@@ -8,6 +8,8 @@ import json
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,12 +17,16 @@ from typing import Any
 import pytest
 import torch
 
-from hybridtrain.checkpoint.layout import MARKER
+import hybridtrain.deepspeed as deepspeed
+from hybridtrain.checkpoint.layout import MARKER, CheckpointError
 from hybridtrain.cli import main
 from hybridtrain.config import load_config
 from hybridtrain.trainer import run_training
+from tests.checkpoint.test_safe_load import recommit
 from tests.tiny_run import tiny_config
 
+ROOT = Path(__file__).resolve().parent.parent
+"""The checkout, first on the import path of the subprocesses these tests start."""
 TINY = ["--set", "device=cpu", "--set", "data.seq_len=16", "--set", "train_batch_size=2", "--set",
         "model.overrides.n_layer=1", "--set", "model.overrides.d_model=32", "--set", "model.overrides.n_head=2",
         "--steps", "1", "--no-progress", "--set", "train.eval_batches=1"]
@@ -182,3 +188,171 @@ def test_every_bad_command_line_value_is_one_line(tmp_path: Path, capsys: pytest
     assert main(argv) == 2
     _one_error_line(capsys, words)
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+# ---------------------------------------------------------------- issue #36's third probe
+def _point_storage_at(step: Path, outside: Path, how: str) -> str:
+    """Make the shard entries of checkpoint ``step``'s ``.metadata`` read from somewhere
+    else, ``meta.json`` and the marker rewritten to match (as an attacker would); returns
+    the words the refusal must hold."""
+    shard = step / "__0_0.distcp"
+    outside.mkdir(exist_ok=True)
+    secret = outside / "secret.distcp"
+    shutil.copyfile(shard, secret)  # a file that reads as the shard: an unchecked load succeeds
+    target, words = {
+        "absolute": (str(secret), "which is not the name of a file inside the checkpoint"),
+        "dotdot": (os.path.relpath(secret, step), "which is not the name of a file inside the checkpoint"),
+        "fifo": ("pipe", "which is a FIFO, not a regular file"),
+        "unlisted": ("extra.distcp", "which is not listed in meta.json"),
+        "symlink-out": ("__0_0.distcp", "is a symbolic link out of the checkpoint"),
+    }[how]
+    if how == "fifo":
+        os.mkfifo(step / "pipe")
+    elif how == "unlisted":
+        shutil.copyfile(shard, step / "extra.distcp")
+    elif how == "symlink-out":
+        shard.unlink()
+        shard.symlink_to(secret)
+    with open(step / ".metadata", "rb") as fh:
+        metadata = pickle.load(fh)  # our own file, written by the test's run
+    for info in metadata.storage_data.values():
+        if info.relative_path == "__0_0.distcp":
+            info.relative_path = target
+    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+    recommit(step)
+    return words
+
+
+@pytest.fixture(scope="module")
+def dropin_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("dropin")
+    engine, *_ = deepspeed.initialize(model=torch.nn.Linear(4, 4), config={"train_batch_size": 2})
+    engine.save_checkpoint(root / "ck")
+    return root / "ck"
+
+
+@pytest.mark.timeout(120)  # a FIFO read would block forever: that is a failure too
+@pytest.mark.parametrize("how", ["absolute", "dotdot", "fifo", "unlisted", "symlink-out"])
+@pytest.mark.parametrize("road", ["resume", "export", "dropin"])
+def test_a_checkpoint_reads_only_its_own_listed_regular_files(checkpointed: Path, dropin_checkpoint: Path,
+                                                              tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                              how: str, road: str) -> None:
+    if road == "dropin":
+        shutil.copytree(dropin_checkpoint, tmp_path / "ck")
+        step = next(p for p in (tmp_path / "ck").iterdir() if p.is_dir())
+        words = _point_storage_at(step, tmp_path / "outside", how)
+        engine, *_ = deepspeed.initialize(model=torch.nn.Linear(4, 4), config={"train_batch_size": 2})
+        with pytest.raises(CheckpointError) as refused:
+            engine.load_checkpoint(tmp_path / "ck")
+        assert "\n" not in str(refused.value) and words in str(refused.value), refused.value
+        return
+    run = tmp_path / "run"
+    shutil.copytree(checkpointed, run)
+    step = run / "checkpoints" / "step-0000001"
+    words = _point_storage_at(step, tmp_path / "outside", how)
+    argv = {"resume": ["train", *TINY, "--steps", "2", "--output-dir", str(run), "--resume"],
+            "export": ["checkpoint", "export", str(step), str(tmp_path / "out")]}[road]
+    assert main(argv) == 2
+    line = _one_error_line(capsys, words)
+    assert str(step) in line
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def _run_cli(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+
+
+def _dropin(argv: list[str], cwd: Path) -> tuple[int, str]:
+    """``python -m hybridtrain.deepspeed ARGV`` as a user runs it: exit status and stderr."""
+    done = subprocess.run([sys.executable, "-m", "hybridtrain.deepspeed", *argv], cwd=cwd, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return done.returncode, done.stderr
+
+
+HUGE = "1" + "0" * 400
+
+
+@pytest.mark.parametrize(("args", "code", "words"), [
+    (["--set", "optimizer.params.lr=1.0e400"], 2, "optimizer.params.lr = inf: an infinity"),
+    (["--set", "optimizer.params.lr=.inf"], 2, "optimizer.params.lr = inf: an infinity"),
+    (["--set", "gradient_clipping=1e400"], 2, "gradient_clipping = inf: an infinity"),
+    (["--set", "fp16.min_loss_scale=.inf"], 2, "fp16.min_loss_scale = inf: an infinity"),
+    (["--set", "optimizer.params.lr=abc"], 2, "optimizer.params.lr = 'abc': must be a number ≥ 0"),
+    (["--set", "optimizer.params.betas=[0.9, x]"], 2, "optimizer.params.betas = [0.9, 'x']: must be two numbers"),
+    (["--set", "scheduler.type=cosine", "--set", "scheduler.params.total_num_steps=abc"], 2,
+     "scheduler.params.total_num_steps = 'abc': must be an integer ≥ 0"),
+    (["--set", f"train_batch_size={HUGE}"], 2, "train_batch_size = an integer of about 401 digits: larger than 2^63"),
+    (["--set", f"seed=1{'0' * 5000}"], 2, "override seed=…: an integer of more than 4300 digits"),
+    (["--data", "NEWLINE"], 0, None),
+    (["DROPIN", "nosuch.py"], 2, "can't open file '{tmp}/nosuch.py': [Errno 2] No such file or directory"),
+], ids=["lr-1e400", "lr-inf", "clip-1e400", "float-field-inf", "lr-abc", "betas", "sched-int", "batch-huge",
+        "seed-5000-digits", "newline-path", "dropin-missing-script"])
+def test_every_number_and_path_is_taken_or_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch, args: list[str],
+                                                               code: int, words: str | None) -> None:
+    monkeypatch.chdir(tmp_path)
+    if args[0] == "DROPIN":
+        status, stderr = _dropin(args[1:], tmp_path)
+        err = stderr.strip().splitlines()
+        assert status == code and len(err) == 1 and err[0].endswith(str(words).format(tmp=tmp_path)), err
+        return
+    if args == ["--data", "NEWLINE"]:
+        data = tmp_path / "da\nta.txt"  # a newline is a legal character of a file name
+        data.write_text("the quick brown fox jumps over the lazy dog " * 20)
+        args = ["--data", str(data)]
+    assert _run_cli(["train", *TINY, "--output-dir", str(tmp_path / "run"), *args]) == code
+    if words is None:
+        assert "error" not in capsys.readouterr().err
+        return
+    _one_error_line(capsys, words)
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+ABORT_IN_TEARDOWN = """
+import os, signal, sys, types
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+dist.init_process_group("gloo")
+model = DistributedDataParallel(torch.nn.Linear(8, 1))
+model(torch.randn(4, 8)).sum().backward()
+open(os.path.join(sys.argv[1], f"done-{dist.get_rank()}"), "w").close()
+
+
+class DiesInTeardown:
+    # As gloo's threads do when the group outlives the interpreter: SIGABRT during finalization.
+    def __del__(self, kill=os.kill, pid=os.getpid(), abort=signal.SIGABRT) -> None:
+        kill(pid, abort)
+
+
+if dist.get_rank() == int(sys.argv[2]):
+    # A module's globals are freed in the interpreter's finalization, after every atexit handler.
+    sys.modules["dies_in_teardown"] = types.ModuleType("dies_in_teardown")
+    sys.modules["dies_in_teardown"].keep = DiesInTeardown()
+if sys.argv[3] == "crash" and dist.get_rank() == 1:
+    raise RuntimeError("a real crash")
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("dying", "ending", "code", "words"), [
+    (0, "finish", 0, "warning: every rank finished its script; killed afterwards, while the interpreter shut down: "
+                    "rank 0 by SIGABRT"),
+    (-1, "finish", 0, None),
+    (-1, "crash", 1, "error: rank 1"),
+], ids=["aborts-after-finishing", "plain-finish", "real-crash"])
+def test_a_launched_rank_that_finished_is_not_reported_failed(tmp_path: Path, dying: int, ending: str, code: int,
+                                                              words: str | None) -> None:
+    script = tmp_path / "ddp.py"
+    script.write_text(ABORT_IN_TEARDOWN)
+    done = subprocess.run([sys.executable, "-m", "hybridtrain.cli", "launch", "--nproc-per-node", "2", str(script),
+                           str(tmp_path), str(dying), ending], capture_output=True, text=True, timeout=200,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == code, done.stderr[-2000:]
+    assert (tmp_path / "done-0").exists() and (tmp_path / "done-1").exists()
+    ours = [line for line in done.stderr.splitlines() if line.startswith(("warning:", "error:"))]
+    assert ours == ([] if words is None else [next(line for line in ours if line.startswith(words))]), ours

@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import time
 import uuid
 import warnings
@@ -61,6 +62,48 @@ def temporary_dir(path: Path) -> Path:
     return tmp
 
 
+def plain_file_problem(directory: Path, name: Any) -> str | None:
+    """Why ``name`` is not a plain regular file directly inside the checkpoint ``directory``
+    (None when it is): a checkpoint reads only its own files.
+
+    Refused: a name that is not a plain file name (absolute, ``..``, a subdirectory, NUL), a
+    missing file, a symbolic link that leads out of ``directory``, and anything but a regular
+    file (a FIFO would block the read forever, a device never end). Checked with ``lstat``
+    and ``stat`` before anything is opened.
+    """
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+        return "is not the name of a file inside the checkpoint"
+    target = directory / name
+    try:
+        mode = os.lstat(target).st_mode
+        if stat.S_ISLNK(mode):
+            real, home = os.path.realpath(target), os.path.realpath(directory)
+            if os.path.dirname(real) != home:
+                return f"is a symbolic link out of the checkpoint (to {real})"
+            mode = os.stat(real).st_mode
+    except FileNotFoundError:
+        return "is missing"
+    except OSError as exc:
+        return f"cannot be checked ({exc.strerror})"
+    if not stat.S_ISREG(mode):
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a socket" if stat.S_ISSOCK(mode) else "a device")
+        return f"is {kind}, not a regular file"
+    return None
+
+
+def listed_files(path: Path) -> set[str] | None:
+    """The file names the ``meta.json`` of checkpoint ``path`` lists (None when there is no
+    readable one: a bare DCP directory)."""
+    if plain_file_problem(path, META):
+        return None
+    try:
+        files = json.loads((path / META).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return {str(name) for name in files} if isinstance(files, dict) else None
+
+
 def file_digests(directory: Path, names: Iterable[str]) -> dict[str, list[Any]]:
     """``name -> [bytes, sha256]`` of the files ``names`` in ``directory``."""
     return {name: [(directory / name).stat().st_size, _sha256(directory / name)] for name in names}
@@ -92,6 +135,9 @@ def read_meta(path: str | Path) -> tuple[Path, dict[str, Any]]:
         IncompleteCheckpointError: no commit marker, or files missing or truncated.
     """
     path = _existing(Path(path))
+    problem = plain_file_problem(path, META)
+    if problem:
+        raise CheckpointError(f"{path} is not a hybridtrain checkpoint ({path / META} {problem})")
     try:
         text = (path / META).read_text()
         meta: dict[str, Any] = json.loads(text)
@@ -190,6 +236,8 @@ def prune(root: Path, keep: int, pattern: str = "step-*", start: int | None = No
 
 
 def _maybe_in_progress(tmp: Path, now: float) -> bool:
+    if plain_file_problem(tmp, OWNER):
+        return False  # no owner file that can be read without blocking: nothing can be running
     try:
         owner = json.loads((tmp / OWNER).read_text())
     except (OSError, ValueError):
@@ -213,6 +261,11 @@ def _alive(pid: int) -> bool:
 
 
 def _uncommitted(path: Path, text: str) -> str | None:
+    problem = plain_file_problem(path, MARKER)
+    if problem == "is missing":
+        return f"no commit marker {MARKER} (a save that did not finish)"
+    if problem:
+        return f"its commit marker {path / MARKER} {problem}"
     try:
         marker = json.loads((path / MARKER).read_text())
     except (OSError, ValueError):
@@ -225,8 +278,9 @@ def _uncommitted(path: Path, text: str) -> str | None:
 def _incomplete(path: Path, meta: dict[str, Any]) -> str | None:
     for name, (size, _) in meta["files"].items():
         target = path / name
-        if not target.is_file():
-            return f"{name} is missing"
+        problem = plain_file_problem(path, name)
+        if problem:
+            return f"{target} {problem}"
         if target.stat().st_size != size:
             return f"{name} has {target.stat().st_size} bytes, {size} were written"
     return None

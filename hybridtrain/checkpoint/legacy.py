@@ -14,7 +14,11 @@ from typing import Any
 
 import torch
 
-from hybridtrain.checkpoint.layout import IncompleteCheckpointError, verify_files
+from hybridtrain.checkpoint.layout import (
+    IncompleteCheckpointError,
+    plain_file_problem,
+    verify_files,
+)
 
 
 def read(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
@@ -24,8 +28,9 @@ def read(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
         IncompleteCheckpointError: a file missing, or whose checksum does not match.
     """
     for name in meta["files"]:
-        if not (path / name).is_file():
-            raise IncompleteCheckpointError(f"checkpoint file {path / name} is missing")
+        problem = plain_file_problem(path, name)
+        if problem:
+            raise IncompleteCheckpointError(f"checkpoint file {path / name} {problem}")
     problem = verify_files(path, meta["files"], {"files": {k: [0, v] for k, v in meta["files"].items()}})
     if problem:
         raise IncompleteCheckpointError(f"checkpoint file {problem}")

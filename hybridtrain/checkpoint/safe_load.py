@@ -14,6 +14,13 @@ shared buckets. Both extension points are public and overridden here:
   unpickler (tensors, containers, primitives), and only what passes it reaches DCP.
 
 Tensor data itself is already read with ``weights_only=True`` by DCP.
+
+Where the data is read from is checked too: ``.metadata`` maps every entry to a file by a
+relative path (``_StorageInfo.relative_path``), which DCP joins to the checkpoint directory
+as it stands. :class:`SafeReader` admits only plain regular files directly inside the
+directory (:func:`hybridtrain.checkpoint.layout.plain_file_problem`: no absolute path, no
+``..``, no symbolic link out, no FIFO or device, checked before anything is opened) and,
+when the directory has a ``meta.json``, only files it lists (and so checksums).
 """
 
 from __future__ import annotations
@@ -21,14 +28,17 @@ from __future__ import annotations
 import enum
 import io
 import pickle
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import ReadItem
+
+from hybridtrain.checkpoint.layout import listed_files, plain_file_problem
 
 METADATA_FILE = ".metadata"
 
@@ -85,11 +95,39 @@ def read_metadata_safely(path: str | Path, name: str = METADATA_FILE) -> dcp_met
         UnsafeCheckpointError: the file names a class a checkpoint does not hold.
         pickle.UnpicklingError / OSError / EOFError: unreadable.
     """
+    problem = plain_file_problem(Path(path), name)
+    if problem:
+        raise UnsafeCheckpointError(f"{Path(path) / name} {problem}")
     with open(Path(path) / name, "rb") as fh:
         found = MetadataUnpickler(fh).load()
     if not isinstance(found, dcp_metadata.Metadata):
         raise UnsafeCheckpointError(f"{METADATA_FILE} holds a {type(found).__name__}, not checkpoint metadata")
     return found
+
+
+def check_storage(path: Path, metadata: dcp_metadata.Metadata) -> None:
+    """Refuse, in one line naming the entry and the path, metadata that maps an entry to
+    anything but a plain file inside checkpoint ``path`` that its ``meta.json`` (if any) lists.
+
+    Raises:
+        UnsafeCheckpointError: the first such entry.
+    """
+    storage = metadata.storage_data
+    if not isinstance(storage, dict):
+        raise UnsafeCheckpointError(f"{path / METADATA_FILE}: its storage map is a {type(storage).__name__}")
+    listed = listed_files(path)
+    for index, info in storage.items():
+        entry = getattr(index, "fqn", index)
+        if not isinstance(info, _StorageInfo):
+            raise UnsafeCheckpointError(f"{path / METADATA_FILE}: entry {entry!r} has no file location")
+        name = info.relative_path
+        name = str(name) if isinstance(name, PurePath) else name
+        problem = plain_file_problem(path, name)
+        if problem is None and listed is not None and name not in listed:
+            problem = "is not listed in meta.json (only listed files are checked and read)"
+        if problem:
+            raise UnsafeCheckpointError(f"{path / METADATA_FILE}: entry {entry!r} is stored in {name!r}, which "
+                                        f"{problem}")
 
 
 class SafeReader(dcp.FileSystemReader):
@@ -103,6 +141,7 @@ class SafeReader(dcp.FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         rank = kwargs.get("rank")
         found = read_metadata_safely(Path(self.path), METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
+        check_storage(Path(self.path), found)  # before DCP plans a read from any file it names
         if getattr(found, "storage_meta", None) is None:
             found.storage_meta = dcp_metadata.StorageMeta()
         if found.storage_meta is not None and hasattr(self, "load_id"):

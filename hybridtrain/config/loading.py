@@ -42,15 +42,19 @@ class ConfigError(ValueError):
 
 
 ConfigSource = Config | Mapping[str, Any] | str | Path
+Override = str | tuple[str, Any]
+"""``"a.b=c"`` (``c`` parsed as a YAML scalar or list), or ``("a.b", value)``: the value as given
+(a path from a command-line flag keeps its newlines, quotes and words like ``null``)."""
 
 
-def load_config(source: ConfigSource | None = None, overrides: Iterable[str] = ()) -> Config:
+def load_config(source: ConfigSource | None = None, overrides: Iterable[Override] = ()) -> Config:
     """Build a validated :class:`Config`; what happened to DeepSpeed keys that have no
     effect here or were renamed is said once at info level.
 
     Args:
         source: a ``Config``, a dict, or the path of a JSON/YAML file (``None`` = defaults).
-        overrides: ``a.b=c`` strings applied on top (values parsed as YAML scalars/lists).
+        overrides: applied on top: ``a.b=c`` strings (values parsed as YAML scalars/lists) or
+            ``(key, value)`` pairs (values as given).
 
     Returns:
         The validated configuration.
@@ -65,7 +69,7 @@ def load_config(source: ConfigSource | None = None, overrides: Iterable[str] = (
 
 
 def explain_config(source: ConfigSource | None = None,
-                   overrides: Iterable[str] = ()) -> tuple[Config, list[Applied]]:
+                   overrides: Iterable[Override] = ()) -> tuple[Config, list[Applied]]:
     """:func:`load_config`, also returning the treatment every DeepSpeed key got
     (:mod:`hybridtrain.config.deepspeed_keys`), without logging it.
 
@@ -141,6 +145,8 @@ def read_config_file(path: Path) -> dict[str, Any]:
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         detail = " ".join(str(exc).split())
         raise ConfigError(f"config file {str(path)!r} is not valid JSON/YAML: {detail}") from None
+    except ValueError as exc:  # an integer past Python's 4300-digit conversion limit
+        raise ConfigError(f"config file {str(path)!r}: {_digits_words(exc)}") from None
     if data is None:  # only comments
         raise empty
     if not isinstance(data, dict):
@@ -150,11 +156,25 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return data
 
 
-def _apply_override(raw: dict[str, Any], item: str) -> None:
-    key, sep, text = item.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"override {item!r} must look like section.key=value")
-    value = _parse_value(text)
+def _digits_words(exc: ValueError) -> str:
+    """What an integer too long for Python to read means for the user (not Python's advice
+    to raise its limit)."""
+    if "integer string conversion" in str(exc):
+        return "an integer of more than 4300 digits; numbers go up to 2^63 - 1"
+    return " ".join(str(exc).split())
+
+
+def _apply_override(raw: dict[str, Any], item: Override) -> None:
+    if isinstance(item, tuple):
+        key, value = item
+    else:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        try:
+            value = _parse_value(text)
+        except ValueError as exc:  # an integer past Python's 4300-digit conversion limit
+            raise ConfigError(f"override {key.strip()}=…: {_digits_words(exc)}") from None
     node = raw
     parts = key.strip().split(".")
     for part in parts[:-1]:
@@ -162,7 +182,7 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         if child is None:
             child = node[part] = {}
         if not isinstance(child, dict):
-            raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
+            raise ConfigError(f"override {key}: {part!r} is a value, not a section")
         node = child
     node[parts[-1]] = value
 

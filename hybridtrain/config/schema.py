@@ -14,6 +14,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from hybridtrain.config.numbers import check_numbers
 from hybridtrain.units import parse_bytes
 
 
@@ -517,6 +518,12 @@ class Config(Section):
     """Weights & Biases logging of the CLI's runs (DeepSpeed's monitor section)."""
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     """Profile two training steps of the CLI's runs (DeepSpeed's flops profiler)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _usable_numbers(cls, raw: Any) -> Any:
+        check_numbers(raw)  # infinities, integers past 64 bits, typed optimizer/scheduler params
+        return raw
 
     @field_validator("device_memory_limit", mode="before")
     @classmethod

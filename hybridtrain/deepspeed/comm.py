@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as _dist
 
+from hybridtrain.parallel.mesh import leave_process_group_at_exit
+
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -79,6 +81,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     _dist.init_process_group(backend, init_method=init_method, timeout=timeout or timedelta(minutes=30))
+    leave_process_group_at_exit()  # DeepSpeed scripts rarely destroy the group; gloo aborts at exit then
 
 
 def is_initialized() -> bool:

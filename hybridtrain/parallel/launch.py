@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -152,12 +154,22 @@ def launch(spec: LaunchSpec, script: str, script_args: Sequence[str] = (), annou
     # a value the user set wins.
     cores = len(os.sched_getaffinity(0))
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(cores, local_ranks(spec.nproc_per_node, cores))))
+    from hybridtrain.parallel.worker import FINISHED_DIR_ENV
+
+    # Where the ranks say that their script ended (see finished_ranks); passed on by torchrun.
+    finished_dir = tempfile.mkdtemp(prefix="hybridtrain-finished-")
+    os.environ[FINISHED_DIR_ENV] = finished_dir
     try:
         run(parse_args(torchrun_argv(spec, script, script_args)))
     except ChildFailedError as exc:
-        rank = first_failure(exc.failures)
-        failure = exc.failures[rank]
-        others = sorted(set(exc.failures) - {rank})
+        done = finished_ranks(exc.failures)
+        failures = {r: f for r, f in exc.failures.items() if r not in done}
+        if not failures:  # every rank's script ended; one died in the interpreter's teardown after it
+            print(f"warning: {_finished_line(exc.failures)}; the run finished", file=sys.stderr, flush=True)
+            return 0
+        rank = first_failure(failures)
+        failure = failures[rank]
+        others = sorted(set(failures) - {rank})
         also = f"; ranks {others} failed too" if others else ""
         print(f"error: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {_how(failure)}; "
               f"the launcher stopped the other ranks{also}", file=sys.stderr, flush=True)
@@ -167,6 +179,9 @@ def launch(spec: LaunchSpec, script: str, script_args: Sequence[str] = (), annou
             print(f"interrupted by {exc.sigval.name}: every rank was told to stop and has exited",
                   file=sys.stderr, flush=True)
         return 130
+    finally:
+        del os.environ[FINISHED_DIR_ENV]
+        shutil.rmtree(finished_dir, ignore_errors=True)
     return 0
 
 
@@ -193,6 +208,21 @@ def first_failure(failures: Mapping[int, ProcessFailure]) -> int:
         return kind, failure.timestamp, rank
 
     return min(failures.items(), key=order)[0]
+
+
+def finished_ranks(failures: Mapping[int, ProcessFailure]) -> set[int]:
+    """The ranks among ``failures`` that were killed by a signal after their script had ended
+    normally: the worker (:mod:`hybridtrain.parallel.worker`) left its marker once the script
+    and its atexit handlers returned."""
+    from hybridtrain.parallel.worker import finished_marker
+
+    return {rank for rank, failure in failures.items()
+            if failure.exitcode < 0 and os.path.exists(finished_marker(rank) or "")}
+
+
+def _finished_line(failures: Mapping[int, ProcessFailure]) -> str:
+    kills = ", ".join(f"rank {rank} by {failure.signal_name()}" for rank, failure in sorted(failures.items()))
+    return f"every rank finished its script; killed afterwards, while the interpreter shut down: {kills}"
 
 
 def _lost_peer(failure: ProcessFailure) -> bool:

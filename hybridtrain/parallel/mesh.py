@@ -99,6 +99,7 @@ def init_process_group(device: torch.device, timeout_s: float = 600.0, host_coll
     After a restart the group is built on :func:`restart_store`, so that it does not meet
     the keys of the round that died.
     """
+    leave_process_group_at_exit()  # also for a group the program made itself
     if dist.is_initialized():
         return
     if device.type == "cuda":
@@ -110,15 +111,30 @@ def init_process_group(device: torch.device, timeout_s: float = 600.0, host_coll
     else:
         dist.init_process_group(backend_for(device, host_collectives), timeout=timeout, store=store,
                                 rank=int(os.environ["RANK"]), world_size=env_world_size())
-    atexit.register(_leave_at_exit)
 
 
-def _leave_at_exit() -> None:
-    """At interpreter exit, leave a group the program did not leave itself (a Hugging Face
-    Trainer or Lightning script never does): gloo's worker threads must not outlive the
-    teardown, where they abort a rank that trained to the end ("terminate called without
-    an active exception", SIGABRT, a failed run for the launcher). No barrier: a peer may be
-    gone, and every collective of this process has returned by now."""
+_LEAVING_AT_EXIT: list[bool] = []
+
+
+def leave_process_group_at_exit() -> None:
+    """Make the interpreter leave the process group at exit if the program does not
+    (registered once per process; a no-op at exit when there is no group).
+
+    Why: a process that exits with its gloo group alive tears the group down during
+    interpreter finalization, where gloo's worker threads still hold work objects with
+    Python references; freeing them then needs the GIL of an interpreter that is going
+    away, and a rank that trained to the end dies of SIGABRT ("terminate called without an
+    active exception"), a failed run for the launcher. An atexit handler runs while the
+    interpreter is whole, and after the handlers the program registered itself (atexit is
+    last-in, first-out), which may still use the group."""
+    if not _LEAVING_AT_EXIT:
+        _LEAVING_AT_EXIT.append(True)
+        atexit.register(leave_process_group)
+
+
+def leave_process_group() -> None:
+    """Destroy every process group of this process, without a barrier (a peer may be gone,
+    and every collective of a finished program has returned); a no-op without one."""
     if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()

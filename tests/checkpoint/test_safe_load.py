@@ -33,7 +33,7 @@ class Payload:
         return exec, (f"open({str(self.marker)!r}, 'w').write('code ran')",)
 
 
-def _recommit(path: Path) -> None:
+def recommit(path: Path) -> None:
     """Make ``meta.json`` and ``COMMITTED`` agree with the files as they are now."""
     meta = json.loads((path / META).read_text())
     for name in meta["files"]:
@@ -51,7 +51,7 @@ def _plant_in_metadata(path: Path, marker: Path) -> None:
         md = pickle.load(fh)  # our own file, written a moment ago by the test's run
     md.planner_data = Payload(marker)
     (path / ".metadata").write_bytes(pickle.dumps(md))
-    _recommit(path)
+    recommit(path)
 
 
 def test_neither_resume_nor_export_runs_a_payload_in_the_metadata(tmp_path: Path) -> None:
