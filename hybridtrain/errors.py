@@ -15,16 +15,9 @@ import re
 import torch
 
 from hybridtrain.checkpoint import CheckpointError
-from hybridtrain.parallel.mesh import stalled_ranks
+from hybridtrain.parallel.peer_failure import PeerFailure, peer_failure
 
-_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Connection refused", "Broken pipe",
-              "connectFullMesh failed")
-"""Words of gloo/NCCL/TCPStore errors that mean another rank is gone."""
-_TIMED_OUT = ("Timed out waiting", "timed out", "Timeout", "watchdog")
-
-
-class PeerFailure(RuntimeError):
-    """A collective failed because another rank died or stalled; the message names them."""
+__all__ = ["PeerFailure", "describe_failure", "describe_os_error", "peer_failure"]
 
 
 def describe_failure(exc: BaseException) -> tuple[str, int] | None:
@@ -71,31 +64,6 @@ def describe_os_error(exc: OSError) -> str:
     if exc.errno == errno.EDQUOT:
         return f"disk quota exceeded writing{where}: free space or raise the quota"
     return f"{exc.strerror or type(exc).__name__}{':' if where else ''}{where}"
-
-
-def peer_failure(exc: BaseException, timeout_s: float | None = None) -> PeerFailure | None:
-    """``exc`` as a :class:`PeerFailure` when a collective failed because another rank died
-    (connection reset/refused) or stalled (timed out after ``timeout_s``); else None."""
-    if not isinstance(exc, RuntimeError):
-        return None
-    text = _one_line(str(exc))
-    kinds = {cls.__name__ for cls in type(exc).__mro__}
-    lost = any(word in text for word in _PEER_LOST)
-    timed_out = any(word in text for word in _TIMED_OUT)
-    if not (lost or timed_out or kinds & {"DistError", "DistBackendError", "DistNetworkError", "DistStoreError"}):
-        return None
-    if "DistStoreError" in kinds:  # the ranks never met (rendezvous), no collective involved
-        return PeerFailure(f"the ranks could not meet in the rendezvous store ({text[:200]}); check that every "
-                           "rank was started and can reach MASTER_ADDR:MASTER_PORT")
-    if timed_out and not lost:
-        stalled = stalled_ranks()
-        who = (f"rank{'s' if len(stalled) > 1 else ''} {', '.join(map(str, stalled))} never reached it"
-               if stalled else "every rank was waiting (collectives called in a different order?)")
-        within = f" within distributed.timeout_s = {timeout_s:g} s" if timeout_s is not None else ""
-        return PeerFailure(f"a collective did not finish{within}: {who}; raise distributed.timeout_s "
-                           "if that rank is only slow")
-    return PeerFailure(f"lost contact with another rank in a collective ({text[:160]}); the launcher "
-                       "names the rank that failed first")
 
 
 def _one_line(text: str) -> str:

@@ -26,7 +26,7 @@ LAYERS: list[list[str]] = [  # bottom first; a module may import its own layer a
     ["recovery"],                                              # memory policy above the engine
     ["errors", "trainer"],
     ["deepspeed", "report", "hpo", "service"],
-    ["", "cli", "train_cli", "commands", "parallel.worker", "hpo.cli", "hpo.__main__", "service.cli",
+    ["", "cli", "train_cli", "commands", "hpo.cli", "hpo.__main__", "service.cli",
      "deepspeed.__main__"],  # commands
 ]
 

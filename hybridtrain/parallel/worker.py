@@ -69,7 +69,7 @@ def main(argv: Sequence[str]) -> None:
     except KeyboardInterrupt:  # Ctrl-C, passed on by the launcher, which says it in one line
         sys.exit(130)
     except BaseException as exc:
-        from hybridtrain.errors import peer_failure
+        from hybridtrain.parallel.peer_failure import peer_failure
 
         record_failure(peer_failure(exc) or exc, error_file)
         raise
