@@ -5,13 +5,27 @@ DeepSpeed's CPU communication backend builds its shared-memory all-reduce op (a 
 build of ~100 s here) when the op reports itself compatible; with one process it only
 replaces an all-reduce over one rank, so the op table is emptied and torch's gloo
 collectives run instead. The math is DeepSpeed's own.
+
+A gloo group still alive when the interpreter shuts down can abort the process after the
+script finished ("terminate called without an active exception"); the reference gets the
+teardown at exit that hybridtrain's launcher gives every script (hybridtrain.parallel.worker).
 """
 
+import atexit
 import os
 import runpy
 import sys
 
 import deepspeed.ops
+import torch.distributed as dist
+
+
+def _leave_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+atexit.register(_leave_process_group)  # first registered, last run: after the script's own handlers
 
 deepspeed.ops.__compatible_ops__ = {}
 sys.argv = sys.argv[1:]
