@@ -8,7 +8,7 @@ function of the queue and the holders); the scheduler applies it.
 
     >>> holders = [Holder("a", 1, 0, True, 1.0), Holder("b", 1, 0, True, 2.0)]
     >>> choose_preemptions([Want("urgent", 1, 5, 3.0)], holders, free=0, now=4.0)
-    ['b']
+    [('b', 'urgent')]
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _fewest(candidates: list[Holder], needed: int) -> list[Holder]:
 
 
 def choose_preemptions(queued: Sequence[Want], holders: Sequence[Holder], free: int,
-                       now: float, aging_s: float = 300.0) -> list[str]:
+                       now: float, aging_s: float = 300.0) -> list[tuple[str, str]]:
     """The running jobs to preempt now.
 
     The queue is walked in start order (:func:`~hybridtrain.service.devices.start_order`);
@@ -82,11 +82,11 @@ def choose_preemptions(queued: Sequence[Want], holders: Sequence[Holder], free: 
         aging_s: seconds of waiting worth one priority level (start order only).
 
     Returns:
-        Names of the holders to preempt, lowest priority first.
+        ``(holder, waiting job it makes room for)`` for each holder to preempt.
     """
     pool = free + sum(h.devices for h in holders if h.stopping)
     left = [h for h in holders if not h.stopping and h.preemptible and h.devices > 0]
-    preempt: list[Holder] = []
+    preempt: list[tuple[str, str]] = []
     for want in start_order(queued, now, aging_s):
         if want.devices <= pool:
             pool -= want.devices
@@ -94,7 +94,7 @@ def choose_preemptions(queued: Sequence[Want], holders: Sequence[Holder], free: 
         chosen = _fewest([h for h in left if h.priority < want.priority], want.devices - pool)
         if not chosen:
             continue
-        preempt += chosen
+        preempt += [(h.name, want.name) for h in chosen]
         left = [h for h in left if h not in chosen]
         pool += sum(h.devices for h in chosen) - want.devices
-    return [h.name for h in preempt]
+    return preempt

@@ -8,6 +8,10 @@ and a trial is a job. Job states::
       ^  \\                     |  \\--cancel (SIGTERM, checkpoint)--> cancelled
       |   \\--cancel--> cancelled  \\--exit != 0--> failed (reason named)
       +------ restart (< max_restarts, from the newest checkpoint) ------+
+    preempted <--preempted (SIGTERM, checkpoint)-- running;  preempted --devices free--> running
+
+A ``preempted`` job waits like a queued one (and is cancelled like one); it resumes from
+the checkpoint it saved when it was stopped.
 
 Every transition is a compare-and-set on ``(state, attempt)``, so two schedulers (or a
 scheduler and a cancel) never both move a job, and a job is started at most once per
@@ -46,7 +50,7 @@ JOBS = sa.Table(
     sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
     sa.Column("name", sa.String(64), nullable=False, unique=True),
     sa.Column("spec_json", sa.Text, nullable=False),
-    # queued | running | succeeded | failed | cancelled
+    # queued | running | preempted | succeeded | failed | cancelled
     sa.Column("state", sa.String(16), nullable=False),
     sa.Column("reason", sa.Text, nullable=False, default=""),
     sa.Column("priority", sa.Integer, nullable=False, default=0),
@@ -84,7 +88,12 @@ LEADER = sa.Table(
     sa.Column("url", sa.Text, nullable=True),
 )
 
-ACTIVE = ("queued", "running")
+#: Waiting for devices: new, restarted or preempted.
+WAITING = ("queued", "preempted")
+ACTIVE = (*WAITING, "running")
+#: The reason of a running job being preempted starts with this (the leader that settles
+#: its exit may be another one than the leader that preempted it).
+PREEMPTING = "preempting:"
 TERMINAL = ("succeeded", "failed", "cancelled")
 
 
@@ -118,6 +127,11 @@ class JobRecord:
     started_at: float | None = None
     finished_at: float | None = None
 
+    @property
+    def preempting(self) -> bool:
+        """Whether this running attempt is being preempted (SIGTERM sent, not yet ended)."""
+        return self.state == "running" and self.reason.startswith(PREEMPTING)
+
     def as_dict(self) -> dict[str, Any]:
         """JSON form for the REST API and ``--json``."""
         return {
@@ -126,7 +140,8 @@ class JobRecord:
             "trial_number": self.trial_number, "backend": self.spec.backend,
             "devices_requested": self.spec.devices, "nodes": self.spec.nodes,
             "devices": list(self.devices), "attempt": self.attempt, "restarts": self.restarts,
-            "max_restarts": self.spec.max_restarts, "exit_code": self.exit_code,
+            "max_restarts": self.spec.max_restarts, "preemptible": self.spec.preemptible,
+            "preempting": self.preempting, "exit_code": self.exit_code,
             "host": self.host, "pid": self.pgid, "backend_ref": self.backend_ref,
             "cancel_requested": self.cancel_requested is not None,
             "program": self.spec.display(), "job_dir": self.job_dir,
@@ -225,7 +240,7 @@ class JobStore:
         now = time.time()
         with self.engine.begin() as conn:
             done = conn.execute(JOBS.update().where(
-                JOBS.c.id == job.id, JOBS.c.state == "queued").values(
+                JOBS.c.id == job.id, JOBS.c.state.in_(WAITING)).values(
                 state="cancelled", reason=reason, finished_at=now)).rowcount
             if not done:
                 conn.execute(JOBS.update().where(
@@ -259,10 +274,10 @@ class JobStore:
 
     # -- the leader's side ---------------------------------------------------------------
     def mark_running(self, job: JobRecord, owner: str, devices: tuple[int, ...]) -> bool:
-        """Claim a queued job for a new attempt (before anything is started)."""
+        """Claim a queued (or preempted) job for a new attempt (before anything is started)."""
         with self.engine.begin() as conn:
             return conn.execute(JOBS.update().where(
-                JOBS.c.id == job.id, JOBS.c.state == "queued",
+                JOBS.c.id == job.id, JOBS.c.state == job.state, JOBS.c.state.in_(WAITING),
                 JOBS.c.attempt == job.attempt).values(
                 state="running", attempt=job.attempt + 1, reason=f"starting ({owner})",
                 devices_json=json.dumps(list(devices)), host=socket.gethostname(),
@@ -284,8 +299,17 @@ class JobStore:
             conn.execute(JOBS.update().where(JOBS.c.id == job.id).values(
                 stop_sent_at=time.time()))
 
+    def mark_preempting(self, job: JobRecord, reason: str) -> bool:
+        """Note that the running attempt is being preempted (SIGTERM goes out now; SIGKILL
+        follows after ``kill_grace``); ``False`` when it ended or a cancel came first."""
+        with self.engine.begin() as conn:
+            return conn.execute(JOBS.update().where(
+                JOBS.c.id == job.id, JOBS.c.state == "running", JOBS.c.attempt == job.attempt,
+                JOBS.c.cancel_requested.is_(None), JOBS.c.stop_sent_at.is_(None)).values(
+                reason=f"{PREEMPTING} {reason}", stop_sent_at=time.time())).rowcount == 1
+
     def end_attempt(self, job: JobRecord, state: str, reason: str, exit_code: int | None,
-                    restart: bool = False) -> bool:
+                    restart: bool = False, waiting: str = "queued") -> bool:
         """Close the running attempt: finish the job in ``state``, or queue it again.
 
         Args:
@@ -295,6 +319,7 @@ class JobStore:
             exit_code: the attempt's exit code (``None``: unknown).
             restart: queue the job again (a restart after a failure, or an attempt that
                 never started because its scheduler died first).
+            waiting: the state it waits in after ``restart`` (``preempted``: it was).
 
         Returns:
             Whether the job was still in that attempt (compare-and-set).
@@ -306,7 +331,7 @@ class JobStore:
         values: dict[str, Any] = {"exit_code": exit_code, "pgid": None,
                                   "history_json": json.dumps([*job.history, entry])}
         if restart:
-            values |= {"state": "queued", "reason": reason, "queued_at": now,
+            values |= {"state": waiting, "reason": reason, "queued_at": now,
                        "devices_json": "[]", "stop_sent_at": None}
             if state == "failed":
                 values["restarts"] = job.restarts + 1
