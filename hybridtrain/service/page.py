@@ -23,7 +23,7 @@ body{font:14px system-ui,sans-serif;margin:1.5em;color:#222}
 table{border-collapse:collapse;width:100%;margin-bottom:1.5em}
 td,th{border-bottom:1px solid #ddd;padding:.3em .6em;text-align:left;vertical-align:top}
 tr.sel{background:#eef}tr{cursor:pointer}
-.queued{color:#a60}.running{color:#06c}.succeeded{color:#080}.failed{color:#c00}
+.queued{color:#a60}.preempted{color:#a60;font-style:italic}.running{color:#06c}.succeeded{color:#080}.failed{color:#c00}
 .cancelled{color:#777}pre{background:#f6f6f6;padding:.6em;max-height:24em;overflow:auto}
 </style></head><body>
 <h1>hybridtrain jobs</h1><div id="summary"></div>
@@ -64,7 +64,7 @@ async function refresh() {
   const s = d.summary;
   document.getElementById("summary").textContent = `${s.devices.kind} slots ${s.devices.ids.length}, busy ${s.devices.busy.length}; ` +
     Object.entries(s.jobs).map(([k, v]) => `${k} ${v}`).join(", ");
-  const order = {running: 0, queued: 1};
+  const order = {running: 0, queued: 1, preempted: 1};
   d.jobs.sort((a, b) => (order[a.state] ?? 2) - (order[b.state] ?? 2) || b.id - a.id);
   document.getElementById("jobs").innerHTML = d.jobs.map(j => `<tr data-name="${esc(j.name)}" class="${j.name === selected ? "sel" : ""}">
     <td>${esc(j.name)}</td><td class="${j.state}">${j.state}</td><td>${esc(JSON.stringify(j.devices))}</td>

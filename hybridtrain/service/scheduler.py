@@ -32,7 +32,8 @@ from hybridtrain.service.devices import Slots, Want, plan_starts
 from hybridtrain.service.errors import JobError
 from hybridtrain.service.failures import describe_exit
 from hybridtrain.service.preemption import Holder, choose_preemptions
-from hybridtrain.service.store import PREEMPTING, WAITING, JobRecord, JobStore
+from hybridtrain.service.states import WAITING
+from hybridtrain.service.store import PREEMPTING, JobRecord, JobStore
 
 log = logging.getLogger(__name__)
 

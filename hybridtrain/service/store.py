@@ -41,6 +41,7 @@ from hybridtrain.hpo.storage import (
 )
 from hybridtrain.service.errors import JobConflictError, JobNotFoundError
 from hybridtrain.service.spec import JobSpec
+from hybridtrain.service.states import TERMINAL, WAITING
 
 METADATA = sa.MetaData()
 
@@ -88,13 +89,9 @@ LEADER = sa.Table(
     sa.Column("url", sa.Text, nullable=True),
 )
 
-#: Waiting for devices: new, restarted or preempted.
-WAITING = ("queued", "preempted")
-ACTIVE = (*WAITING, "running")
 #: The reason of a running job being preempted starts with this (the leader that settles
 #: its exit may be another one than the leader that preempted it).
 PREEMPTING = "preempting:"
-TERMINAL = ("succeeded", "failed", "cancelled")
 
 
 @dataclass(frozen=True)
