@@ -207,7 +207,13 @@ class Scheduler:
         wants = [Want(j.name, j.spec.devices, j.priority, j.queued_at) for j in local]
         by_name = {j.name: j for j in queued}
         if self.preemption:
-            self._preempt(wants, running, len(free))
+            victims = self._preempt(wants, running, len(free))
+            stopping = [j.priority for j in running if j.preempting] + victims
+            if stopping:
+                # Slots that preemption frees are for the jobs that preempted: a job of no
+                # higher priority than one being preempted would take them back (and be
+                # preempted in turn, over and over, while the others stop).
+                wants = [w for w in wants if w.priority > max(stopping)]
         for name, devices in plan_starts(wants, free, time.time(), self.aging_s,
                                          self.reserve_after_s):
             self._start(by_name[name], devices)
@@ -217,20 +223,23 @@ class Scheduler:
             if job.name not in local_names and job.spec.backend in self.backends:
                 self._start(job, ())
 
-    def _preempt(self, wants: list[Want], running: list[JobRecord], free: int) -> None:
+    def _preempt(self, wants: list[Want], running: list[JobRecord], free: int) -> list[int]:
         """Send SIGTERM to the running jobs :func:`choose_preemptions` picks; they are
-        settled as ``preempted`` when they exit (:meth:`_settle`)."""
+        settled as ``preempted`` when they exit (:meth:`_settle`). Returns their priorities."""
         holders = [Holder(j.name, len(j.devices), j.priority, j.spec.preemptible,
                           j.started_at or 0.0, j.stop_sent_at is not None)
                    for j in running if j.devices]
         by_name = {j.name: j for j in running}
         priority = {w.name: w.priority for w in wants}
+        marked: list[int] = []
         for name, waiting in choose_preemptions(wants, holders, free, time.time(), self.aging_s):
             job = by_name[name]
             why = f"preempted for {waiting} (priority {priority[waiting]} > {job.priority})"
             if self.store.mark_preempting(job, why):
                 self.backends[job.spec.backend].stop(job, force=False)
                 self.on_event(f"job {job.name}: {why}, SIGTERM sent")
+                marked.append(job.priority)
+        return marked
 
     def _start(self, job: JobRecord, devices: tuple[int, ...]) -> None:
         backend = self.backends[job.spec.backend]

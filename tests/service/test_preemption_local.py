@@ -72,3 +72,59 @@ def test_a_high_priority_job_preempts_both_holders_which_resume_and_train_each_s
         steps = _steps_logged(job.job_dir)
         assert [s for i, s in enumerate(steps) if i == 0 or s != steps[i - 1]] == list(
             range(1, STEPS + 1)), steps
+
+
+def _sleepers(storage: str, tmp_path: Path, preemption: bool) -> tuple[JobService, Scheduler]:
+    """A one-slot service whose only slot a priority-0 ``sleep`` holds."""
+    slots = parse_slots("cpu:1")
+    scheduler = Scheduler(JobStore(storage), slots, {"local": LocalBackend(slots)}, lease=5.0,
+                          preemption=preemption)
+    service = JobService(scheduler.store, scheduler, tmp_path / "jobs")
+    service.submit({"name": "holder", "shell": True, "command": ["echo ready; exec sleep 60"],
+                    "kill_grace": 5})
+    log = Path(service.store.get("holder").job_dir) / "output.log"
+    # Started for real (its wrapper passes signals on), not only claimed.
+    wait_for(lambda: log.exists() and "ready" in log.read_text(), 30, "'holder' to run",
+             scheduler.tick)
+    return service, scheduler
+
+
+def test_no_preemption_and_unpreemptible_jobs_keep_their_devices(
+        storage: str, tmp_path: Path) -> None:
+    service, scheduler = _sleepers(storage, tmp_path, preemption=False)
+    service.submit({"name": "urgent", "command": ["true"], "priority": 5})
+    scheduler.tick()
+    assert [service.store.get(n).state for n in ("holder", "urgent")] == ["running", "queued"]
+    service.cancel("holder")
+    wait_for(lambda: service.store.get("holder").state == "cancelled", 30, "the cancel",
+             scheduler.tick)
+
+    service.submit({"name": "kept", "command": ["sleep", "60"], "preemptible": False})
+    wait_for(lambda: service.store.get("kept").state == "running", 30, "'kept' to start",
+             scheduler.tick)
+    scheduler.preemption = True
+    service.submit({"name": "urgent-2", "command": ["true"], "priority": 9})
+    scheduler.tick()
+    kept = service.store.get("kept")
+    assert kept.state == "running" and not kept.preempting and not kept.as_dict()["preemptible"]
+    service.cancel("kept")
+    wait_for(lambda: service.store.get("urgent-2").state == "succeeded", 30, "'urgent-2'",
+             scheduler.tick)
+
+
+def test_a_preempted_command_waits_and_a_cancel_ends_it_at_once(
+        storage: str, tmp_path: Path) -> None:
+    service, scheduler = _sleepers(storage, tmp_path, preemption=True)
+    service.submit({"name": "urgent", "command": ["sleep", "60"], "priority": 5})
+    scheduler.tick()
+    assert service.store.get("holder").as_dict()["preempting"]
+    wait_for(lambda: service.store.get("holder").state == "preempted", 30, "the preemption",
+             scheduler.tick)
+    holder = service.store.get("holder")
+    assert holder.reason == ("preempted for urgent (priority 5 > 0): exit 143; it resumes when "
+                             "devices free up"), holder.reason
+    assert holder.restarts == 0 and service.queue_positions() == {"holder": 1}
+    assert service.cancel("holder").state == "cancelled"
+    service.cancel("urgent")
+    wait_for(lambda: service.store.get("urgent").state == "cancelled", 30, "the cancel",
+             scheduler.tick)
