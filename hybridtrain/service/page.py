@@ -53,7 +53,8 @@ async function show(name) {
   const hist = j.history.map(h => `<li>attempt ${h.attempt}: ${esc(h.outcome)} (exit ${esc(h.exit_code)}) on ${esc(JSON.stringify(h.devices))}: ${esc(h.reason)}</li>`).join("");
   document.getElementById("detail").innerHTML = `<h2>${esc(j.name)} <span class="${j.state}">${j.state}</span></h2>
     <p>${esc(j.reason)}</p><p>devices ${esc(JSON.stringify(j.devices))} of ${j.devices_requested} asked,
-    restarts ${j.restarts}/${j.max_restarts}, attempt ${j.attempt}, backend ${esc(j.backend)}</p>
+    restarts ${j.restarts}/${j.max_restarts}, attempt ${j.attempt}, backend ${esc(j.backend)},
+    ${j.preemptible ? "preemptible" : "not preemptible"}</p>
     <h3>loss</h3>${curve(d.curve)}<h3>attempts</h3><ul>${hist || "<li>none yet</li>"}</ul>
     <h3>log (last 64 KiB)</h3><pre>${esc(d.log)}</pre>`;
 }
