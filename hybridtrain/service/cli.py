@@ -25,7 +25,7 @@ _STORAGE_HELP = "storage URL (default: $HYBRIDTRAIN_HPO_STORAGE or sqlite:///hpo
 #: Exit codes of the commands that wait for a job to end (``wait``, ``submit --wait``,
 #: ``cancel --wait``), by the job's final state. Every other command exits 0 when the
 #: service did what was asked; every command exits 2 for a refused request (one line).
-WAIT_CODES = {"succeeded": 0, "failed": 1, "cancelled": 130}
+WAIT_CODES = {"succeeded": 0, "failed": 1, "cancelled": 130, "pruned": 130}
 #: ``wait --timeout`` ran out before the job ended.
 WAIT_TIMEOUT = 124
 
@@ -211,7 +211,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 @_errors_to_exit
 def cmd_wait(args: argparse.Namespace) -> int:
-    """Wait until a job ends; exit 0 succeeded, 1 failed, 130 cancelled."""
+    """Wait until a job ends; exit 0 succeeded, 1 failed, 130 cancelled (or pruned)."""
     return _wait(_client(args), args, args.name, args.timeout)
 
 

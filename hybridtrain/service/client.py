@@ -49,7 +49,8 @@ class Attempt:
 class Job:
     """A job as the service reports it (``GET /v1/jobs/NAME``).
 
-    ``state`` is ``queued``, ``running``, ``succeeded``, ``failed`` or ``cancelled``;
+    ``state`` is ``queued``, ``running``, ``preempted``, ``succeeded``, ``failed``,
+    ``cancelled`` or ``pruned`` (an HPO trial its pruner stopped);
     ``queue_position`` is its place in the start order while queued (1 = next);
     ``attempts`` is empty in listings (``Client.list``), complete from ``Client.get``.
     """
@@ -78,7 +79,7 @@ class Job:
 
     @property
     def finished(self) -> bool:
-        """Whether the job has ended (succeeded, failed or cancelled)."""
+        """Whether the job has ended (succeeded, failed, cancelled or pruned)."""
         return self.state in FINISHED
 
     @classmethod

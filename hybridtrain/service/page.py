@@ -24,7 +24,7 @@ table{border-collapse:collapse;width:100%;margin-bottom:1.5em}
 td,th{border-bottom:1px solid #ddd;padding:.3em .6em;text-align:left;vertical-align:top}
 tr.sel{background:#eef}tr{cursor:pointer}
 .queued{color:#a60}.preempted{color:#a60;font-style:italic}.running{color:#06c}.succeeded{color:#080}.failed{color:#c00}
-.cancelled{color:#777}pre{background:#f6f6f6;padding:.6em;max-height:24em;overflow:auto}
+.cancelled,.pruned{color:#777}pre{background:#f6f6f6;padding:.6em;max-height:24em;overflow:auto}
 </style></head><body>
 <h1>hybridtrain jobs</h1><div id="summary"></div>
 <table><thead><tr><th>job</th><th>state</th><th>devices</th><th>restarts</th>

@@ -33,7 +33,7 @@ from hybridtrain.service.errors import JobError
 from hybridtrain.service.failures import describe_exit
 from hybridtrain.service.preemption import Holder, choose_preemptions
 from hybridtrain.service.states import WAITING
-from hybridtrain.service.store import PREEMPTING, JobRecord, JobStore
+from hybridtrain.service.store import PREEMPTING, PRUNING, JobRecord, JobStore
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +168,11 @@ class Scheduler:
                       and time.time() - job.stop_sent_at > job.spec.kill_grace else "")
             if ended.reason:
                 how += f"; {ended.reason}"
+            if job.cancel_requested is not None and job.reason.startswith(PRUNING):
+                self.store.end_attempt(job, "pruned", f"pruned by its HPO pruner: {how}{forced}",
+                                       code)
+                self.on_event(f"job {job.name} pruned ({how})")
+                return
             if job.cancel_requested is not None:
                 self.store.end_attempt(job, "cancelled", f"cancelled on request: {how}{forced}",
                                        code)

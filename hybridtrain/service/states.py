@@ -10,7 +10,8 @@ from __future__ import annotations
 WAITING = ("queued", "preempted")
 #: Not ended yet.
 ACTIVE = (*WAITING, "running")
-#: Ended (``jobs resubmit`` queues such a job again).
-TERMINAL = ("succeeded", "failed", "cancelled")
+#: Ended (``jobs resubmit`` queues such a job again). ``pruned``: an HPO trial that Optuna's
+#: pruner stopped (a cancel that the trial's controller asked for on the pruner's word).
+TERMINAL = ("succeeded", "failed", "cancelled", "pruned")
 #: Every state, in lifecycle order (listings and metrics).
 STATES = (*ACTIVE, *TERMINAL)

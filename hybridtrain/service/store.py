@@ -51,7 +51,7 @@ JOBS = sa.Table(
     sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
     sa.Column("name", sa.String(64), nullable=False, unique=True),
     sa.Column("spec_json", sa.Text, nullable=False),
-    # queued | running | preempted | succeeded | failed | cancelled
+    # queued | running | preempted | succeeded | failed | cancelled | pruned
     sa.Column("state", sa.String(16), nullable=False),
     sa.Column("reason", sa.Text, nullable=False, default=""),
     sa.Column("priority", sa.Integer, nullable=False, default=0),
@@ -92,6 +92,8 @@ LEADER = sa.Table(
 #: The reason of a running job being preempted starts with this (the leader that settles
 #: its exit may be another one than the leader that preempted it).
 PREEMPTING = "preempting:"
+#: The reason of a running trial that is being cancelled because it was pruned starts so.
+PRUNING = "pruning:"
 
 
 @dataclass(frozen=True)
@@ -230,19 +232,23 @@ class JobStore:
         with self.engine.connect() as conn:
             return [_record(r) for r in conn.execute(stmt).all()]
 
-    def cancel(self, key: str | int, reason: str = "cancelled on request") -> JobRecord:
-        """Cancel a job: a queued one at once, a running one by SIGTERM (the trainer saves
-        a checkpoint and stops); the leader sends it. A finished job is left as it is."""
+    def cancel(self, key: str | int, reason: str = "cancelled on request",
+               state: str = "cancelled") -> JobRecord:
+        """Cancel a job: a waiting one at once, a running one by SIGTERM (the trainer saves
+        a checkpoint and stops); the leader sends it. A finished job is left as it is.
+
+        ``state``: ``pruned`` for an HPO trial that its pruner stopped (it ends so)."""
         job = self.get(key)
         now = time.time()
         with self.engine.begin() as conn:
             done = conn.execute(JOBS.update().where(
                 JOBS.c.id == job.id, JOBS.c.state.in_(WAITING)).values(
-                state="cancelled", reason=reason, finished_at=now)).rowcount
+                state=state, reason=reason, finished_at=now)).rowcount
             if not done:
+                marked = {"reason": f"{PRUNING} {reason}"} if state == "pruned" else {}
                 conn.execute(JOBS.update().where(
                     JOBS.c.id == job.id, JOBS.c.state == "running",
-                    JOBS.c.cancel_requested.is_(None)).values(cancel_requested=now))
+                    JOBS.c.cancel_requested.is_(None)).values(cancel_requested=now, **marked))
         return self.get(job.id)
 
     def resubmit(self, key: str | int, spec: JobSpec | None = None) -> JobRecord:

@@ -187,14 +187,19 @@ class JobProcess(TrialProcess):
             return 0.0
         return max(0.0, time.time() - job.started_at)
 
-    def terminate(self) -> None:
-        """Cancel the job (SIGTERM) without waiting."""
+    def terminate(self, pruned: bool = False) -> None:
+        """Cancel the job (SIGTERM) without waiting; ``pruned``: it ends ``pruned``."""
         assert self._job is not None, "start() first"
-        self.jobs.store.cancel(self._job.id, "its trial was stopped")
+        if pruned:
+            self.jobs.store.cancel(self._job.id, "its trial was pruned (Optuna's pruner)",
+                                   state="pruned")
+        else:
+            self.jobs.store.cancel(self._job.id, "its trial was stopped")
         self.jobs.tick(force=True)
 
-    def stop(self, grace: float) -> int:
-        """Cancel the job (if still running) and wait until it ended.
+    def stop(self, grace: float, pruned: bool = False) -> int:
+        """Cancel the job (if still running) and wait until it ended; ``pruned``: the
+        pruner stopped it, and the job ends ``pruned`` rather than ``cancelled``.
 
         Returns:
             Its exit code.
@@ -202,7 +207,7 @@ class JobProcess(TrialProcess):
         code = self.poll()
         if code is not None:
             return code
-        self.terminate()
+        self.terminate(pruned)
         deadline = time.monotonic() + grace + 30.0  # the leader SIGKILLs after kill_grace
         while time.monotonic() < deadline:
             code = self.poll()
