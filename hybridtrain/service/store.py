@@ -11,7 +11,8 @@ and a trial is a job. Job states::
     preempted <--preempted (SIGTERM, checkpoint)-- running;  preempted --devices free--> running
 
 A ``preempted`` job waits like a queued one (and is cancelled like one); it resumes from
-the checkpoint it saved when it was stopped.
+the checkpoint it saved when it was stopped. An HPO trial cancelled because its pruner
+stopped it ends ``pruned`` instead of ``cancelled``.
 
 Every transition is a compare-and-set on ``(state, attempt)``, so two schedulers (or a
 scheduler and a cancel) never both move a job, and a job is started at most once per
