@@ -208,10 +208,12 @@ class TrialProcess:
         assert self._popen is not None, "start() first"
         _signal_group(self._popen.pid, signal.SIGTERM)
 
-    def stop(self, grace: float) -> int:
+    def stop(self, grace: float, pruned: bool = False) -> int:
         """Stop the whole process group (SIGTERM, SIGKILL after ``grace`` s).
 
         Also used after a normal exit, to end anything the command left running.
+        ``pruned``: the pruner stopped the trial (a process that keeps a record of its
+        run, such as a training-service job, records it; a plain process has no record).
 
         Returns:
             The exit code of the command (negative: killed by that signal).

@@ -143,7 +143,7 @@ class RunningTrial:
         code = self.process.poll()
         # A trial that already exited has spent its compute: it completes, never pruned.
         if self._collect(final=code is not None) and code is None:
-            self.process.stop(self.spec.trial.kill_grace)
+            self.process.stop(self.spec.trial.kill_grace, pruned=True)
             return Outcome("pruned", self._value())
         if code is None:
             timeout = self.spec.trial.timeout

@@ -38,6 +38,7 @@ from hybridtrain.service.devices import Want, start_order
 from hybridtrain.service.errors import JobSpecError
 from hybridtrain.service.scheduler import Scheduler
 from hybridtrain.service.spec import JobSpec, load_job_spec
+from hybridtrain.service.states import WAITING
 from hybridtrain.service.store import JobRecord, JobStore
 
 #: Largest chunk of a log one request returns (the client asks again from the offset).
@@ -180,9 +181,10 @@ class JobService:
         return {"name": job.name, "steps": steps, "loss": losses}
 
     def queue_positions(self) -> dict[str, int]:
-        """Every queued job's place in the start order (1 = next), by name."""
+        """Every waiting (queued or preempted) job's place in the start order (1 = next),
+        by name."""
         wants = [Want(j.name, j.spec.devices, j.priority, j.queued_at)
-                 for j in self.store.jobs(("queued",))]
+                 for j in self.store.jobs(WAITING)]
         order = start_order(wants, time.time(), self.scheduler.aging_s)
         return {want.name: place for place, want in enumerate(order, 1)}
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from hybridtrain.hpo.errors import HPOError
 from hybridtrain.service.client import CONFIG_SUFFIXES
+from hybridtrain.service.states import WAITING
 
 if TYPE_CHECKING:
     from hybridtrain.service.client import Client
@@ -24,7 +25,7 @@ _STORAGE_HELP = "storage URL (default: $HYBRIDTRAIN_HPO_STORAGE or sqlite:///hpo
 #: Exit codes of the commands that wait for a job to end (``wait``, ``submit --wait``,
 #: ``cancel --wait``), by the job's final state. Every other command exits 0 when the
 #: service did what was asked; every command exits 2 for a refused request (one line).
-WAIT_CODES = {"succeeded": 0, "failed": 1, "cancelled": 130}
+WAIT_CODES = {"succeeded": 0, "failed": 1, "cancelled": 130, "pruned": 130}
 #: ``wait --timeout`` ran out before the job ended.
 WAIT_TIMEOUT = 124
 
@@ -80,6 +81,7 @@ def submit_args(args: argparse.Namespace) -> tuple[str | list[str], dict[str, An
         "name": args.name, "devices": args.devices, "nodes": args.nodes,
         "priority": args.priority, "max_restarts": args.max_restarts, "backend": args.backend,
         "env": _pairs(args.env, "--env"), "kill_grace": args.kill_grace,
+        "preemptible": args.preemptible,
         "set": list(args.overrides)}
     if args.shell is not None:
         if program:
@@ -128,20 +130,21 @@ def list_order(jobs: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     def key(job: Mapping[str, Any]) -> tuple[int, float]:
         if job["state"] == "running":
             return 0, job["started_at"] or 0.0
-        if job["state"] == "queued":
+        if job["state"] in WAITING:
             return 1, job.get("queue_position") or 0
         return 2, -(job["finished_at"] or 0.0)
     return sorted(jobs, key=key)
 
 
 def waiting_line(job: Mapping[str, Any]) -> str | None:
-    """What a queued job waits for (``None`` when it is not queued), for ``wait``/``logs -f``."""
-    if job["state"] != "queued":
+    """What a queued or preempted job waits for (``None`` when it does not wait), for
+    ``wait``/``logs -f``."""
+    if job["state"] not in WAITING:
         return None
     place = f"position {job['queue_position']}, " if job.get("queue_position") else ""
     what = (f"{job['devices_requested']} devices" if job["backend"] == "local"
             else f"the {job['backend']} cluster")
-    return f"queued: {place}waiting for {what}"
+    return f"{job['state']}: {place}waiting for {what}"
 
 
 def _out(args: argparse.Namespace, data: Any, text: str) -> None:
@@ -208,7 +211,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 @_errors_to_exit
 def cmd_wait(args: argparse.Namespace) -> int:
-    """Wait until a job ends; exit 0 succeeded, 1 failed, 130 cancelled."""
+    """Wait until a job ends; exit 0 succeeded, 1 failed, 130 cancelled (or pruned)."""
     return _wait(_client(args), args, args.name, args.timeout)
 
 
@@ -251,7 +254,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  metrics_public=args.metrics_public,
                  jobs_dir=Path(args.jobs_dir) if args.jobs_dir else DEFAULT_JOBS_DIR,
                  ray_address=args.ray, kubernetes_namespace=args.kubernetes, image=args.image,
-                 lease=args.lease)
+                 lease=args.lease, preemption=args.preemption)
 
 
 def _common(p: argparse.ArgumentParser, server: bool = True) -> None:
@@ -287,6 +290,9 @@ def add_service_commands(sub: Any) -> None:
                    help="container image of Kubernetes jobs")
     p.add_argument("--lease", type=float, default=10.0,
                    help="seconds the scheduler's leader lease lives without renewal")
+    p.add_argument("--no-preemption", dest="preemption", action="store_false",
+                   help="a job of higher priority waits for devices instead of preempting "
+                        "running jobs of lower priority")
     p.set_defaults(func=cmd_serve)
 
     jobs = sub.add_parser("jobs", help="submit, watch and cancel training jobs",
@@ -322,6 +328,9 @@ def add_service_commands(sub: Any) -> None:
                    help="environment variable of the job (repeatable)")
     q.add_argument("--kill-grace", type=float, default=None,
                    help="seconds from SIGTERM to SIGKILL on cancel (default 120)")
+    q.add_argument("--not-preemptible", dest="preemptible", action="store_false",
+                   help="a job of higher priority may not preempt this one (by default it may: "
+                        "SIGTERM, checkpoint, resumed when devices free up)")
     q.add_argument("--wait", action="store_true", help="wait until it ends")
     q = add("list", cmd_list, "list jobs (queued and running first)")
     q.add_argument("--state", default=None, help="only these states (comma-separated)")

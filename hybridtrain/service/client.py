@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from hybridtrain.service.errors import JobError, JobSpecError
+from hybridtrain.service.states import TERMINAL, WAITING
 from hybridtrain.service.transport import Transport, connect
 
 #: A file with one of these suffixes is a training config; anything else is a program.
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 #: States in which a job has ended.
-FINISHED = ("succeeded", "failed", "cancelled")
+FINISHED = TERMINAL
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,8 @@ class Attempt:
 class Job:
     """A job as the service reports it (``GET /v1/jobs/NAME``).
 
-    ``state`` is ``queued``, ``running``, ``succeeded``, ``failed`` or ``cancelled``;
+    ``state`` is ``queued``, ``running``, ``preempted``, ``succeeded``, ``failed``,
+    ``cancelled`` or ``pruned`` (an HPO trial its pruner stopped);
     ``queue_position`` is its place in the start order while queued (1 = next);
     ``attempts`` is empty in listings (``Client.list``), complete from ``Client.get``.
     """
@@ -77,7 +79,7 @@ class Job:
 
     @property
     def finished(self) -> bool:
-        """Whether the job has ended (succeeded, failed or cancelled)."""
+        """Whether the job has ended (succeeded, failed, cancelled or pruned)."""
         return self.state in FINISHED
 
     @classmethod
@@ -103,7 +105,7 @@ def spec_dict(config_or_program: str | Path | Sequence[str], *, name: str | None
               set: Sequence[str] = (),  # noqa: A002 - the CLI's --set
               max_restarts: int = 0, backend: str = "local", env: Mapping[str, str] | None = None,
               workdir: str | Path | None = None, shell: bool = False,
-              kill_grace: float | None = None) -> dict[str, Any]:
+              kill_grace: float | None = None, preemptible: bool = True) -> dict[str, Any]:
     """The job spec a submit sends (pure; the service validates the rest).
 
     ``config_or_program``: a training config file (``.yaml``/``.yml``/``.json``), a program
@@ -121,6 +123,8 @@ def spec_dict(config_or_program: str | Path | Sequence[str], *, name: str | None
         spec["name"] = name
     if kill_grace is not None:
         spec["kill_grace"] = kill_grace
+    if not preemptible:
+        spec["preemptible"] = False
     if shell:
         if not isinstance(config_or_program, str):
             raise JobSpecError("shell=True takes the whole command as one string")
@@ -173,7 +177,7 @@ class Client:
         program (``["python", "run.py"]``); the service refuses a bad config key here.
 
         ``options``: ``max_restarts``, ``backend``, ``env``, ``workdir``, ``shell``,
-        ``kill_grace`` (see :func:`spec_dict`)."""
+        ``kill_grace``, ``preemptible`` (see :func:`spec_dict`)."""
         spec = spec_dict(config_or_program, name=name, devices=devices, nodes=nodes,
                          priority=priority, set=set, **options)
         return Job.from_dict(self.call("POST", "/v1/jobs", spec))
@@ -211,13 +215,13 @@ class Client:
         offset = 0
         while True:
             chunk = self.call("GET", f"/v1/jobs/{name}/logs?offset={offset}")
-            if follow and chunk["state"] == "queued" and on_queued is not None:
+            if follow and chunk["state"] in WAITING and on_queued is not None:
                 on_queued(self.get(name))
             offset = chunk["offset"]
             if chunk["text"]:
                 yield chunk["text"]
                 continue
-            if not follow or chunk["state"] not in ("queued", "running"):
+            if not follow or chunk["state"] not in (*WAITING, "running"):
                 return
             time.sleep(poll)
 

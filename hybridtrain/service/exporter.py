@@ -30,11 +30,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from hybridtrain.service.devices import Slots
+from hybridtrain.service.states import ACTIVE, STATES, WAITING
 from hybridtrain.service.store import JobStore
 
 log = logging.getLogger(__name__)
 PREFIX = "hybridtrain_service_"
-STATES = ("queued", "running", "succeeded", "failed", "cancelled")
 #: Finished jobs that keep their per-job series.
 RECENT = 50
 #: Every series name this module exposes (the Grafana dashboard's test checks against it).
@@ -79,7 +79,7 @@ class JobCollector:
         for state in STATES:
             by_state.add_metric([state], sum(j.state == state for j in jobs))
         queue = GaugeMetricFamily(PREFIX + "queue_length", "Jobs waiting for devices",
-                                  value=sum(j.state == "queued" for j in jobs))
+                                  value=sum(j.state in WAITING for j in jobs))
         kind = self.slots.kind
         total = GaugeMetricFamily(PREFIX + "devices", "Device slots of this machine",
                                   labels=["kind"])
@@ -96,12 +96,12 @@ class JobCollector:
                                      labels=["job_name"])
         waited = GaugeMetricFamily(PREFIX + "job_queued_seconds",
                                    "Seconds the queued job has waited", labels=["job_name"])
-        finished = [j for j in jobs if j.state not in ("queued", "running")]
+        finished = [j for j in jobs if j.state not in ACTIVE]
         finished.sort(key=lambda j: j.finished_at or 0.0)
-        shown = [j for j in jobs if j.state in ("queued", "running")] + finished[-RECENT:]
+        shown = [j for j in jobs if j.state in ACTIVE] + finished[-RECENT:]
         for job in shown:
             running.add_metric([job.name, job.spec.backend], float(job.state == "running"))
             devices.add_metric([job.name], len(job.devices) if job.state == "running" else 0)
             restarts.add_metric([job.name], job.restarts)
-            waited.add_metric([job.name], now - job.queued_at if job.state == "queued" else 0.0)
+            waited.add_metric([job.name], now - job.queued_at if job.state in WAITING else 0.0)
         return [by_state, queue, total, busy, running, devices, restarts, waited]

@@ -23,8 +23,8 @@ body{font:14px system-ui,sans-serif;margin:1.5em;color:#222}
 table{border-collapse:collapse;width:100%;margin-bottom:1.5em}
 td,th{border-bottom:1px solid #ddd;padding:.3em .6em;text-align:left;vertical-align:top}
 tr.sel{background:#eef}tr{cursor:pointer}
-.queued{color:#a60}.running{color:#06c}.succeeded{color:#080}.failed{color:#c00}
-.cancelled{color:#777}pre{background:#f6f6f6;padding:.6em;max-height:24em;overflow:auto}
+.queued{color:#a60}.preempted{color:#a60;font-style:italic}.running{color:#06c}.succeeded{color:#080}.failed{color:#c00}
+.cancelled,.pruned{color:#777}pre{background:#f6f6f6;padding:.6em;max-height:24em;overflow:auto}
 </style></head><body>
 <h1>hybridtrain jobs</h1><div id="summary"></div>
 <table><thead><tr><th>job</th><th>state</th><th>devices</th><th>restarts</th>
@@ -53,7 +53,8 @@ async function show(name) {
   const hist = j.history.map(h => `<li>attempt ${h.attempt}: ${esc(h.outcome)} (exit ${esc(h.exit_code)}) on ${esc(JSON.stringify(h.devices))}: ${esc(h.reason)}</li>`).join("");
   document.getElementById("detail").innerHTML = `<h2>${esc(j.name)} <span class="${j.state}">${j.state}</span></h2>
     <p>${esc(j.reason)}</p><p>devices ${esc(JSON.stringify(j.devices))} of ${j.devices_requested} asked,
-    restarts ${j.restarts}/${j.max_restarts}, attempt ${j.attempt}, backend ${esc(j.backend)}</p>
+    restarts ${j.restarts}/${j.max_restarts}, attempt ${j.attempt}, backend ${esc(j.backend)},
+    ${j.preemptible ? "preemptible" : "not preemptible"}</p>
     <h3>loss</h3>${curve(d.curve)}<h3>attempts</h3><ul>${hist || "<li>none yet</li>"}</ul>
     <h3>log (last 64 KiB)</h3><pre>${esc(d.log)}</pre>`;
 }
@@ -64,7 +65,7 @@ async function refresh() {
   const s = d.summary;
   document.getElementById("summary").textContent = `${s.devices.kind} slots ${s.devices.ids.length}, busy ${s.devices.busy.length}; ` +
     Object.entries(s.jobs).map(([k, v]) => `${k} ${v}`).join(", ");
-  const order = {running: 0, queued: 1};
+  const order = {running: 0, queued: 1, preempted: 1};
   d.jobs.sort((a, b) => (order[a.state] ?? 2) - (order[b.state] ?? 2) || b.id - a.id);
   document.getElementById("jobs").innerHTML = d.jobs.map(j => `<tr data-name="${esc(j.name)}" class="${j.name === selected ? "sel" : ""}">
     <td>${esc(j.name)}</td><td class="${j.state}">${j.state}</td><td>${esc(JSON.stringify(j.devices))}</td>

@@ -9,9 +9,12 @@ exactly one act at a time. One tick of the leader:
    (:mod:`.failures`), or queued again for a restart while ``max_restarts`` allows (a
    training job resumes from its newest checkpoint). Jobs started by an earlier leader
    are polled the same way: that is how a restarted service adopts them.
-2. queued jobs start in the order of :func:`~hybridtrain.service.devices.plan_starts`
-   on the free slots of this machine (local backend), or at once on Ray and Kubernetes,
-   whose own schedulers queue them.
+2. a waiting job that does not fit preempts running ones of lower priority
+   (:mod:`.preemption`, unless ``preemption=False``): SIGTERM, and when they have saved
+   and exited they wait as ``preempted`` and resume from that checkpoint later.
+3. queued and preempted jobs start in the order of
+   :func:`~hybridtrain.service.devices.plan_starts` on the free slots of this machine
+   (local backend), or at once on Ray and Kubernetes, whose own schedulers queue them.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from hybridtrain.service.backend import Backend, Ended, job_log
 from hybridtrain.service.devices import Slots, Want, plan_starts
 from hybridtrain.service.errors import JobError
 from hybridtrain.service.failures import describe_exit
-from hybridtrain.service.store import JobRecord, JobStore
+from hybridtrain.service.preemption import Holder, choose_preemptions
+from hybridtrain.service.states import WAITING
+from hybridtrain.service.store import PREEMPTING, PRUNING, JobRecord, JobStore
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +65,13 @@ class Scheduler:
         url: this service's REST address, published with the lease (clients find it).
         lease: seconds the leader lease lives without renewal.
         aging_s, reserve_after_s: see :func:`~hybridtrain.service.devices.plan_starts`.
+        preemption: whether waiting jobs preempt running ones of lower priority.
         on_event: called with one line per job event.
     """
 
     def __init__(self, store: JobStore, slots: Slots, backends: Mapping[str, Backend],
                  url: str | None = None, lease: float = 10.0, aging_s: float = 300.0,
-                 reserve_after_s: float = 600.0,
+                 reserve_after_s: float = 600.0, preemption: bool = True,
                  on_event: Callable[[str], None] | None = None) -> None:
         self.store = store
         self.slots = slots
@@ -74,6 +80,7 @@ class Scheduler:
         self.lease = lease
         self.aging_s = aging_s
         self.reserve_after_s = reserve_after_s
+        self.preemption = preemption
         self.owner = new_owner_id()
         self.on_event = on_event or (lambda line: log.info("%s", line))
         self.leading = False
@@ -143,14 +150,16 @@ class Scheduler:
             self.on_event(f"job {job.name}: attempt {job.attempt} never started; queued again")
             return
         code = ended.code
-        if job.cancel_requested is not None and (code == 0 or training_finished(job)):
+        stopped = job.cancel_requested is not None or job.preempting
+        if stopped and (code == 0 or training_finished(job)):
             how = ("exit 0" if code == 0
                    else f"exit {code}, after its training wrote its final summary")
-            self.store.end_attempt(job, "succeeded", f"{how} (it finished before the cancel "
+            what = "cancel" if job.cancel_requested is not None else "preemption"
+            self.store.end_attempt(job, "succeeded", f"{how} (it finished before the {what} "
                                    "reached it)", code)
-            self.on_event(f"job {job.name} succeeded before its cancel took effect")
+            self.on_event(f"job {job.name} succeeded before its {what} took effect")
             return
-        if job.cancel_requested is not None:
+        if stopped:
             saved = ("it saved a checkpoint and stopped" if job.spec.config is not None
                      else "it stopped on SIGTERM")
             how = (f"{saved} (exit 130)" if code == STOPPED else
@@ -159,8 +168,20 @@ class Scheduler:
                       and time.time() - job.stop_sent_at > job.spec.kill_grace else "")
             if ended.reason:
                 how += f"; {ended.reason}"
-            self.store.end_attempt(job, "cancelled", f"cancelled on request: {how}{forced}", code)
-            self.on_event(f"job {job.name} cancelled ({how})")
+            if job.cancel_requested is not None and job.reason.startswith(PRUNING):
+                self.store.end_attempt(job, "pruned", f"pruned by its HPO pruner: {how}{forced}",
+                                       code)
+                self.on_event(f"job {job.name} pruned ({how})")
+                return
+            if job.cancel_requested is not None:
+                self.store.end_attempt(job, "cancelled", f"cancelled on request: {how}{forced}",
+                                       code)
+                self.on_event(f"job {job.name} cancelled ({how})")
+                return
+            by = job.reason.removeprefix(PREEMPTING).strip()
+            line = f"{by}: {how}{forced}; it resumes when devices free up"
+            self.store.end_attempt(job, "preempted", line, code, restart=True, waiting="preempted")
+            self.on_event(f"job {job.name} preempted ({how})")
             return
         if code == 0:
             self.store.end_attempt(job, "succeeded", "exit 0", 0)
@@ -180,15 +201,24 @@ class Scheduler:
 
     # -- queued jobs -------------------------------------------------------------------------
     def _start_queued(self) -> None:
-        queued = self.store.jobs(("queued",))
+        queued = self.store.jobs(WAITING)
         if not queued:
             return
         local = [j for j in queued if self.backends.get(j.spec.backend, None) is not None
                  and self.backends[j.spec.backend].uses_local_slots]
-        busy = {d for j in self.store.jobs(("running",)) for d in j.devices}
+        running = self.store.jobs(("running",))
+        busy = {d for j in running for d in j.devices}
         free = [s for s in self.slots.ids if s not in busy]
         wants = [Want(j.name, j.spec.devices, j.priority, j.queued_at) for j in local]
         by_name = {j.name: j for j in queued}
+        if self.preemption:
+            victims = self._preempt(wants, running, len(free))
+            stopping = [j.priority for j in running if j.preempting] + victims
+            if stopping:
+                # Slots that preemption frees are for the jobs that preempted: a job of no
+                # higher priority than one being preempted would take them back (and be
+                # preempted in turn, over and over, while the others stop).
+                wants = [w for w in wants if w.priority > max(stopping)]
         for name, devices in plan_starts(wants, free, time.time(), self.aging_s,
                                          self.reserve_after_s):
             self._start(by_name[name], devices)
@@ -197,6 +227,24 @@ class Scheduler:
             # A job for a backend this service lacks waits for a service that has it.
             if job.name not in local_names and job.spec.backend in self.backends:
                 self._start(job, ())
+
+    def _preempt(self, wants: list[Want], running: list[JobRecord], free: int) -> list[int]:
+        """Send SIGTERM to the running jobs :func:`choose_preemptions` picks; they are
+        settled as ``preempted`` when they exit (:meth:`_settle`). Returns their priorities."""
+        holders = [Holder(j.name, len(j.devices), j.priority, j.spec.preemptible,
+                          j.started_at or 0.0, j.stop_sent_at is not None)
+                   for j in running if j.devices]
+        by_name = {j.name: j for j in running}
+        priority = {w.name: w.priority for w in wants}
+        marked: list[int] = []
+        for name, waiting in choose_preemptions(wants, holders, free, time.time(), self.aging_s):
+            job = by_name[name]
+            why = f"preempted for {waiting} (priority {priority[waiting]} > {job.priority})"
+            if self.store.mark_preempting(job, why):
+                self.backends[job.spec.backend].stop(job, force=False)
+                self.on_event(f"job {job.name}: {why}, SIGTERM sent")
+                marked.append(job.priority)
+        return marked
 
     def _start(self, job: JobRecord, devices: tuple[int, ...]) -> None:
         backend = self.backends[job.spec.backend]

@@ -111,14 +111,15 @@ def _to_jobs_page(request: Request) -> Response:
 
 def open_service(storage: str | None, jobs_dir: Path, url: str | None,
                  backends: dict[str, Backend] | None = None, slots: Slots | None = None,
-                 lease: float = 10.0) -> JobService:
-    """A :class:`~.api.JobService` with its scheduler (not yet ticking)."""
+                 lease: float = 10.0, preemption: bool = True) -> JobService:
+    """A :class:`~.api.JobService` with its scheduler (not yet ticking); ``preemption``:
+    see :class:`~.scheduler.Scheduler`."""
     from hybridtrain.service.api import JobService
 
     slots = slots or detect_slots()
     store = JobStore(storage)
     scheduler = Scheduler(store, slots, backends or make_backends(slots), url=url,
-                          lease=lease, on_event=lambda line: print(line, flush=True))
+                          lease=lease, preemption=preemption, on_event=lambda line: print(line, flush=True))
     return JobService(store, scheduler, jobs_dir)
 
 
@@ -147,8 +148,9 @@ def serve(host: str = "127.0.0.1", port: int = 8080, storage: str | None = None,
           token_file: Path | None = None, metrics_public: bool = False,
           jobs_dir: Path = DEFAULT_JOBS_DIR, ray_address: str | None = None,
           kubernetes_namespace: str | None = None, image: str = "hybridtrain:latest",
-          lease: float = 10.0) -> int:
-    """Serve until interrupted (port 0: a free port, printed).
+          lease: float = 10.0, preemption: bool = True) -> int:
+    """Serve until interrupted (port 0: a free port, printed); ``preemption=False``: a
+    job of higher priority waits for devices instead of preempting running jobs.
 
     Raises:
         HPOError: bad options (:func:`check_serve_options`), token or storage, a port in
@@ -176,7 +178,7 @@ def serve(host: str = "127.0.0.1", port: int = 8080, storage: str | None = None,
     except OSError as exc:
         sock.close()
         raise HPOError(f"--jobs-dir {str(jobs_dir)[:200]!r}: {exc.strerror}") from None
-    service = open_service(storage, jobs_dir, base, backends, slots, lease)
+    service = open_service(storage, jobs_dir, base, backends, slots, lease, preemption)
     app = build_app(service, token, metrics_public=metrics_public)
     if created:
         print(f"generated API token (saved; set ${TOKEN_ENV} to override): {token}", flush=True)

@@ -44,6 +44,8 @@ class JobSpec(BaseModel):
         nodes: nodes (one rank group per node; beyond 1 only on Ray and Kubernetes).
         priority: higher starts first; waiting raises it (see :mod:`.devices`).
         max_restarts: restarts after a failure, each from the newest checkpoint.
+        preemptible: a queued job of higher priority may stop it (SIGTERM: a trainer
+            saves a checkpoint) to take its devices; it resumes when devices free up.
         backend: ``local`` (this machine), ``ray`` or ``kubernetes``.
         workdir: working directory of the command.
         env: extra environment variables.
@@ -63,6 +65,7 @@ class JobSpec(BaseModel):
     nodes: int = Field(default=1, ge=1, le=1024)
     priority: int = Field(default=0, ge=-1000, le=1000)
     max_restarts: int = Field(default=0, ge=0, le=1000)
+    preemptible: bool = True
     backend: Literal["local", "ray", "kubernetes"] = "local"
     workdir: str = "."
     env: dict[str, str] = Field(default_factory=dict)

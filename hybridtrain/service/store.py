@@ -8,6 +8,11 @@ and a trial is a job. Job states::
       ^  \\                     |  \\--cancel (SIGTERM, checkpoint)--> cancelled
       |   \\--cancel--> cancelled  \\--exit != 0--> failed (reason named)
       +------ restart (< max_restarts, from the newest checkpoint) ------+
+    preempted <--preempted (SIGTERM, checkpoint)-- running;  preempted --devices free--> running
+
+A ``preempted`` job waits like a queued one (and is cancelled like one); it resumes from
+the checkpoint it saved when it was stopped. An HPO trial cancelled because its pruner
+stopped it ends ``pruned`` instead of ``cancelled``.
 
 Every transition is a compare-and-set on ``(state, attempt)``, so two schedulers (or a
 scheduler and a cancel) never both move a job, and a job is started at most once per
@@ -37,6 +42,7 @@ from hybridtrain.hpo.storage import (
 )
 from hybridtrain.service.errors import JobConflictError, JobNotFoundError
 from hybridtrain.service.spec import JobSpec
+from hybridtrain.service.states import TERMINAL, WAITING
 
 METADATA = sa.MetaData()
 
@@ -46,7 +52,7 @@ JOBS = sa.Table(
     sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
     sa.Column("name", sa.String(64), nullable=False, unique=True),
     sa.Column("spec_json", sa.Text, nullable=False),
-    # queued | running | succeeded | failed | cancelled
+    # queued | running | preempted | succeeded | failed | cancelled | pruned
     sa.Column("state", sa.String(16), nullable=False),
     sa.Column("reason", sa.Text, nullable=False, default=""),
     sa.Column("priority", sa.Integer, nullable=False, default=0),
@@ -84,8 +90,11 @@ LEADER = sa.Table(
     sa.Column("url", sa.Text, nullable=True),
 )
 
-ACTIVE = ("queued", "running")
-TERMINAL = ("succeeded", "failed", "cancelled")
+#: The reason of a running job being preempted starts with this (the leader that settles
+#: its exit may be another one than the leader that preempted it).
+PREEMPTING = "preempting:"
+#: The reason of a running trial that is being cancelled because it was pruned starts so.
+PRUNING = "pruning:"
 
 
 @dataclass(frozen=True)
@@ -118,6 +127,11 @@ class JobRecord:
     started_at: float | None = None
     finished_at: float | None = None
 
+    @property
+    def preempting(self) -> bool:
+        """Whether this running attempt is being preempted (SIGTERM sent, not yet ended)."""
+        return self.state == "running" and self.reason.startswith(PREEMPTING)
+
     def as_dict(self) -> dict[str, Any]:
         """JSON form for the REST API and ``--json``."""
         return {
@@ -126,7 +140,8 @@ class JobRecord:
             "trial_number": self.trial_number, "backend": self.spec.backend,
             "devices_requested": self.spec.devices, "nodes": self.spec.nodes,
             "devices": list(self.devices), "attempt": self.attempt, "restarts": self.restarts,
-            "max_restarts": self.spec.max_restarts, "exit_code": self.exit_code,
+            "max_restarts": self.spec.max_restarts, "preemptible": self.spec.preemptible,
+            "preempting": self.preempting, "exit_code": self.exit_code,
             "host": self.host, "pid": self.pgid, "backend_ref": self.backend_ref,
             "cancel_requested": self.cancel_requested is not None,
             "program": self.spec.display(), "job_dir": self.job_dir,
@@ -218,19 +233,23 @@ class JobStore:
         with self.engine.connect() as conn:
             return [_record(r) for r in conn.execute(stmt).all()]
 
-    def cancel(self, key: str | int, reason: str = "cancelled on request") -> JobRecord:
-        """Cancel a job: a queued one at once, a running one by SIGTERM (the trainer saves
-        a checkpoint and stops); the leader sends it. A finished job is left as it is."""
+    def cancel(self, key: str | int, reason: str = "cancelled on request",
+               state: str = "cancelled") -> JobRecord:
+        """Cancel a job: a waiting one at once, a running one by SIGTERM (the trainer saves
+        a checkpoint and stops); the leader sends it. A finished job is left as it is.
+
+        ``state``: ``pruned`` for an HPO trial that its pruner stopped (it ends so)."""
         job = self.get(key)
         now = time.time()
         with self.engine.begin() as conn:
             done = conn.execute(JOBS.update().where(
-                JOBS.c.id == job.id, JOBS.c.state == "queued").values(
-                state="cancelled", reason=reason, finished_at=now)).rowcount
+                JOBS.c.id == job.id, JOBS.c.state.in_(WAITING)).values(
+                state=state, reason=reason, finished_at=now)).rowcount
             if not done:
+                marked = {"reason": f"{PRUNING} {reason}"} if state == "pruned" else {}
                 conn.execute(JOBS.update().where(
                     JOBS.c.id == job.id, JOBS.c.state == "running",
-                    JOBS.c.cancel_requested.is_(None)).values(cancel_requested=now))
+                    JOBS.c.cancel_requested.is_(None)).values(cancel_requested=now, **marked))
         return self.get(job.id)
 
     def resubmit(self, key: str | int, spec: JobSpec | None = None) -> JobRecord:
@@ -259,10 +278,10 @@ class JobStore:
 
     # -- the leader's side ---------------------------------------------------------------
     def mark_running(self, job: JobRecord, owner: str, devices: tuple[int, ...]) -> bool:
-        """Claim a queued job for a new attempt (before anything is started)."""
+        """Claim a queued (or preempted) job for a new attempt (before anything is started)."""
         with self.engine.begin() as conn:
             return conn.execute(JOBS.update().where(
-                JOBS.c.id == job.id, JOBS.c.state == "queued",
+                JOBS.c.id == job.id, JOBS.c.state == job.state, JOBS.c.state.in_(WAITING),
                 JOBS.c.attempt == job.attempt).values(
                 state="running", attempt=job.attempt + 1, reason=f"starting ({owner})",
                 devices_json=json.dumps(list(devices)), host=socket.gethostname(),
@@ -284,8 +303,17 @@ class JobStore:
             conn.execute(JOBS.update().where(JOBS.c.id == job.id).values(
                 stop_sent_at=time.time()))
 
+    def mark_preempting(self, job: JobRecord, reason: str) -> bool:
+        """Note that the running attempt is being preempted (SIGTERM goes out now; SIGKILL
+        follows after ``kill_grace``); ``False`` when it ended or a cancel came first."""
+        with self.engine.begin() as conn:
+            return conn.execute(JOBS.update().where(
+                JOBS.c.id == job.id, JOBS.c.state == "running", JOBS.c.attempt == job.attempt,
+                JOBS.c.cancel_requested.is_(None), JOBS.c.stop_sent_at.is_(None)).values(
+                reason=f"{PREEMPTING} {reason}", stop_sent_at=time.time())).rowcount == 1
+
     def end_attempt(self, job: JobRecord, state: str, reason: str, exit_code: int | None,
-                    restart: bool = False) -> bool:
+                    restart: bool = False, waiting: str = "queued") -> bool:
         """Close the running attempt: finish the job in ``state``, or queue it again.
 
         Args:
@@ -295,6 +323,7 @@ class JobStore:
             exit_code: the attempt's exit code (``None``: unknown).
             restart: queue the job again (a restart after a failure, or an attempt that
                 never started because its scheduler died first).
+            waiting: the state it waits in after ``restart`` (``preempted``: it was).
 
         Returns:
             Whether the job was still in that attempt (compare-and-set).
@@ -306,7 +335,7 @@ class JobStore:
         values: dict[str, Any] = {"exit_code": exit_code, "pgid": None,
                                   "history_json": json.dumps([*job.history, entry])}
         if restart:
-            values |= {"state": "queued", "reason": reason, "queued_at": now,
+            values |= {"state": waiting, "reason": reason, "queued_at": now,
                        "devices_json": "[]", "stop_sent_at": None}
             if state == "failed":
                 values["restarts"] = job.restarts + 1

@@ -28,7 +28,8 @@ from hybridtrain.service.devices import detect_slots
 from hybridtrain.service.local import LocalBackend
 from hybridtrain.service.scheduler import Scheduler
 from hybridtrain.service.spec import JobSpec
-from hybridtrain.service.store import TERMINAL, JobRecord, JobStore
+from hybridtrain.service.states import ACTIVE, TERMINAL
+from hybridtrain.service.store import JobRecord, JobStore
 
 #: Exit code reported for a trial job that ended without one (it could not start).
 NO_EXIT_CODE = 127
@@ -61,7 +62,7 @@ class TrialJobs:
     def cancel_trial(self, experiment: str, number: int) -> None:
         """Cancel the job of trial ``number`` if it is still queued or running (its
         controller died and the trial is being settled by another)."""
-        for job in self.store.jobs(("queued", "running"), kind="trial"):
+        for job in self.store.jobs(ACTIVE, kind="trial"):
             if job.experiment == experiment and job.trial_number == number:
                 self.store.cancel(job.id, "its trial was settled after its controller died")
 
@@ -133,8 +134,11 @@ class JobProcess(TrialProcess):
         direct = self.argv is not None and _executable(self.argv[0], self.env, self.cwd)
         program = ({"command": list(self.argv or ())} if direct
                    else {"command": [self.command], "shell": True})
+        # Not preemptible: its controller watches one run of the trial and reads its
+        # reports; a second run of the command would report the same steps again.
         spec = JobSpec(name=self.name, devices=devices, workdir=str(self.cwd.resolve()),
                        env=os_environ_diff(self.env), kill_grace=self.kill_grace,
+                       preemptible=False,
                        stdout_file=self.stdout_path.name, stderr_file=self.stderr_path.name,
                        **program)
         self._job = self.jobs.store.submit(spec, str(self.stdout_path.parent), kind="trial",
@@ -183,14 +187,19 @@ class JobProcess(TrialProcess):
             return 0.0
         return max(0.0, time.time() - job.started_at)
 
-    def terminate(self) -> None:
-        """Cancel the job (SIGTERM) without waiting."""
+    def terminate(self, pruned: bool = False) -> None:
+        """Cancel the job (SIGTERM) without waiting; ``pruned``: it ends ``pruned``."""
         assert self._job is not None, "start() first"
-        self.jobs.store.cancel(self._job.id, "its trial was stopped")
+        if pruned:
+            self.jobs.store.cancel(self._job.id, "its trial was pruned (Optuna's pruner)",
+                                   state="pruned")
+        else:
+            self.jobs.store.cancel(self._job.id, "its trial was stopped")
         self.jobs.tick(force=True)
 
-    def stop(self, grace: float) -> int:
-        """Cancel the job (if still running) and wait until it ended.
+    def stop(self, grace: float, pruned: bool = False) -> int:
+        """Cancel the job (if still running) and wait until it ended; ``pruned``: the
+        pruner stopped it, and the job ends ``pruned`` rather than ``cancelled``.
 
         Returns:
             Its exit code.
@@ -198,7 +207,7 @@ class JobProcess(TrialProcess):
         code = self.poll()
         if code is not None:
             return code
-        self.terminate()
+        self.terminate(pruned)
         deadline = time.monotonic() + grace + 30.0  # the leader SIGKILLs after kill_grace
         while time.monotonic() < deadline:
             code = self.poll()

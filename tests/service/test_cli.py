@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridtrain.cli import main
+from hybridtrain.cli import build_parser, main
+from hybridtrain.service.cli import submit_args
 from tests.service.conftest import REPO, TOKEN
 
 pytestmark = pytest.mark.timeout(180)
@@ -90,3 +91,12 @@ def test_jobs_commands_start_an_embedded_service(tmp_path: Path, jobs: Callable[
         assert missing.returncode == 2 and "config 'nope.yaml' not found" in missing.stderr
     finally:
         os.kill(pid, signal.SIGTERM)
+
+
+def test_preemption_options_reach_the_spec_and_the_scheduler() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["jobs", "submit", "--not-preemptible", "--", "sleep", "1"])
+    assert submit_args(args)[1]["preemptible"] is False
+    assert submit_args(parser.parse_args(["jobs", "submit", "--", "true"]))[1]["preemptible"]
+    assert parser.parse_args(["serve", "--no-preemption"]).preemption is False
+    assert parser.parse_args(["serve"]).preemption is True

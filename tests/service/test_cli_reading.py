@@ -25,7 +25,9 @@ def queue(served: dict[str, str], tmp_path: Path) -> Iterator[str]:
     """One job holding the only slot, two queued behind it (the later one more urgent)."""
     client = Client(served["base"], TOKEN)
     for name, priority in (("holder", 0), ("early-low", 0), ("late-high", 5)):
+        # The holder is not preemptible: the urgent job waits behind it.
         client.call("POST", "/v1/jobs", {"name": name, "priority": priority,
+                                         "preemptible": name != "holder",
                                          "workdir": str(tmp_path), "command": ["sleep", "60"]})
         while name == "holder" and client.call("GET", "/v1/jobs/holder")["state"] != "running":
             time.sleep(0.1)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from hybridtrain.service import Attempt, Client, Job
+from hybridtrain.service.client import spec_dict
 from hybridtrain.service.errors import JobError, JobSpecError
 from tests.service.conftest import TOKEN, tiny_config
 
@@ -53,3 +54,8 @@ def test_the_client_refuses_bad_jobs_in_one_line(served: dict[str, str], tmp_pat
     with pytest.raises(JobError, match="invalid bearer token"):
         Client(served["base"], "x" * 32).list()
     assert client.list() == []
+
+
+def test_a_job_is_preemptible_unless_submitted_otherwise(tmp_path: Path) -> None:
+    assert "preemptible" not in spec_dict(["true"], workdir=tmp_path)
+    assert spec_dict(["true"], workdir=tmp_path, preemptible=False)["preemptible"] is False

@@ -10,6 +10,7 @@ import pytest
 
 from hybridtrain.hpo.experiments import ExperimentStore, run_experiment
 from hybridtrain.service.store import JobStore
+from tests.hpo.conftest import branin_command
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -38,3 +39,23 @@ def test_trials_are_jobs_with_devices_of_the_service(make_spec: Any, sqlite_url:
                        and (o.started_at or 0) < (job.finished_at or 0)
                        and (job.started_at or 0) < (o.finished_at or 0)]
         assert not overlapping, (job.name, [o.name for o in overlapping])
+
+
+def test_trials_their_pruner_stopped_are_pruned_jobs(make_spec: Any, sqlite_url: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HYBRIDTRAIN_SERVICE_DEVICES", "cpu:1")
+    # One trial at a time: the startup trials complete before any can be pruned.
+    spec = make_spec(max_trials=6, parallel_trials=1,
+                     early_stopping={"name": "median", "n_startup_trials": 2,
+                                     "n_warmup_steps": 2},
+                     trial={"command": branin_command(steps=30, sleep=0.02)})
+    spec["algorithm"] = {"name": "random", "seed": 3}
+    run_experiment(spec, sqlite_url)
+    trials = {t["number"]: t["state"] for t in ExperimentStore(sqlite_url).trials("branin")}
+    jobs = {j.trial_number: j for j in JobStore(sqlite_url).jobs(kind="trial")}
+    assert "pruned" in trials.values()
+    for number, state in trials.items():
+        job = jobs[number]
+        assert job.state == {"pruned": "pruned", "complete": "succeeded"}[state], job.reason
+        if state == "pruned":
+            assert job.reason.startswith("pruned by its HPO pruner: "), job.reason
