@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,9 +24,27 @@ REPO = Path(__file__).resolve().parents[2]
 TOKEN = "service-test-token-0123456789"
 
 
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
 @pytest.fixture
 def storage(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'service.db'}"
+
+
+def api_client(storage: str, jobs_dir: Path, slots: str = "cpu:2", raise_server_exceptions: bool = True) -> Any:
+    """A test client of the service's REST app over ``storage`` (no dashboard), with the
+    service on ``app.state.service``."""
+    from fastapi.testclient import TestClient
+
+    from hybridtrain.service.devices import parse_slots
+    from hybridtrain.service.server import build_app, make_backends, open_service
+
+    parsed = parse_slots(slots)
+    service = open_service(storage, jobs_dir, None, make_backends(parsed), parsed)
+    app = build_app(service, TOKEN, dashboard=False)
+    app.state.service = service
+    return TestClient(app, raise_server_exceptions=raise_server_exceptions)
 
 
 def tiny_config(path: Path, steps: int, checkpoint_every: int) -> Path:

@@ -10,23 +10,15 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from hybridtrain.service.server import build_app, make_backends, open_service
 from hybridtrain.service.spec import load_job_spec
-from tests.service.conftest import TOKEN, wait_for
+from tests.service.conftest import AUTH, TOKEN, api_client, wait_for
 
 pytestmark = pytest.mark.timeout(120)
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture
 def client(storage: str, tmp_path: Path) -> TestClient:
-    from hybridtrain.service.devices import parse_slots
-
-    slots = parse_slots("cpu:2")
-    service = open_service(storage, tmp_path / "jobs", None, make_backends(slots), slots)
-    app = build_app(service, TOKEN, dashboard=False)
-    app.state.service = service
-    return TestClient(app)
+    return api_client(storage, tmp_path / "jobs")
 
 
 def test_jobs_api_needs_the_token_and_bounds_bodies(client: TestClient) -> None:

@@ -20,21 +20,16 @@ from fastapi.testclient import TestClient
 
 from hybridtrain.cli import main
 from hybridtrain.service.devices import parse_slots
-from hybridtrain.service.server import build_app, make_backends, open_service
-from tests.service.conftest import TOKEN, wait_for
+from hybridtrain.service.server import make_backends, open_service
+from tests.service.conftest import AUTH, TOKEN, api_client, wait_for
 
 pytestmark = pytest.mark.timeout(120)
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
 LONG = "a" * 5000
 
 
 @pytest.fixture
 def client(storage: str, tmp_path: Path) -> TestClient:
-    slots = parse_slots("cpu:2")
-    service = open_service(storage, tmp_path / "jobs", None, make_backends(slots), slots)
-    app = build_app(service, TOKEN, dashboard=False)
-    app.state.service = service
-    return TestClient(app, raise_server_exceptions=False)
+    return api_client(storage, tmp_path / "jobs", raise_server_exceptions=False)
 
 
 def _one_line_4xx(response: Any, status: int, words: str) -> None:

@@ -8,19 +8,14 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from hybridtrain.service.devices import parse_slots
-from hybridtrain.service.server import build_app, make_backends, open_service
-from tests.service.conftest import TOKEN, tiny_config
+from tests.service.conftest import AUTH, api_client, tiny_config
 
 pytestmark = pytest.mark.timeout(120)
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture
 def client(storage: str, tmp_path: Path) -> TestClient:
-    slots = parse_slots("cpu:1")
-    service = open_service(storage, tmp_path / "jobs", None, make_backends(slots), slots)
-    return TestClient(build_app(service, TOKEN, dashboard=False))
+    return api_client(storage, tmp_path / "jobs", slots="cpu:1")
 
 
 @pytest.fixture
