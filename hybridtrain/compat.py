@@ -34,6 +34,13 @@ name here                                       why no public API serves
 ``prometheus_float``                            ``prometheus_client.utils.floatToGoString``: the
                                                 ``le`` labels its own histograms write, so ours
                                                 read the same
+``inside_backward``                             ``torch._C._current_graph_task_id``: whether
+                                                autograd's engine is running a backward on this
+                                                thread (a checkpointed forward's second run is
+                                                its recomputation); no public query exists
+``dcp_storage_info``                            DCP's ``_StorageInfo``: the one type a sharded
+                                                checkpoint's ``.metadata`` stores a file's
+                                                relative path in, which the safe loader checks
 ``take_dash_digit_words_as_values``             argparse's ``_negative_number_matcher`` (Python
                                                 3.11; 3.12-3.14 keep it): argparse has no
                                                 public way to take ``-5GB`` after an option as
@@ -54,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
     from torch.utils._pytree import (
         tree_flatten,
@@ -85,6 +93,19 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+def inside_backward() -> bool:
+    """Whether autograd is running a backward on this thread."""
+    import torch
+
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def dcp_storage_info() -> type[_StorageInfo]:
+    """``torch.distributed.checkpoint.filesystem._StorageInfo``."""
+    found: type[_StorageInfo] = importlib.import_module("torch.distributed.checkpoint.filesystem")._StorageInfo
+    return found
 
 
 def take_dash_digit_words_as_values(parser: argparse.ArgumentParser) -> None:

@@ -223,10 +223,15 @@ def _point_storage_at(step: Path, outside: Path, how: str) -> str:
     return words
 
 
+# bf16 without ZeRO: a config whose drop-in checkpoint keeps hybridtrain's sharded layout (the
+# DeepSpeed layout's .pt files are covered by tests/deepspeed/checkpoint/test_layout.py).
+DROPIN_CONFIG = {"train_batch_size": 2, "bf16": {"enabled": True}}
+
+
 @pytest.fixture(scope="module")
 def dropin_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("dropin")
-    engine, *_ = deepspeed.initialize(model=torch.nn.Linear(4, 4), config={"train_batch_size": 2})
+    engine, *_ = deepspeed.initialize(model=torch.nn.Linear(4, 4), config=DROPIN_CONFIG)
     engine.save_checkpoint(root / "ck")
     return root / "ck"
 
@@ -241,7 +246,7 @@ def test_a_checkpoint_reads_only_its_own_listed_regular_files(checkpointed: Path
         shutil.copytree(dropin_checkpoint, tmp_path / "ck")
         step = next(p for p in (tmp_path / "ck").iterdir() if p.is_dir())
         words = _point_storage_at(step, tmp_path / "outside", how)
-        engine, *_ = deepspeed.initialize(model=torch.nn.Linear(4, 4), config={"train_batch_size": 2})
+        engine, *_ = deepspeed.initialize(model=torch.nn.Linear(4, 4), config=DROPIN_CONFIG)
         with pytest.raises(CheckpointError) as refused:
             engine.load_checkpoint(tmp_path / "ck")
         assert "\n" not in str(refused.value) and words in str(refused.value), refused.value

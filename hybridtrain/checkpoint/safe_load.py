@@ -35,10 +35,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import ReadItem
 
 from hybridtrain.checkpoint.layout import listed_files, plain_file_problem
+from hybridtrain.compat import dcp_storage_info
 
 METADATA_FILE = ".metadata"
 
@@ -118,7 +118,7 @@ def check_storage(path: Path, metadata: dcp_metadata.Metadata) -> None:
     listed = listed_files(path)
     for index, info in storage.items():
         entry = getattr(index, "fqn", index)
-        if not isinstance(info, _StorageInfo):
+        if not isinstance(info, dcp_storage_info()):
             raise UnsafeCheckpointError(f"{path / METADATA_FILE}: entry {entry!r} has no file location")
         name = info.relative_path
         name = str(name) if isinstance(name, PurePath) else name

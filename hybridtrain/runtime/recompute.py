@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hybridtrain.compat import tree_flatten, tree_unflatten
+from hybridtrain.compat import inside_backward, tree_flatten, tree_unflatten
 from hybridtrain.runtime import stream_marks
 from hybridtrain.runtime.forward_wrap import unwrap_forward, wrap_forward
 
@@ -106,7 +106,7 @@ def _marked_in_backward(forward: Callable[..., Any]) -> Callable[..., Any]:
     step timeline (:mod:`hybridtrain.runtime.stream_marks`) on the compute stream."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        if torch._C._current_graph_task_id() == -1:  # not inside backward: the first forward
+        if not inside_backward():  # the first forward
             return forward(*args, **kwargs)
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
         with stream_marks.mark_compute("recomputation", device):

@@ -60,8 +60,19 @@ class FragmentAddress:
     start: int
 
 
+def _enum_member(cls: Any, name: str) -> ZeroStage:
+    """Stand-in for the ``getattr(ZeroStageEnum, "optimizer_states")`` that pickling an enum
+    member by name writes (protocol 2, as DeepSpeed saves on some builds): the member of
+    :class:`ZeroStage` only, never another object's attribute."""
+    if cls is not ZeroStage or name not in ZeroStage.__members__:
+        raise pickle.UnpicklingError(f"getattr({getattr(cls, '__name__', cls)!r}, {name!r}) is not a ZeRO stage")
+    return ZeroStage[name]
+
+
 _STAND_INS: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
     (ZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+    (_enum_member, "__builtin__.getattr"),
+    (_enum_member, "builtins.getattr"),
     (LossScalerSettings, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
     (LossScalerSettings, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
     (FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),

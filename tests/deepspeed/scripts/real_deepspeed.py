@@ -7,11 +7,11 @@ replaces an all-reduce over one rank, so the op table is emptied and torch's glo
 collectives run instead. The math is DeepSpeed's own.
 
 A gloo group still alive when the interpreter shuts down can abort the process after the
-script finished ("terminate called without an active exception"); the reference gets the
-teardown at exit that hybridtrain's launcher gives every script (hybridtrain.parallel.worker).
+script finished ("terminate called without an active exception"), and a teardown at exit did
+not always prevent it here: once the script has finished (its records written), the
+reference leaves the group, flushes its output and ends without the interpreter's shutdown.
 """
 
-import atexit
 import os
 import runpy
 import sys
@@ -19,15 +19,12 @@ import sys
 import deepspeed.ops
 import torch.distributed as dist
 
-
-def _leave_process_group() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-atexit.register(_leave_process_group)  # first registered, last run: after the script's own handlers
-
 deepspeed.ops.__compatible_ops__ = {}
 sys.argv = sys.argv[1:]
 sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
 runpy.run_path(sys.argv[0], run_name="__main__")
+if dist.is_available() and dist.is_initialized():
+    dist.destroy_process_group()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
