@@ -410,8 +410,8 @@ def plain_run(case: ModelCase, mode: Mode, steps: int = STEPS,
             torch.nn.utils.clip_grad_norm_(model.parameters(), mode.clip)
         # GradScaler skips an optimizer whose own gradients overflowed; the step is one
         # whole step, so an overflow anywhere skips every optimizer.
-        finite = all(bool(p.grad.isfinite().all()) for p in model.parameters() if p.grad is not None)
-        for opt in opts if finite or not scaler else ():
+        finite = not scaler or all(bool(p.grad.isfinite().all()) for p in model.parameters() if p.grad is not None)
+        for opt in opts if finite else ():
             opt.step()
         if scaler:
             scaler.update()
