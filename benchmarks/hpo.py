@@ -3,7 +3,7 @@
 (a) overhead: one run of each loop of ``benchmarks/hpo_overhead.py`` (the service on
     trivial trials against a bare Optuna ask/tell + subprocess loop); ms per trial, and
     for the first and the second half of the trials (flat = no growth with the count).
-    ``hpo_overhead.py`` alternates several rounds for the figure in the README.
+    ``hpo_overhead.py`` alternates several rounds for the figure in docs/results.md.
 (b) search quality: best value after N trials of TPE and CMA-ES against random search
     on Branin (2-D) and Hartmann-6 from ``botorch.test_functions``, mean over seeds;
     reported as the ratio of simple regrets (lower is better, < 1 beats random).

@@ -1,5 +1,6 @@
-"""The README keeps its promises: two Quick-start commands, CI runs the test one, the
-config reference is the schema's."""
+"""The README and docs/ keep their promises: two Quick-start commands (CI runs the test one), a README
+that fits on a screen or two, links that lead somewhere, the config reference is the schema's, the
+results table is one link away, and docs/architecture.md places every part of the package in its layer."""
 
 from __future__ import annotations
 
@@ -7,8 +8,12 @@ import re
 import sys
 from pathlib import Path
 
+from tests.test_layers import LAYERS, _layer
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+README_MAX_LINES = 600
 
 
 def _quick_start_commands() -> list[str]:
@@ -25,10 +30,77 @@ def test_quick_start_has_exactly_two_commands_and_ci_runs_the_test_one() -> None
     assert commands[1] in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
 
 
-def test_readme_config_reference_is_up_to_date() -> None:
+def test_readme_fits_on_a_screen_or_two() -> None:
+    assert len(README.splitlines()) <= README_MAX_LINES
+
+
+def test_config_reference_is_up_to_date() -> None:
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
-        from update_config_reference import render
+        from update_config_reference import REFERENCE, render
     finally:
         sys.path.pop(0)
-    assert render(README) == README, "run: python scripts/update_config_reference.py"
+    document = REFERENCE.read_text(encoding="utf-8")
+    assert render(document) == document, "run: python scripts/update_config_reference.py"
+
+
+def _anchors(markdown: str) -> set[str]:
+    """GitHub's anchors of a document's headings: lower case, punctuation dropped, spaces as dashes."""
+    headings = re.findall(r"^#+ (.+)$", markdown, flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings}
+
+
+def _broken_links(path: Path) -> list[str]:
+    text = path.read_text(encoding="utf-8")
+    text = re.sub(r"```.*?```", "", text, flags=re.S)  # code blocks hold commands, not links
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue  # a web address: not checked offline
+        file_part, _, anchor = target.partition("#")
+        linked = (path.parent / file_part).resolve() if file_part else path
+        if not linked.exists():
+            broken.append(f"{path.name}: {target} (no such file)")
+        elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked.read_text(encoding="utf-8")):
+            broken.append(f"{path.name}: {target} (no such heading)")
+    return broken
+
+
+def test_links_in_readme_and_docs_lead_somewhere() -> None:
+    broken = [link for path in [ROOT / "README.md", *DOCS] for link in _broken_links(path)]
+    assert broken == []
+
+
+def test_results_table_is_one_link_from_the_readme_with_machine_date_and_commit() -> None:
+    assert "(docs/results.md#results)" in README
+    results = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
+    table = results.split("<!-- benchmark-results:start -->", 1)[1].split("<!-- benchmark-results:end -->", 1)[0]
+    assert table.splitlines()[1] == "| benchmark | result | machine, date, commit |"
+
+
+def _documented_layers() -> dict[int, str]:
+    """The numbered items of docs/architecture.md's "Layers" list: ``{number: text}``."""
+    section = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8").split("\n## Layers\n", 1)[1]
+    items = re.split(r"^(\d+)\. ", section, flags=re.M)[1:]
+    return {int(number): text for number, text in zip(items[::2], items[1::2], strict=True)}
+
+
+def _parts() -> dict[str, str]:
+    """Every top-level package and module of hybridtrain/ (``__init__`` aside), as the docs write it:
+    ``{"config": "config/", "engine": "engine.py", ...}``."""
+    package = ROOT / "hybridtrain"
+    modules = {path.stem: path.name for path in package.glob("*.py") if path.stem != "__init__"}
+    packages = {path.parent.name: f"{path.parent.name}/" for path in package.glob("*/__init__.py")}
+    return dict(sorted({**modules, **packages}.items()))
+
+
+def test_architecture_names_every_part_in_its_layer() -> None:
+    layers = _documented_layers()
+    assert sorted(layers) == list(range(1, len(LAYERS) + 1))
+    misplaced = []
+    for part, written in _parts().items():
+        named_in = [number for number, text in layers.items() if f"`{written}`" in text]
+        if named_in != [_layer(f"hybridtrain.{part}") + 1]:
+            layer = _layer(f"hybridtrain.{part}") + 1
+            misplaced.append(f"{part}: docs/architecture.md names it in layer(s) {named_in}, not {layer}")
+    assert misplaced == []

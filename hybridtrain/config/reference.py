@@ -1,4 +1,4 @@
-"""The config reference, generated from the schema's field docstrings (the README's config reference)."""
+"""The config reference, generated from the schema's field docstrings (docs/configuration.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Restarts resume by themselves: ``kill -9`` of a worker under ``--max-restarts 1`` → the
 group restarts (on a fresh rendezvous round, see ``mesh.restart_store``) → every rank
 continues from the newest checkpoint, and the losses equal an uninterrupted run's bit for
-bit. Two cycles of ``scripts/restart_soak.py`` (the README's figure is its 20-cycle run)."""
+bit. Two cycles of ``scripts/restart_soak.py`` (docs/results.md's figure is its 20-cycle run)."""
 
 from __future__ import annotations
 
