@@ -4,6 +4,10 @@
 >>> engine = ht.initialize(model, {"train_batch_size": 8, "bf16": {"enabled": True}})
 >>> loss = engine.train_batch((inputs, targets))
 
+:func:`initialize` is the one public way to an engine. ``hybridtrain.prepare.prepare`` and the
+``resolve``/``build`` of ``hybridtrain.plan`` beneath it are internals (the road every engine takes,
+described in docs/architecture.md): importable, but not part of the public API.
+
 The public names are imported on first use, so ``import hybridtrain`` (and the CLI, and
 hyperparameter-search trial scripts) does not pay for importing torch until it needs it.
 """

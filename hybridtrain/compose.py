@@ -1,6 +1,10 @@
-"""``initialize``: the caller's model on the one road (:func:`hybridtrain.prepare.prepare`).
-(Named ``compose`` so that the submodule does not shadow the ``hybridtrain.initialize``
-function.)"""
+"""``initialize``: THE public way to an engine, the caller's model on the one road.
+
+Everything beneath it (:func:`hybridtrain.prepare.prepare`: auto-plan, ``resolve``, ``build``) is
+internal and may change; users and scripts call ``hybridtrain.initialize`` (or the DeepSpeed drop-in's
+``deepspeed.initialize``, which takes the same road). Named ``compose`` so that the submodule does not
+shadow the ``hybridtrain.initialize`` function.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from hybridtrain.runtime.device import resolve_device
 
 def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: LossFn | None = None,
                optimizer: torch.optim.Optimizer | None = None, example_batch: Batch | None = None) -> Engine:
-    """Prepare ``model`` for training as ``config`` describes.
+    """Prepare ``model`` for training as ``config`` describes: the one public way to an engine.
 
     Args:
         model: any ``nn.Module`` (including Hugging Face models).

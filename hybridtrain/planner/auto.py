@@ -1,5 +1,8 @@
 """``auto: true``: :func:`hybridtrain.initialize` lets the planner choose the plan.
 
+:func:`planned_config` is the first stop of the internal road (``hybridtrain.prepare.prepare``), not
+a public way to an engine: call :func:`hybridtrain.initialize`.
+
 The caller's model is estimated as it is (its parameters replaced by meta tensors while
 it is traced, nothing copied), on this machine: the device's memory (or
 ``device_memory_limit``) and the host memory available now.
