@@ -1,0 +1,135 @@
+"""The sections the CLI's run reads and the engine never does: which model and data ``hybridtrain train``
+builds, its loop, DeepSpeed's monitors (TensorBoard, CSV, W&B) and its flops profiler.
+
+DeepSpeed leaves these to the user's script; the monitor and profiler sections keep DeepSpeed's key names
+so a ``ds_config.json`` that has them loads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from hybridtrain.config.section import Section
+
+
+class ModelConfig(Section):
+    """Which model the CLI builds, and where its repeated blocks are."""
+
+    name: str = "gpt-tiny"
+    """``gpt-<size>`` for the reference GPT (``gpt-tiny`` … ``gpt-13b``), or ``hf:<model_type>``
+    (e.g. ``hf:gpt2``, ``hf:llama``) for a randomly initialised Hugging Face model."""
+    blocks: str | list[str] | None = None
+    """Dotted path to the ModuleList of repeated blocks (e.g. ``transformer.h``), or a list
+    of paths for models with several (``["encoder.block", "decoder.block"]`` of T5); found
+    automatically when absent, every block list of an encoder–decoder model included."""
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    """Fields that override the named size (reference GPT) or the Hugging Face config
+    (e.g. ``{"n_layer": 4}``)."""
+
+
+class DataConfig(Section):
+    """The training text for the CLI."""
+
+    path: str | None = Field(default=None, pattern=r"^[^\x00]*$")
+    """A UTF-8 text file, or a ``.npy``/``.bin`` token file (uint8/uint16/int32/int64);
+    empty = the embedded corpus."""
+    seq_len: int = Field(default=128, ge=2)
+    """Tokens per sample."""
+    val_fraction: float = Field(default=0.05, ge=0.0, lt=1.0)
+    """Fraction of the tokens held out for evaluation."""
+
+
+class TrainConfig(Section):
+    """The CLI's training loop."""
+
+    steps: int = Field(default=100, ge=1)
+    """Optimizer steps to train for."""
+    output_dir: str = Field(default="runs/default", min_length=1, pattern=r"^[^\x00]*$")
+    """Where metrics (``metrics.jsonl``) and checkpoints go (a path: no NUL character)."""
+    checkpoint_every: int = Field(default=0, ge=0)
+    """Save a checkpoint every n steps (0 = only at the end)."""
+    keep_checkpoints: int = Field(default=2, ge=1)
+    """How many recent checkpoints to keep."""
+    checkpoint_async: bool = False
+    """Write checkpoints in the background: training continues once the state is copied to
+    host memory (one extra copy of this rank's shard), and the next save waits for the last."""
+    eval_every: int = Field(default=0, ge=0)
+    """Evaluate on held-out data every n steps (0 = only at the end)."""
+    eval_batches: int = Field(default=4, ge=1)
+    """Batches per evaluation."""
+    metrics_port: int = Field(default=0, ge=0, le=65535)
+    """Serve Prometheus metrics (``hybridtrain_*``: loss, learning rate, tokens/s, TFLOP/s,
+    MFU, step-time parts, device memory, checkpoints, restarts; every series labelled
+    ``rank``) at ``http://metrics_host:PORT/metrics`` while training; 0 = off (also
+    ``--metrics-port``). With several processes per node each rank serves on
+    ``PORT + LOCAL_RANK``. Needs ``prometheus_client`` (``pip install 'hybridtrain[monitor]'``).
+    MFU is exposed only where the device's peak is known (H100, H200, A100, or
+    ``peak_tflops``); on CPU ``hybridtrain_mfu`` is absent."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics endpoint binds to (``0.0.0.0`` to be scraped from other hosts)."""
+    metrics_linger_s: float = Field(default=0.0, ge=0.0)
+    """Keep serving ``/metrics`` this many seconds after training ends, so a scraper
+    catches the final values (SIGTERM/Ctrl-C ends the wait)."""
+    peak_tflops: float | None = Field(default=None, gt=0.0)
+    """Peak TFLOP/s of one device for MFU (default: the dense bf16 peak of H100/H200/A100
+    from the device name; unknown elsewhere)."""
+
+
+class TensorBoardConfig(Section):
+    """DeepSpeed's TensorBoard monitor: each step's metrics as TensorBoard scalars, under
+    our names (``hybridtrain/loss`` … by step) and DeepSpeed's (``Train/Samples/train_loss``,
+    ``lr``, ``loss_scale`` by samples seen). Rank 0 writes. Needs the ``tensorboard`` package."""
+
+    enabled: bool = False
+    """Write TensorBoard event files (``hybridtrain train``)."""
+    output_path: str = ""
+    """Directory of the job directories; empty = ``train.output_dir`` (DeepSpeed: the working directory)."""
+    job_name: str = "DeepSpeedJobName"
+    """The event files go to ``output_path/job_name``."""
+
+
+class CSVMonitorConfig(Section):
+    """DeepSpeed's CSV monitor: one CSV file per metric (``hybridtrain_loss.csv``,
+    ``Train_Samples_train_loss.csv`` …, a ``step,<name>`` header then one row per step), as
+    DeepSpeed writes them. Rank 0 writes."""
+
+    enabled: bool = False
+    """Write CSV files (``hybridtrain train``)."""
+    output_path: str = ""
+    """Directory of the job directories; empty = ``train.output_dir`` (DeepSpeed: the working directory)."""
+    job_name: str = "DeepSpeedJobName"
+    """The CSV files go to ``output_path/job_name``."""
+
+
+class WandbConfig(Section):
+    """DeepSpeed's Weights & Biases monitor: each step's metrics under our and DeepSpeed's
+    names. Rank 0 logs. Needs the ``wandb`` package (refused in one line when it is missing).
+    Without ``WANDB_MODE`` set, a run that cannot reach the W&B server logs offline."""
+
+    enabled: bool = False
+    """Log to W&B (``hybridtrain train``)."""
+    group: str | None = None
+    """W&B group of the run."""
+    team: str | None = None
+    """W&B team (entity)."""
+    project: str = "deepspeed"
+    """W&B project (DeepSpeed's default name)."""
+
+
+class FlopsProfilerConfig(Section):
+    """Profile two steps of ``hybridtrain train`` (DeepSpeed's ``flops_profiler``; the same
+    profile as ``hybridtrain profile``): FLOPs forward and backward, saved activations and
+    time per module, the step split into parts, TFLOP/s and MFU, a diagnosis, a Chrome
+    trace and a memory timeline. Rank 0 only, as DeepSpeed's."""
+
+    enabled: bool = False
+    """Profile once, at ``profile_step``."""
+    profile_step: int = Field(default=1, ge=0)
+    """Optimizer steps completed before the profiled one (DeepSpeed's rule,
+    ``global_steps == profile_step``): that step is counted (FLOPs, memory) and the next
+    one timed; both train as usual."""
+    output_file: str | None = None
+    """Where the printed profile goes (none: stdout); ``profile.json``, ``trace.json`` and
+    ``memory.png`` are written next to it (none: in ``<train.output_dir>/profile``)."""
