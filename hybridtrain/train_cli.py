@@ -215,7 +215,7 @@ def _config(args: argparse.Namespace) -> int:
         cfg, applied = explain_config(args.config, args.overrides)
         check_optimizer(cfg)  # refuse exactly what initialize would
         if args.plan:
-            from hybridtrain.trainer import plan_training
+            from hybridtrain.training_inputs import plan_training
 
             print(json.dumps(plan_training(cfg, args.world_size).summary(), indent=2))
             return 0

@@ -24,7 +24,7 @@ LAYERS: list[list[str]] = [  # bottom first; a module may import its own layer a
     ["planner"],
     ["prepare", "compose"],                                    # the one road, initialize
     ["recovery"],                                              # memory policy above the engine
-    ["errors", "trainer"],
+    ["errors", "trainer", "training_inputs"],
     ["deepspeed", "report", "hpo", "service"],
     ["", "cli", "train_cli", "commands", "hpo.cli", "hpo.__main__", "service.cli",
      "deepspeed.__main__"],  # commands

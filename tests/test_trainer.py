@@ -41,9 +41,9 @@ def test_token_vocabulary_must_fit_the_model(tmp_path: Path) -> None:
 
 def test_a_model_too_big_for_host_memory_is_refused_before_it_is_built(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    import hybridtrain.trainer as trainer
+    import hybridtrain.training_inputs as training_inputs
 
-    monkeypatch.setattr(trainer, "available_host_bytes", lambda: 2**30)  # 1 GiB
+    monkeypatch.setattr(training_inputs, "available_host_bytes", lambda: 2**30)  # 1 GiB
     cfg = load_config({"device": "cpu", "model": {"name": "gpt-tiny", "overrides": {"n_layer": 100000}},
                        "train": {"steps": 1, "output_dir": str(tmp_path)}})
     with pytest.raises(ValueError, match=r"5\.00 B parameters: 74\.5 GiB of fp32 weights, gradients and Adam "

@@ -60,7 +60,7 @@ def _run(cfg: Any, steps: int, output_dir: str | None) -> Any:
     from hybridtrain.profiling.profiler import profile_engine
 
     # The CLI's own model and data, built exactly as `hybridtrain train` builds them.
-    from hybridtrain.trainer import data_and_model, example_batch
+    from hybridtrain.training_inputs import data_and_model, example_batch
 
     data, model = data_and_model(cfg, fits_host=True)
     engine = initialize(model, cfg, loss_fn=causal_lm_loss, example_batch=example_batch(cfg, data))

@@ -1,12 +1,11 @@
 """Configuration: the typed schema, loading, and batch-size arithmetic."""
 
+from hybridtrain.config.batch_sizes import BatchSizes, resolve_batch_sizes
 from hybridtrain.config.loading import (
-    BatchSizes,
     ConfigError,
     ConfigSource,
     explain_config,
     load_config,
-    resolve_batch_sizes,
 )
 from hybridtrain.config.schema import Config
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 
-from hybridtrain.config.loading import ConfigError, resolve_batch_sizes
+from hybridtrain.config.batch_sizes import resolve_batch_sizes
+from hybridtrain.config.loading import ConfigError
 from hybridtrain.config.schema import MULTI_STAGE_SCHEDULES, Config
 from hybridtrain.parallel.mesh import resolve_sizes
 

@@ -249,7 +249,7 @@ def test_pytorchjob_runs_hybridtrain_train_elastically_with_resume(tmp_path: Pat
     assert "ReadWriteMany" in claim["spec"]["accessModes"]  # every worker pod mounts it
     assert cfg.train.metrics_port == 9400 and cfg.train.metrics_host == "0.0.0.0"
     # The config plans at the smallest and the largest world size the elastic job reaches.
-    from hybridtrain.trainer import plan_training
+    from hybridtrain.training_inputs import plan_training
 
     for nodes in (spec["elasticPolicy"]["minReplicas"], spec["elasticPolicy"]["maxReplicas"]):
         plan_training(cfg, world_size=nodes * int(spec["nprocPerNode"]))

@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from torch.utils.data.dataloader import default_collate
 
 from hybridtrain.config import Config, ConfigError, load_config
-from hybridtrain.config.loading import resolve_batch_sizes
+from hybridtrain.config.batch_sizes import resolve_batch_sizes
 from hybridtrain.deepspeed.building import build_engine, wrapper_step
 from hybridtrain.deepspeed.comm import init_distributed
 from hybridtrain.deepspeed.pipe.engine import PipelineEngine, PipelineLoss, StagePlace
