@@ -145,5 +145,6 @@ def prometheus_float(value: float) -> str:
 
 __all__ = ["ATTENTION_OP_NAMES", "TorchDispatchMode", "cpu_flash_attention", "is_traceable_wrapper_subclass",
            "optuna_rdb_models",
-           "prometheus_float", "take_dash_digit_words_as_values", "tree_flatten", "tree_leaves", "tree_map", "tree_map_only", "tree_unflatten",
+           "prometheus_float", "take_dash_digit_words_as_values", "tree_flatten", "tree_leaves", "tree_map",
+           "tree_map_only", "tree_unflatten",
            "unscale_and_check_"]

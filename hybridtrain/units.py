@@ -19,7 +19,8 @@ def parse_bytes(value: int | float | str) -> int:
     Raises:
         ValueError: one line naming the value and what is allowed.
     """
-    allowed = "an integer number of bytes or a number with a unit such as 512MB or 24GiB (B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+    allowed = ("an integer number of bytes or a number with a unit such as 512MB or 24GiB "
+               "(B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)")
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ValueError(f"{value!r} is not a byte count; use {allowed}")
     if isinstance(value, str):

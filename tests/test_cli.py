@@ -43,7 +43,8 @@ def test_train_writes_metrics_checkpoints_and_summary(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "hybridtrain.cli", "train", str(EXAMPLE), "--steps", "4", "--output-dir", str(out),
          "--set", "steps_per_print=2", "--set", "train.eval_batches=1"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "HYBRIDTRAIN_METRICS_FILE": str(env_metrics)},
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        env={**os.environ, "HYBRIDTRAIN_METRICS_FILE": str(env_metrics)},
     )
     assert proc.returncode == 0, proc.stderr
     assert "step=2 loss=" in proc.stdout and "step=4 eval_loss=" in proc.stdout
@@ -195,8 +196,8 @@ def test_a_nan_loss_stops_in_one_line_naming_the_step(tmp_path: Path, capsys: py
     assert code == 1 and len(lines) == 1 and "error: loss is nan at step 2" in lines[0], lines
 
 
-@pytest.mark.parametrize(("rank", "said"), [(None, ["interrupted: stopped by Ctrl-C"]), ("0", ["interrupted: stopped by Ctrl-C"]),
-                                            ("1", [])])
+@pytest.mark.parametrize(("rank", "said"), [(None, ["interrupted: stopped by Ctrl-C"]),
+                                            ("0", ["interrupted: stopped by Ctrl-C"]), ("1", [])])
 def test_ctrl_c_while_starting_is_one_line_and_exit_130(rank: str | None, said: list[str],
                                                          monkeypatch: pytest.MonkeyPatch,
                                                          capsys: pytest.CaptureFixture[str]) -> None:

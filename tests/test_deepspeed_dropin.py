@@ -247,7 +247,8 @@ def test_published_deepspeed_script_runs(name: str, tmp_path: Path) -> None:
 def test_a_script_using_a_feature_we_lack_is_refused_in_one_line(tmp_path: Path) -> None:
     # DeepSpeedExamples' ZenFlow benchmark: ZenFlow's stale, selected updates change the math.
     proc = _run([sys.executable, "zf_benchmark.py", "--pin_memory_opts", "0", "--topk_ratios", "0.1",
-                 "--update_intervals", "2", "--overlap_steps", "0", "--iteration", "3", "--hidden_dim", "256"], tmp_path)
+                 "--update_intervals", "2", "--overlap_steps", "0", "--iteration", "3", "--hidden_dim", "256"],
+                tmp_path)
     assert proc.returncode != 0
     assert "zero_optimization.zenflow: ZenFlow's stale, importance-selected updates" in proc.stderr
 

@@ -56,7 +56,10 @@ def test_eval_batch_has_no_side_effects() -> None:
 
 def test_nan_loss_in_fp32_stops_with_the_step_number() -> None:
     batches = _regression_batches(3)
-    bad = lambda out, batch: F.mse_loss(out, batch[1]) * (float("nan") if batch[1][0, 0] == batches[1][1][0, 0] else 1.0)  # noqa: E731
+
+    def bad(out: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return F.mse_loss(out, batch[1]) * (float("nan") if batch[1][0, 0] == batches[1][1][0, 0] else 1.0)
+
     engine = ht.initialize(MLPStack(), {"device": "cpu"}, loss_fn=bad)
     engine.train_batch(batches[0])
     with pytest.raises(ht.NonFiniteLossError, match="at step 2"):

@@ -18,7 +18,8 @@ from hybridtrain.errors import PeerFailure, describe_failure, peer_failure
      "cannot write run (read-only file system): choose a writable train.output_dir", 1),
     (PermissionError(errno.EACCES, os.strerror(errno.EACCES), "run"),
      "cannot write run (permission denied): choose a writable train.output_dir", 1),
-    (NonFiniteLossError("loss is nan at step 7; set nonfinite_loss: skip"), "loss is nan at step 7; set nonfinite_loss: skip", 1),
+    (NonFiniteLossError("loss is nan at step 7; set nonfinite_loss: skip"),
+     "loss is nan at step 7; set nonfinite_loss: skip", 1),
     (ValueError("config x = 1 is not allowed:\n  detail"), "config x = 1 is not allowed: detail", 2),
 ])
 def test_failures_a_user_can_meet_are_one_line(exc: BaseException, line: str, code: int) -> None:

@@ -62,7 +62,8 @@ def test_a_model_too_big_for_host_memory_is_refused_before_it_is_built(tmp_path:
     ("1", {"train_micro_batch_size_per_gpu": 2}, None, (None, 2, None)),
 ])
 def test_a_resume_on_another_world_size_keeps_the_global_batch(world: str, given: dict, previous: int | None,
-                                                                expected: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                expected: tuple,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     from hybridtrain.trainer import _same_global_batch
 
     monkeypatch.setenv("WORLD_SIZE", world)

@@ -39,7 +39,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key (repeatable)")
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--device", metavar="NAME", help="GPU model (H100, A100-80GB, L4 …) or cpu; default: this machine")
+    where.add_argument("--device", metavar="NAME",
+                       help="GPU model (H100, A100-80GB, L4 …) or cpu; default: this machine")
     where.add_argument("--device-memory", metavar="BYTES", help="device memory to fit, e.g. 24GiB")
     parser.add_argument("--host-memory", metavar="BYTES", help="host memory to fit offloaded state in, e.g. 128GiB")
     parser.add_argument("--host-bandwidth", metavar="BYTES/S",

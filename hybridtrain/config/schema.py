@@ -276,7 +276,8 @@ class OOMRecoveryConfig(Section):
     step's tensors, switch to a plan that needs less memory and computes the same math (the
     planner's choice, or the next of: no blocks kept for backward under layer
     streaming, checkpoint every block, swap activations, offload the optimizer, stream layers,
-    smaller micro-batches with more accumulation at the same global batch) and rerun the same step from the same state. In ``hybridtrain train``, or a loop
+    smaller micro-batches with more accumulation at the same global batch) and rerun the same
+    step from the same state. In ``hybridtrain train``, or a loop
     of your own through ``hybridtrain.recovery.oom.initialize_guarded`` (the model
     is rebuilt, so ``initialize(model, …)`` refuses it)."""
 

@@ -107,7 +107,8 @@ def _load_pt(path: Path) -> torch.Tensor:
             raise ValueError(f"data.path = {str(path)!r} is not a readable torch.save file of a token tensor "
                              f"({' '.join(str(exc).split()).split('. ')[0][:120]})") from None
         raise ValueError(f"data.path = {str(path)!r} is a pickle of something other than tensors (only "
-                         "tensors are loaded: unpickling anything else could run code); save the tokens with torch.save(tensor, path)") from None
+                         "tensors are loaded: unpickling anything else could run code); save the tokens "
+                         "with torch.save(tensor, path)") from None
     except (RuntimeError, EOFError, ValueError, IndexError, KeyError, AttributeError, TypeError, OSError) as exc:
         # Random bytes, a truncated zip, an object torch cannot rebuild.
         words = " ".join(str(exc).split()).split(". ")[0][:160] or type(exc).__name__

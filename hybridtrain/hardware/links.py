@@ -47,15 +47,18 @@ class Links:
 # Device memory bandwidth: the datasheets (H100 SXM 3.35 TB/s, PCIe 2.0, NVL 3.9; H200 4.8;
 # GH200 4.0; B200 8.0; A100 80GB 2.0, 40GB 1.55), ~85 % reached by streaming kernels.
 _LINKS: dict[str, Links] = {
-    "H100 SXM": Links(50 * GB, 360 * GB, 152 * GB, "PCIe gen5 x16 (~50 GB/s), NVLink 4 (450 GB/s/dir × 0.8)", 2847 * GB),
+    "H100 SXM": Links(50 * GB, 360 * GB, 152 * GB, "PCIe gen5 x16 (~50 GB/s), NVLink 4 (450 GB/s/dir × 0.8)",
+                      2847 * GB),
     "H100 PCIe": Links(50 * GB, 50 * GB, 25 * GB, "PCIe gen5 x16 (~50 GB/s), no NVLink between cards", 1700 * GB),
     "H100 NVL": Links(50 * GB, 240 * GB, 25 * GB, "PCIe gen5 x16, NVLink bridge 600 GB/s bidirectional", 3315 * GB),
     "H200": Links(50 * GB, 360 * GB, 25 * GB, "PCIe gen5 x16 (~50 GB/s), NVLink 4 (450 GB/s/dir × 0.8)", 4080 * GB),
     "H200 NVL": Links(50 * GB, 360 * GB, 25 * GB, "PCIe gen5 x16, NVLink bridge 900 GB/s bidirectional", 4080 * GB),
     "GH200": Links(360 * GB, 360 * GB, 200 * GB, "NVLink-C2C 900 GB/s bidirectional; LPDDR5X 500 GB/s", 3400 * GB),
     "B200": Links(50 * GB, 720 * GB, 25 * GB, "PCIe gen5 x16, NVLink 5 (900 GB/s/dir × 0.8)", 6800 * GB),
-    "A100 40GB": Links(25 * GB, 240 * GB, 20 * GB, "PCIe gen4 x16 (~25 GB/s), NVLink 3 (300 GB/s/dir × 0.8)", 1321 * GB),
-    "A100 80GB": Links(25 * GB, 240 * GB, 20 * GB, "PCIe gen4 x16 (~25 GB/s), NVLink 3 (300 GB/s/dir × 0.8)", 1733 * GB),
+    "A100 40GB": Links(25 * GB, 240 * GB, 20 * GB, "PCIe gen4 x16 (~25 GB/s), NVLink 3 (300 GB/s/dir × 0.8)",
+                       1321 * GB),
+    "A100 80GB": Links(25 * GB, 240 * GB, 20 * GB, "PCIe gen4 x16 (~25 GB/s), NVLink 3 (300 GB/s/dir × 0.8)",
+                       1733 * GB),
 }
 _PCIE4 = Links(25 * GB, 20 * GB, 20 * GB, "PCIe gen4 x16 (~25 GB/s); GPU↔GPU through the host", 600 * GB)
 _PCIE3 = Links(12 * GB, 10 * GB, 15 * GB, "PCIe gen3 x16 (~12 GB/s); GPU↔GPU through the host", 500 * GB)

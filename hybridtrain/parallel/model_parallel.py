@@ -59,7 +59,8 @@ def resolve_device_map(model: nn.Module, device_map: Mapping[str, str]) -> dict[
             device = torch.device(spec)
         except RuntimeError:
             raise ValueError(f"device_map[{path!r}] = {spec!r} is not a device; use cpu, cuda or cuda:N") from None
-        if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        if device.type == "cuda" and (not torch.cuda.is_available()
+                                      or (device.index or 0) >= torch.cuda.device_count()):
             raise ValueError(f"device_map[{path!r}] = {spec!r} but this machine has "
                              f"{torch.cuda.device_count()} CUDA device(s); use cpu or an existing cuda:N")
         resolved[path] = normalize_device(device)

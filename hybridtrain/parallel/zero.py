@@ -76,7 +76,8 @@ def apply_zero(model: nn.Module, blocks: Sequence[nn.Module], mesh: DeviceMesh |
 
 
 class ZeroRuntime(ReplicatedRuntime):
-    """The :class:`~hybridtrain.parallel.runtime.ParallelRuntime` of a ZeRO-sharded model: full states are gathered on demand.
+    """The :class:`~hybridtrain.parallel.runtime.ParallelRuntime` of a ZeRO-sharded model: full states are
+    gathered on demand.
 
     Args:
         model: the sharded model (after :func:`apply_zero`); also what the forward calls.

@@ -327,7 +327,8 @@ def _trace(cfg: Config, source: ModelSource, plan: TrainingPlan, kind: str, pass
                                        cfg.activation_offload.min_bytes)
         except (RuntimeError, NotImplementedError, TypeError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ConfigError(f"model {cfg.model.name if source.real_example is None else type(source.model).__name__}: "
+            name = cfg.model.name if source.real_example is None else type(source.model).__name__
+            raise ConfigError(f"model {name}: "
                               f"its forward cannot run on the meta device, so it cannot be estimated without "
                               f"allocating ({first})") from None
     return _TRACES[key]
@@ -344,8 +345,10 @@ def hardware(target: Target, dtype: torch.dtype | None) -> Hardware:
         return Hardware("cpu", measured_matmul_flops(torch.device("cpu"), dtype), cpu_links(bandwidth),
                         _cpu_op_seconds(), (target.host_bandwidth or bandwidth) / ADAM_BYTES_PER_PARAM)
     peak = device_peak_flops(target.name, dtype) or device_peak_flops(target.name, torch.float16) or 1e14
-    links = replace(links_for(target.name), host_memory=host_bandwidth(target), host_to_device=link_bandwidth(target))
-    return Hardware("cuda", peak * MATMUL_EFFICIENCY, links, GPU_KERNEL_SECONDS, links.host_memory / ADAM_BYTES_PER_PARAM)
+    links = replace(links_for(target.name), host_memory=host_bandwidth(target),
+                    host_to_device=link_bandwidth(target))
+    return Hardware("cuda", peak * MATMUL_EFFICIENCY, links, GPU_KERNEL_SECONDS,
+                    links.host_memory / ADAM_BYTES_PER_PARAM)
 
 
 def host_bandwidth(target: Target) -> float:

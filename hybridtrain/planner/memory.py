@@ -182,7 +182,8 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
         host_params = _FP32 * offloaded_numel  # masters (the streamed blocks' are their weights)
         host_state = state_per_elem * offloaded_numel
         host_grads = _FP32 * offloaded_numel if lasting else 0
-        largest_bucket = min(offloaded_numel - streamed_numel, opt.bucket_size) if offloaded_numel > streamed_numel else 0
+        bucketed_numel = offloaded_numel - streamed_numel
+        largest_bucket = min(bucketed_numel, opt.bucket_size) if bucketed_numel > 0 else 0
         if streamed_numel:
             largest_bucket = max(largest_bucket, max(b for b, i in zip(block_numel, stage_blocks, strict=True)
                                                      if streamed[i]))

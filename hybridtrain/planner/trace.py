@@ -157,7 +157,8 @@ def trace_model(model: nn.Module, blocks: list[nn.Module], block_names: list[str
         with LiveTensorBytes("meta", record_timeline=True) as live:
             first = _one_micro_batch(model, blocks, micro, loss_fn, live, autocast, counters)
             second = _one_micro_batch(model, blocks, micro, loss_fn, live, autocast, None)
-            peaks = [_nograd_peak(block, make, live, autocast) for block, make in zip(blocks, first.inputs, strict=True)]
+            peaks = [_nograd_peak(block, make, live, autocast)
+                     for block, make in zip(blocks, first.inputs, strict=True)]
             for how in passes:
                 for p in params:
                     p.grad = None
@@ -207,7 +208,8 @@ def trace_model(model: nn.Module, blocks: list[nn.Module], block_names: list[str
         micro_batch=_batch_size(micro), compute_dtype=compute_dtype, pre=pre, blocks=block_profiles(first),
         post=post, param_numel=sum(p.numel() for p in params), param_bytes=sum(_nbytes(p) for p in params),
         largest_param_numel=max((p.numel() for p in params), default=0), batch_bytes=batch_bytes,
-        kernels=first.kernels, param_tensors=len(params), treated={how: block_profiles(run) for how, run in runs.items()})
+        kernels=first.kernels, param_tensors=len(params),
+        treated={how: block_profiles(run) for how, run in runs.items()})
 
 
 @contextmanager

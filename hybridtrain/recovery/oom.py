@@ -136,7 +136,8 @@ class _Failure:
 
     def numbers(self) -> str:
         needed = f"needs {self.needed_bytes} bytes ({format_bytes(self.needed_bytes)}), " if self.needed_bytes else ""
-        limit = f"limit {self.limit_bytes} bytes ({format_bytes(self.limit_bytes)})" if self.limit_bytes else "no limit set"
+        limit = (f"limit {self.limit_bytes} bytes ({format_bytes(self.limit_bytes)})" if self.limit_bytes
+                 else "no limit set")
         return f"{needed}peak {self.peak_bytes} bytes ({format_bytes(self.peak_bytes)}), {limit}"
 
 

@@ -114,4 +114,5 @@ def test_checkpoints_reshard_across_world_sizes_and_layouts(tmp_path: Path) -> N
     one, _ = model_state(tmp_path / "one")
     for layout in ("zero3x2", "zero3x4", "tp2", "pp2", "zero3_tp2x4"):
         for name, value in model_state(tmp_path / layout)[0].items():
-            torch.testing.assert_close(value, one[name], rtol=RTOL, atol=ATOL, msg=lambda m, n=f"{layout} {name}": f"{n}: {m}")
+            torch.testing.assert_close(value, one[name], rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, n=f"{layout} {name}": f"{n}: {m}")

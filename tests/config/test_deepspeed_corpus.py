@@ -24,7 +24,8 @@ ABSENT = ("1-bit", "0/1 Adam", "LAMB", "compression_training", "data_efficiency"
 
 
 def _report() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("deepspeed_corpus_report", ROOT / "scripts" / "deepspeed_corpus_report.py")
+    script = ROOT / "scripts" / "deepspeed_corpus_report.py"
+    spec = importlib.util.spec_from_file_location("deepspeed_corpus_report", script)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up

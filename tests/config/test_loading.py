@@ -56,7 +56,8 @@ def test_bad_config_is_one_line_naming_the_field(raw: dict, needle: str) -> None
 
 
 def test_json_yaml_and_overrides(tmp_path: Path) -> None:
-    (tmp_path / "c.json").write_text(json.dumps({"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}))
+    sgd = {"type": "SGD", "params": {"lr": 0.1}}
+    (tmp_path / "c.json").write_text(json.dumps({"train_batch_size": 8, "optimizer": sgd}))
     (tmp_path / "c.yaml").write_text("train_batch_size: 8\noptimizer: {type: SGD, params: {lr: 1e-1}}\n")
     for name in ("c.json", "c.yaml"):
         cfg = load_config(tmp_path / name, ["optimizer.params.lr=3e-4", "bf16.enabled=true", "model.name=gpt-mini"])

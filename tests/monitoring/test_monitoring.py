@@ -63,7 +63,8 @@ def test_endpoint_renders_every_series_with_rank_and_its_own_registry() -> None:
         families = {f.name: f for f in text_string_to_metric_families(_page(server.port))}
     finally:
         server.close()
-    assert {f"{n}_total" if f.type == "counter" else n for n, f in families.items()} == set(METRICS) - {"hybridtrain_loss"}
+    exposed = {f"{n}_total" if f.type == "counter" else n for n, f in families.items()}
+    assert exposed == set(METRICS) - {"hybridtrain_loss"}
     samples = [s for f in families.values() for s in f.samples]
     assert all(s.labels["rank"] == "3" for s in samples)
     assert not any(s.name.startswith(("python_", "process_")) for s in samples)
@@ -101,8 +102,8 @@ def test_port_in_use_and_bad_monitor_settings_are_one_line_errors(tmp_path: Path
     assert "\n" not in str(err.value)
 
 
-def test_wandb_without_the_package_is_refused_before_training(monkeypatch: pytest.MonkeyPatch,
-                                                              tiny: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+def test_wandb_without_the_package_is_refused_before_training(monkeypatch: pytest.MonkeyPatch, tiny: dict[str, Any],
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(sys.modules, "wandb", None)  # "not installed", whatever this machine has
     cfg = load_config({**tiny, "wandb": {"enabled": True}})
     with pytest.raises(ConfigError, match=r"wandb.enabled is true but the wandb package is not installed"):

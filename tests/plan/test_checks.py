@@ -26,7 +26,8 @@ def test_defaults_are_supported() -> None:
 
 def test_pipeline_micro_batches_implied_by_the_batch_sizes_count() -> None:
     # train_batch_size 4 of micro-batches of 2 on one replica = 2 micro-batches: enough for 2 stages.
-    implied = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "pipeline": {"stages": 2, "schedule": "gpipe"}}
+    implied = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
+               "pipeline": {"stages": 2, "schedule": "gpipe"}}
     check_supported(load_config(implied), world_size=2)
     with pytest.raises(ConfigError, match=r"micro_batches=1, stages=2"):
         check_supported(load_config({**implied, "train_batch_size": 2}), world_size=2)

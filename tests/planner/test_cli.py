@@ -92,7 +92,8 @@ def _keys(tree: object, prefix: str = "") -> set[str]:
     """Dotted paths of every leaf of a JSON-like tree."""
     if not isinstance(tree, dict) or not tree:
         return {prefix} if prefix else set()
-    return {k for key, value in tree.items() for k in _keys(value, f"{prefix}{key}" if not prefix else f"{prefix}.{key}")}
+    return {k for key, value in tree.items()
+            for k in _keys(value, f"{prefix}{key}" if not prefix else f"{prefix}.{key}")}
 
 
 def _corpus_half_precision() -> list[Path]:
@@ -152,8 +153,8 @@ def test_a_plan_that_leaves_stage_0_writes_no_wrapper_step(tmp_path: Path) -> No
     # A DeepSpeed file at ZeRO stage 0 with fp16; a plan that moves it to stage 1. hybridtrain's
     # own road takes no fp16-wrapper step at either stage (that is the DeepSpeed drop-in's rule),
     # so the written file is the plan's config, key for key, and loads back to the same math.
-    from hybridtrain.plan.resolve import optimizer_settings
     from hybridtrain.commands.plan import write_config
+    from hybridtrain.plan.resolve import optimizer_settings
 
     for given in ({**TINY, "fp16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
                   {**TINY, "fp16": {"enabled": True}}):
@@ -166,4 +167,5 @@ def test_a_plan_that_leaves_stage_0_writes_no_wrapper_step(tmp_path: Path) -> No
         assert "fp16_init_step" not in text
         again = load_config(str(tmp_path / "plan.yaml"))
         assert again == moved
-        assert optimizer_settings(again) == optimizer_settings(config) and not optimizer_settings(again).zero_gradient_step
+        assert optimizer_settings(again) == optimizer_settings(config)
+        assert not optimizer_settings(again).zero_gradient_step

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridtrain.commands.measure import measure_step
 from hybridtrain.config import load_config
 from hybridtrain.models.gpt import gpt_config, gpt_param_count
 from hybridtrain.plan.resolve import resolve
@@ -20,7 +21,6 @@ from hybridtrain.planner.estimate import (
     model_source,
     resolve_target,
 )
-from hybridtrain.commands.measure import measure_step
 from hybridtrain.planner.timing import estimate_time
 from hybridtrain.profiling.host_bandwidth import ADAM_BYTES_PER_PARAM
 
