@@ -22,9 +22,10 @@ def config_reference() -> str:
 def _deepspeed_keys(lines: list[str]) -> None:
     lines += ["#### DeepSpeed keys", "",
               "Every DeepSpeed key above is implemented with DeepSpeed's meaning. The others are renamed "
-              "(legacy names), accepted without effect (said once at info level), or refused when they "
-              "would change the math — all refusals of a file in one line. `\"auto\"` is resolved as "
-              "listed, or refused naming its key.", "",
+              "(legacy names), accepted",
+              "without effect (said once at info level), or refused when they would change the math — all "
+              "refusals of a file in one",
+              "line. `\"auto\"` is resolved as listed, or refused naming its key.", "",
               "| DeepSpeed key | treatment | meaning |", "|---|---|---|"]
     for key, treatment in sorted(TREATMENTS.items()):
         kind = {"renamed": f"renamed → `{treatment.target}`", "no_effect": "no effect here",
