@@ -219,9 +219,9 @@ def estimate(config: ConfigSource, target: Target | None = None, world_size: int
     example = source.example(micro) if source.real_example is None else source.real_example
     plan = resolve(planned, source.model, world_size, example_batch=example)
     trace = _trace(cfg, source, plan, target.kind, PASSES[1:] if all_passes else passes_for(plan))
-    half = half_width_numel(source.model, plan, [p.name for p in trace.blocks]) if half_width else None
-    memory = estimate_memory(plan, trace, target.kind, half)
-    seconds = estimate_time(plan, trace, hardware(target, plan.compute_dtype), trace.kernels, half,
+    half_numel = half_width_numel(source.model, plan, [p.name for p in trace.blocks]) if half_width else None
+    memory = estimate_memory(plan, trace, target.kind, half_numel)
+    seconds = estimate_time(plan, trace, hardware(target, plan.compute_dtype), trace.kernels, half_numel,
                             pipelined_host_step)
     tokens = plan.batch.global_batch * source.tokens_per_sample
     return Estimate(cfg, plan, target, memory, seconds, tokens)
@@ -231,12 +231,12 @@ def half_width_numel(model: nn.Module, plan: TrainingPlan, blocks: list[str]) ->
     """Elements that cross host⇄device in half precision (:mod:`hybridtrain.runtime.half_width`),
     per block module path and, under ``""``, in the whole model; empty where build moves
     everything at full width (fp32 runs, several processes)."""
-    half = half_width_params(model, plan.compute_dtype, plan.sizes.world)
-    if not half:
+    half_width_ids = half_width_params(model, plan.compute_dtype, plan.sizes.world)
+    if not half_width_ids:
         return {}
-    out = {name: sum(p.numel() for p in model.get_submodule(name).parameters() if id(p) in half)
+    out = {name: sum(p.numel() for p in model.get_submodule(name).parameters() if id(p) in half_width_ids)
            for name in blocks}
-    out[""] = sum(p.numel() for p in model.parameters() if id(p) in half)
+    out[""] = sum(p.numel() for p in model.parameters() if id(p) in half_width_ids)
     return out
 
 

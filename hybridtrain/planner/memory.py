@@ -117,9 +117,9 @@ def kept_blocks(plan: TrainingPlan, streamed: list[str]) -> list[str]:
     return list(streamed) if keep < 0 else list(streamed[max(0, len(streamed) - keep):])
 
 
-def uploaded_bytes(numel: int, half: int) -> int:
-    """Bytes of one upload of ``numel`` elements of which ``half`` cross at half width."""
-    return _FP32 * numel - 2 * min(half, numel)
+def uploaded_bytes(numel: int, half_numel: int) -> int:
+    """Bytes of one upload of ``numel`` elements of which ``half_numel`` cross at half width."""
+    return _FP32 * numel - 2 * min(half_numel, numel)
 
 
 def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "cpu",
@@ -131,7 +131,7 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
     model (:func:`hybridtrain.planner.estimate.half_width_numel`): the host keeps a half
     image of each streamed one (2 bytes), and kept blocks hold their uploads at that width.
     """
-    half = half_numel or {}
+    half_numel = half_numel or {}
     cfg = plan.config
     sizes = plan.sizes
     on_cpu = device_kind == "cpu"
@@ -192,7 +192,7 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
         pooled = 0 if (lasting and trace.micro_batch and plan.batch.accumulation_steps == 1) else min(3, buckets)
         host_buffers = _FP32 * largest_bucket * pooled
         # Streamed half-width weights keep their cast image in host memory (2 bytes each).
-        host_params += 2 * sum(min(half.get(blocks[i].name, 0) // tp, x)
+        host_params += 2 * sum(min(half_numel.get(blocks[i].name, 0) // tp, x)
                                for x, i in zip(block_numel, stage_blocks, strict=True) if streamed[i])
         del streamed_bytes
     if zero_offload:
@@ -215,7 +215,7 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
     # (they are all live when a backward starts, where the peak falls).
     stage_streamed = [blocks[i].name for i in stage_blocks if streamed[i]]
     kept = set(kept_blocks(plan, stage_streamed))
-    stream_window += sum(uploaded_bytes(x, half.get(blocks[i].name, 0) // tp)
+    stream_window += sum(uploaded_bytes(x, half_numel.get(blocks[i].name, 0) // tp)
                          for x, i in zip(block_numel, stage_blocks, strict=True) if blocks[i].name in kept)
     replay.current += stream_window  # the streamed blocks in flight (their device copies)
     replay.start = replay.current

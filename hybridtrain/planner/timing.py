@@ -95,7 +95,7 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
     ``pipelined_host_step``: a deferred host step hides behind the next forward (False:
     it runs exposed after the backward, as before the pipelined step).
     """
-    half = half_numel or {}
+    half_numel = half_numel or {}
     sizes = plan.sizes
     k = plan.batch.accumulation_steps
     tp, pp, dp = sizes.tp, sizes.pp, sizes.dp
@@ -122,21 +122,21 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
         host_elems = trace.param_numel * opt.host_ratio * stage / tp
         # Gradients go down once per micro-batch and updated weights come back once per
         # step, half-width ones at 2 bytes both ways.
-        width = 4 * host_elems - 2 * min(half.get("", 0) * opt.host_ratio, host_elems)
+        width = 4 * host_elems - 2 * min(half_numel.get("", 0) * opt.host_ratio, host_elems)
         transfers += (width * k + width) / link
         first_update = min(host_elems, plan.optimizer.bucket_size)
     streamed = [p for p in trace.blocks if any(b.stream and b.name == p.name for b in plan.blocks)]
     if opt.placement == "host_streamed":
         host_elems = trace.param_numel * stage / tp
         full = 4 * sum(p.param_numel for p in streamed)
-        width = sum(uploaded_bytes(p.param_numel, half.get(p.name, 0)) for p in streamed)  # half width: 2 bytes
+        width = sum(uploaded_bytes(p.param_numel, half_numel.get(p.name, 0)) for p in streamed)  # half width: 2 bytes
         layer_major = plan.step_runner == "layer_major"
         uploads = 1 if layer_major else k
         # Each block comes up for forward and again for backward (kept blocks only for
         # forward), per micro-batch or once (layer-major); its gradients go down
         # (layer-major sums micro-batches on the device in fp32: full width unless k is 1).
         kept = set(kept_blocks(plan, [p.name for p in streamed]))
-        kept_width = sum(uploaded_bytes(p.param_numel, half.get(p.name, 0)) for p in streamed if p.name in kept)
+        kept_width = sum(uploaded_bytes(p.param_numel, half_numel.get(p.name, 0)) for p in streamed if p.name in kept)
         grads = full if layer_major and k > 1 else width
         transfers += (uploads * (2 * width - kept_width) + uploads * grads) / link
         first_update = float(streamed[0].param_numel) if streamed else host_elems

@@ -117,9 +117,9 @@ class _OptimizerSteps:
 
 
 @dataclass(frozen=True)
-class Switch:
-    """One recovery: at ``step`` a step needed ``needed_bytes`` (when known) against
-    ``limit_bytes`` with ``peak_bytes`` measured, and ``change`` was made."""
+class PlanSwitch:
+    """One out-of-memory recovery, a switch to another plan: at ``step`` a step needed ``needed_bytes``
+    (when known) against ``limit_bytes`` with ``peak_bytes`` measured, and ``change`` was made."""
 
     step: int
     needed_bytes: int | None
@@ -180,7 +180,7 @@ class MemoryGuard:
                              "one process (every rank would have to switch plans together); turn it off")
         self.engine = engine
         self.config = config
-        self.switches: list[Switch] = []
+        self.switches: list[PlanSwitch] = []
         self._factory = model_factory
         self._untracked = list(untracked)
         self._scratch = scratch_dir
@@ -316,7 +316,7 @@ class MemoryGuard:
                 engine.load_checkpoint(state)
         start.restore(engine)
         self.engine, self.config = engine, config
-        self.switches.append(Switch(step, failure.needed_bytes, failure.peak_bytes, failure.limit_bytes, change))
+        self.switches.append(PlanSwitch(step, failure.needed_bytes, failure.peak_bytes, failure.limit_bytes, change))
         log.warning("oom_recovery: step %d ran out of memory (%s); rerunning it with %s", step, failure.numbers(),
                     change)
         self._count(ignore=[*self._untracked, *survivors])
