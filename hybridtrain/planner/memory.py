@@ -219,7 +219,7 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
                          for x, i in zip(block_numel, stage_blocks, strict=True) if blocks[i].name in kept)
     replay.current += stream_window  # the streamed blocks in flight (their device copies)
     replay.start = replay.current
-    how = [treatment(plan, p.name) for p in blocks]
+    treatments = [treatment(plan, p.name) for p in blocks]
     # Streamed blocks hand their gradients to the host as soon as their backward ends.
     landing = {i for i in range(n) if streamed[i]} if opt.placement != "device" else set()
     swap_prefetch = cfg.activation_offload.prefetch_blocks if not on_cpu else 0
@@ -228,7 +228,7 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
     # backward: every micro-batch's in micro-batch order, all of them at once in layer-major.
     landed = _FP32 * (offloaded_numel - streamed_numel) if opt.placement != "device" else 0
     if plan.step_runner == "layer_major":
-        host_acts = _layer_major_step(replay, trace, stage_blocks, how, accumulation, tp, swap_prefetch, landing,
+        host_acts = _layer_major_step(replay, trace, stage_blocks, treatments, accumulation, tp, swap_prefetch, landing,
                                       streamed)
         replay.current -= landed
         replay.grads -= landed
@@ -236,11 +236,11 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
         (1, _in_flight(plan)) if plan.pipeline is not None else (accumulation, 1)
     for m in range(rounds):
         for _ in range(in_flight):
-            host_acts = max(host_acts, _forward(replay, trace, stage_blocks, how, tp))
+            host_acts = max(host_acts, _forward(replay, trace, stage_blocks, treatments, tp))
         for k in range(in_flight):
             # Offloaded gradients leave the device after each micro-batch: every backward finds none.
             fresh = (m == 0 and k == 0) or opt.placement != "device"
-            _backward(replay, trace, stage_blocks, how, fresh, tp, swap_prefetch, landing)
+            _backward(replay, trace, stage_blocks, treatments, fresh, tp, swap_prefetch, landing)
         replay.current -= landed
         replay.grads -= landed
     if zero >= 2:
@@ -280,14 +280,14 @@ def passes_for(plan: TrainingPlan) -> tuple[str, ...]:
     return tuple(sorted({treatment(plan, b.name) for b in plan.blocks} - {"plain"}))
 
 
-def _forward(replay: _Replay, trace: ModelTrace, stage_blocks: list[int], how: list[str], tp: int) -> int:
+def _forward(replay: _Replay, trace: ModelTrace, stage_blocks: list[int], treatments: list[str], tp: int) -> int:
     """One micro-batch's forward; returns the activation bytes it sent to host memory."""
     to_host = 0
     if not stage_blocks or stage_blocks[0] == 0:
         replay.touch(trace.pre.forward_peak, "forward of pre")
         replay.keep(trace.pre.kept_bytes)
     for i in stage_blocks:
-        p = trace.block(i, how[i])
+        p = trace.block(i, treatments[i])
         kept = _split(p.kept_bytes, p.output_bytes, tp)
         replay.touch(_split(p.forward_peak, p.output_bytes, tp), f"forward of {p.name}")
         replay.keep(kept)
@@ -320,21 +320,21 @@ def _backward_phase(replay: _Replay, p: PhaseProfile, where: str, first: bool, t
         replay.grads -= grads
 
 
-def _backward(replay: _Replay, trace: ModelTrace, stage_blocks: list[int], how: list[str], first: bool,
+def _backward(replay: _Replay, trace: ModelTrace, stage_blocks: list[int], treatments: list[str], first: bool,
               tp: int, swap_prefetch: int, landing: set[int]) -> None:
     if not stage_blocks or stage_blocks[-1] == len(trace.blocks) - 1:
         _backward_phase(replay, trace.post, "post", first, tp)
     for k, i in enumerate(reversed(stage_blocks)):
-        p = trace.block(i, how[i])
+        p = trace.block(i, treatments[i])
         # Swapped blocks further back are copied to the device ahead of their backward.
         later = list(reversed(stage_blocks))[k + 1:k + 1 + swap_prefetch]
-        ahead = sum(trace.block(j, how[j]).host_bytes // tp for j in later)
+        ahead = sum(trace.block(j, treatments[j]).host_bytes // tp for j in later)
         _backward_phase(replay, p, p.name, first, tp, ahead, i in landing)
     if not stage_blocks or stage_blocks[0] == 0:
         _backward_phase(replay, trace.pre, "pre", first, tp)
 
 
-def _layer_major_step(replay: _Replay, trace: ModelTrace, stage_blocks: list[int], how: list[str], count: int,
+def _layer_major_step(replay: _Replay, trace: ModelTrace, stage_blocks: list[int], treatments: list[str], count: int,
                       tp: int, swap_prefetch: int, landing: set[int], streamed: list[bool]) -> int:
     """Forward and backward of ``count`` micro-batches in layer-major order
     (:mod:`hybridtrain.runtime.layer_major`); returns the activation bytes sent to host memory.
@@ -356,8 +356,8 @@ def _layer_major_step(replay: _Replay, trace: ModelTrace, stage_blocks: list[int
             replay.touch(trace.pre.forward_peak, "forward of pre")
             replay.keep(trace.pre.kept_bytes)
     for i in stage_blocks:
-        p = trace.block(i, how[i])
-        if i > 0 and streamed[i - 1] and how[i].startswith("swap"):
+        p = trace.block(i, treatments[i])
+        if i > 0 and streamed[i - 1] and treatments[i].startswith("swap"):
             held[i - 1] = trace.blocks[i - 1].output_bytes
         for _ in range(count):
             replay.touch(_split(p.forward_peak, p.output_bytes, tp), f"forward of {p.name}")
@@ -372,9 +372,9 @@ def _layer_major_step(replay: _Replay, trace: ModelTrace, stage_blocks: list[int
     # Backward visits (block, micro-batch) in this order; the swapper prefetches along it.
     order = [i for i in reversed(stage_blocks) for _ in range(count)]
     for k, i in enumerate(order):
-        p = trace.block(i, how[i])
+        p = trace.block(i, treatments[i])
         m = k % count
-        ahead = sum(trace.block(j, how[j]).host_bytes // tp for j in order[k + 1:k + 1 + swap_prefetch])
+        ahead = sum(trace.block(j, treatments[j]).host_bytes // tp for j in order[k + 1:k + 1 + swap_prefetch])
         done_grads = m * p.output_bytes  # earlier micro-batches' output gradients, still on the cut leaves
         _backward_phase(replay, p, p.name, m == 0, tp, ahead + done_grads, i in landing and m == count - 1)
         if m == count - 1:

@@ -121,9 +121,9 @@ class ModelTrace:
         """Every phase in forward order."""
         return (self.pre, *self.blocks, self.post)
 
-    def block(self, index: int, how: str = "plain") -> PhaseProfile:
-        """Block ``index``'s profile when treated ``how`` (one of :data:`PASSES`)."""
-        return self.blocks[index] if how == "plain" else self.treated[how][index]
+    def block(self, index: int, treatment: str = "plain") -> PhaseProfile:
+        """Block ``index``'s profile under ``treatment`` (one of :data:`PASSES`)."""
+        return self.blocks[index] if treatment == "plain" else self.treated[treatment][index]
 
     @property
     def flops(self) -> float:
@@ -159,13 +159,13 @@ def trace_model(model: nn.Module, blocks: list[nn.Module], block_names: list[str
             second = _one_micro_batch(model, blocks, micro, loss_fn, live, autocast, None)
             peaks = [_nograd_peak(block, make, live, autocast)
                      for block, make in zip(blocks, first.inputs, strict=True)]
-            for how in passes:
+            for treatment in passes:
                 for p in params:
                     p.grad = None
-                swap = SwapEmulation(target, swap_min_bytes, skip) if how.startswith("swap") else None
-                with _treated(blocks, how, swap, autocast):
-                    runs[how] = _one_micro_batch(model, blocks, micro, loss_fn, live, autocast, None)
-                runs[how].host = [swap.host_bytes.get(i, 0) if swap else 0 for i in range(len(blocks))]
+                swap = SwapEmulation(target, swap_min_bytes, skip) if treatment.startswith("swap") else None
+                with _treated(blocks, treatment, swap, autocast):
+                    runs[treatment] = _one_micro_batch(model, blocks, micro, loss_fn, live, autocast, None)
+                runs[treatment].host = [swap.host_bytes.get(i, 0) if swap else 0 for i in range(len(blocks))]
     finally:
         for p in params:
             p.grad = None
@@ -209,16 +209,17 @@ def trace_model(model: nn.Module, blocks: list[nn.Module], block_names: list[str
         post=post, param_numel=sum(p.numel() for p in params), param_bytes=sum(_nbytes(p) for p in params),
         largest_param_numel=max((p.numel() for p in params), default=0), batch_bytes=batch_bytes,
         kernels=first.kernels, param_tensors=len(params),
-        treated={how: block_profiles(run) for how, run in runs.items()})
+        treated={treatment: block_profiles(run) for treatment, run in runs.items()})
 
 
 @contextmanager
-def _treated(blocks: list[nn.Module], how: str, swap: SwapEmulation | None, autocast: MetaAutocast) -> Iterator[None]:
-    """Every block treated ``how`` for one pass. Checkpointing is emulated too (not
+def _treated(blocks: list[nn.Module], treatment: str, swap: SwapEmulation | None,
+             autocast: MetaAutocast) -> Iterator[None]:
+    """Every block under ``treatment`` for one pass. Checkpointing is emulated too (not
     ``torch.utils.checkpoint``): its recomputation runs inside backward, where torch
     function modes are not active, so the emulated autocast must be entered again there."""
     for i, block in enumerate(blocks):
-        block.forward = _treated_forward(block, i, swap, autocast, recompute=how.endswith("checkpoint"))
+        block.forward = _treated_forward(block, i, swap, autocast, recompute=treatment.endswith("checkpoint"))
     try:
         yield
     finally:
