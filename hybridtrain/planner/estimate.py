@@ -24,6 +24,7 @@ from torch import nn
 from hybridtrain.compat import tree_leaves, tree_map
 from hybridtrain.config import Config, ConfigError, ConfigSource, load_config
 from hybridtrain.data import TokenBatches, load_tokens
+from hybridtrain.hardware.efficiency import kernel_efficiency
 from hybridtrain.hardware.links import cpu_links, links_for
 from hybridtrain.hardware.peaks import (
     device_memory_bytes,
@@ -37,7 +38,7 @@ from hybridtrain.models.gpt import causal_lm_loss
 from hybridtrain.plan.resolve import resolve
 from hybridtrain.plan.types import TrainingPlan
 from hybridtrain.planner.memory import MemoryEstimate, estimate_memory, passes_for
-from hybridtrain.planner.timing import MATMUL_EFFICIENCY, Hardware, StepTime, estimate_time
+from hybridtrain.planner.timing import Hardware, StepTime, estimate_time
 from hybridtrain.planner.trace import PASSES, ModelTrace, trace_model
 from hybridtrain.profiling.host_bandwidth import ADAM_BYTES_PER_PARAM, probe_host_bandwidth
 from hybridtrain.profiling.link_bandwidth import probe_link_bandwidth
@@ -338,7 +339,9 @@ def hardware(target: Target, dtype: torch.dtype | None) -> Hardware:
     """The time model's view of ``target`` computing in ``dtype`` (None = fp32). On a GPU
     the host optimizer step streams :data:`ADAM_BYTES_PER_PARAM` bytes per element at the
     target's host bandwidth (the table's figure when none was measured or given): fused
-    CPU AdamW reaches the in-place triad's rate (1.00x on the H100 machine, 2026-11-26)."""
+    CPU AdamW reaches the in-place triad's rate (1.00x on the H100 machine, 2026-11-26).
+    The device's rate is its dense peak times its kernel efficiency
+    (:func:`hybridtrain.hardware.efficiency.kernel_efficiency`)."""
     dtype = dtype or torch.float32
     if target.kind == "cpu":
         bandwidth = _host_copy_bandwidth()
@@ -347,7 +350,7 @@ def hardware(target: Target, dtype: torch.dtype | None) -> Hardware:
     peak = device_peak_flops(target.name, dtype) or device_peak_flops(target.name, torch.float16) or 1e14
     links = replace(links_for(target.name), host_memory=host_bandwidth(target),
                     host_to_device=link_bandwidth(target))
-    return Hardware("cuda", peak * MATMUL_EFFICIENCY, links, GPU_KERNEL_SECONDS,
+    return Hardware("cuda", peak * kernel_efficiency(target.name).share, links, GPU_KERNEL_SECONDS,
                     links.host_memory / ADAM_BYTES_PER_PARAM)
 
 

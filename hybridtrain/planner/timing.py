@@ -21,8 +21,9 @@ bandwidth, overlapped as each technique overlaps them.
                  overlapped with backward (DDP buckets, FSDP prefetch)
     pipeline   = (stages - 1) / (micro-batches + stages - 1) of the compute is bubble
 
-Throughput is the device's achievable matmul rate: the table peak times
-:data:`MATMUL_EFFICIENCY` on a GPU, the measured matmul rate on a CPU.
+Throughput is the device's achievable rate: on a GPU the dense table peak times the share
+its step's kernels reach (:mod:`hybridtrain.hardware.efficiency`, one figure per device with
+its source: the H100's measured on our H100 machine), on a CPU the measured matmul rate.
 """
 
 from __future__ import annotations
@@ -34,10 +35,6 @@ from hybridtrain.hardware.links import Links
 from hybridtrain.plan.types import TrainingPlan
 from hybridtrain.planner.memory import kept_blocks, uploaded_bytes
 from hybridtrain.planner.trace import ModelTrace
-
-MATMUL_EFFICIENCY = 0.55
-"""Share of the dense table peak a transformer step's kernels reach on a GPU (MFU of
-well-tuned dense training: Megatron-LM reports 0.4-0.55 on A100/H100)."""
 
 _ADAM_BYTES_PER_ELEMENT = 28
 """A fused Adam step reads parameter, gradient and two moments and writes three: 7 × 4 bytes."""
