@@ -147,7 +147,12 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if result.best is None:
+        from hybridtrain.planner.binding import least_needs
+
         print(f"error: {no_fit_message(result, target)}", file=sys.stderr)
+        for line in least_needs([(c.describe(), c.estimate) for c in result.refused], margin):
+            print(f"  {line}", file=sys.stderr)
+        print(f"  {searched_modes()}", file=sys.stderr)
         return 1
     print(render_plan(result, target, margin, args.top))
     if args.output:
@@ -164,18 +169,49 @@ def render_plan(result: Any, target: Any, margin: float, top: int) -> str:
     host = f", host {format_bytes(target.host_memory_bytes)}" if target.host_memory_bytes else ""
     lines = [f"{total} same-math variants estimated for {target.name} ({format_bytes(target.memory_bytes)} "
              f"with {margin:.0%} kept free{host}): {len(result.ranked)} fit"]
+    lines.append(compute_rate(target, result.ranked[0].estimate.plan.compute_dtype) if result.ranked else "")
+    lines.append(searched_modes())
     for rank, c in enumerate(result.ranked[:top], 1):
         e = c.estimate
         tokens = e.tokens_per_step / e.step_seconds if e.step_seconds else 0.0
         lines.append(f"{rank}. {e.step_seconds:.4g} s/step ({tokens:,.0f} tokens/s), device "
                      f"{format_bytes(e.device_peak_bytes)}, host {format_bytes(e.host_bytes)}: {c.describe()}")
         lines.append(f"   why: {_why(e)}")
+        if rank == 1:
+            from hybridtrain.planner.binding import binding_report
+
+            lines += [f"   {line}" for line in binding_report(e, margin)]
     if result.refused:
         lines.append(f"{len(result.refused)} do not fit (the config as it is: "
                      + ("fits" if any(not c.changes for c in result.ranked) else
                         "; ".join(next((c.problems for c in result.refused if not c.changes), ("not estimated",))))
                      + ")")
     return "\n".join(lines)
+
+
+def compute_rate(target: Any, dtype: Any) -> str:
+    """``device compute: 0.474 of H100 SXM's dense bf16 peak (989.4 TFLOP/s) = 469 TFLOP/s
+    (measured: …)``: the kernel efficiency the step times rest on, and its source."""
+    import torch
+
+    from hybridtrain.hardware.efficiency import kernel_efficiency
+    from hybridtrain.planner.estimate import hardware
+
+    efficiency = kernel_efficiency(target.name)
+    rate = hardware(target, dtype).flops
+    name = str(dtype or torch.float32).removeprefix("torch.")
+    if target.kind == "cpu":
+        return f"device compute: {rate / 1e12:.3g} TFLOP/s ({efficiency.source})"
+    return (f"device compute: {efficiency.share:.3g} of {target.name}'s dense {name} peak "
+            f"({rate / efficiency.share / 1e12:.1f} TFLOP/s) = {rate / 1e12:.0f} TFLOP/s ({efficiency.source})")
+
+
+def searched_modes() -> str:
+    """The runtime's modes the planner searches (what a plan may choose), in one line."""
+    return ("modes searched (each implemented by the runtime): micro-batch x accumulation, activation checkpointing "
+            "every n blocks, activation swapping, optimizer offload (ZeRO-Offload) with its Twin-Flow ratio, "
+            "layer streaming (micro-batch- or layer-major, block inputs recomputed or in host memory, kept blocks); "
+            "several processes: data/tensor/pipeline split and ZeRO stage")
 
 
 def _why(estimate: Any) -> str:

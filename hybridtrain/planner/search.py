@@ -7,7 +7,9 @@ checkpointing every n blocks, activation swapping, optimizer offload and its rat
 layer streaming with or without ``layer_major``, and for several processes the
 data/tensor/pipeline split and the ZeRO stage. Every variant is estimated
 (:mod:`hybridtrain.planner.estimate`; one trace per micro-batch shape serves them all),
-those that do not fit with a margin are dropped, the rest ranked by predicted step time.
+those that do not fit with a margin are dropped, the rest ranked by predicted step time;
+the fastest few then fill the device (:mod:`hybridtrain.planner.fill`: kept blocks, the
+checkpoint interval, the Twin-Flow ratio) and are ranked again.
 """
 
 from __future__ import annotations
@@ -26,10 +28,13 @@ from hybridtrain.planner.estimate import (
     meta_model,
     resolve_target,
 )
+from hybridtrain.planner.fill import fill_device, keep_most
 
 MARGIN = 0.10
 """Share of the device memory a plan leaves free: allocator fragmentation and caches,
 and the estimate's own error (within ±10 % on the benchmark)."""
+FILL_TOP = 5
+"""Ranked candidates whose device use the search grows (:mod:`hybridtrain.planner.fill`)."""
 EQUAL_TIME = 0.01
 """Predicted step times within this share of each other count as equal: the planner's
 time model is not that precise, so among them the one leaving more device memory wins."""
@@ -114,41 +119,20 @@ def plan(config: ConfigSource, target: Target, world_size: int = 1, margin: floa
         plans.add(plan_key)
         problems = tuple(est.problems(margin))
         if not problems and any(b.stream for b in est.plan.blocks):
-            variant, changes, est = _keep_most(variant, changes, est, target, world, margin, model)
+            variant, changes, est = keep_most(variant, changes, est, target, world, margin, model)
         (refused if problems else ranked).append(Candidate(variant, changes, est, problems))
     refused.sort(key=lambda c: c.estimate.device_peak_bytes)
-    return PlanResult(tuple(rank(ranked)), tuple(refused))
+    # The fastest few grow what trades device memory for time as far as the device holds it
+    # (filling every candidate would multiply the estimates for variants that cannot win).
+    ranked = rank(ranked)
+    filled = [Candidate(*_filled(c, target, margin, model), ()) for c in ranked[:FILL_TOP]]
+    return PlanResult(tuple(rank(filled + ranked[FILL_TOP:])), tuple(refused))
 
 
-def _keep_most(variant: Config, changes: tuple[str, ...], est: Estimate, target: Target, world: int,
-               margin: float, model: ModelSource | None) -> tuple[Config, tuple[str, ...], Estimate]:
-    """The streaming variant (either order) with the most kept blocks
-    (``keep_blocks_for_backward``) that still fits: -1 when all fit, else the largest count
-    (device memory grows with it, bytes up shrink)."""
-    streamed = sum(1 for b in est.plan.blocks if b.stream)
-    best: tuple[Config, tuple[str, ...], Estimate] = (variant, changes, est)
-    if not streamed:
-        return best
-    trial = _with_keep(variant, -1)
-    trial_est = estimate(trial, target, world, all_passes=True, model=model)
-    if not trial_est.problems(margin):
-        return trial, (*changes, "keep all streamed blocks for backward"), trial_est
-    low, high = 1, streamed - 1  # binary search over the count: memory grows with it
-    while low <= high:
-        mid = (low + high) // 2
-        trial = _with_keep(variant, mid)
-        trial_est = estimate(trial, target, world, all_passes=True, model=model)
-        if trial_est.problems(margin):
-            high = mid - 1
-        else:
-            best = (trial, (*changes, f"keep {mid} streamed blocks for backward"), trial_est)
-            low = mid + 1
-    return best
-
-
-def _with_keep(cfg: Config, keep: int) -> Config:
-    streaming = cfg.layer_streaming.model_copy(update={"keep_blocks_for_backward": keep})
-    return cfg.model_copy(update={"layer_streaming": streaming})
+def _filled(candidate: Candidate, target: Target, margin: float,
+            model: ModelSource | None) -> tuple[Config, tuple[str, ...], Estimate]:
+    world = candidate.estimate.plan.sizes.world
+    return fill_device(candidate.config, candidate.changes, candidate.estimate, target, world, margin, model)
 
 
 def rank(candidates: list[Candidate], equal: float = EQUAL_TIME) -> list[Candidate]:

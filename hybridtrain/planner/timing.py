@@ -62,7 +62,8 @@ class Hardware:
 @dataclass(frozen=True)
 class StepTime:
     """Predicted seconds of one step, by part (``total`` is not their sum: parts overlap;
-    ``host_step_exposed`` is the part of ``host_step`` no device work hides)."""
+    ``host_step_exposed``, ``transfers_exposed`` and ``communication_exposed`` are the parts
+    of ``host_step``, ``transfers`` and ``communication`` no device work hides)."""
 
     compute: float = 0.0
     recompute: float = 0.0
@@ -73,6 +74,8 @@ class StepTime:
     communication: float = 0.0
     bubble: float = 0.0
     total: float = 0.0
+    transfers_exposed: float = 0.0
+    communication_exposed: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         """Plain values."""
@@ -184,4 +187,5 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
         (comm - hidden_comm)
     return StepTime(compute=compute, recompute=recompute, optimizer=optimizer, transfers=transfers, host_step=host_step,
                     host_step_exposed=host_step - hidden_host,
-                    communication=comm, bubble=bubble, total=total)
+                    communication=comm, bubble=bubble, total=total, transfers_exposed=transfers - hidden_transfers,
+                    communication_exposed=comm - hidden_comm)

@@ -169,3 +169,29 @@ def test_a_plan_that_leaves_stage_0_writes_no_wrapper_step(tmp_path: Path) -> No
         assert again == moved
         assert optimizer_settings(again) == optimizer_settings(config)
         assert not optimizer_settings(again).zero_gradient_step
+
+
+def test_plan_states_its_kernel_efficiency_the_modes_it_searches_and_what_binds(
+        config: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from hybridtrain.hardware.efficiency import H100_MEASURED
+
+    assert main(["plan", config, "--device", "H100", "--host-memory", "128GiB", "--host-bandwidth", "152GB/s"]) == 0
+    out = capsys.readouterr().out
+    assert f"device compute: {H100_MEASURED.share:.3g} of H100 SXM's dense float32 peak" in out
+    assert H100_MEASURED.source in out
+    assert "modes searched (each implemented by the runtime):" in out and "Twin-Flow ratio" in out
+    binds = next(line.strip() for line in out.splitlines() if line.strip().startswith("binds: "))
+    assert "of the" in binds and "x its binding resource" in binds
+
+
+def test_a_plan_that_fits_nowhere_says_which_memory_binds_by_how_much(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "offload.yaml"
+    path.write_text(yaml.safe_dump({**TINY, "bf16": {"enabled": True}}))
+    # On a CPU the device peak counts host bytes too: no variant fits 2 MiB, whatever it offloads.
+    assert main(["plan", str(path), "--device-memory", "2MiB", "--host-memory", "1KiB"]) == 1
+    err = capsys.readouterr().err
+    assert "device memory binds: of the variants that fit the host memory, the least needs" in err
+    assert "has 1.80 MiB: over by" in err  # 2 MiB less the 10 % margin
+    assert "host memory: no variant fits the device memory either" in err
+    assert "modes searched" in err

@@ -22,7 +22,8 @@ from hybridtrain.planner.estimate import (
     half_width_numel,
     hardware,
 )
-from hybridtrain.planner.search import MARGIN, _keep_most
+from hybridtrain.planner.fill import keep_most
+from hybridtrain.planner.search import MARGIN
 from hybridtrain.planner.timing import Hardware, StepTime, estimate_time
 
 H100 = Target("cuda", "H100 SXM", 80 * 2**30, 128 * 2**30, host_bandwidth=152e9)
@@ -113,7 +114,7 @@ def test_the_host_keeps_a_half_image_of_each_streamed_half_width_weight() -> Non
 def test_the_search_keeps_the_most_blocks_that_fit() -> None:
     cfg = load_config({**LAYER_MAJOR, "gradient_clipping": 1.0})
     est = estimate(cfg, H100, all_passes=True)
-    _, changes, kept = _keep_most(cfg, (), est, H100, 1, MARGIN, None)
+    _, changes, kept = keep_most(cfg, (), est, H100, 1, MARGIN, None)
     assert kept.config.layer_streaming.keep_blocks_for_backward == -1
     assert changes == ("keep all streamed blocks for backward",)
     # Room for the kept last block but not for two: the search keeps one.
@@ -121,7 +122,7 @@ def test_the_search_keeps_the_most_blocks_that_fit() -> None:
     last = 4 * trace.blocks[-1].param_numel - 2 * half[trace.blocks[-1].name]
     room = int((est.device_peak_bytes + 1.5 * last) / (1 - MARGIN))
     small = replace(H100, memory_bytes=room)
-    variant, _, kept = _keep_most(cfg, (), est, small, 1, MARGIN, None)
+    variant, _, kept = keep_most(cfg, (), est, small, 1, MARGIN, None)
     assert variant.layer_streaming.keep_blocks_for_backward == 1
     assert not kept.problems(MARGIN)
 
@@ -141,6 +142,6 @@ def test_micro_batch_major_keeps_blocks_per_micro_batch_and_the_search_keeps_the
     assert k == 2 and t0 - t_all == pytest.approx(k * upload / hw.links.host_to_device)
     cfg = load_config({**LAYER_MAJOR, **mb_major, "gradient_clipping": 1.0})
     est = estimate(cfg, H100, all_passes=True)
-    _, changes, kept = _keep_most(cfg, (), est, H100, 1, MARGIN, None)
+    _, changes, kept = keep_most(cfg, (), est, H100, 1, MARGIN, None)
     assert kept.config.layer_streaming.keep_blocks_for_backward == -1
     assert kept.device_peak_bytes - est.device_peak_bytes == upload

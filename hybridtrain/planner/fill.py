@@ -1,0 +1,117 @@
+"""Fill the device: a fitting variant grows each knob that trades device memory for time,
+as far as the device (less the margin) still holds it.
+
+The knobs are settings the runtime implements today, each with device memory that grows
+monotonically along it, so the largest fitting value is found by bisection:
+
+- ``layer_streaming.keep_blocks_for_backward`` (streaming): more blocks kept from forward to
+  backward, fewer uploads;
+- ``activation_checkpointing.every_n_blocks``: a longer interval keeps more blocks'
+  activations, less recomputation;
+- ``zero_optimization.offload_optimizer.ratio`` (optimizer offload on one process,
+  DeepSpeed's Twin-Flow): a lower ratio updates more parameters on the device, a shorter
+  host step and fewer bytes over the link. Layer streaming always updates on the host
+  (:func:`hybridtrain.plan.resolve.resolve` ignores the ratio there), so it is not offered.
+
+A grown value is taken only when it is predicted faster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hybridtrain.config import Config
+from hybridtrain.planner.estimate import Estimate, ModelSource, Target, estimate
+
+RATIO_STEP = 0.05
+"""Twin-Flow ratios tried: multiples of this below the variant's own."""
+
+Variant = tuple[Config, tuple[str, ...], Estimate]
+
+
+def keep_most(variant: Config, changes: tuple[str, ...], est: Estimate, target: Target, world: int,
+              margin: float, model: ModelSource | None) -> Variant:
+    """The streaming variant (either order) with the most kept blocks
+    (``keep_blocks_for_backward``) that still fits: -1 when all fit, else the largest count
+    (device memory grows with it, bytes up shrink)."""
+    streamed = sum(1 for b in est.plan.blocks if b.stream)
+    if not streamed:
+        return variant, changes, est
+    trial = _with_keep(variant, -1)
+    trial_est = estimate(trial, target, world, all_passes=True, model=model)
+    if not trial_est.problems(margin):
+        return trial, (*changes, "keep all streamed blocks for backward"), trial_est
+    found = _largest_fitting(list(range(1, streamed)), lambda n: _with_keep(variant, n), target, world, margin, model)
+    if found is None:
+        return variant, changes, est
+    count, config, grown = found
+    return config, (*changes, f"keep {count} streamed blocks for backward"), grown
+
+
+def fill_device(variant: Config, changes: tuple[str, ...], est: Estimate, target: Target, world: int,
+                margin: float, model: ModelSource | None) -> Variant:
+    """``variant`` with its checkpoint interval, then its Twin-Flow ratio, grown as far as
+    the device holds them, each only where predicted faster (see the module docstring)."""
+    best: Variant = (variant, changes, est)
+    checkpointed = variant.activation_checkpointing
+    blocks = len(est.plan.blocks)
+    if checkpointed.enabled and est.plan.checkpoint_modules and not any(b.stream for b in est.plan.blocks):
+        intervals = list(range(checkpointed.every_n_blocks + 1, blocks + 1))
+        best = _grown(best, intervals, _with_interval, "checkpoint every {} blocks", target, world, margin, model,
+                      replaces="checkpoint every")
+    opt = best[2].plan.optimizer
+    if opt.placement == "host" and world == 1:
+        steps = round(opt.host_ratio / RATIO_STEP)
+        ratios = [round(RATIO_STEP * n, 4) for n in range(steps - 1, 0, -1)]  # device memory grows along it
+        best = _grown(best, ratios, _with_ratio, "optimizer offload ratio {} (Twin-Flow: the rest on the device)",
+                      target, world, margin, model, replaces="optimizer offload")
+    return best
+
+
+def _grown(best: Variant, values: Sequence[Any], change: Callable[[Config, Any], Config], words: str, target: Target,
+           world: int, margin: float, model: ModelSource | None, replaces: str) -> Variant:
+    """``best`` with its knob at the last fitting of ``values`` when that is faster; the new
+    words take the place of the change starting with ``replaces``."""
+    config, changes, est = best
+    found = _largest_fitting(values, lambda v: change(config, v), target, world, margin, model)
+    if found is None:
+        return best
+    value, grown_config, grown = found
+    if grown.step_seconds >= est.step_seconds:
+        return best
+    kept = tuple(words_ for words_ in changes if not words_.startswith(replaces))
+    return grown_config, (*kept, words.format(value)), grown
+
+
+def _largest_fitting(values: Sequence[Any], make: Callable[[Any], Config], target: Target, world: int,
+                     margin: float, model: ModelSource | None) -> tuple[Any, Config, Estimate] | None:
+    """The last of ``values`` (device memory grows along them) whose variant fits, by bisection."""
+    low, high = 0, len(values) - 1
+    found = None
+    while low <= high:
+        mid = (low + high) // 2
+        config = make(values[mid])
+        est = estimate(config, target, world, all_passes=True, model=model)
+        if est.problems(margin):
+            high = mid - 1
+        else:
+            found = (values[mid], config, est)
+            low = mid + 1
+    return found
+
+
+def _with_keep(cfg: Config, keep: int) -> Config:
+    streaming = cfg.layer_streaming.model_copy(update={"keep_blocks_for_backward": keep})
+    return cfg.model_copy(update={"layer_streaming": streaming})
+
+
+def _with_interval(cfg: Config, every: int) -> Config:
+    section = cfg.activation_checkpointing.model_copy(update={"every_n_blocks": every})
+    return cfg.model_copy(update={"activation_checkpointing": section})
+
+
+def _with_ratio(cfg: Config, ratio: float) -> Config:
+    zero = cfg.zero_optimization
+    offload = zero.offload_optimizer.model_copy(update={"ratio": ratio, "gpu_ratio": None})
+    return cfg.model_copy(update={"zero_optimization": zero.model_copy(update={"offload_optimizer": offload})})

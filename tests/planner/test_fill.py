@@ -1,0 +1,101 @@
+"""Filling the device (hybridtrain/planner/fill.py): a fitting variant's Twin-Flow ratio and
+checkpoint interval grow as far as the device (less the margin) holds them, only where the
+step gets faster; the planner's ranking takes the filled variants."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybridtrain.config import load_config
+from hybridtrain.planner import plan
+from hybridtrain.planner.estimate import Estimate, Target, estimate
+from hybridtrain.planner.fill import RATIO_STEP, fill_device
+from hybridtrain.planner.search import MARGIN
+
+BASE = {"data": {"seq_len": 64}, "train_batch_size": 4, "train_micro_batch_size_per_gpu": 4, "device": "cpu",
+        "bf16": {"enabled": True}}
+OFFLOAD = {**BASE, "model": {"name": "gpt-tiny"},
+           "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "ratio": 1.0}}}
+CHECKPOINTED = {**BASE, "model": {"name": "gpt-mini"}, "data": {"seq_len": 128},
+                "activation_checkpointing": {"enabled": True, "every_n_blocks": 1}}
+SLOW_HOST = 1e6
+"""Host bytes/s that make the host optimizer step bind, so updating on the device pays."""
+
+
+def _target(limit: int | None) -> Target:
+    return Target("cuda", "H100 SXM", limit, 2**40, host_bandwidth=SLOW_HOST)
+
+
+def _with(config: dict[str, Any], section: str, **settings: Any) -> dict[str, Any]:
+    inner = dict(config[section])
+    if section == "zero_optimization":
+        inner["offload_optimizer"] = {**inner["offload_optimizer"], **settings}
+    else:
+        inner.update(settings)
+    return {**config, section: inner}
+
+
+def _between(low: Estimate, high: Estimate) -> int:
+    """A device limit (before the margin) half-way between two variants' peaks."""
+    return int((low.device_peak_bytes + high.device_peak_bytes) / 2 / (1 - MARGIN))
+
+
+def test_the_twin_flow_ratio_falls_as_far_as_the_device_holds_it_and_the_step_gets_faster() -> None:
+    all_host = estimate(OFFLOAD, _target(None), all_passes=True)
+    mostly_device = estimate(_with(OFFLOAD, "zero_optimization", ratio=RATIO_STEP), _target(None), all_passes=True)
+    assert mostly_device.device_peak_bytes > all_host.device_peak_bytes
+    target = _target(_between(all_host, mostly_device))
+    start = estimate(OFFLOAD, target, all_passes=True)
+    assert not start.problems(MARGIN)
+    config, changes, filled = fill_device(load_config(OFFLOAD), ("optimizer offload",), start, target, 1, MARGIN, None)
+    ratio = config.zero_optimization.offload_optimizer.ratio
+    assert RATIO_STEP < ratio < 1.0 and filled.plan.optimizer.host_ratio == ratio
+    assert not filled.problems(MARGIN)
+    assert filled.step_seconds < start.step_seconds and filled.time.host_step < start.time.host_step
+    # As far as it goes: one step further does not fit.
+    further = estimate(_with(OFFLOAD, "zero_optimization", ratio=round(ratio - RATIO_STEP, 4)), target,
+                       all_passes=True)
+    assert further.problems(MARGIN)
+    assert changes == (f"optimizer offload ratio {ratio} (Twin-Flow: the rest on the device)",)
+
+
+def test_a_full_device_keeps_the_variant_as_it_is() -> None:
+    start = estimate(OFFLOAD, _target(None), all_passes=True)
+    target = _target(int(start.device_peak_bytes / (1 - MARGIN)) + 1)
+    config, changes, filled = fill_device(load_config(OFFLOAD), (), estimate(OFFLOAD, target, all_passes=True),
+                                          target, 1, MARGIN, None)
+    assert config.zero_optimization.offload_optimizer.ratio == 1.0 and changes == ()
+    assert filled.step_seconds == estimate(OFFLOAD, target, all_passes=True).step_seconds
+
+
+def test_the_checkpoint_interval_grows_as_far_as_the_device_holds_it() -> None:
+    every_block = estimate(CHECKPOINTED, _target(None), all_passes=True)
+    blocks = len(every_block.plan.blocks)
+    assert blocks == 4 and len(every_block.plan.checkpoint_modules) == blocks
+    one_checkpoint = estimate(_with(CHECKPOINTED, "activation_checkpointing", every_n_blocks=blocks), _target(None),
+                              all_passes=True)
+    target = _target(_between(every_block, one_checkpoint))
+    start = estimate(CHECKPOINTED, target, all_passes=True)
+    config, changes, filled = fill_device(load_config(CHECKPOINTED), ("checkpoint every block",), start, target, 1,
+                                          MARGIN, None)
+    every = config.activation_checkpointing.every_n_blocks
+    assert 1 < every < blocks and not filled.problems(MARGIN)
+    assert filled.time.recompute < start.time.recompute and filled.step_seconds < start.step_seconds
+    further = estimate(_with(CHECKPOINTED, "activation_checkpointing", every_n_blocks=every + 1), target,
+                       all_passes=True)
+    assert further.problems(MARGIN)
+    assert changes == (f"checkpoint every {every} blocks",)
+
+
+def test_the_planner_ranks_the_filled_variant_first_when_the_host_step_binds() -> None:
+    unlimited = plan(OFFLOAD, _target(None))
+    on_device = min(c.estimate.device_peak_bytes for c in unlimited.ranked
+                    if c.estimate.plan.optimizer.placement == "device")
+    # Room for part of the optimizer on the device, but no variant updating all of it there fits.
+    target = _target(int(on_device * 0.98 / (1 - MARGIN)))
+    result = plan(OFFLOAD, target)
+    best = result.best
+    assert best is not None and not best.problems
+    assert 0.0 < best.estimate.plan.optimizer.host_ratio < 0.5  # below every ratio the grid offers
+    assert any("Twin-Flow" in words for words in best.changes)
+    assert all(best.estimate.step_seconds <= c.estimate.step_seconds * 1.01 for c in result.ranked)
