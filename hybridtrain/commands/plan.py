@@ -149,10 +149,11 @@ def _plan(args: argparse.Namespace) -> int:
     if result.best is None:
         from hybridtrain.planner.binding import least_needs
 
+        # The error stays one line; what binds, per memory, is the report on stdout.
         print(f"error: {no_fit_message(result, target)}", file=sys.stderr)
         for line in least_needs([(c.describe(), c.estimate) for c in result.refused], margin):
-            print(f"  {line}", file=sys.stderr)
-        print(f"  {searched_modes()}", file=sys.stderr)
+            print(line)
+        print(searched_modes())
         return 1
     print(render_plan(result, target, margin, args.top))
     if args.output:

@@ -8,12 +8,15 @@ bandwidth, overlapped as each technique overlaps them.
     transfers  = activation swaps, streamed weights, offloaded gradients and weights
                  ÷ host link; hidden behind compute up to the compute time
     host step  = offloaded optimizer elements ÷ host update rate (the host's memory
-                 bandwidth ÷ 28 B); the eager step runs during the backward that completes
-                 the gradients (the last micro-batch's, or all of layer-major's) and hides
-                 up to that time; a deferred one (clipping, fp16 loss scaling, skipping
-                 non-finite losses need every gradient first) runs bucket by bucket in the
-                 order the next forward uses them, behind that forward (one micro-batch's,
-                 all of layer-major's): only the first bucket's update is waited for.
+                 bandwidth ÷ 28 B), plus summing each later micro-batch's landed gradients
+                 into the waiting ones (12 B per element, during that micro-batch's
+                 backward; not in layer-major order, which sums on the device); the
+                 eager step runs during the backward that completes the gradients (the
+                 last micro-batch's, or all of layer-major's) and hides up to that time;
+                 a deferred one (clipping, fp16 loss scaling, skipping non-finite losses
+                 need every gradient first) runs bucket by bucket in the order the next
+                 forward uses them, behind that forward (one micro-batch's, all of
+                 layer-major's): only the first bucket's update is waited for.
                  Unpipelined (the code before it): the deferred step is all exposed
     optimizer  = device-updated elements × 28 bytes ÷ device memory bandwidth
                  + one kernel per parameter tensor and operation (torch's per-tensor Adam)
@@ -82,6 +85,9 @@ class StepTime:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+_HOST_SUM_BYTES_PER_ELEMENT = 12
+"""Adding a landed fp32 gradient into the one waiting on the host: two reads and a write of 4 bytes."""
+
 _ADAM_KERNELS_PER_TENSOR = 10
 """Operations of torch's single-tensor Adam(W) per parameter tensor (CPU's default path)."""
 
@@ -140,7 +146,16 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
         grads = full if layer_major and k > 1 else width
         transfers += (uploads * (2 * width - kept_width) + uploads * grads) / link
         first_update = float(streamed[0].param_numel) if streamed else host_elems
-    host_step = host_elems / hw.host_update_rate if host_elems else 0.0
+    host_update = host_elems / hw.host_update_rate if host_elems else 0.0
+    # Micro-batches landing one by one are summed on the host by the worker that steps
+    # (offload_bucket.sum_staged): each later one during its own backward, the last one's
+    # beside the eager step.
+    summed_on_host = k > 1 and (opt.placement == "host" or
+                                (opt.placement == "host_streamed" and plan.step_runner != "layer_major"))
+    # At the host step's own rate (its bytes ÷ its seconds): the same cores and memory run both.
+    host_bytes_rate = hw.host_update_rate * _ADAM_BYTES_PER_ELEMENT
+    one_sum = host_elems * _HOST_SUM_BYTES_PER_ELEMENT / host_bytes_rate if summed_on_host else 0.0
+    host_step = host_update + (k - 1) * one_sum
     device_elems = max(0.0, trace.param_numel * stage / tp - host_elems)
     if plan.zero_stage:
         device_elems /= dp
@@ -159,13 +174,14 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
         # behind every backward predicted 0.35 s for optimizer offload, 0.73 s measured).
         whole = plan.step_runner == "layer_major"
         window = backward_time if whole else backward_time / max(k, 1)
-        hidden_host = min(host_step, window) if eager else 0.0
-        if not eager and pipelined_host_step and host_step:
+        earlier_sums = max(k - 2, 0) * min(one_sum, window) if eager else max(k - 1, 0) * min(one_sum, window)
+        hidden_host = earlier_sums + (min(host_update + one_sum, window) if eager else 0.0)
+        if not eager and pipelined_host_step and host_update:
             # The next forward (all micro-batches in layer-major) waits only for the
             # first bucket's update; the rest runs behind that forward.
             forward_time = (k if whole else 1) * fwd / hw.flops
-            first = min(host_step, first_update / hw.host_update_rate)
-            hidden_host = min(host_step - first, forward_time)
+            first = min(host_update, first_update / hw.host_update_rate)
+            hidden_host += min(host_update - first, forward_time)
     # Data parallel: gradient all-reduce (ring: 2 (n-1)/n of the bytes); ZeRO-3 also
     # gathers parameters for forward and backward.
     comm = 0.0
