@@ -124,9 +124,14 @@ def plan(config: ConfigSource, target: Target, world_size: int = 1, margin: floa
     refused.sort(key=lambda c: c.estimate.device_peak_bytes)
     # The fastest few grow what trades device memory for time as far as the device holds it
     # (filling every candidate would multiply the estimates for variants that cannot win).
+    # They join the others rather than replace them: OOM recovery scales the estimates and
+    # may need the leaner original. Without a device limit there is nothing to fill.
     ranked = rank(ranked)
-    filled = [Candidate(*_filled(c, target, margin, model), ()) for c in ranked[:FILL_TOP]]
-    return PlanResult(tuple(rank(filled + ranked[FILL_TOP:])), tuple(refused))
+    if target.memory_bytes is not None:
+        filled = [Candidate(*_filled(c, target, margin, model), ()) for c in ranked[:FILL_TOP]]
+        ranked = rank([c for c, original in zip(filled, ranked, strict=False) if c.changes != original.changes]
+                      + ranked)
+    return PlanResult(tuple(ranked), tuple(refused))
 
 
 def _filled(candidate: Candidate, target: Target, margin: float,

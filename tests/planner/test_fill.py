@@ -4,6 +4,7 @@ step gets faster; the planner's ranking takes the filled variants."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from hybridtrain.config import load_config
@@ -99,3 +100,28 @@ def test_the_planner_ranks_the_filled_variant_first_when_the_host_step_binds() -
     assert 0.0 < best.estimate.plan.optimizer.host_ratio < 0.5  # below every ratio the grid offers
     assert any("Twin-Flow" in words for words in best.changes)
     assert all(best.estimate.step_seconds <= c.estimate.step_seconds * 1.01 for c in result.ranked)
+
+
+def test_filled_variants_join_the_ranking_beside_their_originals_and_nothing_fills_without_a_limit() -> None:
+    unlimited = plan(OFFLOAD, _target(None))
+    assert not any("Twin-Flow" in words for c in unlimited.ranked for words in c.changes)
+    on_device = min(c.estimate.device_peak_bytes for c in unlimited.ranked
+                    if c.estimate.plan.optimizer.placement == "device")
+    result = plan(OFFLOAD, _target(int(on_device * 0.98 / (1 - MARGIN))))
+    filled = [c for c in result.ranked if any("Twin-Flow" in words for words in c.changes)]
+    assert filled
+    for candidate in filled:
+        # Its original (the same config but for what filling grew) is still ranked, leaner and slower.
+        originals = [c for c in result.ranked if c not in filled and _unfilled(c) == _unfilled(candidate)]
+        assert any(o.estimate.device_peak_bytes < candidate.estimate.device_peak_bytes
+                   and o.estimate.step_seconds > candidate.estimate.step_seconds for o in originals)
+
+
+def _unfilled(candidate: Any) -> str:
+    """The candidate's config without the settings filling grows."""
+    dump = candidate.config.model_dump(mode="json")
+    offload = dump["zero_optimization"]["offload_optimizer"]
+    offload.pop("ratio")
+    offload.pop("gpu_ratio")
+    dump["activation_checkpointing"].pop("every_n_blocks")
+    return json.dumps(dump, sort_keys=True)
