@@ -124,6 +124,7 @@ def render_estimate(result: Any) -> str:
 
         bandwidth, source = host_bandwidth_source(result.target)
         link, link_source = link_bandwidth_source(result.target)
+        lines.append(compute_rate(result.target, result.plan.compute_dtype))
         lines.append(f"host memory bandwidth: {bandwidth / 1e9:.1f} GB/s ({source})")
         lines.append(f"host<->device link: {link / 1e9:.1f} GB/s each way ({link_source})")
     if result.target.kind == "cpu":

@@ -197,3 +197,12 @@ def test_a_plan_that_fits_nowhere_says_which_memory_binds_by_how_much(
     assert "has 1.80 MiB: over by" in out  # 2 MiB less the 10 % margin
     assert "host memory: no variant fits the device memory either" in out
     assert "modes searched" in out
+
+
+def test_estimate_states_the_kernel_efficiency_of_a_gpu_target(config: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from hybridtrain.hardware.efficiency import MEGATRON_A100
+
+    assert main(["estimate", config, "--device", "A100"]) == 0
+    out = capsys.readouterr().out
+    assert f"device compute: {MEGATRON_A100.share:.3g} of A100 80GB's dense float32 peak" in out
+    assert MEGATRON_A100.source in out
