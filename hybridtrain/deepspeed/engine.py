@@ -18,6 +18,7 @@ from torch import nn
 from hybridtrain.config import Config
 from hybridtrain.deepspeed import weights
 from hybridtrain.deepspeed.checkpoint import files, loader, writer, zero3
+from hybridtrain.deepspeed.master_weights import MasterWeightsOptimizer
 from hybridtrain.engine import Engine
 
 LATEST = "latest"
@@ -78,7 +79,8 @@ class DeepSpeedEngine(nn.Module):
             raise NotImplementedError("step(lr_kwargs=…) is not supported by hybridtrain.deepspeed")
         boundary = self.engine.is_gradient_accumulation_boundary()
         skipped = self.engine.skipped_steps
-        if boundary and self._config.gradient_clipping <= 0:
+        master = isinstance(self.engine.optimizer, MasterWeightsOptimizer)
+        if boundary and self._config.gradient_clipping <= 0 and not master:
             # DeepSpeed reports the norm with clipping off too; the engine measures it only to clip.
             self._grad_norm = weights.grad_norm(self.engine)
         self.engine.step()  # clears the gradients after the update, as DeepSpeed
@@ -88,7 +90,9 @@ class DeepSpeedEngine(nn.Module):
                 # DeepSpeed steps the caller's optimizer itself, so torch's schedulers built on it
                 # (Accelerate's) see it stepped; here another optimizer updated through its groups.
                 self.callers_optimizer._opt_called = True  # type: ignore[attr-defined]
-            if self._config.gradient_clipping > 0 and self.engine.last_grad_norm is not None:
+            if master:  # DeepSpeed's bf16 wrapper measured it on its fp32 gradients
+                self._grad_norm = self.engine.optimizer.last_grad_norm
+            elif self._config.gradient_clipping > 0 and self.engine.last_grad_norm is not None:
                 self._grad_norm = float(self.engine.last_grad_norm)
 
     def is_gradient_accumulation_boundary(self) -> bool:
