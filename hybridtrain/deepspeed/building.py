@@ -19,7 +19,7 @@ from hybridtrain.compose import check_plain_initialize
 from hybridtrain.config import Config
 from hybridtrain.config.deepspeed_keys import FP16_INIT_STEP, fp16_wrapper_steps
 from hybridtrain.deepspeed.client_optimizer import describe, lay_groups, with_optimizer
-from hybridtrain.deepspeed.master_weights import MasterWeightsOptimizer, cast_parameters
+from hybridtrain.deepspeed.master_weights import MasterWeightsOptimizer, NormRule, cast_parameters
 from hybridtrain.engine import Engine
 from hybridtrain.prepare import prepare
 from hybridtrain.runtime.batch import Batch, LossFn
@@ -74,13 +74,14 @@ def build_engine(model: nn.Module, cfg: Config, wrapper_steps: bool, optimizer: 
     from hybridtrain.plan.resolve import optimizer_settings
     from hybridtrain.runtime.optim import build_optimizer, build_scheduler
 
+    rule = _norm_rule(cfg, optimizer)
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(params if params is not None else model.parameters())
     elif optimizer is None and params is not None and _custom_groups(params, model):
         settings = optimizer_settings(cfg)
         optimizer = build_optimizer(params, settings.type, dict(settings.params))
     if half_weights:
-        optimizer, cfg = _with_master_weights(model, cfg, optimizer, params, wrapper_steps)
+        optimizer, cfg = _with_master_weights(model, cfg, optimizer, params, wrapper_steps, rule)
         wrapper_steps = False  # the wrapper took DeepSpeed's zero-gradient step over its masters
     spec = None
     if isinstance(optimizer, torch.optim.Optimizer) and _replaces_parameters(cfg):
@@ -110,7 +111,8 @@ def build_engine(model: nn.Module, cfg: Config, wrapper_steps: bool, optimizer: 
 
 
 def _with_master_weights(model: nn.Module, cfg: Config, optimizer: torch.optim.Optimizer | None,
-                         params: list[Any] | None, wrapper_steps: bool) -> tuple[MasterWeightsOptimizer, Config]:
+                         params: list[Any] | None, wrapper_steps: bool,
+                         rule: NormRule) -> tuple[MasterWeightsOptimizer, Config]:
     """The module cast to bfloat16 and DeepSpeed's bf16 wrapper over the basic optimizer (the
     caller's, else the config's over ``params`` or the model's parameters); the config the
     engine then runs: no autocast, no clipping of its own (the wrapper clips as DeepSpeed),
@@ -123,12 +125,30 @@ def _with_master_weights(model: nn.Module, cfg: Config, optimizer: torch.optim.O
         settings = optimizer_settings(cfg)
         optimizer = build_optimizer(params if params is not None else model.parameters(), settings.type,
                                     dict(settings.params))
-    wrapped = MasterWeightsOptimizer(optimizer, cfg.gradient_clipping, zero=cfg.zero_optimization.stage > 0,
+    wrapped = MasterWeightsOptimizer(optimizer, cfg.gradient_clipping, rule,
                                      zero_gradient_step=wrapper_steps)
     zero = cfg.zero_optimization.model_copy(update={"stage": 0})
     plain = cfg.model_copy(update={"bf16": cfg.bf16.model_copy(update={"enabled": False}),
                                    "gradient_clipping": 0.0, "zero_optimization": zero})
     return wrapped, plain
+
+
+def _norm_rule(cfg: Config, client: Any) -> NormRule:
+    """DeepSpeed's bf16 wrapper for this run: ZeRO-1/2's, else ZeRO-0's ``FP16_Optimizer`` over
+    its ``FusedAdam`` (the config's Adam/AdamW without ``torch_adam``, deepspeed/runtime/engine.py
+    ``get_optimizer_configuration``, or the caller's), else ``FP16_UnfusedOptimizer``.
+
+    Args:
+        client: the optimizer argument of ``deepspeed.initialize`` (None: the config's).
+    """
+    from hybridtrain.deepspeed.ops.adam import FusedAdam
+
+    if cfg.zero_optimization.stage > 0:
+        return "zero"
+    if client is not None:
+        return "fused" if isinstance(client, FusedAdam) else "unfused"
+    fused = cfg.optimizer.type.lower() in ("adam", "adamw") and not cfg.optimizer.params.get("torch_adam", False)
+    return "fused" if fused else "unfused"
 
 
 def _world_size() -> int:
