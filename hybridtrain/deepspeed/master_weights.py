@@ -167,19 +167,27 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
             master.grad = None
 
     def state_dict(self) -> dict[str, Any]:
-        """The basic optimizer's state and the fp32 masters (``fp32_groups``)."""
-        return {"base_optimizer_state": self.inner.state_dict(),
-                "fp32_groups": [[m.detach().clone() for m in masters] for masters in self.master_groups]}
+        """The basic optimizer's state dict (over the masters); the masters themselves are saved
+        by the checkpoint writer (:mod:`hybridtrain.deepspeed.checkpoint.writer`), as DeepSpeed's
+        wrappers keep them beside it, and restored by :meth:`load_masters`."""
+        return self.inner.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (masters copied into place, and into the
-        bfloat16 weights)."""
-        self.inner.load_state_dict(state_dict["base_optimizer_state"])
-        with torch.no_grad():
-            for halves, masters, saved in zip(self.half_groups, self.master_groups, state_dict["fp32_groups"]):
-                for half, master, value in zip(halves, masters, saved):
-                    master.copy_(value)
-                    half.copy_(master)
+        """Restore the basic optimizer's state dict (see :meth:`state_dict`)."""
+        self.inner.load_state_dict(state_dict)
+
+    @torch.no_grad()
+    def load_masters(self, values: list[torch.Tensor]) -> None:
+        """Set the fp32 masters (in the groups' order) and the bfloat16 weights from them, as
+        DeepSpeed's wrappers restore a checkpoint's masters."""
+        masters = self._masters()
+        if len(values) != len(masters):
+            raise ValueError(f"load_masters: got {len(values)} masters for {len(masters)} parameters")
+        for master, value in zip(masters, values, strict=True):
+            master.copy_(value.reshape(master.shape))
+        for halves, group in zip(self.half_groups, self.master_groups):
+            for half, master in zip(halves, group):
+                half.copy_(master)
 
     def __repr__(self) -> str:
         return f"MasterWeightsOptimizer({self.inner!r})"

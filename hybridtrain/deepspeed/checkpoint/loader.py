@@ -13,8 +13,9 @@ from typing import Any
 import torch
 
 from hybridtrain.checkpoint.layout import CheckpointError
-from hybridtrain.checkpoint.training_state import optimizer_param_names
-from hybridtrain.deepspeed.checkpoint import reader
+from hybridtrain.deepspeed.checkpoint import flat, reader
+from hybridtrain.deepspeed.checkpoint.writer import param_names
+from hybridtrain.deepspeed.master_weights import MasterWeightsOptimizer
 
 # The model-states keys DeepSpeed's load_checkpoint keeps out of the returned client state.
 _NOT_CLIENT_STATE = ("module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler",
@@ -61,6 +62,26 @@ def _load_weights(engine: Any, state: reader.DeepSpeedState) -> None:
     refresh = getattr(engine.optimizer, "refresh_masters", None)
     if refresh is not None:
         refresh()  # the optimizer's host masters start from the loaded weights
+    if isinstance(engine.optimizer, MasterWeightsOptimizer):
+        engine.optimizer.load_masters(_masters(engine.optimizer, runtime.model, state, saved))
+
+
+def _masters(optimizer: MasterWeightsOptimizer, model: torch.nn.Module, state: reader.DeepSpeedState,
+             saved: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The fp32 masters of DeepSpeed's bf16 wrapper, in its order: the wrapper's own (without
+    ZeRO), else the checkpoint's fp32 values by name (ZeRO's masters, or an fp32 run's weights)."""
+    names = [aliases[0] for aliases in param_names(model, optimizer)]
+    if state.wrapper_masters is None:
+        return [saved[name] for name in names]
+    groups = state.wrapper_masters
+    if len(groups) != len(optimizer.half_groups):
+        raise CheckpointError(f"DeepSpeed checkpoint {state.path} has {len(groups)} fp32 master groups, this "
+                              f"run's optimizer {len(optimizer.half_groups)}")
+    masters: list[torch.Tensor] = []
+    for group, halves in zip(groups, optimizer.half_groups, strict=True):
+        shapes = [h.shape for h in halves]
+        masters += list(group) if isinstance(group, list | tuple) else flat.split(group.reshape(-1), shapes, None)
+    return masters
 
 
 def _load_optimizer(engine: Any, state: reader.DeepSpeedState) -> None:
@@ -68,7 +89,7 @@ def _load_optimizer(engine: Any, state: reader.DeepSpeedState) -> None:
     own ``load_state_dict`` (its casts, device moves and offload hooks run as usual)."""
     runtime, optimizer = engine.parallel, engine.optimizer
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    names = optimizer_param_names(runtime.model, optimizer)
+    names = param_names(runtime.model, optimizer)
     by_name = state.optimizer_state if state.torch_optimizer is None else _by_name(state.torch_optimizer, names)
     restored: dict[int, dict[str, Any]] = {}
     for index, (param, aliases) in enumerate(zip(params, names, strict=True)):

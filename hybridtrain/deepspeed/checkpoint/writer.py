@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from hybridtrain.checkpoint.training_state import optimizer_param_names
 from hybridtrain.deepspeed.checkpoint import files, flat
+from hybridtrain.deepspeed.master_weights import MasterWeightsOptimizer
 
 
 def _whole(value: Any) -> Any:
@@ -27,11 +28,24 @@ def _whole(value: Any) -> Any:
     return value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
 
 
+def param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """Every name in ``model`` of each parameter ``optimizer`` updates, in its groups' order; the
+    fp32 masters of DeepSpeed's bf16 wrapper (:class:`MasterWeightsOptimizer`) count as the
+    bfloat16 parameters they update."""
+    if not isinstance(optimizer, MasterWeightsOptimizer):
+        return optimizer_param_names(model, optimizer)
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [names[id(half)] for halves in optimizer.half_groups for half in halves]
+
+
 class EngineSnapshot:
     """What a DeepSpeed checkpoint holds, gathered from a hybridtrain engine on every rank.
 
     ``groups``: per optimizer group, each trained parameter's DeepSpeed name (its first name
-    in the model) with its whole optimizer state, in the group's order.
+    in the model) with its whole optimizer state, in the group's order. ``masters``: the fp32
+    masters by name where the optimizer keeps them apart from the (bfloat16) module.
     """
 
     def __init__(self, engine: Any) -> None:
@@ -39,7 +53,8 @@ class EngineSnapshot:
         self.engine = engine
         self.model = engine.parallel.model
         self.module = engine.model_state_dict()
-        names = optimizer_param_names(self.model, engine.optimizer)
+        names = param_names(self.model, engine.optimizer)
+        self.masters: dict[str, torch.Tensor] = {}
         self.groups: list[list[tuple[str, dict[str, Any]]]] = []
         self.hypers: list[dict[str, Any]] = []
         index = 0
@@ -48,9 +63,15 @@ class EngineSnapshot:
             for param in group["params"]:
                 state = engine.optimizer.state.get(param, {})
                 entries.append((names[index][0], {k: _whole(v) for k, v in state.items()}))
+                if isinstance(engine.optimizer, MasterWeightsOptimizer):
+                    self.masters[names[index][0]] = _whole(param)
                 index += 1
             self.groups.append(entries)
             self.hypers.append({k: v for k, v in group.items() if k != "params"})
+
+    def fp32(self, name: str) -> torch.Tensor:
+        """Parameter ``name``'s fp32 value: its master, else the module's entry."""
+        return self.masters[name] if name in self.masters else self.module[name]
 
     def shared_params(self) -> dict[str, str]:
         """Every further name of a tied parameter → its first name, as DeepSpeed records them."""
@@ -112,7 +133,7 @@ def _model_states(snapshot: EngineSnapshot, config: Any, raw_config: dict[str, A
     state: dict[str, Any] = {
         "module": _module_in_saved_dtype(snapshot, config),
         "buffer_names": snapshot.buffer_names(),
-        "optimizer": _torch_optimizer_state(snapshot) if stage == 0 else None,
+        "optimizer": _stage0_optimizer_state(snapshot, engine) if stage == 0 else None,
         "param_shapes": [OrderedDict((n, snapshot.module[n].shape) for n, _ in group) for group in snapshot.groups]
         if stage > 0 else None,
         "frozen_param_shapes": OrderedDict((n, p.shape) for n, p in frozen.items()) if stage == 2 else None,
@@ -128,6 +149,22 @@ def _model_states(snapshot: EngineSnapshot, config: Any, raw_config: dict[str, A
     }
     state.update(client_state)
     return state
+
+
+def _stage0_optimizer_state(snapshot: EngineSnapshot, engine: Any) -> dict[str, Any]:
+    """Without ZeRO: the torch optimizer's state dict; under DeepSpeed's bf16 wrapper, the
+    wrapper's (its basic optimizer's state dict and the fp32 masters: per parameter for
+    ``FP16_UnfusedOptimizer``, flat per group for ``FP16_Optimizer``, as their ``state_dict``)."""
+    inner = _torch_optimizer_state(snapshot)
+    optimizer = engine.optimizer
+    if not isinstance(optimizer, MasterWeightsOptimizer):
+        return inner
+    masters = [[snapshot.fp32(name) for name, _ in group] for group in snapshot.groups]
+    if optimizer.rule == "fused":
+        return {files.OPTIMIZER_STATE_DICT: inner, "fp32_groups_flat": [flat.flatten(group) for group in masters],
+                "clip_grad": float(optimizer.max_norm)}
+    return {"dynamic_loss_scale": False, "cur_scale": 1.0, "cur_iter": engine.global_step,
+            files.OPTIMIZER_STATE_DICT: inner, "fp32_groups": masters}
 
 
 def _torch_optimizer_state(snapshot: EngineSnapshot) -> dict[str, Any]:
@@ -152,7 +189,7 @@ def _zero_state(snapshot: EngineSnapshot, config: Any, dp: int, rank: int) -> di
     state over each group's flat slice, end padding included)."""
     masters, paddings, base_state = [], [], {}
     for index, group in enumerate(snapshot.groups):
-        flat_masters = flat.flatten([snapshot.module[name] for name, _ in group])
+        flat_masters = flat.flatten([snapshot.fp32(name) for name, _ in group])
         total = flat_masters.numel()
         masters.append(flat.rank_slice(flat_masters, dp, rank, padded=False))
         paddings.append(flat.paddings(total, dp)[rank])
