@@ -161,10 +161,31 @@ def _stage0_optimizer_state(snapshot: EngineSnapshot, engine: Any) -> dict[str, 
         return inner
     masters = [[snapshot.fp32(name) for name, _ in group] for group in snapshot.groups]
     if optimizer.rule == "fused":
-        return {files.OPTIMIZER_STATE_DICT: inner, "fp32_groups_flat": [flat.flatten(group) for group in masters],
-                "clip_grad": float(optimizer.max_norm)}
+        return {files.OPTIMIZER_STATE_DICT: _flat_groups_state(snapshot),
+                "fp32_groups_flat": [flat.flatten(group) for group in masters], "clip_grad": float(optimizer.max_norm)}
     return {"dynamic_loss_scale": False, "cur_scale": 1.0, "cur_iter": engine.global_step,
             files.OPTIMIZER_STATE_DICT: inner, "fp32_groups": masters}
+
+
+def _flat_groups_state(snapshot: EngineSnapshot) -> dict[str, Any]:
+    """The state dict of a basic optimizer over one flat master per group (``FP16_Optimizer``
+    flattens each group): per-parameter tensors concatenated, scalars (the step) as they are."""
+    state: dict[int, dict[str, Any]] = {}
+    for index, group in enumerate(snapshot.groups):
+        entries = [entry for _, entry in group]
+        if entries and all(entries):
+            state[index] = {key: flat.flatten([e[key] for e in entries]) if torch.is_tensor(first) and first.dim() > 0
+                            else _plain_number(first) for key, first in entries[0].items()}
+    # DeepSpeed's FusedAdam reads bias_correction from each group (a torch Adam has none: always on).
+    groups = [{"bias_correction": True, **hypers, "params": [i]} for i, hypers in enumerate(snapshot.hypers)]
+    return {"state": state, "param_groups": groups}
+
+
+def _plain_number(value: Any) -> Any:
+    """A one-element tensor (torch's Adam step) as the Python number FusedAdam keeps."""
+    if torch.is_tensor(value) and value.dim() == 0:
+        return int(value) if float(value).is_integer() else float(value)
+    return value
 
 
 def _torch_optimizer_state(snapshot: EngineSnapshot) -> dict[str, Any]:

@@ -1,21 +1,24 @@
 """A DeepSpeed script with ``bf16.enabled``, run unchanged on the real DeepSpeed and on the
-drop-in: for ZeRO stages 0 (over torch's AdamW and over DeepSpeed's FusedAdam), 1 and 2 in
-turn, 6 optimizer steps (accumulation 2, clipping,
-a warm-up schedule) of a tiny model fed bfloat16 inputs, then ``save_16bit_model``.
+drop-in: for ZeRO stage 0 (over torch's AdamW and over DeepSpeed's FusedAdam), 1 and 2 in
+turn, 6 optimizer steps (accumulation 2, clipping, a warm-up schedule) of a tiny model fed
+bfloat16 inputs, then ``save_16bit_model``.
 
-Usage: bf16_script.py RECORD
+Usage: bf16_script.py [MODE CHECKPOINT_DIR] RECORD
+  MODE save: 3 steps, then save_checkpoint(CHECKPOINT_DIR/NAME); resume: load_checkpoint
+  (CHECKPOINT_DIR/NAME), then the steps up to 6. Without MODE: 6 steps.
 RECORD.NAME (rank 0, NAME one of :data:`RUNS`) gets the steps, learning rates, losses, gradient
 norms, the module's parameter dtypes and the saved file's dtypes; RECORD.NAME.pt the final
 parameters.
 """
 
 import os
+import sys
 from typing import Any
 
 import torch
 from common import out_path, write_record
 
-STEPS, MICRO, ACCUMULATION = 6, 4, 2
+STEPS, SAVE_AT, MICRO, ACCUMULATION = 6, 3, 4, 2
 # name: (ZeRO stage, torch_adam); DeepSpeed wraps its FusedAdam and other optimizers differently.
 RUNS = {"stage0": (0, True), "stage0_fused": (0, False), "stage1": (1, True), "stage2": (2, True)}
 
@@ -34,12 +37,15 @@ def build(deepspeed: Any, stage: int, torch_adam: bool = True) -> Any:
     return engine
 
 
-def train(engine: Any) -> dict[str, Any]:
-    """The steps, each optimizer step's learning rate, last micro-batch loss and gradient norm."""
+def train(engine: Any, stop: int = STEPS) -> dict[str, Any]:
+    """Optimizer steps from the engine's step count up to ``stop``: each one's learning rate,
+    last micro-batch loss and gradient norm."""
     record: dict[str, Any] = {"steps": [], "lrs": [], "losses": [], "grad_norms": []}
     generator = torch.Generator().manual_seed(1)
-    for micro in range(STEPS * ACCUMULATION):
-        inputs, targets = torch.randn(MICRO, 8, generator=generator), torch.randn(MICRO, 4, generator=generator)
+    data = [(torch.randn(MICRO, 8, generator=generator), torch.randn(MICRO, 4, generator=generator))
+            for _ in range(STEPS * ACCUMULATION)]
+    for micro in range(engine.global_steps * ACCUMULATION, stop * ACCUMULATION):
+        inputs, targets = data[micro]
         loss = torch.nn.functional.mse_loss(engine(inputs.to(torch.bfloat16)).float(), targets)
         engine.backward(loss)
         engine.step()
@@ -55,9 +61,14 @@ def main() -> None:
     import deepspeed
 
     path = out_path()
+    mode, checkpoints = (sys.argv[1], sys.argv[2]) if len(sys.argv) > 3 else ("full", "")
     for name, (stage, torch_adam) in RUNS.items():
         engine = build(deepspeed, stage, torch_adam)
-        record = train(engine)
+        if mode == "resume":
+            engine.load_checkpoint(os.path.join(checkpoints, name))
+        record = train(engine, SAVE_AT if mode == "save" else STEPS)
+        if mode == "save":
+            engine.save_checkpoint(os.path.join(checkpoints, name))
         record["dtypes"] = sorted({str(p.dtype) for p in engine.module.parameters()})
         saved = os.path.join(os.path.dirname(path), name)
         engine.save_16bit_model(saved)
