@@ -75,6 +75,7 @@ def build_engine(model: nn.Module, cfg: Config, wrapper_steps: bool, optimizer: 
     from hybridtrain.runtime.optim import build_optimizer, build_scheduler
 
     rule = _norm_rule(cfg, optimizer)
+    cfg = without_unstreamable_param_offload(cfg, model)
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(params if params is not None else model.parameters())
     elif optimizer is None and params is not None and _custom_groups(params, model):
@@ -108,6 +109,30 @@ def build_engine(model: nn.Module, cfg: Config, wrapper_steps: bool, optimizer: 
         engine.scheduler = lr_scheduler(engine.optimizer) if callable(lr_scheduler) and not hasattr(
             lr_scheduler, "step") else lr_scheduler
     return engine
+
+
+def without_unstreamable_param_offload(cfg: Config, model: nn.Module) -> Config:
+    """``cfg`` without ``offload_param`` where the one road would stream the model's repeated
+    blocks for it (ZeRO-3 parameter offload on one process,
+    :func:`hybridtrain.plan.checks.map_deepspeed_offload`) but the model has none, such as
+    transformers' ``RegressionPreTrainedModel`` (two scalar parameters): DeepSpeed offloads
+    any model's parameters, so the run trains with them in device memory instead, the same
+    math (said once at info level). The optimizer offload stays."""
+    from hybridtrain.models.blocks import BlocksNotFoundError, find_block_lists
+
+    zero = cfg.zero_optimization
+    if zero.stage != 3 or zero.offload_param.device != "cpu" or cfg.layer_streaming.enabled or _world_size() != 1:
+        return cfg
+    try:
+        find_block_lists(model, cfg.model.blocks)
+    except BlocksNotFoundError:
+        from hybridtrain.deepspeed.utils import logger
+
+        logger.info(f"zero_optimization.offload_param: {type(model).__name__} has no repeated blocks to stream; "
+                    "its parameters stay in device memory (the same math)")
+        offload = zero.offload_param.model_copy(update={"device": "none"})
+        return cfg.model_copy(update={"zero_optimization": zero.model_copy(update={"offload_param": offload})})
+    return cfg
 
 
 def _with_master_weights(model: nn.Module, cfg: Config, optimizer: torch.optim.Optimizer | None,
