@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from hybridtrain.checkpoint.training_state import optimizer_param_names
-from hybridtrain.deepspeed.checkpoint import files, flat
+from hybridtrain.deepspeed.checkpoint import files, flat, zero3
 from hybridtrain.deepspeed.master_weights import MasterWeightsOptimizer
 
 
@@ -103,6 +103,9 @@ def save(engine: Any, config: Any, raw_config: dict[str, Any], tag_dir: Path,
     stage = int(config.zero_optimization.stage)
     bf16 = bool(config.bf16.enabled)
     tag_dir.mkdir(parents=True, exist_ok=True)
+    if stage == 3:
+        _save_zero3(snapshot, config, raw_config, tag_dir, client_state)
+        return
     if stage > 0:
         rank_state = {files.OPTIMIZER_STATE_DICT: _zero_state(snapshot, config, topology.dp, topology.dp_rank),
                       "ds_config": raw_config, "ds_version": files.DS_VERSION_WRITTEN}
@@ -112,6 +115,43 @@ def save(engine: Any, config: Any, raw_config: dict[str, Any], tag_dir: Path,
                                tag_dir / files.MODEL_STATES)
         if stage > 0:
             _write_recovery_script(tag_dir.parent)
+    engine.parallel.barrier()
+
+
+def _save_zero3(snapshot: EngineSnapshot, config: Any, raw_config: dict[str, Any], tag_dir: Path,
+                client_state: dict[str, Any]) -> None:
+    """ZeRO-3's files: every data-parallel rank writes its model-states file (the module's
+    parameters as empty tensors, as DeepSpeed's partitioned ones save) and its optimizer file
+    (its slice of every parameter, one sub-group per optimizer group; :func:`.zero3.rank_flat`)."""
+    engine = snapshot.engine
+    dp, rank = engine.topology.dp, engine.topology.dp_rank
+    states = _model_states(snapshot, config, raw_config, dp, client_state)
+    params = {n for n, _ in snapshot.model.named_parameters(remove_duplicate=False)}
+    states["module"] = OrderedDict((k, v.new_empty(0) if k in params else v) for k, v in states["module"].items())
+    states.update(param_shapes=[OrderedDict((n, snapshot.module[n].shape) for n, _ in group)
+                                for group in snapshot.groups],
+                  frozen_param_shapes=OrderedDict(), shared_params={}, frozen_param_fragments=OrderedDict())
+    files.write_atomically(states, tag_dir / zero3.model_states_name(rank))
+    state: dict[int, dict[str, Any]] = {}
+    for index, group in enumerate(snapshot.groups):
+        entries = [entry for _, entry in group]
+        if entries and all(entries):
+            state[index] = {key: zero3.rank_flat([e[key] for e in entries], dp, rank)
+                            if torch.is_tensor(first) and first.dim() > 0 else first
+                            for key, first in entries[0].items()}
+    optimizer_file = {
+        "zero_stage": 3, "loss_scaler": files.StaticLossScaler(1.0), "dynamic_loss_scale": False,
+        "overflow": False, "partition_count": dp,
+        files.OPTIMIZER_STATE_DICT: {"state": state, "param_groups": [
+            {**hypers, "params": [i]} for i, hypers in enumerate(snapshot.hypers)]},
+        "fp32_flat_groups": [zero3.rank_flat([snapshot.fp32(n) for n, _ in group], dp, rank)
+                             for group in snapshot.groups],
+    }
+    files.write_atomically({files.OPTIMIZER_STATE_DICT: optimizer_file, "ds_config": raw_config,
+                            "ds_version": files.DS_VERSION_WRITTEN},
+                           tag_dir / files.optim_states_name(rank, bool(config.bf16.enabled)))
+    if engine.topology.rank == 0:
+        _write_recovery_script(tag_dir.parent)
     engine.parallel.barrier()
 
 
