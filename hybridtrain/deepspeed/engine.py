@@ -90,8 +90,10 @@ class DeepSpeedEngine(nn.Module):
                 # DeepSpeed steps the caller's optimizer itself, so torch's schedulers built on it
                 # (Accelerate's) see it stepped; here another optimizer updated through its groups.
                 self.callers_optimizer._opt_called = True  # type: ignore[attr-defined]
-            if master:  # DeepSpeed's bf16 wrapper measured it on its fp32 gradients
-                self._grad_norm = self.engine.optimizer.last_grad_norm
+            wrapper = self.engine.optimizer
+            if isinstance(wrapper, MasterWeightsOptimizer):  # DeepSpeed's bf16 wrapper measured it
+                self._grad_norm = wrapper.last_grad_norm
+                self._step_applied = self._step_applied and not wrapper.last_step_skipped
             elif self._config.gradient_clipping > 0 and self.engine.last_grad_norm is not None:
                 self._grad_norm = float(self.engine.last_grad_norm)
 

@@ -114,13 +114,15 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         self._optimizer_step_post_hooks: dict[int, Any] = {}
         self.last_grad_norm: float | None = None
         """The global gradient norm (before clipping) of the latest :meth:`step`."""
+        self.last_step_skipped = False
+        """Whether the latest :meth:`step` was skipped (a gradient norm not finite)."""
         if zero_gradient_step:
             for master in self._masters():
                 master.grad = torch.zeros_like(master)
             self.inner.step()
             self._drop_master_grads()
 
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.inner.param_groups
 
@@ -128,9 +130,13 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
     def param_groups(self, groups: list[dict[str, Any]]) -> None:
         self.inner.param_groups = groups
 
-    @property  # type: ignore[override]
+    @property
     def state(self) -> Any:
         return self.inner.state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        self.inner.state = state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the bfloat16 weights' gradients (always to None, as DeepSpeed)."""
@@ -145,18 +151,19 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
             raise NotImplementedError("MasterWeightsOptimizer.step(closure) is not supported, as in DeepSpeed")
         norm = global_norm(self.rule, [[p.grad for p in halves if p.grad is not None] for halves in self.half_groups])
         self.last_grad_norm = norm
-        if not math.isfinite(norm):
+        self.last_step_skipped = not math.isfinite(norm)
+        if self.last_step_skipped:
             return  # DeepSpeed's bf16 wrappers skip a step whose norm is not finite
         scale = 1.0 / clip_divisor(self.rule, norm, self.max_norm)
-        for halves, masters in zip(self.half_groups, self.master_groups):
-            for half, master in zip(halves, masters):
+        for halves, masters in zip(self.half_groups, self.master_groups, strict=True):
+            for half, master in zip(halves, masters, strict=True):
                 master.grad = half.grad.float() if half.grad is not None else torch.zeros_like(master)
                 if scale != 1.0:
                     master.grad.mul_(scale)
         self.inner.step()
         self._drop_master_grads()
-        for halves, masters in zip(self.half_groups, self.master_groups):
-            for half, master in zip(halves, masters):
+        for halves, masters in zip(self.half_groups, self.master_groups, strict=True):
+            for half, master in zip(halves, masters, strict=True):
                 half.copy_(master)
 
     def _masters(self) -> list[torch.Tensor]:
@@ -185,8 +192,8 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
             raise ValueError(f"load_masters: got {len(values)} masters for {len(masters)} parameters")
         for master, value in zip(masters, values, strict=True):
             master.copy_(value.reshape(master.shape))
-        for halves, group in zip(self.half_groups, self.master_groups):
-            for half, master in zip(halves, group):
+        for halves, group in zip(self.half_groups, self.master_groups, strict=True):
+            for half, master in zip(halves, group, strict=True):
                 half.copy_(master)
 
     def __repr__(self) -> str:

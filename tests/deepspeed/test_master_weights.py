@@ -106,12 +106,12 @@ def _plain_deepspeed_bf16(model: nn.Module, batches: list[tuple[torch.Tensor, to
             (F.mse_loss(model(inputs.bfloat16()).float(), targets) / 2).backward()
         norm = math.sqrt(sum(float(p.grad.float().norm()) ** 2 for p in params))
         divisor = max((norm + 1e-6) / clip, 1.0)
-        for p, m in zip(params, masters):
+        for p, m in zip(params, masters, strict=True):
             m.grad = p.grad.float() / divisor
             p.grad = None
         optimizer.step()
         with torch.no_grad():
-            for p, m in zip(params, masters):
+            for p, m in zip(params, masters, strict=True):
                 p.copy_(m)
     return masters
 

@@ -93,7 +93,11 @@ class StaticLossScaler:
 _WRITTEN_AS: dict[type, tuple[str, str]] = {StaticLossScaler: ("deepspeed.runtime.fp16.loss_scaler", "LossScaler")}
 
 
-class _DeepSpeedNamesPickler(pickle._Pickler):
+# The pure-Python pickler: the C one offers no way to write a class under another name.
+_PythonPickler: Any = pickle._Pickler
+
+
+class _DeepSpeedNamesPickler(_PythonPickler):
     """Python's pickler, writing the classes of :data:`_WRITTEN_AS` as references to DeepSpeed's
     (which need not be importable here: the standard pickler would check that they are)."""
 
@@ -102,7 +106,7 @@ class _DeepSpeedNamesPickler(pickle._Pickler):
         if written is None:
             super().save_global(obj, name)
             return
-        self.write(pickle.GLOBAL + f"{written[0]}\n{written[1]}\n".encode("utf-8"))
+        self.write(pickle.GLOBAL + f"{written[0]}\n{written[1]}\n".encode())
         self.memoize(obj)
 
 
