@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.deepspeed.frameworks import SCRIPTS, assert_same_run, finish, run_both, start
+from tests.deepspeed.frameworks import SCRIPTS, assert_same_run, finish, record, run_both, start
 
 pytest.importorskip("deepspeed")  # the reference
 pytest.importorskip("transformers")
@@ -80,6 +80,23 @@ def test_accelerate_same_as_deepspeed(tmp_path: Path) -> None:
     theirs, ours = run_both("accelerate_script.py", ["{work}"], tmp_path, env)
     _assert_both_runs(theirs, ours)
     assert json.loads(Path(f"{ours}.full").read_text())["steps"] == [1, 2, 3, 4, 5, 6]
+
+
+def test_accelerate_bf16_same_as_deepspeed_bit_for_bit(tmp_path: Path) -> None:
+    """The Accelerate loop over a Llama with ``bf16.enabled`` and ZeRO-2 (no offload): DeepSpeed's
+    bf16 math (bfloat16 weights, fp32 masters; :mod:`hybridtrain.deepspeed.master_weights`), so
+    every loss and final weight is the same bits as the real DeepSpeed's, before and after
+    save_state/load_state."""
+    config = _config(tmp_path, "accelerate", zero_optimization={"stage": 2}, bf16={"enabled": True}, fp16=None)
+    env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": config,
+           "ACCELERATE_GRADIENT_CLIPPING": "0.5", "ACCELERATE_MIXED_PRECISION": "bf16"}
+    theirs, ours = run_both("accelerate_script.py", ["{work}"], tmp_path, env)
+    _assert_both_runs(theirs, ours)
+    for part in ("full", "resumed"):
+        mine, my_params = record(Path(f"{ours}.{part}"))
+        real, real_params = record(Path(f"{theirs}.{part}"))
+        assert mine["losses"] == real["losses"] and mine["lrs"] == real["lrs"], part
+        assert all(torch.equal(my_params[name], value) for name, value in real_params.items()), part
 
 
 def test_lightning_same_as_deepspeed(tmp_path: Path) -> None:
