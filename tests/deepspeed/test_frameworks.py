@@ -82,6 +82,31 @@ def test_accelerate_same_as_deepspeed(tmp_path: Path) -> None:
     assert json.loads(Path(f"{ours}.full").read_text())["steps"] == [1, 2, 3, 4, 5, 6]
 
 
+def _assert_same_bits(theirs: Path, ours: Path) -> None:
+    """Every recorded number and final weight the same bits, before and after the resume."""
+    for part in ("full", "resumed"):
+        mine, my_params = record(Path(f"{ours}.{part}"))
+        real, real_params = record(Path(f"{theirs}.{part}"))
+        for key in ("steps", "lrs", "losses", "grad_norms"):
+            assert mine.get(key) == real.get(key), (part, key)
+        assert all(torch.equal(my_params[name], value) for name, value in real_params.items()), part
+
+
+def test_hf_trainer_bf16_same_as_deepspeed_bit_for_bit(tmp_path: Path) -> None:
+    """``TrainingArguments(bf16=True)`` filling ``bf16.enabled: "auto"``, ZeRO-2 without offload:
+    DeepSpeed's bf16 math (:mod:`hybridtrain.deepspeed.master_weights`), the same bits as the real
+    DeepSpeed's (gradient norms too), through the Trainer's checkpoint-3 resume; ``save_model``
+    writes bfloat16 weights."""
+    config = _config(tmp_path, "trainer", zero_optimization={"stage": 2})
+    theirs, ours = run_both("trainer_script.py", [config, "{work}"], tmp_path, {"TRAINER_BF16": "1"})
+    _assert_both_runs(theirs, ours)
+    _assert_same_bits(theirs, ours)
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(ours.parent / "final", torch_dtype="auto").state_dict()
+    assert {v.dtype for v in saved.values()} == {torch.bfloat16}
+
+
 def test_accelerate_bf16_same_as_deepspeed_bit_for_bit(tmp_path: Path) -> None:
     """The Accelerate loop over a Llama with ``bf16.enabled`` and ZeRO-2 (no offload): DeepSpeed's
     bf16 math (bfloat16 weights, fp32 masters; :mod:`hybridtrain.deepspeed.master_weights`), so
@@ -92,11 +117,7 @@ def test_accelerate_bf16_same_as_deepspeed_bit_for_bit(tmp_path: Path) -> None:
            "ACCELERATE_GRADIENT_CLIPPING": "0.5", "ACCELERATE_MIXED_PRECISION": "bf16"}
     theirs, ours = run_both("accelerate_script.py", ["{work}"], tmp_path, env)
     _assert_both_runs(theirs, ours)
-    for part in ("full", "resumed"):
-        mine, my_params = record(Path(f"{ours}.{part}"))
-        real, real_params = record(Path(f"{theirs}.{part}"))
-        assert mine["losses"] == real["losses"] and mine["lrs"] == real["lrs"], part
-        assert all(torch.equal(my_params[name], value) for name, value in real_params.items()), part
+    _assert_same_bits(theirs, ours)
 
 
 def test_lightning_same_as_deepspeed(tmp_path: Path) -> None:
