@@ -5,7 +5,8 @@ learning rates, losses (and gradient norms) and final parameters, before and aft
 and resume through each framework's own checkpoint logic.
 
 The config: ZeRO-2 with the optimizer offloaded to the CPU, "auto" wherever the framework
-fills it in, gradient accumulation 2, a warm-up schedule, gradient clipping, 6 steps.
+fills it in, gradient accumulation 2, a warm-up schedule, gradient clipping, 6 steps. With bf16
+(ZeRO-2 without offload) each framework's run is the real DeepSpeed's to the bit.
 """
 
 from __future__ import annotations
@@ -116,6 +117,19 @@ def test_accelerate_bf16_same_as_deepspeed_bit_for_bit(tmp_path: Path) -> None:
     env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": config,
            "ACCELERATE_GRADIENT_CLIPPING": "0.5", "ACCELERATE_MIXED_PRECISION": "bf16"}
     theirs, ours = run_both("accelerate_script.py", ["{work}"], tmp_path, env)
+    _assert_both_runs(theirs, ours)
+    _assert_same_bits(theirs, ours)
+
+
+def test_lightning_bf16_same_as_deepspeed_bit_for_bit(tmp_path: Path) -> None:
+    """``Trainer(precision="bf16-mixed", strategy=DeepSpeedStrategy(config=ds.json))`` under
+    ZeRO-2 without offload: DeepSpeed's bf16 math, the same bits as the real DeepSpeed's,
+    through Lightning's save_checkpoint and ``fit(ckpt_path=…)``."""
+    pytest.importorskip("lightning")
+    config = _config(tmp_path, "lightning", train_micro_batch_size_per_gpu=None, train_batch_size=None,
+                     gradient_accumulation_steps=None, gradient_clipping=None, bf16=None, fp16=None,
+                     zero_optimization={"stage": 2})
+    theirs, ours = run_both("lightning_script.py", [config, "{work}"], tmp_path, {"LIGHTNING_PRECISION": "bf16-mixed"})
     _assert_both_runs(theirs, ours)
     _assert_same_bits(theirs, ours)
 
