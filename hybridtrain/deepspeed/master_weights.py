@@ -6,8 +6,12 @@ accumulate their gradients in bfloat16 (``data_types.grad_accum_dtype`` unset: t
 dtype), and its optimizer wrapper keeps fp32 masters of them. At the accumulation boundary it
 widens the gradients to fp32, measures their global norm, clips (``clip = (norm + 1e-6) /
 gradient_clipping``, gradients multiplied by ``1 / clip`` when it is above 1), steps the basic
-optimizer on the masters and copies them back into the bfloat16 weights. A step whose norm is
-not finite is skipped.
+optimizer on the masters and copies them back into the bfloat16 weights.
+
+A step whose norm is not finite (an inf/NaN gradient with a finite loss; a non-finite loss
+stops the engine before) is skipped here. DeepSpeed's stage-0 wrappers skip it too but also
+hold the LR schedule back a step, which the engine here does not; its ZeRO-1/2 bf16 path
+without ``bfloat16.check_grad_overflow`` applies it (NaN weights).
 
 The wrappers differ only in the norm's arithmetic (:data:`NormRule`) and one step:
 
