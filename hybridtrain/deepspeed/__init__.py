@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from hybridtrain.deepspeed import checkpointing, comm, ops, pipe, runtime, utils
-from hybridtrain.deepspeed.building import build_engine, wrapper_step
+from hybridtrain.deepspeed.building import build_engine, master_weights, wrapper_step
 from hybridtrain.deepspeed.comm import init_distributed
 from hybridtrain.deepspeed.dropin import VERSION
 from hybridtrain.deepspeed.engine import DeepSpeedEngine
@@ -113,7 +113,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if dist_init_required or (dist_init_required is None and (int(os.environ.get("WORLD_SIZE", "1")) > 1
                                                               or comm.launched())):
         init_distributed(dist_init_required=True)
-    engine = build_engine(model, cfg, wrapper_steps, optimizer, params, lr_scheduler)
+    engine = build_engine(model, cfg, wrapper_steps, optimizer, params, lr_scheduler,
+                          half_weights=master_weights(raw, cfg))
     loader = None
     if training_data is not None:
         loader = _data_loader(training_data, engine, collate_fn, drop_last)

@@ -19,6 +19,7 @@ from hybridtrain.compose import check_plain_initialize
 from hybridtrain.config import Config
 from hybridtrain.config.deepspeed_keys import FP16_INIT_STEP, fp16_wrapper_steps
 from hybridtrain.deepspeed.client_optimizer import describe, lay_groups, with_optimizer
+from hybridtrain.deepspeed.master_weights import MasterWeightsOptimizer, NormRule, cast_parameters
 from hybridtrain.engine import Engine
 from hybridtrain.prepare import prepare
 from hybridtrain.runtime.batch import Batch, LossFn
@@ -38,8 +39,27 @@ def wrapper_step(raw: Mapping[str, Any], client: bool) -> bool:
     return fp16_wrapper_steps(dict(raw)) and (client or isinstance(raw.get("optimizer"), Mapping))
 
 
+def master_weights(raw: Mapping[str, Any], cfg: Config) -> bool:
+    """Whether this run trains as DeepSpeed's bf16 does: bfloat16 weights, fp32 masters in the
+    optimizer (:mod:`hybridtrain.deepspeed.master_weights`) instead of autocast over fp32 weights.
+
+    Decided for ``bf16.enabled`` with gradients accumulating in the model's dtype (no
+    ``data_types.grad_accum_dtype``) in one process without tensor/pipeline parallel, ZeRO
+    stages 0-2 without offload or streaming (where DeepSpeed's wrappers are
+    ``FP16_Optimizer`` and ``DeepSpeedZeroOptimizer``). Elsewhere the engine keeps autocast.
+    """
+    zero = cfg.zero_optimization
+    data_types = raw.get("data_types")
+    accumulation = data_types.get("grad_accum_dtype") if isinstance(data_types, Mapping) else None
+    return (cfg.bf16.enabled and not cfg.fp16.enabled and accumulation is None and _world_size() == 1
+            and zero.stage <= 2 and zero.offload_optimizer.device == "none" and zero.offload_param.device == "none"
+            and max(cfg.tensor_parallel.size, cfg.tensor_model_parallel_size or 1) == 1
+            and cfg.pipeline.stages == 1 and not cfg.layer_streaming.enabled)
+
+
 def build_engine(model: nn.Module, cfg: Config, wrapper_steps: bool, optimizer: Any, params: list[Any] | None,
-                 lr_scheduler: Any, loss_fn: LossFn | None = None, example_batch: Batch | None = None) -> Engine:
+                 lr_scheduler: Any, loss_fn: LossFn | None = None, example_batch: Batch | None = None,
+                 half_weights: bool = False) -> Engine:
     """:func:`hybridtrain.initialize` with ``deepspeed.initialize``'s optimizer arguments.
 
     Args:
@@ -49,15 +69,21 @@ def build_engine(model: nn.Module, cfg: Config, wrapper_steps: bool, optimizer: 
         params: ``model_parameters`` (parameters or param-group dicts), or None.
         lr_scheduler: a scheduler, a callable taking the optimizer, or None (the config's).
         loss_fn / example_batch: as :func:`hybridtrain.initialize`.
+        half_weights: train with DeepSpeed's bf16 math (:func:`master_weights` decided it).
     """
     from hybridtrain.plan.resolve import optimizer_settings
     from hybridtrain.runtime.optim import build_optimizer, build_scheduler
 
+    rule = _norm_rule(cfg, optimizer)
+    cfg = without_unstreamable_param_offload(cfg, model)
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(params if params is not None else model.parameters())
     elif optimizer is None and params is not None and _custom_groups(params, model):
         settings = optimizer_settings(cfg)
         optimizer = build_optimizer(params, settings.type, dict(settings.params))
+    if half_weights:
+        optimizer, cfg = _with_master_weights(model, cfg, optimizer, params, wrapper_steps, rule)
+        wrapper_steps = False  # the wrapper took DeepSpeed's zero-gradient step over its masters
     spec = None
     if isinstance(optimizer, torch.optim.Optimizer) and _replaces_parameters(cfg):
         # The engine shards the parameters before it builds its optimizer: the caller's is
@@ -85,13 +111,82 @@ def build_engine(model: nn.Module, cfg: Config, wrapper_steps: bool, optimizer: 
     return engine
 
 
+def without_unstreamable_param_offload(cfg: Config, model: nn.Module) -> Config:
+    """``cfg`` without ``offload_param`` where the one road would stream the model's repeated
+    blocks for it (ZeRO-3 parameter offload on one process,
+    :func:`hybridtrain.plan.checks.map_deepspeed_offload`) but the model has none, such as
+    transformers' ``RegressionPreTrainedModel`` (two scalar parameters): DeepSpeed offloads
+    any model's parameters, so the run trains with them in device memory instead, the same
+    math (said once at info level). The optimizer offload stays."""
+    from hybridtrain.models.blocks import BlocksNotFoundError, find_block_lists
+
+    zero = cfg.zero_optimization
+    if zero.stage != 3 or zero.offload_param.device != "cpu" or cfg.layer_streaming.enabled or _world_size() != 1:
+        return cfg
+    try:
+        find_block_lists(model, cfg.model.blocks)
+    except BlocksNotFoundError:
+        from hybridtrain.deepspeed.utils import logger
+
+        logger.info(f"zero_optimization.offload_param: {type(model).__name__} has no repeated blocks to stream; "
+                    "its parameters stay in device memory (the same math)")
+        offload = zero.offload_param.model_copy(update={"device": "none"})
+        return cfg.model_copy(update={"zero_optimization": zero.model_copy(update={"offload_param": offload})})
+    return cfg
+
+
+def _with_master_weights(model: nn.Module, cfg: Config, optimizer: torch.optim.Optimizer | None,
+                         params: list[Any] | None, wrapper_steps: bool,
+                         rule: NormRule) -> tuple[MasterWeightsOptimizer, Config]:
+    """The module cast to bfloat16 and DeepSpeed's bf16 wrapper over the basic optimizer (the
+    caller's, else the config's over ``params`` or the model's parameters); the config the
+    engine then runs: no autocast, no clipping of its own (the wrapper clips as DeepSpeed),
+    and no ZeRO (one process: ZeRO-1/2 shard nothing; the wrapper holds their arithmetic)."""
+    from hybridtrain.plan.resolve import optimizer_settings
+    from hybridtrain.runtime.optim import build_optimizer
+
+    cast_parameters(model, torch.bfloat16)
+    if optimizer is None:
+        settings = optimizer_settings(cfg)
+        optimizer = build_optimizer(params if params is not None else model.parameters(), settings.type,
+                                    dict(settings.params))
+    wrapped = MasterWeightsOptimizer(optimizer, cfg.gradient_clipping, rule,
+                                     zero_gradient_step=wrapper_steps)
+    zero = cfg.zero_optimization.model_copy(update={"stage": 0})
+    plain = cfg.model_copy(update={"bf16": cfg.bf16.model_copy(update={"enabled": False}),
+                                   "gradient_clipping": 0.0, "zero_optimization": zero})
+    return wrapped, plain
+
+
+def _norm_rule(cfg: Config, client: Any) -> NormRule:
+    """DeepSpeed's bf16 wrapper for this run: ZeRO-1/2's, else ZeRO-0's ``FP16_Optimizer`` over
+    its ``FusedAdam`` (the config's Adam/AdamW without ``torch_adam``, deepspeed/runtime/engine.py
+    ``get_optimizer_configuration``, or the caller's), else ``FP16_UnfusedOptimizer``.
+
+    Args:
+        client: the optimizer argument of ``deepspeed.initialize`` (None: the config's).
+    """
+    from hybridtrain.deepspeed.ops.adam import FusedAdam
+
+    if cfg.zero_optimization.stage > 0:
+        return "zero"
+    if client is not None:
+        return "fused" if isinstance(client, FusedAdam) else "unfused"
+    fused = cfg.optimizer.type.lower() in ("adam", "adamw") and not cfg.optimizer.params.get("torch_adam", False)
+    return "fused" if fused else "unfused"
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else \
+        int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def _replaces_parameters(cfg: Config) -> bool:
     """Whether this run's engine replaces the model's parameters (ZeRO over several
     processes, tensor parallel), so that it must build the optimizer itself."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else \
-        int(os.environ.get("WORLD_SIZE", "1"))
+    world = _world_size()
     tensor_parallel = max(cfg.tensor_parallel.size, cfg.tensor_model_parallel_size or 1)
     return world > 1 and (cfg.zero_optimization.stage > 0 or tensor_parallel > 1)
 

@@ -18,6 +18,7 @@ from torch import nn
 from hybridtrain.config import Config
 from hybridtrain.deepspeed import weights
 from hybridtrain.deepspeed.checkpoint import files, loader, writer, zero3
+from hybridtrain.deepspeed.master_weights import MasterWeightsOptimizer
 from hybridtrain.engine import Engine
 
 LATEST = "latest"
@@ -78,7 +79,8 @@ class DeepSpeedEngine(nn.Module):
             raise NotImplementedError("step(lr_kwargs=…) is not supported by hybridtrain.deepspeed")
         boundary = self.engine.is_gradient_accumulation_boundary()
         skipped = self.engine.skipped_steps
-        if boundary and self._config.gradient_clipping <= 0:
+        master = isinstance(self.engine.optimizer, MasterWeightsOptimizer)
+        if boundary and self._config.gradient_clipping <= 0 and not master:
             # DeepSpeed reports the norm with clipping off too; the engine measures it only to clip.
             self._grad_norm = weights.grad_norm(self.engine)
         self.engine.step()  # clears the gradients after the update, as DeepSpeed
@@ -88,7 +90,11 @@ class DeepSpeedEngine(nn.Module):
                 # DeepSpeed steps the caller's optimizer itself, so torch's schedulers built on it
                 # (Accelerate's) see it stepped; here another optimizer updated through its groups.
                 self.callers_optimizer._opt_called = True  # type: ignore[attr-defined]
-            if self._config.gradient_clipping > 0 and self.engine.last_grad_norm is not None:
+            wrapper = self.engine.optimizer
+            if isinstance(wrapper, MasterWeightsOptimizer):  # DeepSpeed's bf16 wrapper measured it
+                self._grad_norm = wrapper.last_grad_norm
+                self._step_applied = self._step_applied and not wrapper.last_step_skipped
+            elif self._config.gradient_clipping > 0 and self.engine.last_grad_norm is not None:
                 self._grad_norm = float(self.engine.last_grad_norm)
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -270,8 +276,10 @@ class DeepSpeedEngine(nn.Module):
 
         Without ZeRO (fp32) and under ZeRO-1/2 the files are DeepSpeed's own
         (:mod:`hybridtrain.deepspeed.checkpoint.writer`): the real DeepSpeed resumes them and
-        its ``zero_to_fp32`` reads them. ZeRO-3, tensor/pipeline parallel and 16-bit runs
-        without ZeRO write hybridtrain's sharded checkpoint in the tag directory instead."""
+        its ``zero_to_fp32`` reads them; so are bf16 runs with DeepSpeed's math
+        (:mod:`hybridtrain.deepspeed.master_weights`) and fp32 ZeRO-3 runs (a model-states and an
+        optimizer file per data-parallel rank). Tensor/pipeline parallel and other 16-bit runs
+        write hybridtrain's sharded checkpoint in the tag directory instead."""
         if not save_dir:
             raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
         if exclude_frozen_parameters:
@@ -293,7 +301,9 @@ class DeepSpeedEngine(nn.Module):
         topology = self.engine.topology
         stage = self._config.zero_optimization.stage
         half = self._config.bf16.enabled or self._config.fp16.enabled
-        return topology.tp == 1 and topology.pp == 1 and (stage in (1, 2) or (stage == 0 and not half))
+        master = isinstance(self.engine.optimizer, MasterWeightsOptimizer)
+        return topology.tp == 1 and topology.pp == 1 and (stage in (1, 2) or (stage == 0 and (master or not half))
+                                                          or (stage == 3 and not half))
 
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,

@@ -5,7 +5,8 @@ learning rates, losses (and gradient norms) and final parameters, before and aft
 and resume through each framework's own checkpoint logic.
 
 The config: ZeRO-2 with the optimizer offloaded to the CPU, "auto" wherever the framework
-fills it in, gradient accumulation 2, a warm-up schedule, gradient clipping, 6 steps.
+fills it in, gradient accumulation 2, a warm-up schedule, gradient clipping, 6 steps. With bf16
+(ZeRO-2 without offload) each framework's run is the real DeepSpeed's to the bit.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.deepspeed.frameworks import SCRIPTS, assert_same_run, finish, run_both, start
+from tests.deepspeed.frameworks import SCRIPTS, assert_same_run, finish, record, run_both, start
 
 pytest.importorskip("deepspeed")  # the reference
 pytest.importorskip("transformers")
@@ -80,6 +81,57 @@ def test_accelerate_same_as_deepspeed(tmp_path: Path) -> None:
     theirs, ours = run_both("accelerate_script.py", ["{work}"], tmp_path, env)
     _assert_both_runs(theirs, ours)
     assert json.loads(Path(f"{ours}.full").read_text())["steps"] == [1, 2, 3, 4, 5, 6]
+
+
+def _assert_same_bits(theirs: Path, ours: Path) -> None:
+    """Every recorded number and final weight the same bits, before and after the resume."""
+    for part in ("full", "resumed"):
+        mine, my_params = record(Path(f"{ours}.{part}"))
+        real, real_params = record(Path(f"{theirs}.{part}"))
+        for key in ("steps", "lrs", "losses", "grad_norms"):
+            assert mine.get(key) == real.get(key), (part, key)
+        assert all(torch.equal(my_params[name], value) for name, value in real_params.items()), part
+
+
+def test_hf_trainer_bf16_same_as_deepspeed_bit_for_bit(tmp_path: Path) -> None:
+    """``TrainingArguments(bf16=True)`` filling ``bf16.enabled: "auto"``, ZeRO-2 without offload:
+    DeepSpeed's bf16 math (:mod:`hybridtrain.deepspeed.master_weights`), the same bits as the real
+    DeepSpeed's (gradient norms too), through the Trainer's checkpoint-3 resume; ``save_model``
+    writes bfloat16 weights."""
+    config = _config(tmp_path, "trainer", zero_optimization={"stage": 2})
+    theirs, ours = run_both("trainer_script.py", [config, "{work}"], tmp_path, {"TRAINER_BF16": "1"})
+    _assert_both_runs(theirs, ours)
+    _assert_same_bits(theirs, ours)
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(ours.parent / "final", torch_dtype="auto").state_dict()
+    assert {v.dtype for v in saved.values()} == {torch.bfloat16}
+
+
+def test_accelerate_bf16_same_as_deepspeed_bit_for_bit(tmp_path: Path) -> None:
+    """The Accelerate loop over a Llama with ``bf16.enabled`` and ZeRO-2 (no offload): DeepSpeed's
+    bf16 math (bfloat16 weights, fp32 masters; :mod:`hybridtrain.deepspeed.master_weights`), so
+    every loss and final weight is the same bits as the real DeepSpeed's, before and after
+    save_state/load_state."""
+    config = _config(tmp_path, "accelerate", zero_optimization={"stage": 2}, bf16={"enabled": True}, fp16=None)
+    env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": config,
+           "ACCELERATE_GRADIENT_CLIPPING": "0.5", "ACCELERATE_MIXED_PRECISION": "bf16"}
+    theirs, ours = run_both("accelerate_script.py", ["{work}"], tmp_path, env)
+    _assert_both_runs(theirs, ours)
+    _assert_same_bits(theirs, ours)
+
+
+def test_lightning_bf16_same_as_deepspeed_bit_for_bit(tmp_path: Path) -> None:
+    """``Trainer(precision="bf16-mixed", strategy=DeepSpeedStrategy(config=ds.json))`` under
+    ZeRO-2 without offload: DeepSpeed's bf16 math, the same bits as the real DeepSpeed's,
+    through Lightning's save_checkpoint and ``fit(ckpt_path=…)``."""
+    pytest.importorskip("lightning")
+    config = _config(tmp_path, "lightning", train_micro_batch_size_per_gpu=None, train_batch_size=None,
+                     gradient_accumulation_steps=None, gradient_clipping=None, bf16=None, fp16=None,
+                     zero_optimization={"stage": 2})
+    theirs, ours = run_both("lightning_script.py", [config, "{work}"], tmp_path, {"LIGHTNING_PRECISION": "bf16-mixed"})
+    _assert_both_runs(theirs, ours)
+    _assert_same_bits(theirs, ours)
 
 
 def test_lightning_same_as_deepspeed(tmp_path: Path) -> None:

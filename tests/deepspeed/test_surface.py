@@ -105,19 +105,22 @@ def test_16bit_and_fp32_weights_out_of_the_engine(tmp_path: Path) -> None:
     model = _model()
     config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
-    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine, optimizer, *_ = deepspeed.initialize(model=model, config=config)
     x, y = _batches(1)[0]
-    engine.backward(F.cross_entropy(engine(x), y))
+    # DeepSpeed's bf16: the module's weights are bfloat16 (the inputs too), fp32 masters in the optimizer.
+    engine.backward(F.cross_entropy(engine(x.bfloat16()).float(), y))
     engine.step()
     assert engine.save_16bit_model(tmp_path / "out", "weights.bin")
     saved = torch.load(tmp_path / "out" / "weights.bin")
     assert all(v.dtype == torch.bfloat16 for v in saved.values())
     for name, value in model.state_dict().items():
-        torch.testing.assert_close(saved[name], value.to(torch.bfloat16))
+        assert torch.equal(saved[name], value)
     engine.save_checkpoint(tmp_path / "ckpt")
     fp32 = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt")
-    for name, value in model.state_dict().items():
-        assert torch.equal(fp32[name], value)
+    masters = [m for group in optimizer.param_groups for m in group["params"]]
+    for (name, value), master in zip(model.named_parameters(), masters, strict=True):
+        assert torch.equal(value, master.to(torch.bfloat16))
+        assert fp32[name].dtype == torch.float32 and torch.equal(fp32[name].to(torch.bfloat16), value), name
     assert engine.config["bf16"] == {"enabled": True}  # the config as given, as DeepSpeed's engine.config
 
 

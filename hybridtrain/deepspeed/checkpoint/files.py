@@ -79,6 +79,43 @@ _STAND_INS: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
 ]
 
 
+class StaticLossScaler:
+    """What the drop-in writes where DeepSpeed's files hold its static ``LossScaler`` (ZeRO-3's
+    optimizer files; the real DeepSpeed's loader takes the object as its scaler): pickled under
+    DeepSpeed's class name by :func:`write_atomically`, with the attributes it has."""
+
+    def __init__(self, scale: float = 1.0) -> None:
+        self.cur_scale = scale
+        self.dynamic = False
+
+
+# Classes written under DeepSpeed's own names (the reader maps those names to its stand-ins).
+_WRITTEN_AS: dict[type, tuple[str, str]] = {StaticLossScaler: ("deepspeed.runtime.fp16.loss_scaler", "LossScaler")}
+
+
+# The pure-Python pickler: the C one offers no way to write a class under another name.
+_PythonPickler: Any = pickle._Pickler
+
+
+class _DeepSpeedNamesPickler(_PythonPickler):
+    """Python's pickler, writing the classes of :data:`_WRITTEN_AS` as references to DeepSpeed's
+    (which need not be importable here: the standard pickler would check that they are)."""
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        written = _WRITTEN_AS.get(obj)
+        if written is None:
+            super().save_global(obj, name)
+            return
+        self.write(pickle.GLOBAL + f"{written[0]}\n{written[1]}\n".encode())
+        self.memoize(obj)
+
+
+class _DeepSpeedNamesPickle:
+    """The ``pickle_module`` :func:`torch.save` writes DeepSpeed's files with."""
+
+    Pickler = _DeepSpeedNamesPickler
+
+
 class UnreadableDeepSpeedFile(ValueError):
     """A DeepSpeed checkpoint file that is missing, or holds something a checkpoint does not."""
 
@@ -137,5 +174,5 @@ def is_deepspeed_layout(tag_dir: Path) -> bool:
 def write_atomically(state: Any, path: Path) -> None:
     """``torch.save`` to a temporary name, then rename: a reader never sees half a file."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    torch.save(state, tmp)
+    torch.save(state, tmp, pickle_module=_DeepSpeedNamesPickle)
     tmp.replace(path)

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 
 from hybridtrain.checkpoint.layout import CheckpointError
-from hybridtrain.checkpoint.training_state import optimizer_param_names
-from hybridtrain.deepspeed.checkpoint import reader
+from hybridtrain.deepspeed.checkpoint import flat, reader
+from hybridtrain.deepspeed.checkpoint.writer import param_names
+from hybridtrain.deepspeed.master_weights import MasterWeightsOptimizer
 
 # The model-states keys DeepSpeed's load_checkpoint keeps out of the returned client state.
 _NOT_CLIENT_STATE = ("module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler",
@@ -61,6 +62,26 @@ def _load_weights(engine: Any, state: reader.DeepSpeedState) -> None:
     refresh = getattr(engine.optimizer, "refresh_masters", None)
     if refresh is not None:
         refresh()  # the optimizer's host masters start from the loaded weights
+    if isinstance(engine.optimizer, MasterWeightsOptimizer):
+        engine.optimizer.load_masters(_masters(engine.optimizer, runtime.model, state, saved))
+
+
+def _masters(optimizer: MasterWeightsOptimizer, model: torch.nn.Module, state: reader.DeepSpeedState,
+             saved: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The fp32 masters of DeepSpeed's bf16 wrapper, in its order: the wrapper's own (without
+    ZeRO), else the checkpoint's fp32 values by name (ZeRO's masters, or an fp32 run's weights)."""
+    names = [aliases[0] for aliases in param_names(model, optimizer)]
+    if state.wrapper_masters is None:
+        return [saved[name] for name in names]
+    groups = state.wrapper_masters
+    if len(groups) != len(optimizer.half_groups):
+        raise CheckpointError(f"DeepSpeed checkpoint {state.path} has {len(groups)} fp32 master groups, this "
+                              f"run's optimizer {len(optimizer.half_groups)}")
+    masters: list[torch.Tensor] = []
+    for group, halves in zip(groups, optimizer.half_groups, strict=True):
+        shapes = [h.shape for h in halves]
+        masters += list(group) if isinstance(group, list | tuple) else flat.split(group.reshape(-1), shapes, None)
+    return masters
 
 
 def _load_optimizer(engine: Any, state: reader.DeepSpeedState) -> None:
@@ -68,8 +89,13 @@ def _load_optimizer(engine: Any, state: reader.DeepSpeedState) -> None:
     own ``load_state_dict`` (its casts, device moves and offload hooks run as usual)."""
     runtime, optimizer = engine.parallel, engine.optimizer
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    names = optimizer_param_names(runtime.model, optimizer)
-    by_name = state.optimizer_state if state.torch_optimizer is None else _by_name(state.torch_optimizer, names)
+    names = param_names(runtime.model, optimizer)
+    if state.torch_optimizer is None:
+        by_name = state.optimizer_state
+    elif _flat_wrapper(state):
+        by_name = _by_name_from_flat(state.torch_optimizer, optimizer, names)
+    else:
+        by_name = _by_name(state.torch_optimizer, names)
     restored: dict[int, dict[str, Any]] = {}
     for index, (param, aliases) in enumerate(zip(params, names, strict=True)):
         saved = next((by_name[n] for n in aliases if n in by_name), None)
@@ -98,3 +124,34 @@ def _by_name(torch_optimizer: dict[str, Any], names: list[list[str]]) -> dict[st
         raise CheckpointError(f"the checkpoint's optimizer has state for {len(torch_optimizer['state'])} "
                               f"parameters, this run's optimizer {len(names)}")
     return {names[int(i)][0]: entry for i, entry in torch_optimizer["state"].items()}
+
+
+def _flat_wrapper(state: reader.DeepSpeedState) -> bool:
+    """Whether the checkpoint's optimizer is ``FP16_Optimizer``'s basic optimizer over one
+    flat master per group (``fp32_groups_flat``: a tensor per group, not a list)."""
+    return bool(state.wrapper_masters) and torch.is_tensor(state.wrapper_masters[0])  # type: ignore[index]
+
+
+def _by_name_from_flat(torch_optimizer: dict[str, Any], optimizer: Any,
+                       names: list[list[str]]) -> dict[str, dict[str, Any]]:
+    """The state of a basic optimizer over one flat master per group (``FP16_Optimizer``'s),
+    cut into this run's parameters (in their groups' order) and keyed by their first name."""
+    if not isinstance(optimizer, MasterWeightsOptimizer):
+        raise CheckpointError("this DeepSpeed checkpoint holds FP16_Optimizer's flat fp32 masters; resume it with "
+                              "the same bf16/fp16 setting")
+    by_name: dict[str, dict[str, Any]] = {}
+    first = 0
+    for index, halves in enumerate(optimizer.half_groups):
+        group_names = [aliases[0] for aliases in names[first:first + len(halves)]]
+        first += len(halves)
+        entry = torch_optimizer["state"].get(index, {})
+        shapes = [h.shape for h in halves]
+        per_param: list[dict[str, Any]] = [{} for _ in halves]
+        for key, value in entry.items():
+            parts = flat.split(value.reshape(-1), shapes) if torch.is_tensor(value) and value.dim() > 0 else \
+                [value] * len(halves)
+            for target, part in zip(per_param, parts, strict=True):
+                # FusedAdam's step is a Python number; torch's Adam keeps a tensor.
+                target[key] = part.clone() if torch.is_tensor(part) else torch.tensor(float(part))
+        by_name.update(zip(group_names, per_param, strict=True))
+    return by_name

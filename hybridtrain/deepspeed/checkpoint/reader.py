@@ -35,7 +35,10 @@ class DeepSpeedState:
     ``groups``: per optimizer group, its parameter names (ZeRO; empty without);
     ``optimizer_state``: per parameter name, its optimizer state (whole tensors; ZeRO);
     ``torch_optimizer``: the torch optimizer's state dict (no ZeRO);
-    ``param_groups``: each group's hyperparameters (no ``params``).
+    ``param_groups``: each group's hyperparameters (no ``params``);
+    ``wrapper_masters``: without ZeRO under bf16/fp16, the fp32 masters DeepSpeed's wrapper saved, per
+    group in its parameters' order (``FP16_UnfusedOptimizer``: one tensor per parameter;
+    ``FP16_Optimizer``: one flat tensor).
     """
 
     path: Path
@@ -48,6 +51,7 @@ class DeepSpeedState:
     torch_optimizer: dict[str, Any] | None = None
     param_groups: list[dict[str, Any]] = field(default_factory=list)
     loss_scale: float | None = None
+    wrapper_masters: list[Any] | None = None
 
     @property
     def client_state(self) -> dict[str, Any]:
@@ -83,6 +87,10 @@ def read(tag_dir: Path, with_optimizer: bool = True) -> DeepSpeedState:
     state = DeepSpeedState(tag_dir, model_states, 0, dict(model_states.get("module") or {}))
     if model_states.get("param_shapes") is None:
         torch_optimizer = model_states.get("optimizer")
+        if isinstance(torch_optimizer, dict) and files.OPTIMIZER_STATE_DICT in torch_optimizer:
+            # DeepSpeed's fp16/bf16 wrapper: its basic optimizer's state dict and its fp32 masters.
+            state.wrapper_masters = torch_optimizer.get("fp32_groups", torch_optimizer.get("fp32_groups_flat"))
+            torch_optimizer = torch_optimizer[files.OPTIMIZER_STATE_DICT]
         if isinstance(torch_optimizer, dict) and "state" in torch_optimizer:
             state.torch_optimizer = torch_optimizer
             state.param_groups = [{k: v for k, v in g.items() if k != "params"}

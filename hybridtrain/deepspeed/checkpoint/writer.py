@@ -17,7 +17,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from hybridtrain.checkpoint.training_state import optimizer_param_names
-from hybridtrain.deepspeed.checkpoint import files, flat
+from hybridtrain.deepspeed.checkpoint import files, flat, zero3
+from hybridtrain.deepspeed.master_weights import MasterWeightsOptimizer
 
 
 def _whole(value: Any) -> Any:
@@ -27,11 +28,24 @@ def _whole(value: Any) -> Any:
     return value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
 
 
+def param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """Every name in ``model`` of each parameter ``optimizer`` updates, in its groups' order; the
+    fp32 masters of DeepSpeed's bf16 wrapper (:class:`MasterWeightsOptimizer`) count as the
+    bfloat16 parameters they update."""
+    if not isinstance(optimizer, MasterWeightsOptimizer):
+        return optimizer_param_names(model, optimizer)
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [names[id(half)] for halves in optimizer.half_groups for half in halves]
+
+
 class EngineSnapshot:
     """What a DeepSpeed checkpoint holds, gathered from a hybridtrain engine on every rank.
 
     ``groups``: per optimizer group, each trained parameter's DeepSpeed name (its first name
-    in the model) with its whole optimizer state, in the group's order.
+    in the model) with its whole optimizer state, in the group's order. ``masters``: the fp32
+    masters by name where the optimizer keeps them apart from the (bfloat16) module.
     """
 
     def __init__(self, engine: Any) -> None:
@@ -39,7 +53,8 @@ class EngineSnapshot:
         self.engine = engine
         self.model = engine.parallel.model
         self.module = engine.model_state_dict()
-        names = optimizer_param_names(self.model, engine.optimizer)
+        names = param_names(self.model, engine.optimizer)
+        self.masters: dict[str, torch.Tensor] = {}
         self.groups: list[list[tuple[str, dict[str, Any]]]] = []
         self.hypers: list[dict[str, Any]] = []
         index = 0
@@ -48,9 +63,15 @@ class EngineSnapshot:
             for param in group["params"]:
                 state = engine.optimizer.state.get(param, {})
                 entries.append((names[index][0], {k: _whole(v) for k, v in state.items()}))
+                if isinstance(engine.optimizer, MasterWeightsOptimizer):
+                    self.masters[names[index][0]] = _whole(param)
                 index += 1
             self.groups.append(entries)
             self.hypers.append({k: v for k, v in group.items() if k != "params"})
+
+    def fp32(self, name: str) -> torch.Tensor:
+        """Parameter ``name``'s fp32 value: its master, else the module's entry."""
+        return self.masters[name] if name in self.masters else self.module[name]
 
     def shared_params(self) -> dict[str, str]:
         """Every further name of a tied parameter → its first name, as DeepSpeed records them."""
@@ -82,6 +103,9 @@ def save(engine: Any, config: Any, raw_config: dict[str, Any], tag_dir: Path,
     stage = int(config.zero_optimization.stage)
     bf16 = bool(config.bf16.enabled)
     tag_dir.mkdir(parents=True, exist_ok=True)
+    if stage == 3:
+        _save_zero3(snapshot, config, raw_config, tag_dir, client_state)
+        return
     if stage > 0:
         rank_state = {files.OPTIMIZER_STATE_DICT: _zero_state(snapshot, config, topology.dp, topology.dp_rank),
                       "ds_config": raw_config, "ds_version": files.DS_VERSION_WRITTEN}
@@ -91,6 +115,43 @@ def save(engine: Any, config: Any, raw_config: dict[str, Any], tag_dir: Path,
                                tag_dir / files.MODEL_STATES)
         if stage > 0:
             _write_recovery_script(tag_dir.parent)
+    engine.parallel.barrier()
+
+
+def _save_zero3(snapshot: EngineSnapshot, config: Any, raw_config: dict[str, Any], tag_dir: Path,
+                client_state: dict[str, Any]) -> None:
+    """ZeRO-3's files: every data-parallel rank writes its model-states file (the module's
+    parameters as empty tensors, as DeepSpeed's partitioned ones save) and its optimizer file
+    (its slice of every parameter, one sub-group per optimizer group; :func:`.zero3.rank_flat`)."""
+    engine = snapshot.engine
+    dp, rank = engine.topology.dp, engine.topology.dp_rank
+    states = _model_states(snapshot, config, raw_config, dp, client_state)
+    params = {n for n, _ in snapshot.model.named_parameters(remove_duplicate=False)}
+    states["module"] = OrderedDict((k, v.new_empty(0) if k in params else v) for k, v in states["module"].items())
+    states.update(param_shapes=[OrderedDict((n, snapshot.module[n].shape) for n, _ in group)
+                                for group in snapshot.groups],
+                  frozen_param_shapes=OrderedDict(), shared_params={}, frozen_param_fragments=OrderedDict())
+    files.write_atomically(states, tag_dir / zero3.model_states_name(rank))
+    state: dict[int, dict[str, Any]] = {}
+    for index, group in enumerate(snapshot.groups):
+        entries = [entry for _, entry in group]
+        if entries and all(entries):
+            state[index] = {key: zero3.rank_flat([e[key] for e in entries], dp, rank)
+                            if torch.is_tensor(first) and first.dim() > 0 else first
+                            for key, first in entries[0].items()}
+    optimizer_file = {
+        "zero_stage": 3, "loss_scaler": files.StaticLossScaler(1.0), "dynamic_loss_scale": False,
+        "overflow": False, "partition_count": dp,
+        files.OPTIMIZER_STATE_DICT: {"state": state, "param_groups": [
+            {**hypers, "params": [i]} for i, hypers in enumerate(snapshot.hypers)]},
+        "fp32_flat_groups": [zero3.rank_flat([snapshot.fp32(n) for n, _ in group], dp, rank)
+                             for group in snapshot.groups],
+    }
+    files.write_atomically({files.OPTIMIZER_STATE_DICT: optimizer_file, "ds_config": raw_config,
+                            "ds_version": files.DS_VERSION_WRITTEN},
+                           tag_dir / files.optim_states_name(rank, bool(config.bf16.enabled)))
+    if engine.topology.rank == 0:
+        _write_recovery_script(tag_dir.parent)
     engine.parallel.barrier()
 
 
@@ -112,7 +173,7 @@ def _model_states(snapshot: EngineSnapshot, config: Any, raw_config: dict[str, A
     state: dict[str, Any] = {
         "module": _module_in_saved_dtype(snapshot, config),
         "buffer_names": snapshot.buffer_names(),
-        "optimizer": _torch_optimizer_state(snapshot) if stage == 0 else None,
+        "optimizer": _stage0_optimizer_state(snapshot, engine) if stage == 0 else None,
         "param_shapes": [OrderedDict((n, snapshot.module[n].shape) for n, _ in group) for group in snapshot.groups]
         if stage > 0 else None,
         "frozen_param_shapes": OrderedDict((n, p.shape) for n, p in frozen.items()) if stage == 2 else None,
@@ -128,6 +189,43 @@ def _model_states(snapshot: EngineSnapshot, config: Any, raw_config: dict[str, A
     }
     state.update(client_state)
     return state
+
+
+def _stage0_optimizer_state(snapshot: EngineSnapshot, engine: Any) -> dict[str, Any]:
+    """Without ZeRO: the torch optimizer's state dict; under DeepSpeed's bf16 wrapper, the
+    wrapper's (its basic optimizer's state dict and the fp32 masters: per parameter for
+    ``FP16_UnfusedOptimizer``, flat per group for ``FP16_Optimizer``, as their ``state_dict``)."""
+    inner = _torch_optimizer_state(snapshot)
+    optimizer = engine.optimizer
+    if not isinstance(optimizer, MasterWeightsOptimizer):
+        return inner
+    masters = [[snapshot.fp32(name) for name, _ in group] for group in snapshot.groups]
+    if optimizer.rule == "fused":
+        return {files.OPTIMIZER_STATE_DICT: _flat_groups_state(snapshot),
+                "fp32_groups_flat": [flat.flatten(group) for group in masters], "clip_grad": float(optimizer.max_norm)}
+    return {"dynamic_loss_scale": False, "cur_scale": 1.0, "cur_iter": engine.global_step,
+            files.OPTIMIZER_STATE_DICT: inner, "fp32_groups": masters}
+
+
+def _flat_groups_state(snapshot: EngineSnapshot) -> dict[str, Any]:
+    """The state dict of a basic optimizer over one flat master per group (``FP16_Optimizer``
+    flattens each group): per-parameter tensors concatenated, scalars (the step) as they are."""
+    state: dict[int, dict[str, Any]] = {}
+    for index, group in enumerate(snapshot.groups):
+        entries = [entry for _, entry in group]
+        if entries and all(entries):
+            state[index] = {key: flat.flatten([e[key] for e in entries]) if torch.is_tensor(first) and first.dim() > 0
+                            else _plain_number(first) for key, first in entries[0].items()}
+    # DeepSpeed's FusedAdam reads bias_correction from each group (a torch Adam has none: always on).
+    groups = [{"bias_correction": True, **hypers, "params": [i]} for i, hypers in enumerate(snapshot.hypers)]
+    return {"state": state, "param_groups": groups}
+
+
+def _plain_number(value: Any) -> Any:
+    """A one-element tensor (torch's Adam step) as the Python number FusedAdam keeps."""
+    if torch.is_tensor(value) and value.dim() == 0:
+        return int(value) if float(value).is_integer() else float(value)
+    return value
 
 
 def _torch_optimizer_state(snapshot: EngineSnapshot) -> dict[str, Any]:
@@ -152,7 +250,7 @@ def _zero_state(snapshot: EngineSnapshot, config: Any, dp: int, rank: int) -> di
     state over each group's flat slice, end padding included)."""
     masters, paddings, base_state = [], [], {}
     for index, group in enumerate(snapshot.groups):
-        flat_masters = flat.flatten([snapshot.module[name] for name, _ in group])
+        flat_masters = flat.flatten([snapshot.fp32(name) for name, _ in group])
         total = flat_masters.numel()
         masters.append(flat.rank_slice(flat_masters, dp, rank, padded=False))
         paddings.append(flat.paddings(total, dp)[rank])

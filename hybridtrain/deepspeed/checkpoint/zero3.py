@@ -1,5 +1,6 @@
-"""Read the real DeepSpeed's ZeRO-3 checkpoints (``zero_pp_rank_R_mp_rank_00_model_states.pt``
-and ``…_optim_states.pt`` per data-parallel rank) into whole, named tensors.
+"""DeepSpeed's ZeRO-3 checkpoints (``zero_pp_rank_R_mp_rank_00_model_states.pt`` and
+``…_optim_states.pt`` per data-parallel rank): read into whole, named tensors, and each
+rank's slices cut from whole tensors to write them (:func:`rank_flat`).
 
 ZeRO-3 cuts every parameter on its own: rank ``r`` holds elements ``[r·p, (r+1)·p)`` of it,
 ``p = ceil(numel / dp)`` (the last rank's slice padded), and its flat fp32 buffer per
@@ -43,6 +44,19 @@ def read_ranks(tag_dir: Path, dp: int) -> list[dict[str, Any]]:
                                                 f"(saved by {dp} data-parallel ranks)")
         found.append(files.read(path)[files.OPTIMIZER_STATE_DICT])
     return found
+
+
+def rank_flat(tensors: list[torch.Tensor], dp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s flat buffer of a sub-group's whole ``tensors`` (in order): its slice of
+    each, ``ceil(numel / dp)`` elements, zeros past a tensor's end (``fp32_flat_groups``, and
+    the base optimizer's state laid out the same way)."""
+    pieces = []
+    for tensor in tensors:
+        flat = tensor.detach().reshape(-1).to(torch.float32)
+        part = math.ceil(flat.numel() / dp)
+        piece = flat[rank * part:(rank + 1) * part]
+        pieces.append(torch.cat([piece, piece.new_zeros(part - piece.numel())]) if piece.numel() < part else piece)
+    return torch.cat(pieces).clone() if pieces else torch.zeros(0)
 
 
 def _whole(flats: list[torch.Tensor], shapes: list[torch.Size], dp: int) -> list[torch.Tensor]:

@@ -1,6 +1,6 @@
 """Checkpoints cross between the real DeepSpeed (0.19.8, CPU) and hybridtrain's drop-in, both
-ways, without ZeRO and under ZeRO-1/2, with one process and with two (and the optimizer offloaded): the resuming system
-loads exactly the weights the saving one had (bit for bit), and continues as the saving
+ways, without ZeRO and under ZeRO-1/2/3, with one process and with two (and the optimizer
+offloaded): the resuming system loads exactly the weights the saving one had (bit for bit), and continues as the saving
 system's run straight through (same steps and learning rates; losses and parameters as
 the two systems' fp32 math agrees, to the last bits of float32).
 """
@@ -94,12 +94,21 @@ def test_real_zero_to_fp32_reads_ours_and_ours_reads_real(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_a_real_zero3_checkpoint_resumes_here(tmp_path: Path, nproc: int) -> None:
-    """The real DeepSpeed's ZeRO-3 checkpoint (per-rank model and optimizer files) resumes on
-    hybridtrain: the weights exactly as saved, the run continuing as DeepSpeed's. (hybridtrain
-    saves ZeRO-3 in its own layout, which the real DeepSpeed does not read.)"""
-    real_dir = tmp_path / "real-ckpt"
-    runs = _run_pair(tmp_path, 3, "full", nproc, {"real": tmp_path / "none"})
-    saved = _run_pair(tmp_path, 3, "save", nproc, {"real": real_dir})
-    resumed = _run_pair(tmp_path, 3, "resume", nproc, {"ours": real_dir})
-    _assert_continuation(resumed["ours"], saved["real"], runs["real"])
+def test_zero3_checkpoints_cross_both_ways(tmp_path: Path, nproc: int) -> None:
+    """ZeRO-3 (a model-states and an optimizer file per rank, every parameter cut over the
+    ranks): the real DeepSpeed's checkpoint resumes on hybridtrain and the drop-in's on the real
+    DeepSpeed, continuing as the saving system's run; DeepSpeed's own ``zero_to_fp32`` reads ours."""
+    from deepspeed.utils import zero_to_fp32 as theirs
+
+    real_dir, our_dir = tmp_path / "real-ckpt", tmp_path / "our-ckpt"
+    full = _run_pair(tmp_path, 3, "full", nproc, {"real": tmp_path / "none-r", "ours": tmp_path / "none-o"})
+    saved = _run_pair(tmp_path, 3, "save", nproc, {"real": real_dir, "ours": our_dir})
+    names = {f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in range(nproc) for kind in ("model", "optim")}
+    assert {p.name for p in (our_dir / "global_step3").iterdir()} == names
+    assert {p.name for p in (real_dir / "global_step3").iterdir()} == names
+    _, params = record(saved["ours"])
+    reading = theirs.get_fp32_state_dict_from_zero_checkpoint(str(our_dir))
+    assert reading.keys() == params.keys() and all(torch.equal(reading[k], v) for k, v in params.items())
+    crossed = _run_pair(tmp_path, 3, "resume", nproc, {"ours": real_dir, "real": our_dir})
+    _assert_continuation(crossed["ours"], saved["real"], full["real"])
+    _assert_continuation(crossed["real"], saved["ours"], full["ours"])

@@ -72,7 +72,8 @@ def train(ds_config: str, workdir: str, resume: bool) -> tuple[dict, torch.nn.Mo
     torch.manual_seed(0)
     module = TinyLlama()
     trainer = Trainer(accelerator="cpu", devices=1, strategy=DeepSpeedStrategy(config=ds_config),
-                      accumulate_grad_batches=ACCUMULATION, gradient_clip_val=CLIP, max_steps=6, precision="32-true",
+                      accumulate_grad_batches=ACCUMULATION, gradient_clip_val=CLIP, max_steps=6,
+                      precision=os.environ.get("LIGHTNING_PRECISION", "32-true"),
                       logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[Steps(None if resume else f"{workdir}/ckpt")], default_root_dir=workdir)
     trainer.fit(module, ckpt_path=f"{workdir}/ckpt" if resume else None)

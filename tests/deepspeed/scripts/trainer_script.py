@@ -4,6 +4,7 @@ resumes a new Trainer from checkpoint-3 through the Trainer's own resume logic a
 to step 6 again; saves the final model with ``save_model``. Usage: SCRIPT DS_CONFIG WORKDIR OUT.
 """
 
+import os
 import sys
 
 import torch
@@ -50,6 +51,7 @@ def train(ds_config: str, workdir: str, resume: str | None) -> tuple[dict, Train
         gradient_accumulation_steps=ACCUMULATION, learning_rate=LR, warmup_steps=WARMUP, max_grad_norm=CLIP,
         max_steps=6, save_steps=3, logging_steps=1, save_strategy="steps", report_to=[], seed=0,
         use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, weight_decay=0.01,
+        bf16=os.environ.get("TRAINER_BF16") == "1",  # fills the config's bf16.enabled: "auto"
     )
     callback = Record()
     trainer = Trainer(model=tiny_llama(), args=args, train_dataset=Tokens(), callbacks=[callback])

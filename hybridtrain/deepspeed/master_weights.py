@@ -1,0 +1,212 @@
+"""DeepSpeed's bf16 math: bfloat16 module weights, fp32 master weights in the optimizer.
+
+With ``bf16.enabled`` DeepSpeed 0.19.8 does not autocast: it casts the module's parameters
+to bfloat16 (``engine._cast_module_mixed_precision``; buffers keep their dtype), lets autograd
+accumulate their gradients in bfloat16 (``data_types.grad_accum_dtype`` unset: the model's
+dtype), and its optimizer wrapper keeps fp32 masters of them. At the accumulation boundary it
+widens the gradients to fp32, measures their global norm, clips (``clip = (norm + 1e-6) /
+gradient_clipping``, gradients multiplied by ``1 / clip`` when it is above 1), steps the basic
+optimizer on the masters and copies them back into the bfloat16 weights.
+
+A step whose norm is not finite (an inf/NaN gradient with a finite loss; a non-finite loss
+stops the engine before) is skipped here. DeepSpeed's stage-0 wrappers skip it too but also
+hold the LR schedule back a step, which the engine here does not; its ZeRO-1/2 bf16 path
+without ``bfloat16.check_grad_overflow`` applies it (NaN weights).
+
+The wrappers differ only in the norm's arithmetic (:data:`NormRule`) and one step:
+
+- ``fused``: ZeRO stage 0 over DeepSpeed's ``FusedAdam`` (``runtime/fp16/fused_optimizer.py``
+  ``FP16_Optimizer``): each flat fp32 group gradient's fp32 norm, squares summed in Python floats
+  (``get_flattened_grad_norm``).
+- ``unfused``: ZeRO stage 0 over any other optimizer (``unfused_optimizer.py``
+  ``FP16_UnfusedOptimizer``): each bfloat16 gradient's fp32 norm, squares summed in an fp32 tensor
+  (``get_weight_norm``). Both stage-0 wrappers step the basic optimizer once with zero gradients
+  when built (``initialize_optimizer_states``, decided by
+  :func:`hybridtrain.deepspeed.building.wrapper_step`).
+- ``zero``: ZeRO stages 1 and 2 (``runtime/zero/stage_1_and_2.py`` ``DeepSpeedZeroOptimizer``):
+  each bfloat16 gradient's norm in fp64, squares summed and rooted in fp32
+  (``get_grad_norm_direct``), groups combined by an fp32 vector norm
+  (``combine_grad_norm_groups``); the clip factor an fp32 tensor (``torch.clamp(clip, min=1.0)``).
+
+DeepSpeed's masters are flat per group (``fused`` and ``zero``) or one per parameter
+(``unfused``); they are one per parameter here, which is the same arithmetic for the
+element-wise updates (Adam, AdamW) these wrappers run.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+
+NormRule = Literal["fused", "unfused", "zero"]
+"""Which DeepSpeed wrapper's norm and clip arithmetic (see the module)."""
+
+
+def global_norm(rule: NormRule, groups: list[list[torch.Tensor]]) -> float:
+    """The global norm of the bfloat16 gradients ``groups`` (one list per parameter group) as
+    DeepSpeed's wrapper ``rule`` computes it (see the module)."""
+    if rule == "fused":
+        total = 0.0
+        for grads in groups:
+            if grads:
+                total += float(torch.cat([g.reshape(-1).float() for g in grads]).norm(2)) ** 2
+        norm = float(torch.tensor([total], dtype=torch.float32)[0]) ** 0.5
+        return math.sqrt(norm**2.0)
+    if rule == "unfused":
+        total_sq = 0.0
+        for grads in groups:
+            group: Any = 0.0
+            for g in grads:
+                group = group + g.float().norm(2) ** 2  # an fp32 tensor sum, as get_weight_norm
+            group_norm = float(torch.tensor([float(group)], dtype=torch.float32)[0]) ** 0.5
+            total_sq += group_norm**2.0
+        return math.sqrt(total_sq)
+    norms = []
+    for grads in groups:
+        if grads:
+            each = torch.stack([torch.linalg.vector_norm(g.detach().double(), ord=2) for g in grads])
+            norms.append(each.pow(2).sum().float().pow(0.5))
+        else:
+            norms.append(torch.zeros((), dtype=torch.float32))
+    return float(torch.linalg.vector_norm(torch.stack(norms), ord=2))
+
+
+def clip_divisor(rule: NormRule, norm: float, max_norm: float) -> float:
+    """What DeepSpeed's wrapper ``rule`` divides the gradients by to clip them to ``max_norm``
+    (1.0: no clipping)."""
+    if max_norm <= 0:
+        return 1.0
+    if rule == "zero":
+        clip = (torch.tensor(norm, dtype=torch.float32) + 1e-6) / max_norm
+        return float(torch.clamp(clip, min=1.0))
+    ratio = (norm + 1e-6) / max_norm
+    return ratio if ratio > 1 else 1.0
+
+
+class MasterWeightsOptimizer(torch.optim.Optimizer):
+    """DeepSpeed's bf16 optimizer wrapper around a basic optimizer built over the module's
+    bfloat16 parameters: each trainable parameter gets an fp32 master, which takes its place in
+    the basic optimizer's groups; :meth:`step` widens the gradients, clips as DeepSpeed, steps
+    the masters and copies them back. ``param_groups`` and ``state`` are the basic optimizer's,
+    so schedulers and callers that set ``lr`` on the groups drive the update.
+
+    Args:
+        inner: the basic optimizer (the config's or the caller's), over the half parameters.
+        max_norm: ``gradient_clipping`` (0: none).
+        rule: which DeepSpeed wrapper's norm and clip arithmetic (:data:`NormRule`).
+        zero_gradient_step: step the masters once with zero gradients now (the ZeRO-0 wrappers').
+    """
+
+    def __init__(self, inner: torch.optim.Optimizer, max_norm: float, rule: NormRule,
+                 zero_gradient_step: bool) -> None:
+        # The base class's constructor is not run: the groups and state are the inner optimizer's.
+        self.inner = inner
+        self.defaults = inner.defaults
+        self.max_norm = max_norm
+        self.rule: NormRule = rule
+        self.half_groups: list[list[torch.nn.Parameter]] = []
+        self.master_groups: list[list[torch.Tensor]] = []
+        for group in inner.param_groups:
+            halves = [p for p in group["params"] if p.requires_grad]
+            masters = [p.detach().float().clone().requires_grad_(True) for p in halves]
+            self.half_groups.append(halves)
+            self.master_groups.append(masters)
+            group["params"] = masters
+        self._optimizer_step_pre_hooks: dict[int, Any] = {}
+        self._optimizer_step_post_hooks: dict[int, Any] = {}
+        self.last_grad_norm: float | None = None
+        """The global gradient norm (before clipping) of the latest :meth:`step`."""
+        self.last_step_skipped = False
+        """Whether the latest :meth:`step` was skipped (a gradient norm not finite)."""
+        if zero_gradient_step:
+            for master in self._masters():
+                master.grad = torch.zeros_like(master)
+            self.inner.step()
+            self._drop_master_grads()
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.inner.param_groups = groups
+
+    @property
+    def state(self) -> Any:
+        return self.inner.state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        self.inner.state = state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the bfloat16 weights' gradients (always to None, as DeepSpeed)."""
+        for halves in self.half_groups:
+            for p in halves:
+                p.grad = None
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """Widen, measure, clip, update the masters, copy them into the bfloat16 weights."""
+        if closure is not None:
+            raise NotImplementedError("MasterWeightsOptimizer.step(closure) is not supported, as in DeepSpeed")
+        norm = global_norm(self.rule, [[p.grad for p in halves if p.grad is not None] for halves in self.half_groups])
+        self.last_grad_norm = norm
+        self.last_step_skipped = not math.isfinite(norm)
+        if self.last_step_skipped:
+            return  # DeepSpeed's bf16 wrappers skip a step whose norm is not finite
+        scale = 1.0 / clip_divisor(self.rule, norm, self.max_norm)
+        for halves, masters in zip(self.half_groups, self.master_groups, strict=True):
+            for half, master in zip(halves, masters, strict=True):
+                master.grad = half.grad.float() if half.grad is not None else torch.zeros_like(master)
+                if scale != 1.0:
+                    master.grad.mul_(scale)
+        self.inner.step()
+        self._drop_master_grads()
+        for halves, masters in zip(self.half_groups, self.master_groups, strict=True):
+            for half, master in zip(halves, masters, strict=True):
+                half.copy_(master)
+
+    def _masters(self) -> list[torch.Tensor]:
+        return [m for masters in self.master_groups for m in masters]
+
+    def _drop_master_grads(self) -> None:
+        for master in self._masters():
+            master.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The basic optimizer's state dict (over the masters); the masters themselves are saved
+        by the checkpoint writer (:mod:`hybridtrain.deepspeed.checkpoint.writer`), as DeepSpeed's
+        wrappers keep them beside it, and restored by :meth:`load_masters`."""
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the basic optimizer's state dict (see :meth:`state_dict`)."""
+        self.inner.load_state_dict(state_dict)
+
+    @torch.no_grad()
+    def load_masters(self, values: list[torch.Tensor]) -> None:
+        """Set the fp32 masters (in the groups' order) and the bfloat16 weights from them, as
+        DeepSpeed's wrappers restore a checkpoint's masters."""
+        masters = self._masters()
+        if len(values) != len(masters):
+            raise ValueError(f"load_masters: got {len(values)} masters for {len(masters)} parameters")
+        for master, value in zip(masters, values, strict=True):
+            master.copy_(value.reshape(master.shape))
+        for halves, group in zip(self.half_groups, self.master_groups, strict=True):
+            for half, master in zip(halves, group, strict=True):
+                half.copy_(master)
+
+    def __repr__(self) -> str:
+        return f"MasterWeightsOptimizer({self.inner!r})"
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast the floating-point parameters (not the buffers) to ``dtype`` in place, as
+    DeepSpeed's ``_cast_module_mixed_precision`` without ``data_types.buffer_dtype``."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)

@@ -1,0 +1,180 @@
+"""DeepSpeed's bf16 math under the drop-in (:mod:`hybridtrain.deepspeed.master_weights`):
+bfloat16 weights, fp32 masters, DeepSpeed's norm and clip arithmetic.
+
+Side by side with the real DeepSpeed 0.19.8 on this CPU (its bf16 runs on the CPU
+accelerator): every step's learning rate, loss and gradient norm, and the final weights, are
+the same bits for ZeRO-0 (both of its wrappers), ZeRO-1 and ZeRO-2, and bf16 checkpoints
+resume across the two systems both ways. In process: the same training against DeepSpeed's
+rules written out as a plain loop, and the pieces one by one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hybridtrain.deepspeed as deepspeed
+from hybridtrain.config import load_config
+from hybridtrain.deepspeed.building import master_weights
+from hybridtrain.deepspeed.master_weights import MasterWeightsOptimizer, clip_divisor, global_norm
+from tests.deepspeed.frameworks import finish, record, start
+
+RUNS = ("stage0", "stage0_fused", "stage1", "stage2")
+SCRIPT = "bf16_script.py"
+
+
+def _pair(tmp: Path, mode: str, checkpoints: dict[str, Path] | None = None) -> dict[str, Path]:
+    """``bf16_script.py`` in ``mode`` on both systems at once; ``checkpoints`` maps each system
+    to the directory it saves to or resumes from. Returns each system's record prefix."""
+    out, runs = {}, []
+    for system in ("real", "ours"):
+        out[system] = tmp / f"{system}-{mode}"
+        args = [mode, str(checkpoints[system])] if checkpoints else []
+        runs.append((system, start(SCRIPT, [*args, str(out[system])], tmp, real=system == "real")))
+    for system, process in runs:
+        finish(process, f"{system} bf16 {mode}")
+    return out
+
+
+def _assert_same(mine: Path, theirs: Path, tail: int = 0) -> None:
+    """Run records ``mine`` and ``theirs`` (the last ``len(mine)`` steps of it with ``tail``)
+    agree bit for bit: steps, learning rates, losses, gradient norms, dtypes, final weights."""
+    for name in RUNS:
+        ours, our_params = record(Path(f"{mine}.{name}"))
+        real, real_params = record(Path(f"{theirs}.{name}"))
+        for key in ("steps", "lrs", "losses", "grad_norms"):
+            assert ours[key] == real[key][tail:], (name, key, ours[key], real[key])
+        assert ours["dtypes"] == real["dtypes"] == ["torch.bfloat16"], name
+        assert ours["saved_dtypes"] == real["saved_dtypes"] == ["torch.bfloat16"], name  # save_16bit_model
+        assert our_params.keys() == real_params.keys()
+        for key, value in real_params.items():
+            assert torch.equal(our_params[key], value), (name, key)
+
+
+def test_bf16_trains_and_resumes_as_the_real_deepspeed_bit_for_bit(tmp_path: Path) -> None:
+    pytest.importorskip("deepspeed")  # the reference
+    full = _pair(tmp_path, "full")
+    assert "+hybridtrain" in json.loads(Path(f"{full['ours']}.stage0").read_text())["deepspeed"]
+    _assert_same(full["ours"], full["real"])
+
+    dirs = {"real": tmp_path / "real-ckpt", "ours": tmp_path / "our-ckpt"}
+    _pair(tmp_path, "save", dirs)
+    for system, directory in dirs.items():  # DeepSpeed's bf16 file names, as the real one writes them
+        assert {p.name for p in (directory / "stage0" / "global_step3").iterdir()} == {"mp_rank_00_model_states.pt"}
+        assert {p.name for p in (directory / "stage2" / "global_step3").iterdir()} == {
+            "mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"}, system
+    crossed = _pair(tmp_path, "resume", {"real": dirs["ours"], "ours": dirs["real"]})
+    _assert_same(crossed["ours"], full["real"], tail=3)  # the real DeepSpeed's run, resumed here
+    _assert_same(crossed["real"], full["ours"], tail=3)  # ours, resumed on the real DeepSpeed
+
+
+class _Scaled(nn.Module):
+    """Linear → tanh → Linear with an fp32 buffer, which DeepSpeed's cast leaves fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(6, 12), nn.Linear(12, 3)
+        self.register_buffer("scale", torch.full((12,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x)) * self.scale.to(x.dtype))
+
+
+def _plain_deepspeed_bf16(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float,
+                          clip: float) -> list[torch.Tensor]:
+    """DeepSpeed's ZeRO-0 bf16 rules as a plain loop (``FP16_UnfusedOptimizer`` over a torch
+    AdamW): bfloat16 weights, fp32 masters stepped once with zero gradients when built,
+    gradients summed in bfloat16 over 2 micro-batches, clipped on fp32 by
+    ``(norm + 1e-6) / clip``, masters copied back. Returns the final masters."""
+    params = list(model.parameters())
+    for p in params:
+        p.data = p.data.bfloat16()
+    masters = [p.detach().float().clone().requires_grad_(True) for p in params]
+    optimizer = torch.optim.AdamW(masters, lr=lr, weight_decay=0.1)
+    for m in masters:
+        m.grad = torch.zeros_like(m)
+    optimizer.step()
+    for step in range(0, len(batches), 2):
+        for inputs, targets in batches[step:step + 2]:
+            (F.mse_loss(model(inputs.bfloat16()).float(), targets) / 2).backward()
+        norm = math.sqrt(sum(float(p.grad.float().norm()) ** 2 for p in params))
+        divisor = max((norm + 1e-6) / clip, 1.0)
+        for p, m in zip(params, masters, strict=True):
+            m.grad = p.grad.float() / divisor
+            p.grad = None
+        optimizer.step()
+        with torch.no_grad():
+            for p, m in zip(params, masters, strict=True):
+                p.copy_(m)
+    return masters
+
+
+def test_a_callers_optimizer_trains_with_deepspeeds_bf16_rules() -> None:
+    torch.manual_seed(0)
+    model = _Scaled()
+    reference = _Scaled()
+    reference.load_state_dict(model.state_dict())
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 6, generator=generator), torch.randn(4, 3, generator=generator)) for _ in range(8)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 0.3,
+              "bf16": {"enabled": True}}
+    engine, returned, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    assert isinstance(returned, MasterWeightsOptimizer) and returned.rule == "unfused"
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.scale.dtype == torch.float32  # buffers keep their dtype, as DeepSpeed's cast
+    for inputs, targets in batches:
+        engine.backward(F.mse_loss(engine(inputs.bfloat16()).float(), targets))
+        engine.step()
+    expected = _plain_deepspeed_bf16(reference, batches, lr=0.05, clip=0.3)
+    masters = [m for group in returned.param_groups for m in group["params"]]
+    for mine, theirs in zip(masters, expected, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-7)
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        # the weights are the masters rounded to bfloat16: at most one bfloat16 step apart
+        torch.testing.assert_close(mine.float(), theirs.float(), rtol=2.0**-8, atol=0)
+    assert engine.get_global_grad_norm() == returned.last_grad_norm > 0.3  # the clip acted
+
+
+@pytest.mark.parametrize("rule", ["fused", "unfused", "zero"])
+def test_every_rule_measures_the_global_norm_and_clips_to_max_norm(rule: Any) -> None:
+    generator = torch.Generator().manual_seed(2)
+    groups = [[torch.randn(5, 3, generator=generator).bfloat16(), torch.randn(7, generator=generator).bfloat16()],
+              [torch.randn(4, generator=generator).bfloat16()]]
+    everything = torch.cat([g.float().reshape(-1) for group in groups for g in group])
+    norm = global_norm(rule, groups)
+    assert norm == pytest.approx(float(torch.linalg.vector_norm(everything.double())), rel=1e-6)
+    assert clip_divisor(rule, norm, max_norm=norm * 2) == 1.0
+    assert clip_divisor(rule, norm, max_norm=0.0) == 1.0  # no clipping configured
+    assert clip_divisor(rule, norm, max_norm=1.0) == pytest.approx(norm + 1e-6, rel=1e-6)
+
+
+def test_a_step_with_an_infinite_gradient_is_skipped() -> None:
+    weight = nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    optimizer = MasterWeightsOptimizer(torch.optim.SGD([weight], lr=0.1), max_norm=1.0, rule="zero",
+                                       zero_gradient_step=False)
+    weight.grad = torch.tensor([1.0, float("inf"), 0.0], dtype=torch.bfloat16)
+    optimizer.step()
+    assert optimizer.last_grad_norm == float("inf")
+    assert torch.equal(weight, torch.ones(3, dtype=torch.bfloat16))
+    assert torch.equal(optimizer.param_groups[0]["params"][0], torch.ones(3))
+
+
+@pytest.mark.parametrize(("extra", "expected"), [
+    ({}, True),
+    ({"zero_optimization": {"stage": 2}}, True),
+    ({"zero_optimization": {"stage": 3}}, False),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, False),
+    ({"data_types": {"grad_accum_dtype": "fp32"}}, False),
+    ({"bf16": {"enabled": False}}, False),
+])
+def test_deepspeeds_bf16_math_is_chosen_where_deepspeeds_wrappers_run(extra: dict[str, Any], expected: bool) -> None:
+    raw = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, **extra}
+    assert master_weights(raw, load_config(dict(raw))) is expected
