@@ -26,6 +26,7 @@ from torch import nn
 
 from hybridtrain import checkpoint as ckpt
 from hybridtrain.config import BatchSizes
+from hybridtrain.optim import Scheduler
 from hybridtrain.parallel.mesh import Topology
 from hybridtrain.parallel.replicated import ReplicatedRuntime
 from hybridtrain.parallel.runtime import ParallelRuntime
@@ -40,7 +41,6 @@ from hybridtrain.runtime.batch import (
     split_batch,
     to_device,
 )
-from hybridtrain.runtime.optim import Scheduler
 from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
 from hybridtrain.runtime.precision import LossScaler, autocast, reported_loss
 from hybridtrain.runtime.step_parts import PartClock, step_part

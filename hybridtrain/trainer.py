@@ -36,6 +36,7 @@ from hybridtrain.models.factory import build_model, parameter_count
 from hybridtrain.models.gpt import causal_lm_loss
 from hybridtrain.monitoring.readings import device_peak_tflops, flops_per_token, memory_readings
 from hybridtrain.monitoring.telemetry import Telemetry, check_monitoring
+from hybridtrain.optim import optimizer_state_bytes
 from hybridtrain.outputs import check_metrics_file
 from hybridtrain.parallel.mesh import (
     end_process_group,
@@ -59,7 +60,6 @@ from hybridtrain.run_dir import (
 )
 from hybridtrain.run_lock import own_run_dir
 from hybridtrain.runtime.device import peak_memory_bytes, reset_peak_memory, resolve_device
-from hybridtrain.runtime.optim import optimizer_state_bytes
 from hybridtrain.runtime.transfer import available_host_bytes
 from hybridtrain.stopping import StopRequest, on_any_rank
 

@@ -197,7 +197,7 @@ def model_cases() -> dict[str, ModelCase]:
 
 
 def _warmup_cosine(step: int) -> float:
-    # Written out independently of hybridtrain.runtime.optim: warm-up 2 steps, cosine to 0.1 at step 6.
+    # Written out independently of hybridtrain.optim: warm-up 2 steps, cosine to 0.1 at step 6.
     if step < 2:
         return step / 2
     done = min(1.0, (step - 2) / 4)

@@ -17,6 +17,7 @@ from torch import nn
 
 from hybridtrain.checkpoint.sharded import checkpoint_group
 from hybridtrain.engine import Engine, EngineOptions
+from hybridtrain.optim import build_optimizer, build_scheduler, take_fp16_init_step
 from hybridtrain.parallel import mesh
 from hybridtrain.parallel.data import apply_data_parallel
 from hybridtrain.parallel.gradient_sync import GradientSync
@@ -35,7 +36,6 @@ from hybridtrain.runtime.activation_offload import (
 from hybridtrain.runtime.batch import Batch, LossFn, to_device
 from hybridtrain.runtime.half_width import half_width_params
 from hybridtrain.runtime.layer_major import LayerMajorRunner
-from hybridtrain.runtime.optim import build_optimizer, build_scheduler, zero_grad_step
 from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
 from hybridtrain.runtime.precision import LossScaler, precision_name
 from hybridtrain.runtime.recompute import apply_activation_checkpointing
@@ -83,8 +83,8 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
         optimizer = build_optimizer(model.parameters(), settings.type, optimizer_params(plan))
     elif plan.pipeline is not None:
         _keep_held(optimizer, model)
-    if settings.zero_gradient_step:  # before the schedule sets its first rate, as DeepSpeed steps
-        zero_grad_step(optimizer)
+    if settings.fp16_init_step:  # before the schedule sets its first rate, as DeepSpeed steps
+        take_fp16_init_step(optimizer)
     setup = _resume_fingerprint(plan, optimizer)
     offload = None
     # Which weights autocast reads only in half (they may cross host⇄device in half);

@@ -89,16 +89,15 @@ class OptimizerSettings:
         type: ``optimizer.type``.
         params: its keyword arguments (``optimizer.params`` without
             ``fp16_init_step``, which is no optimizer argument).
-        zero_gradient_step: step it once with zero gradients before training, before the LR
-            schedule is built. DeepSpeed's fp16 wrapper does this at ZeRO stage 0 (fp16, or
-            bf16 unless pipelined): the DeepSpeed key treatments ask for it with
-            ``optimizer.params.fp16_init_step`` (:func:`hybridtrain.config.deepspeed_keys.
-            fp16_wrapper_steps`), and the DeepSpeed drop-in for a caller's optimizer.
+        fp16_init_step: step it once with zero gradients before training, before the LR
+            schedule is built (:mod:`hybridtrain.optim.deepspeed.init_step`), where the
+            config's ``optimizer.params.fp16_init_step`` is true: a user's, or the one the
+            DeepSpeed drop-in writes where DeepSpeed's fp16 wrapper would take the step.
     """
 
     type: str = "AdamW"
     params: tuple[tuple[str, Any], ...] = ()
-    zero_gradient_step: bool = False
+    fp16_init_step: bool = False
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
+from hybridtrain.optim import optimizer_state_bytes
 from hybridtrain.plan.types import TrainingPlan
 from hybridtrain.planner.trace import ModelTrace, PhaseProfile
-from hybridtrain.runtime.optim import optimizer_state_bytes
 
 _FP32 = 4
 

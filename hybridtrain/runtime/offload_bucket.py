@@ -95,7 +95,7 @@ class Bucket:
     @property
     def has_work(self) -> bool:
         """Whether an update would change anything: a gradient landed, or one was put on a
-        master directly (DeepSpeed's fp16-wrapper step gives every parameter a zero one)."""
+        master directly (DeepSpeed's fp16 init step gives every parameter a zero one)."""
         return any(self.has_grad) or any(m.grad is not None for m in self.masters)
 
     def expose_grads(self, grads: list[torch.Tensor] | None = None) -> None:

@@ -9,8 +9,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from hybridtrain.optim import optimizer_state_bytes
 from hybridtrain.runtime import transfer
-from hybridtrain.runtime.optim import optimizer_state_bytes
 
 
 def device_kept(params: list[nn.Parameter], host_ratio: float, streamed: set[int]) -> set[int]:

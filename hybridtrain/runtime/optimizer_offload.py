@@ -81,7 +81,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     Args:
         optimizer: an optimizer over the device parameters; its class, groups,
             hyperparameters and state are taken over (the state of one that has stepped —
-            DeepSpeed's fp16 wrapper steps it once when built — moves unchanged to the host
+            DeepSpeed's fp16 wrapper takes its fp16 init step when built — moves unchanged to the host
             masters, so the run continues exactly as the plain optimizer would).
         device: the compute device.
         pin_memory: page-locked host buffers (asynchronous copies on CUDA).
@@ -388,7 +388,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         after the LR scheduler has moved on) and counted its bytes (it may run after the
         step returned, as may ``clocks``: the step's part clocks it counts on)."""
         # Gradients put on the masters directly count too, as for any torch optimizer
-        # (DeepSpeed's fp16-wrapper step gives every parameter a zero one).
+        # (DeepSpeed's fp16 init step gives every parameter a zero one).
         given = grads is None and any(m.grad is not None for m in bucket.masters)
         if bucket.stepped or not (any(bucket.has_grad) or given):
             return

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 import hybridtrain as ht
 from hybridtrain.config import ConfigError
 from hybridtrain.engine import NonFiniteLossError
+from hybridtrain.optim import build_optimizer, take_fp16_init_step
 from hybridtrain.runtime import transfer
-from hybridtrain.runtime.optim import build_optimizer, zero_grad_step
 from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
 from tests.equivalence import (
     MODES,
@@ -180,7 +180,7 @@ def test_a_float64_model_keeps_float64_masters_and_the_plain_loops_math(mode: st
 
 @pytest.mark.parametrize("mode", ["offload_opt", "offload_opt_accum2_clip", "stream", "stream_host_accum2_clip",
                                   "stream_layer_major_accum4", "swap", "cpu_checkpointing_accum2_offload",
-                                  # DeepSpeed's fp16-wrapper step (bf16 at stage 0) passes frozen ones over
+                                  # DeepSpeed's fp16 init step (bf16 at stage 0) passes frozen ones over
                                   "bf16", "stream_device_bf16"])
 def test_frozen_parameters_stay_as_they_are_and_the_rest_train_as_in_the_plain_loop(mode: str) -> None:
     case = frozen_gpt_case()
@@ -310,11 +310,11 @@ def test_a_zero_gradient_step_reaches_the_host_masters_and_the_device_weights() 
     model = _two_layers()
     plain = copy.deepcopy(model)
     reference = build_optimizer(plain.parameters(), "AdamW", WRAPPER_STEPPED)
-    zero_grad_step(reference)
+    take_fp16_init_step(reference)
     offload = OffloadOptimizer(build_optimizer(model.parameters(), "AdamW", WRAPPER_STEPPED), torch.device("cpu"),
                                host_ratio=0.5, bucket_numel=20)
     try:
-        zero_grad_step(offload)
+        take_fp16_init_step(offload)
         assert not any(b.stepped for b in offload.buckets)  # the first training step is not taken as done
         # The host steps with torch's fused CPU AdamW, the reference with the unfused one.
         torch.testing.assert_close(offload.state_dict()["state"], reference.state_dict()["state"], rtol=1e-6,
@@ -333,7 +333,7 @@ FP16_OPTIMIZERS = [
     ({"type": "AdamW", "params": {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.01}}, torch.optim.AdamW),
 ]
 # Without ZeRO, DeepSpeed (and so hybridtrain) ignores offload_optimizer: the host optimizer
-# meets the wrapper step under layer streaming, whose blocks are already in host memory when
+# meets the fp16 init step under layer streaming, whose blocks are already in host memory when
 # the optimizer is built and stepped.
 PLACEMENTS = {
     "device": {},
@@ -343,7 +343,7 @@ PLACEMENTS = {
 }
 
 
-def _wrapper_stepped_reference(cls: type, params: dict[str, Any],
+def _init_stepped_reference(cls: type, params: dict[str, Any],
                                fused: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
     """fp16 at ZeRO stage 0 as DeepSpeed trains it: the optimizer stepped once with zero
     gradients when built (FP16_Optimizer.initialize_optimizer_states), then loss-scaled
@@ -371,30 +371,30 @@ def _wrapper_stepped_reference(cls: type, params: dict[str, Any],
 
 @pytest.mark.parametrize(("optimizer", "cls"), FP16_OPTIMIZERS, ids=["Adam-L2", "AdamW"])
 @pytest.mark.parametrize("placement", ["device", "stream"])
-def test_fp16_at_stage_0_trains_from_deepspeeds_wrapper_step(optimizer: dict, cls: type, placement: str) -> None:
+def test_fp16_at_stage_0_trains_from_deepspeeds_fp16_init_step(optimizer: dict, cls: type, placement: str) -> None:
     mode = MODES["fp16"]
-    # Natively a DeepSpeed file trains with plain math; the wrapper step is asked for.
+    # Natively a DeepSpeed file trains with plain math; the fp16 init step is asked for.
     asked = {**optimizer, "params": {**optimizer["params"], "fp16_init_step": True}}
     actual = engine_run(CASE, mode, optimizer=asked, **PLACEMENTS[placement])
     # Streamed blocks step on the host with torch's fused CPU Adam, whose updates round
     # differently from the unfused kernel by about an ulp, by CPU; fp16 forwards amplify that
     # past the fp16 tolerance on some machines. The reference takes the same kernel, so what
     # is compared is the engine's math, not two kernels' rounding.
-    expected = _wrapper_stepped_reference(cls, optimizer["params"], fused=placement != "device")
+    expected = _init_stepped_reference(cls, optimizer["params"], fused=placement != "device")
     assert_same_training(expected, actual, rtol=mode.rtol, atol=mode.atol)
 
 
 @pytest.mark.parametrize("placement", ["device", "stream", "stream_layer_major_accum2"])
-def test_fp16_at_stage_0_resumes_exactly_without_a_second_wrapper_step(placement: str, tmp_path) -> None:
+def test_fp16_at_stage_0_resumes_exactly_without_a_second_fp16_init_step(placement: str, tmp_path) -> None:
     config = engine_config(MODES["fp16"], **PLACEMENTS[placement])
-    config["optimizer"]["params"]["fp16_init_step"] = True  # the wrapper step, asked for
+    config["optimizer"]["params"]["fp16_init_step"] = True  # the fp16 init step, asked for
 
     def make() -> ht.Engine:
         torch.manual_seed(SEED)
         return ht.initialize(CASE.build(), copy.deepcopy(config), loss_fn=CASE.loss_fn)
 
     first, resumed = assert_resume_exact(make, CASE.batches(4), tmp_path / "ckpt")
-    # The checkpoint's counts (wrapper step + 2 steps) replaced the new engine's own wrapper step.
+    # The checkpoint's counts (fp16 init step + 2 steps) replaced the new engine's own fp16 init step.
     counts = {int(s["step"]) for s in resumed.optimizer.state_dict()["state"].values()}
     assert {int(s["step"]) for s in first.optimizer.state_dict()["state"].values()} == {3} and counts == {5}
 

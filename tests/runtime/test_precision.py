@@ -27,7 +27,7 @@ def test_injected_inf_skips_the_step_and_shrinks_the_scale() -> None:
     engine.train_batch(batches[0])
     after = engine.model_state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before), "a skipped step must not change parameters"
-    # The skipped step stepped nothing (and natively no DeepSpeed fp16-wrapper step ran at build).
+    # The skipped step stepped nothing (and natively no DeepSpeed fp16 init step ran at build).
     assert all(int(s.get("step", 0)) == 0 for s in engine.optimizer.state.values())
     assert engine.skipped_steps == 1
     assert engine.loss_scale == 2.0**9

@@ -18,10 +18,10 @@ from torch import nn
 
 import hybridtrain as ht
 from hybridtrain.config import explain_config
-from hybridtrain.deepspeed.building import wrapper_step
+from hybridtrain.deepspeed.building import takes_fp16_init_step, with_fp16_init_step
+from hybridtrain.optim import build_optimizer, take_fp16_init_step
+from hybridtrain.optim.deepspeed.lamb import Lamb
 from hybridtrain.plan.resolve import optimizer_settings
-from hybridtrain.runtime.lamb import Lamb
-from hybridtrain.runtime.optim import build_optimizer, zero_grad_step
 
 
 def _kernel(p: torch.Tensor, p_copy: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, lr: float,
@@ -83,8 +83,8 @@ def test_matches_deepspeeds_fused_lamb(deepspeed_fused_lamb: type, kwargs: dict[
     ours = [nn.Parameter(t.clone()) for t in _start()]
     reference, optimizer = deepspeed_fused_lamb(theirs, **kwargs), Lamb(ours, **kwargs)
     if init:  # FP16_UnfusedOptimizer.initialize_optimizer_states: step() with zero gradients
-        zero_grad_step(reference)
-        zero_grad_step(optimizer)
+        take_fp16_init_step(reference)
+        take_fp16_init_step(optimizer)
     gen = torch.Generator().manual_seed(1)
     for _ in range(8):
         grads = [torch.randn(shape, generator=gen) for shape in SHAPES]
@@ -130,14 +130,14 @@ def test_fp16_config_takes_deepspeeds_construction_step() -> None:
     config = {"optimizer": {"type": "Lamb", "params": {"lr": lr, "weight_decay": decay, "max_coeff": max_coeff}},
               "fp16": {"enabled": True}}
     cfg, _ = explain_config(config)
-    assert wrapper_step(config, client=False)  # the DeepSpeed drop-in asks for it
+    assert takes_fp16_init_step(config, client=False)  # the DeepSpeed drop-in asks for it
     weight = nn.Parameter(torch.randn(5, 3))
     start = weight.detach().clone()
-    settings = optimizer_settings(cfg, zero_gradient_step=True)  # what plan.build makes of it
+    settings = optimizer_settings(with_fp16_init_step(cfg, True))  # what plan.build makes of it
     optimizer = build_optimizer([weight], settings.type, dict(settings.params))
-    if settings.zero_gradient_step:
-        zero_grad_step(optimizer)
+    if settings.fp16_init_step:
+        take_fp16_init_step(optimizer)
     torch.testing.assert_close(weight.detach(), start - lr * max_coeff * decay * start)
     assert optimizer.state[weight]["step"] == 1
     # Without fp16 (or with ZeRO, where DeepSpeed's ZeRO optimizer has no such step) nothing moves.
-    assert not wrapper_step({**config, "fp16": {"enabled": False}}, client=False)
+    assert not takes_fp16_init_step({**config, "fp16": {"enabled": False}}, client=False)

@@ -1,4 +1,7 @@
-"""Optimizers by name and learning-rate schedules (DeepSpeed names and our short aliases)."""
+"""Optimizers by name and learning-rate schedules (DeepSpeed names and our short aliases).
+
+DeepSpeed's own optimizers and schedules live apart (:mod:`hybridtrain.optim.deepspeed`); this
+module chooses by name among them, torch's classes and our short schedule names."""
 
 from __future__ import annotations
 
@@ -9,11 +12,13 @@ from typing import Any, Protocol
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from hybridtrain.runtime.deepspeed_schedules import DEEPSPEED_SCHEDULES, DeepSpeedSchedule
-from hybridtrain.runtime.lamb import Lamb
-from hybridtrain.runtime.onebit_adam import OnebitAdam, ZeroOneAdam
-from hybridtrain.runtime.onebit_lamb import OnebitLamb
-from hybridtrain.runtime.uncorrected_adam import AdamWithoutBiasCorrection
+from hybridtrain.optim.deepspeed import (
+    DEEPSPEED_OPTIMIZERS,
+    DEEPSPEED_SCHEDULES,
+    REFUSED_DEEPSPEED_OPTIMIZERS,
+    DeepSpeedSchedule,
+)
+from hybridtrain.optim.uncorrected_adam import AdamWithoutBiasCorrection
 
 
 def optimizer_state_bytes(optimizer_type: str, params: dict[str, Any] | None = None) -> int:
@@ -37,17 +42,6 @@ def optimizer_state_bytes(optimizer_type: str, params: dict[str, Any] | None = N
     return 8
 
 
-# DeepSpeed optimizers whose math torch does not have and hybridtrain does not implement.
-_REFUSED_OPTIMIZERS = {
-    "muadam": "muP Adam", "muadamw": "muP AdamW", "musgd": "muP SGD",
-    "lion": "the Lion optimizer", "fusedlion": "the Lion optimizer",
-}
-# DeepSpeed's own optimizers, by the lower-case name DeepSpeed's config gives them.
-DEEPSPEED_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
-    "lamb": Lamb, "onebitadam": OnebitAdam, "zerooneadam": ZeroOneAdam, "onebitlamb": OnebitLamb,
-}
-
-
 def build_optimizer(params: Iterable[torch.nn.Parameter], type_name: str,
                     kwargs: dict[str, Any]) -> torch.optim.Optimizer:
     """Instantiate an optimizer by name as DeepSpeed builds it: ``Adam``/``AdamW`` follow
@@ -57,9 +51,9 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], type_name: str,
     :class:`AdamWithoutBiasCorrection`); ``Lamb``, ``OneBitAdam``, ``ZeroOneAdam`` and
     ``OneBitLamb`` are DeepSpeed's (:data:`DEEPSPEED_OPTIMIZERS`; the 1-bit ones on one
     process); any other name is the ``torch.optim`` class of that name (case-insensitive).
-    DeepSpeed's fp16-wrapper step is no optimizer argument: the plan asks for it
-    (:attr:`hybridtrain.plan.types.OptimizerSettings.zero_gradient_step`) and
-    :func:`zero_grad_step` takes it.
+    DeepSpeed's fp16 init step is no optimizer argument: the plan asks for it
+    (:attr:`hybridtrain.plan.types.OptimizerSettings.fp16_init_step`) and
+    :func:`hybridtrain.optim.init_step.take_fp16_init_step` takes it.
 
     Raises:
         ValueError: unknown optimizer, one whose math torch lacks, or an invalid keyword
@@ -73,32 +67,15 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], type_name: str,
     return _build(params, type_name, kwargs)
 
 
-def zero_grad_step(optimizer: torch.optim.Optimizer) -> None:
-    """One ``step()`` with every trained parameter's gradient zero, as DeepSpeed's fp16
-    wrappers do when built (``deepspeed/runtime/fp16/fused_optimizer.py`` and
-    ``unfused_optimizer.py``, ``initialize_optimizer_states``; for Adam the step count
-    becomes 1 and weight decay acts once), at the learning rate the groups hold then. Frozen parameters (``requires_grad`` False) get none and stay as they are: the
-    wrappers hold only ``p.requires_grad`` ones (``fused_optimizer.py``, ``unfused_optimizer.py``:
-    ``trainable = [p for p in param_group['params'] if p.requires_grad]``). The zero gradients
-    are made where each parameter lives (host masters stay in host memory); ``zero_grad``
-    clears them afterwards, so the next step starts clean."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
 def _build(params: Iterable[torch.nn.Parameter], type_name: str, kwargs: dict[str, Any]) -> torch.optim.Optimizer:
     betas = kwargs.get("betas")
     if betas is not None and not (isinstance(betas, list | tuple) and len(betas) == 2
                                   and all(isinstance(b, int | float) for b in betas)):
         raise ValueError(f"optimizer.params.betas = {betas!r} must be two numbers [beta1, beta2]")
     name = type_name.lower()
-    if name in _REFUSED_OPTIMIZERS:
-        raise ValueError(f"optimizer.type = {type_name!r} ({_REFUSED_OPTIMIZERS[name]}) is a DeepSpeed optimizer "
-                         "hybridtrain does not implement; the nearest is AdamW")
+    if name in REFUSED_DEEPSPEED_OPTIMIZERS:
+        raise ValueError(f"optimizer.type = {type_name!r} ({REFUSED_DEEPSPEED_OPTIMIZERS[name]}) is a DeepSpeed "
+                         "optimizer hybridtrain does not implement; the nearest is AdamW")
     if name in DEEPSPEED_OPTIMIZERS:
         try:
             return DEEPSPEED_OPTIMIZERS[name](params, **kwargs)
@@ -208,7 +185,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, type_name: str,
                     params: dict[str, Any]) -> Scheduler:
     """The named schedule: DeepSpeed's names (``WarmupLR``, ``WarmupDecayLR``,
     ``WarmupCosineLR``, ``OneCycle``, ``LRRangeTest``) with DeepSpeed's exact formulas,
-    defaults and step indexing (:mod:`hybridtrain.runtime.deepspeed_schedules`); our
+    defaults and step indexing (:mod:`hybridtrain.optim.deepspeed.schedules`); our
     short names (``constant``, ``linear``, ``cosine``) as a ``LambdaLR`` over
     :func:`lr_factor_fn`, where ``warmup_max_lr`` sets the base learning rate and
     ``warmup_min_lr`` the warm-up start.

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from hybridtrain.runtime.optim import build_optimizer, build_scheduler
+from hybridtrain.optim import build_optimizer, build_scheduler
 
 CASES: list[tuple[str, dict[str, Any]]] = [
     ("WarmupLR", {}),  # every default: log warm-up over 1000 steps from 0 to the optimizer's lr

@@ -16,7 +16,7 @@ through DeepSpeed's engine (it refuses the key; ``gradient_clipping`` clips inst
 One difference stays, for every optimizer here: a tensor that gets no gradient in a step is
 left alone, while DeepSpeed's fp16 wrappers step it with a zero gradient (its moments decay
 and weight decay moves it). The wrappers' step with zero gradients when they are built is
-reproduced for every optimizer (:func:`hybridtrain.runtime.optim.zero_grad_step`).
+reproduced for every optimizer (:func:`hybridtrain.optim.take_fp16_init_step`).
 """
 
 from __future__ import annotations

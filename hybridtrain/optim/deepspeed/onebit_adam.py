@@ -10,7 +10,7 @@ error feedback) is not implemented here, so these optimizers refuse a world size
 
 Shared by both: the **first** ``step()`` call only sets up state (each tensor's ``step``
 count becomes 1; nothing moves). DeepSpeed's fp16 wrapper spends that call when it is built
-(see :func:`hybridtrain.runtime.optim.zero_grad_step`); without fp16 the first training step
+(see :func:`hybridtrain.optim.take_fp16_init_step`); without fp16 the first training step
 is spent on it. Neither corrects bias nor honours ``eps_inside_sqrt`` (both are accepted
 and ignored, as in DeepSpeed); weight decay joins the update: ``u = m/(√v + ε) + λ·p``,
 ``p ← p − lr·u``.

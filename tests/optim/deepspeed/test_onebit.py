@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import torch
 
-from hybridtrain.runtime.onebit_adam import OnebitAdam, ZeroOneAdam
-from hybridtrain.runtime.onebit_lamb import OnebitLamb
-from hybridtrain.runtime.optim import build_optimizer, zero_grad_step
+from hybridtrain.optim import build_optimizer, take_fp16_init_step
+from hybridtrain.optim.deepspeed.onebit_adam import OnebitAdam, ZeroOneAdam
+from hybridtrain.optim.deepspeed.onebit_lamb import OnebitLamb
 from tests.runtime.host_reads import HostReads
 
 REFERENCE = Path(__file__).parent / "deepspeed_onebit"
@@ -72,8 +72,8 @@ def _drive(ds_cls: type, ours_cls: type, kwargs: dict[str, Any], steps: int, ini
         reference = ds_cls(their_groups, types.SimpleNamespace(mpu=None, local_rank=0), **kwargs)
         optimizer = ours_cls(our_groups, **kwargs)
         if init:  # DeepSpeed's fp16 wrapper: step() once with zero gradients when it is built
-            zero_grad_step(reference)
-            zero_grad_step(optimizer)
+            take_fp16_init_step(reference)
+            take_fp16_init_step(optimizer)
         gen = torch.Generator().manual_seed(1)
         for k in range(steps):
             grads = [torch.randn(shape, generator=gen) * (1 + k % 3) for shape in SHAPES]
@@ -125,7 +125,7 @@ def test_resume_from_state_dict_is_exact(name: str, kwargs: dict[str, Any]) -> N
 
     def built(model: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         opt = build_optimizer(model, name, params)
-        zero_grad_step(opt)  # DeepSpeed's fp16-wrapper step: the 1-bit optimizers' buffer set-up
+        take_fp16_init_step(opt)  # DeepSpeed's fp16 init step: the 1-bit optimizers' buffer set-up
         return opt
     gen = torch.Generator().manual_seed(2)
     grads = [[torch.randn(shape, generator=gen) for shape in SHAPES] for _ in range(10)]

@@ -1,6 +1,6 @@
 """DeepSpeed's 1-bit LAMB (``"type": "OneBitLamb"``) on one process, step for step as
 DeepSpeed's python computes it (``deepspeed/runtime/fp16/onebit/lamb.py``, DeepSpeed
-0.19.6). As with 1-bit Adam (:mod:`hybridtrain.runtime.onebit_adam`), one process skips
+0.19.6). As with 1-bit Adam (:mod:`hybridtrain.optim.deepspeed.onebit_adam`), one process skips
 every compressed all-reduce, the first ``step()`` call only sets up state, and bias
 correction and ``eps_inside_sqrt`` are ignored.
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from hybridtrain.runtime.onebit_adam import OneProcessOptimizer, onebit_defaults
+from hybridtrain.optim.deepspeed.onebit_adam import OneProcessOptimizer, onebit_defaults
 
 
 def _norm(t: torch.Tensor) -> torch.Tensor:

@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from hybridtrain.runtime.optim import (
+from hybridtrain.optim import (
     build_optimizer,
     build_scheduler,
     lr_factor_fn,
     optimizer_state_bytes,
-    zero_grad_step,
+    take_fp16_init_step,
 )
 
 
@@ -136,7 +136,7 @@ def deepspeed_wrappers() -> dict[str, type]:
 
 @pytest.mark.parametrize(("name", "params", "theirs"), WRAPPED, ids=lambda v: str(v) if isinstance(v, dict) else None)
 @pytest.mark.parametrize("wrapper", ["fused", "unfused"])
-def test_fp16_init_step_is_deepspeeds_wrapper_step(deepspeed_wrappers: dict[str, type], name: str,
+def test_fp16_init_step_is_deepspeeds_fp16_init_step(deepspeed_wrappers: dict[str, type], name: str,
                                                    params: dict, theirs: type, wrapper: str) -> None:
     # DeepSpeed's own wrapper (deepspeed/runtime/fp16/fused_optimizer.py FP16_Optimizer, for
     # FusedAdam; unfused_optimizer.py FP16_UnfusedOptimizer, for any other optimizer) steps
@@ -150,7 +150,7 @@ def test_fp16_init_step_is_deepspeeds_wrapper_step(deepspeed_wrappers: dict[str,
     wrapped = deepspeed_wrappers[wrapper](inner, static_loss_scale=1.0)
     masters = [wrapped.fp32_groups_flat[0]] if wrapper == "fused" else wrapped.fp32_groups[0]
     optimizer = build_optimizer(ours, name, params)
-    zero_grad_step(optimizer)
+    take_fp16_init_step(optimizer)
     assert all(s["step"] == 1 for s in optimizer.state.values())
     gen = torch.Generator().manual_seed(1)
     for _ in range(4):
@@ -174,7 +174,7 @@ def test_after_the_init_step_adams_first_update_is_three_quarters_of_lr() -> Non
         p = torch.nn.Parameter(torch.zeros(3))
         opt = build_optimizer([p], "Adam", {"lr": lr})
         if init:
-            zero_grad_step(opt)
+            take_fp16_init_step(opt)
         p.grad = torch.tensor([1.0, -2.0, 3.0])
         opt.step()
         torch.testing.assert_close(p.detach(), -lr * factor * p.grad.sign(), rtol=1e-5, atol=0)
