@@ -166,11 +166,14 @@ TREATMENTS: dict[str, Treatment] = {
     # ---------------------------------------------------------------- refused: changes the math
     "amp": _refused("NVIDIA Apex mixed precision with its own casting rules; use fp16 or bf16"),
     "fp8": _refused("fp8 training; use bf16"),
-    "compression_training": _refused("quantization-aware training and pruning; no hybridtrain equivalent", when=_enables),
+    "compression_training": _refused("quantization-aware training and pruning; no hybridtrain equivalent",
+                                     when=_enables),
     "sparse_attention": _no("settings of DeepSpeed's sparse-attention modules, which only model code using "
                             "them reads"),
-    "progressive_layer_drop": _refused("randomly skips layers during training; no hybridtrain equivalent", when=_enables),
-    "curriculum_learning": _refused("changes the sequence length over training; no hybridtrain equivalent", when=_enables),
+    "progressive_layer_drop": _refused("randomly skips layers during training; no hybridtrain equivalent",
+                                       when=_enables),
+    "curriculum_learning": _refused("changes the sequence length over training; no hybridtrain equivalent",
+                                    when=_enables),
     "data_efficiency": _refused("data sampling and routing schedules; no hybridtrain equivalent", when=_enables),
     "eigenvalue": _refused("eigenvalue-based adaptive layer-wise schedules; no hybridtrain equivalent", when=_enables),
     "quantize_training": _refused("quantized training (MoQ); use bf16"),

@@ -121,7 +121,8 @@ _SCHEDULE_ALIASES = {
     "cosine": "WarmupCosineLR",
 }
 _SCHEDULE_PARAMS = {
-    "WarmupLR": {"warmup_num_steps", "warmup_min_ratio", "warmup_type", "warmup_min_lr", "warmup_max_lr", "last_batch_iteration"},
+    "WarmupLR": {"warmup_num_steps", "warmup_min_ratio", "warmup_type", "warmup_min_lr", "warmup_max_lr",
+                 "last_batch_iteration"},
     "WarmupDecayLR": {"warmup_num_steps", "warmup_min_ratio", "warmup_type", "warmup_min_lr",
                       "warmup_max_lr", "total_num_steps", "last_batch_iteration"},
     "WarmupCosineLR": {"warmup_num_steps", "warmup_min_ratio", "warmup_type", "total_num_steps",

@@ -36,11 +36,13 @@ from hybridtrain.runtime.activation_offload import (
 from hybridtrain.runtime.batch import Batch, LossFn, to_device
 from hybridtrain.runtime.half_width import half_width_params
 from hybridtrain.runtime.layer_major import LayerMajorRunner
+from hybridtrain.runtime.offload_steps import OffloadSteps
 from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
 from hybridtrain.runtime.precision import LossScaler, precision_name
 from hybridtrain.runtime.recompute import apply_activation_checkpointing
 from hybridtrain.runtime.step_runner import BackwardObserver, StepRunner
-from hybridtrain.runtime.streaming import LayerStreamer, place_for_streaming
+from hybridtrain.runtime.streaming import LayerStreamer
+from hybridtrain.runtime.streaming_placement import place_for_streaming
 
 Sharder = Callable[[nn.Module, list[nn.Module]], None]
 
@@ -99,7 +101,7 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
                                    late=params_in_several_backwards(model, swap_recompute), half=half,
                                    grad_norms=plan.step_rules.gradient_clipping > 0)
         # model.state_dict() settles first; updated weights go up in half where exact.
-        offload.half_uploads.attach(model, offload.buckets, offload.settle)
+        offload.half_uploads.attach(model, offload.buckets, offload.wait_for_updates)
         optimizer = offload
     schedule = plan.scheduler
     scheduler = build_scheduler(optimizer, schedule.type, dict(schedule.params)) if schedule else None
@@ -121,12 +123,19 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
         gradient_clipping=rules.gradient_clipping, nonfinite_loss=rules.nonfinite_loss,
         wall_clock_breakdown=rules.wall_clock_breakdown, setup=setup, parallel=parallel,
         runner=runner, observers=observers, autocast_cache=plan.autocast_cache,
+        steps=OffloadSteps(offload, _clips_locally(parallel)) if offload is not None else None,
     )
     return Engine(model, optimizer, scheduler, scaler, loss_fn, options)
 
 
 def _modules(model: nn.Module, names: list[str]) -> list[nn.Module]:
     return [model.get_submodule(name) for name in names]
+
+
+def _clips_locally(parallel: ParallelRuntime) -> bool:
+    """Whether the runtime's clip is the local norm (one process, or replicated gradients):
+    a runtime that keeps the replicated rule clips what this process holds."""
+    return type(parallel).clip_grad_norm is ReplicatedRuntime.clip_grad_norm
 
 
 def _parallelize(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None,
@@ -167,9 +176,10 @@ def _parallelize(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None,
         raise ValueError("build: a pipeline plan needs the example_batch it was resolved with")
     example = to_device(example_batch, device)
     container = model.get_submodule(plan.pipeline.blocks_path) if plan.pipeline.blocks_path else model
-    split = split_pipeline(model, container, plan.pipeline, topology, example, loss_fn, device,  # type: ignore[arg-type]
-                           plan.compute_dtype, shard)
-    runtime = SplitRuntime(model, topology, plan.zero_stage, split.owner, split.counted, qkv_interleaved, pipelined=True)
+    split = split_pipeline(model, container, plan.pipeline, topology, example,  # type: ignore[arg-type]
+                           loss_fn, device, plan.compute_dtype, shard)
+    runtime = SplitRuntime(model, topology, plan.zero_stage, split.owner, split.counted, qkv_interleaved,
+                           pipelined=True)
     return runtime, PipelineRunner(split, plan.pipeline, topology, device, plan.compute_dtype), []
 
 

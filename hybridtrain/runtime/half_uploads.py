@@ -12,8 +12,9 @@ Which weights, decided from what each step's backward graphs show
 (:func:`~hybridtrain.runtime.half_width.graph_uses`): a candidate (the rule's, host-updated,
 landed once per backward) goes up in half after a step whose every backward read it, and
 only through casts (a Linear called twice casts its weight twice, to the same bits);
-otherwise in fp32, which also makes it exact again. A later forward that reads a rounded weight any other way (an op on the
-fp32 weight, a regularizer in the loss) would have computed with the rounding: that step
+otherwise in fp32, which also makes it exact again. A later forward that reads a rounded
+weight any other way (an op on the fp32 weight, a regularizer in the loss) would have
+computed with the rounding: that step
 is refused before anything is updated (:class:`HalfWidthReadError`).
 
 Reading the weights stays exact: the model's ``state_dict`` first waits for updates still

@@ -7,7 +7,8 @@ gradients once back) instead of once per micro-batch.
     forward    block 0: mb 0 … mb k-1 ─► block 1: mb 0 … mb k-1 ─► … ─► head + loss: mb 0 … mb k-1
                (block i uploaded once; block i+1 … i+p uploading meanwhile)
     backward   loss: mb 0 … mb k-1 ─► block N-1: mb 0 … mb k-1 ─► land N-1 (one D2H, eager host
-               step) ─► block N-2: mb 0 … mb k-1 ─► land N-2 ─► … ─► block 0 (+ embeddings) ─► land 0
+               step) ─► block N-2: mb 0 … mb k-1 ─► land N-2 ─► … ─► block 0 (+ embeddings)
+               ─► land 0
 
 A model's ``forward`` loops over its blocks for one input, and a Hugging Face model's
 forward cannot be cut into pieces from outside. So each micro-batch's forward runs

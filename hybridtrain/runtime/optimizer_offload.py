@@ -40,8 +40,6 @@ class has one) shares its ``state``.
 
 from __future__ import annotations
 
-import functools
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -54,9 +52,10 @@ from torch.utils.hooks import RemovableHandle
 from hybridtrain.runtime import transfer
 from hybridtrain.runtime.background_updates import PendingWeights, running_in_background
 from hybridtrain.runtime.device import normalize_device
+from hybridtrain.runtime.grad_offload import hook_arrivals, offload_grads
 from hybridtrain.runtime.half_uploads import STAGING_BUFFERS, HalfUploads
 from hybridtrain.runtime.half_width import graph_uses
-from hybridtrain.runtime.host_grad_checks import clip_grad_norm, finish_landing, unscale_and_check
+from hybridtrain.runtime.host_grad_checks import clip_grad_norm, unscale_and_check
 from hybridtrain.runtime.inner_optimizer import (
     groups_over,
     inner_optimizer,
@@ -109,9 +108,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         background: a deferred :meth:`step` updates the streamed blocks on the host worker
             after it returns, in block order; each block's next upload waits for its own
             update (``Bucket.unfinished_update``), so the next forward starts while later blocks still
-            update. Until :meth:`settle`, the blocks' parameters (their host masters) and
+            update. Until :meth:`wait_for_updates`, the blocks' parameters (their host masters) and
             this optimizer's state may still be changing: read them only after it (
-            ``state_dict`` and ``load_state_dict`` settle first).
+            ``state_dict`` and ``load_state_dict`` wait for them first).
 
     Raises:
         HostMemoryError: the host state does not fit in available host memory.
@@ -187,18 +186,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if bucket.params:  # a streamed block may have none (an activation function)
                 bucket.optimizer = inner_optimizer(self._cls, self, [bucket.masters], [bucket.group_of], fused=True)
         device_params = [p for p in params if id(p) in on_device]
-        self._device_optimizer = (inner_optimizer(self._cls, self, [device_params], [[group_index[id(p)] for p in device_params]],
-                                              fused=False) if device_params else None)
-        # The hooks live on the model's parameters, which outlive this optimizer (an OOM
-        # recovery rebuilds the engine around the same model): they hold it weakly, and
-        # :meth:`close` removes them (a rebuilt engine's backward must not land old buckets).
-        me = weakref.ref(self)
-        self._hooks: list[RemovableHandle] = []
-        for bucket in self.buckets:
-            if not bucket.streamed and not any(id(p) in late for p in bucket.params):
-                bucket.hooked = len(bucket.trained)
-                self._hooks += [p.register_post_accumulate_grad_hook(functools.partial(_arrived, me, bucket.index))
-                                for p in bucket.trained]
+        device_groups = [[group_index[id(p)] for p in device_params]]
+        self._device_optimizer = (inner_optimizer(self._cls, self, [device_params], device_groups, fused=False)
+                                  if device_params else None)
+        self._hooks: list[RemovableHandle] = hook_arrivals(self, late)
         self._final = False
         self._eager = False
         self._finite: torch.Tensor | None = None
@@ -221,7 +212,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def unscale_and_check(self, scaler: LossScaler) -> bool:
         """Whether every gradient is finite, after ``scaler.unscale_and_check`` over the
         parameters (the same bits): the calling thread unscales what the worker did not."""
-        self.settle()
+        self.wait_for_updates()
         self._inv_scale = None
         params = [p for group in self.param_groups for p in group["params"]]
         return unscale_and_check(params, self._slot_of, self.buckets, scaler)
@@ -281,105 +272,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             grads: the gradients to land, one per parameter, instead of the parameters'
                 ``.grad`` (which is released either way).
         """
-        bucket = self.buckets[index]
-        # Gradients stepped with as soon as they land pass through a pooled buffer; any
-        # that must wait (summed later, or a deferred step) get the bucket's lasting one.
-        lasting = bucket.flat_grad is not None or not self._eager
-        if lasting and bucket.flat_grad is None:
-            bucket.flat_grad = transfer.host_buffer(bucket.numel, bucket.flat_master.dtype, self.pin_memory,
-                                                    self.device)
-        through: torch.Tensor | None = None
-        finite: torch.Tensor | None = None
-        landed: list[tuple[int, bool, torch.dtype | None]] = []
-        master_dtype = bucket.flat_master.dtype
-        try:
-            with step_part("transfer"), self._d2h.after_compute():
-                if self._eager and self._finite is not None:
-                    finite = transfer.host_empty(1, torch.bool, self.pin_memory, self.device)
-                    finite.copy_(self._finite.reshape(1), non_blocking=True)
-                    self._d2h.keep_alive(self._finite)  # the next micro-batch replaces it
-                for j, p in enumerate(bucket.params):
-                    grad = p.grad if grads is None else grads[j]
-                    if grad is None:
-                        continue
-                    narrow = None if self.manual_landing or grads is not None else self._narrow.get(id(p))
-                    if narrow is not None and grad.dtype != narrow and id(p) in self._cast_once:
-                        self._d2h.keep_alive(grad)  # read by the cast on this stream
-                        grad = grad.to(narrow)  # exact: see ``_narrow``
-                    first = not bucket.has_grad[j]
-                    if not first and not lasting:
-                        raise RuntimeError(f"gradients of bucket {index} arrived after its host step in this step; "
-                                           "call step() (or train_batch) between backward passes, or raise "
-                                           "gradient_accumulation_steps")
-                    # The step's first gradient of the master's type goes straight into the
-                    # lasting buffer; the rest (summed later, or half) wait in a pooled one.
-                    direct = first and lasting and grad.dtype == master_dtype
-                    if direct:
-                        assert bucket.flat_grad is not None
-                        target = bucket.slot(bucket.flat_grad, j, master_dtype)
-                    else:
-                        if through is None:
-                            through = self._pool.acquire(bucket.flat_master.nbytes)
-                        target = bucket.slot(through, j, grad.dtype)
-                    target.copy_(grad, non_blocking=True)
-                    transfer.count_bytes("gradients_down", grad.numel() * grad.element_size())
-                    self._d2h.keep_alive(grad)
-                    p.grad = None
-                    bucket.has_grad[j] = True
-                    bucket.note_landing(j)
-                    landed.append((j, first, None if direct else grad.dtype))
-                copied = self._d2h.record()
-            bucket.copied = copied
-            if then is not None:
-                then()
-            if landed:
-                # Norms of scaled gradients are not clipping's: the calling thread takes those.
-                once = [j for j, *_ in landed if not bucket.relands[j]]  # sums final at this landing
-                unscale = None if self._unscale is None else (self._unscale, once)
-                norms = self._final and self.grad_norms and (unscale is not None or self._inv_scale is None)
-                self._jobs.append(self._worker.submit(self._accumulate, bucket, landed, copied, through, self._eager,
-                                                      finite, norms, unscale))
-        except BaseException:
-            if through is not None:  # a lost pool buffer would block every later landing
-                transfer.host_waits(self._d2h.record())  # copies into it may be queued
-                self._pool.release(through)
-            raise
-
-    def _arrived(self, bucket: Bucket) -> None:
-        if self.manual_landing:
-            return
-        bucket.arrived += 1
-        if bucket.arrived == bucket.hooked:
-            self.land(bucket.index)
+        offload_grads(self, index, then, grads)
 
     # ------------------------------------------------------------------ host side (worker)
-    def _accumulate(self, bucket: Bucket, landed: list[tuple[int, bool, torch.dtype | None]],
-                    copied: torch.cuda.Event | None, through: torch.Tensor | None, step: bool,
-                    finite: torch.Tensor | None = None, norms: bool = False,
-                    unscale: tuple[torch.Tensor, list[int]] | None = None) -> None:
-        bucket.norms = None  # any landing changes the sums; the step's last one takes them again
-        try:
-            transfer.host_waits(copied)
-            # A non-finite loss this step: the engine skips or refuses the step, so the
-            # masters stay as they are (the flag landed with the gradients).
-            step = step and (finite is None or bool(finite))
-            if bucket.flat_grad is None:
-                # The step's only gradients, in a pooled buffer: step with them at once
-                # (a half one becomes the master's type first, exactly).
-                assert through is not None
-                if step:
-                    self._step_bucket(bucket, [g.to(bucket.flat_master.dtype) for g in bucket.staged(through, landed)])
-                return
-            if through is not None:
-                bucket.sum_staged(through, landed)
-        finally:
-            if through is not None:  # even after a failure: a lost buffer would block backward
-                self._pool.release(through)
-        if unscale is not None or norms:  # behind the rest of backward
-            finish_landing(bucket, unscale, norms)
-        if step:
-            self._step_bucket(bucket)
-
     def _step_bucket(self, bucket: Bucket, grads: list[torch.Tensor] | None = None,
                      coef: torch.Tensor | None = None, background: bool = False,
                      clocks: Sequence[PartClock] | None = None) -> None:
@@ -432,7 +327,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if first is not None:
             raise first
 
-    def settle(self) -> None:
+    def wait_for_updates(self) -> None:
         """Wait for every update still running in the background (:attr:`background`):
         afterwards the parameters and the state are the step's result.
 
@@ -523,19 +418,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
         Returns:
             The total norm before clipping.
         """
-        self.settle()
+        self.wait_for_updates()
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         total, self._clip_coef = clip_grad_norm(params, self._slot_of, max_norm, self._device_optimizer is not None)
         return total
 
     def state_dict(self) -> dict[str, Any]:
         """The plain optimizer's ``state_dict`` (after any background update)."""
-        self.settle()
+        self.wait_for_updates()
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a plain optimizer's ``state_dict`` (after any background update)."""
-        self.settle()
+        self.wait_for_updates()
         super().load_state_dict(state_dict)
 
     def _after_load(self) -> None:
@@ -554,7 +449,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         weights directly (a model-only checkpoint load), the next update starts from them.
         Streamed blocks' parameters *are* their masters; a weight that went up in half
         and was not loaded since keeps its master."""
-        self.settle()
+        self.wait_for_updates()
         for bucket in self.buckets:
             if not bucket.streamed:
                 for p, m in zip(bucket.params, bucket.masters, strict=True):
@@ -591,9 +486,3 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """Elements whose master weights and state live in host memory."""
         return sum(b.flat_master.numel() for b in self.buckets)
 
-
-def _arrived(optimizer: weakref.ref[OffloadOptimizer], index: int, _param: torch.Tensor) -> None:
-    """A gradient hook: the parameter's gradient is complete (see ``OffloadOptimizer.__init__``)."""
-    live = optimizer()
-    if live is not None:
-        live._arrived(live.buckets[index])

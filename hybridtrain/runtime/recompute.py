@@ -117,7 +117,8 @@ def _marked_in_backward(forward: Callable[..., Any]) -> Callable[..., Any]:
 
 def tensor_call(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                 leave_out: Callable[[object], bool] = lambda _value: False,
-                ) -> tuple[list[torch.Tensor], Callable[..., tuple[torch.Tensor, ...]], Callable[[Sequence[torch.Tensor]], Any]]:
+                ) -> tuple[list[torch.Tensor], Callable[..., tuple[torch.Tensor, ...]],
+                           Callable[[Sequence[torch.Tensor]], Any]]:
     """``forward(*args, **kwargs)`` as a function of its tensor arguments only, the shape a
     custom checkpoint ``torch.autograd.Function`` takes (tensors in, tensors out).
 

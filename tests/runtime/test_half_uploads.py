@@ -50,7 +50,7 @@ def test_device_weights_hold_the_rounding_and_every_reader_gets_the_masters(devi
     for batch in batches[:2]:
         engine.train_batch(batch)
     offload = _offload(engine)
-    offload.settle()
+    offload.wait_for_updates()
     masters = _masters(engine)
     rounded = {name for name, p in engine.module.named_parameters() if id(p) in offload.half_uploads.rounded}
     linears = {f"{n}.{k}" for n, m in engine.module.named_modules() if isinstance(m, nn.Linear)
@@ -106,7 +106,7 @@ def test_weights_loaded_into_a_trained_model_reach_the_masters(tmp_path: Path) -
     for reload in ("state_dict", "checkpoint"):
         other = _engine()
         other.train_batch(batches[3])  # its device weights are now roundings of other weights
-        _offload(other).settle()
+        _offload(other).wait_for_updates()
         assert _offload(other).half_uploads.rounded
         if reload == "state_dict":
             other.module.load_state_dict(model_state)

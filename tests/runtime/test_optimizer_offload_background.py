@@ -250,7 +250,7 @@ def _tensor_lr_run(background: bool) -> torch.Tensor:
     opt.after_backward(True)
     opt.step()
     scheduler.step()  # writes the next step's lr (0) into the tensor in place
-    opt.settle()
+    opt.wait_for_updates()
     return model.weight.detach().clone()
 
 

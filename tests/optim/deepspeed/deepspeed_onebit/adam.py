@@ -1,7 +1,7 @@
 # ruff: noqa
 # DeepSpeed's own deepspeed/runtime/fp16/onebit/adam.py, unchanged below this header (Apache-2.0,
 # github.com/deepspeedai/DeepSpeed at 32d51a1840abf9e3907109c3b5fd0c9a47cbcae3, version 0.19.6; the 1-bit
-# optimizers left DeepSpeed's package in 0.19.8). The reference tests/runtime/test_onebit.py
+# optimizers left DeepSpeed's package in 0.19.8). The reference tests/optim/deepspeed/test_onebit.py
 # runs hybridtrain's classes against, with its communication layer stubbed to one process.
 # Copyright (c) Microsoft Corporation.
 # SPDX-License-Identifier: Apache-2.0
