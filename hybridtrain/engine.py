@@ -80,7 +80,7 @@ class EngineOptions:
     observers: Sequence[BackwardObserver] = ()
     """Told about every backward of the micro-batch loop and of ``engine.backward``, in this order."""
     autocast_cache: bool = False
-    """Autocast's weight-cast cache (:func:`~hybridtrain.runtime.precision.autocast`)."""
+    """Autocast's weight-cast cache (:func:`~hybridtrain.runtime.precision.scaling.autocast`)."""
     steps: StepOptimizer | None = None
     """What the step asks of the optimizer beyond torch's API (None: :class:`PlainSteps`)."""
 
@@ -322,7 +322,7 @@ class Engine:
     def settle(self) -> None:
         """Wait for host updates still running after the last step (:attr:`overlap_updates`),
         and give weights that went up in half their exact fp32 values
-        (:mod:`~hybridtrain.runtime.half_uploads`): afterwards the model's parameters and the
+        (:mod:`~hybridtrain.runtime.offload.half_uploads`): afterwards the model's parameters and the
         optimizer's state are that step's result."""
         self._settle_updates()
         self.steps.make_weights_exact()  # also before a checkpoint is loaded in place

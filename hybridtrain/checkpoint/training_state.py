@@ -49,7 +49,7 @@ from hybridtrain.parallel.gradient_sync import local
 from hybridtrain.parallel.runtime import ParallelRuntime
 from hybridtrain.parallel.tensor import qkv_to_user
 from hybridtrain.runtime import device as dev
-from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
+from hybridtrain.runtime.offload import OffloadOptimizer
 from hybridtrain.runtime.precision import LossScaler
 
 MODEL, OPTIM, ENGINE, RNG, NAMES = "model.", "optim.", "engine", "rng.", "names."

@@ -29,20 +29,16 @@ from hybridtrain.parallel.split import SplitRuntime
 from hybridtrain.parallel.tensor import apply_tensor_parallel
 from hybridtrain.parallel.zero import ZeroRuntime, apply_zero
 from hybridtrain.plan.types import TrainingPlan
-from hybridtrain.runtime.activation_offload import (
+from hybridtrain.runtime.activations import (
+    apply_activation_checkpointing,
     apply_activation_offload,
     params_in_several_backwards,
 )
 from hybridtrain.runtime.batch import Batch, LossFn, to_device
-from hybridtrain.runtime.half_width import half_width_params
-from hybridtrain.runtime.layer_major import LayerMajorRunner
-from hybridtrain.runtime.offload_steps import OffloadSteps
-from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
-from hybridtrain.runtime.precision import LossScaler, precision_name
-from hybridtrain.runtime.recompute import apply_activation_checkpointing
+from hybridtrain.runtime.offload import OffloadOptimizer, OffloadSteps
+from hybridtrain.runtime.precision import LossScaler, half_width_params, precision_name
 from hybridtrain.runtime.step_runner import BackwardObserver, StepRunner
-from hybridtrain.runtime.streaming import LayerStreamer
-from hybridtrain.runtime.streaming_placement import place_for_streaming
+from hybridtrain.runtime.streaming import LayerMajorRunner, LayerStreamer, place_for_streaming
 
 Sharder = Callable[[nn.Module, list[nn.Module]], None]
 

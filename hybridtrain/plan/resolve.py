@@ -40,11 +40,11 @@ from hybridtrain.plan.types import (
     SwapSettings,
     TrainingPlan,
 )
+from hybridtrain.runtime.activations import select_checkpoint_targets
 from hybridtrain.runtime.batch import Batch, batch_size, run_model, to_device
 from hybridtrain.runtime.device import resolve_device
 from hybridtrain.runtime.precision import autocast
-from hybridtrain.runtime.recompute import select_checkpoint_targets
-from hybridtrain.runtime.streaming_placement import check_not_shared
+from hybridtrain.runtime.streaming import check_not_shared
 
 
 def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | None = None,

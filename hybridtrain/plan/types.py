@@ -251,7 +251,7 @@ class TrainingPlan:
         """Whether autocast keeps its weight-cast cache (torch's default: a weight read twice
         in one forward shares one half copy, as in a plain loop): where nothing is
         checkpointed, swapped, streamed, split by tensor or pipeline parallel, so the saved
-        tensors hold every cast copy anyway (:func:`hybridtrain.runtime.precision.autocast`)."""
+        tensors hold every cast copy anyway (:func:`hybridtrain.runtime.precision.scaling.autocast`)."""
         return not (self.checkpoint_modules or self.swap_modules or any(b.stream for b in self.blocks)
                     or self.tensor_plan or self.pipeline is not None or self.step_runner != "micro_batches")
 

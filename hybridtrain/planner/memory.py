@@ -336,7 +336,7 @@ def _backward(replay: _Replay, trace: ModelTrace, stage_blocks: list[int], how: 
 def _layer_major_step(replay: _Replay, trace: ModelTrace, stage_blocks: list[int], how: list[str], count: int,
                       tp: int, swap_prefetch: int, landing: set[int], streamed: list[bool]) -> int:
     """Forward and backward of ``count`` micro-batches in layer-major order
-    (:mod:`hybridtrain.runtime.layer_major`); returns the activation bytes sent to host memory.
+    (:mod:`hybridtrain.runtime.streaming.layer_major`); returns the activation bytes sent to host memory.
 
     Each phase runs for every micro-batch before the next phase starts, so what each
     micro-batch keeps piles up ``count`` times (the head's saved logits too). The runner

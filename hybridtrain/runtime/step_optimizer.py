@@ -1,6 +1,6 @@
 """What the engine asks of its optimizer around a step, beyond torch's ``Optimizer`` API:
 one protocol with a plain default, so the engine calls it without asking which optimizer
-it holds (optimizer offload answers with :class:`~hybridtrain.runtime.offload_steps.OffloadSteps`).
+it holds (optimizer offload answers with :class:`~hybridtrain.runtime.offload.steps.OffloadSteps`).
 
 Call order in ``train_batch``::
 
@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from hybridtrain.runtime.precision import LossScaler
+from hybridtrain.runtime.precision.scaling import LossScaler
 
 ClipAcross = Callable[[list[nn.Parameter], float], torch.Tensor]
 """The parallel runtime's clip: ``(params, max_norm) -> total norm before clipping``."""

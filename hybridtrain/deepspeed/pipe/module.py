@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from hybridtrain.deepspeed.pipe.partition import METHODS, method_parts
-from hybridtrain.runtime.recompute import (
+from hybridtrain.runtime.activations import (
     apply_activation_checkpointing,
     remove_activation_checkpointing,
 )
