@@ -87,16 +87,17 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
     offload = None
     # Which weights autocast reads only in half (they may cross host⇄device in half);
     # across processes gradients are reduced in fp32 before they land, so none there.
-    half = half_width_params(model, plan.compute_dtype, plan.sizes.world)
+    half_dtypes = half_width_params(model, plan.compute_dtype, plan.sizes.world)
     if plan.optimizer.placement != "device":
         placement = plan.optimizer
         offload = OffloadOptimizer(optimizer, device, placement.pin_memory, placement.host_ratio,
                                    placement.bucket_size, placement.defer_step,
                                    streamed=[list(block.parameters()) for block in streamed],
-                                   lasting_grads=placement.lasting_grads,
-                                   late=params_in_several_backwards(model, swap_recompute), half=half,
+                                   grads_wait_on_host=placement.grads_wait_on_host,
+                                   several_backwards=params_in_several_backwards(model, swap_recompute),
+                                   half_dtypes=half_dtypes,
                                    grad_norms=plan.step_rules.gradient_clipping > 0)
-        # model.state_dict() settles first; updated weights go up in half where exact.
+        # model.state_dict() waits for updates first; updated weights go up in half where exact.
         offload.half_uploads.attach(model, offload.buckets, offload.wait_for_updates)
         optimizer = offload
     schedule = plan.scheduler
@@ -106,7 +107,8 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
                         scaling.min_scale) if scaling else None
     if streamed and offload is not None:
         # The streamer tells the host optimizer about each backward itself.
-        streamer = LayerStreamer(streamed, offload, device, plan.stream_prefetch_blocks, half=half,
+        streamer = LayerStreamer(streamed, offload, device, plan.stream_prefetch_blocks,
+                                 half_dtypes=half_dtypes,
                                  keep_blocks_for_backward=plan.stream_keep_blocks)
         observers.append(streamer)
         if plan.step_runner == "layer_major":

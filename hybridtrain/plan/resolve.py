@@ -404,7 +404,7 @@ def _optimizer(cfg: Config, sizes: ParallelSizes, streaming: bool, accumulation:
     return OptimizerPlan(
         placement="host_streamed" if streaming else "host",
         host_ratio=1.0 if streaming else section.ratio,
-        defer_step=defer, lasting_grads=defer or summed_on_host,
+        defer_step=defer, grads_wait_on_host=defer or summed_on_host,
         pin_memory=cfg.layer_streaming.pin_memory if streaming else section.pin_memory,
         bucket_size=cfg.zero_optimization.reduce_bucket_size,
     )

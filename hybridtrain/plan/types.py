@@ -67,7 +67,7 @@ class OptimizerPlan:
             rest on the device).
         defer_step: the host step waits until every gradient has landed (clipping, fp16,
             ``nonfinite_loss: skip``), instead of running as each bucket lands.
-        lasting_grads: gradients wait in host memory (summed there, or deferred).
+        grads_wait_on_host: gradients wait in host memory (summed there, or deferred).
         pin_memory: host buffers page-locked.
         bucket_size: elements per gradient bucket (optimizer offload).
     """
@@ -75,7 +75,7 @@ class OptimizerPlan:
     placement: OptimizerPlacement = "device"
     host_ratio: float = 0.0
     defer_step: bool = False
-    lasting_grads: bool = False
+    grads_wait_on_host: bool = False
     pin_memory: bool = False
     bucket_size: int = 0
 

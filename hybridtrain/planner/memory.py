@@ -177,7 +177,7 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
     # ---- host -------------------------------------------------------------------------
     host_params = host_grads = host_state = host_buffers = host_acts = 0
     if opt.placement != "device":
-        lasting = opt.lasting_grads
+        lasting = opt.grads_wait_on_host
         streamed_bytes = _FP32 * streamed_numel
         host_params = _FP32 * offloaded_numel  # masters (the streamed blocks' are their weights)
         host_state = state_per_elem * offloaded_numel

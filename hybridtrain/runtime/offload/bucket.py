@@ -133,7 +133,7 @@ class Bucket:
         self.arrived = 0
         self.landed_now = [False] * len(self.params)
 
-    def note_landing(self, j: int) -> None:
+    def record_arrival(self, j: int) -> None:
         """Gradient ``j`` lands (on the calling thread, in order): learn whether it lands twice in one backward."""
         if self.landed_now[j]:
             self.relands[j] = True

@@ -1,5 +1,5 @@
 """Optimizer offload's gradient path, device to host: a bucket's gradients copied down as
-backward completes them (:func:`offload_grads`), then summed, unscaled, measured and stepped
+backward completes them (:func:`copy_grads_to_host`), then summed, unscaled, measured and stepped
 with by the host worker (:func:`accumulate_on_host`). Part of
 :class:`~hybridtrain.runtime.offload.optimizer.OffloadOptimizer`, whose state it reads and
 writes; kept apart so each file holds one direction of the traffic."""
@@ -16,7 +16,7 @@ from torch.utils.hooks import RemovableHandle
 
 from hybridtrain.runtime import transfer
 from hybridtrain.runtime.offload.bucket import Bucket
-from hybridtrain.runtime.offload.host_grad_checks import finish_landing
+from hybridtrain.runtime.offload.host_grad_checks import unscale_and_measure
 from hybridtrain.runtime.step_parts import step_part
 
 # The optimizer these functions serve is an OffloadOptimizer, typed as OffloadingOptimizer:
@@ -24,10 +24,10 @@ from hybridtrain.runtime.step_parts import step_part
 OffloadingOptimizer = Any
 
 
-def hook_arrivals(optimizer: OffloadingOptimizer, late: frozenset[int]) -> list[RemovableHandle]:
+def hook_arrivals(optimizer: OffloadingOptimizer, several_backwards: frozenset[int]) -> list[RemovableHandle]:
     """Gradient hooks that offload each bucket once all its gradients of a backward are
     complete; not on streamed blocks (their streamer offloads them) nor on buckets with a
-    parameter used in several backward passes (``late``: offloaded after the backward).
+    parameter used in several backward passes (``several_backwards``: offloaded after the backward).
 
     The hooks live on the model's parameters, which outlive the optimizer (an OOM recovery
     rebuilds the engine around the same model): they hold it weakly, and
@@ -36,7 +36,7 @@ def hook_arrivals(optimizer: OffloadingOptimizer, late: frozenset[int]) -> list[
     me = weakref.ref(optimizer)
     hooks: list[RemovableHandle] = []
     for bucket in optimizer.buckets:
-        if not bucket.streamed and not any(id(p) in late for p in bucket.params):
+        if not bucket.streamed and not any(id(p) in several_backwards for p in bucket.params):
             bucket.hooked = len(bucket.trained)
             hooks += [p.register_post_accumulate_grad_hook(functools.partial(_arrived, me, bucket.index))
                       for p in bucket.trained]
@@ -52,12 +52,12 @@ def _arrived(optimizer: weakref.ref[OffloadingOptimizer], index: int, _param: to
     bucket = live.buckets[index]
     bucket.arrived += 1
     if bucket.arrived == bucket.hooked:
-        live.land(index)
+        live.offload_grads(index)
 
 
-def offload_grads(optimizer: OffloadingOptimizer, index: int, then: Callable[[], None] | None,
-                  grads: Sequence[torch.Tensor | None] | None) -> None:
-    """:meth:`OffloadOptimizer.land`: queue the copies of bucket ``index``'s gradients to the
+def copy_grads_to_host(optimizer: OffloadingOptimizer, index: int, then: Callable[[], None] | None,
+                       grads: Sequence[torch.Tensor | None] | None) -> None:
+    """:meth:`OffloadOptimizer.offload_grads`: queue the copies of bucket ``index``'s gradients to the
     host and hand them to the host worker (:func:`accumulate_on_host`)."""
     bucket = optimizer.buckets[index]
     # Gradients stepped with as soon as they land pass through a pooled buffer; any
@@ -104,7 +104,7 @@ def offload_grads(optimizer: OffloadingOptimizer, index: int, then: Callable[[],
                 optimizer._d2h.keep_alive(grad)
                 p.grad = None
                 bucket.has_grad[j] = True
-                bucket.note_landing(j)
+                bucket.record_arrival(j)
                 landed.append((j, first, None if direct else grad.dtype))
             copied = optimizer._d2h.record()
         bucket.copied = copied
@@ -125,8 +125,8 @@ def offload_grads(optimizer: OffloadingOptimizer, index: int, then: Callable[[],
         raise
 
 
-def accumulate_on_host(optimizer: OffloadingOptimizer, bucket: Bucket, landed: list[tuple[int, bool, torch.dtype | None]],
-                       copied: torch.cuda.Event | None, through: torch.Tensor | None, step: bool,
+def accumulate_on_host(optimizer: OffloadingOptimizer, bucket: Bucket,
+                       landed: list[tuple[int, bool, torch.dtype | None]], copied: torch.cuda.Event | None, through: torch.Tensor | None, step: bool,
                        finite: torch.Tensor | None = None, norms: bool = False,
                        unscale: tuple[torch.Tensor, list[int]] | None = None) -> None:
     """On the host worker: wait for ``landed``'s copies, sum them into the bucket's lasting
@@ -151,6 +151,6 @@ def accumulate_on_host(optimizer: OffloadingOptimizer, bucket: Bucket, landed: l
         if through is not None:  # even after a failure: a lost buffer would block backward
             optimizer._pool.release(through)
     if unscale is not None or norms:  # behind the rest of backward
-        finish_landing(bucket, unscale, norms)
+        unscale_and_measure(bucket, unscale, norms)
     if step:
         optimizer._step_bucket(bucket)

@@ -35,7 +35,7 @@ Slots = Mapping[int, tuple[Bucket, int]]
 """Where each host master lies: its bucket and index there, by ``id``."""
 
 
-def finish_landing(bucket: Bucket, unscale: tuple[torch.Tensor, list[int]] | None, norms: bool) -> None:
+def unscale_and_measure(bucket: Bucket, unscale: tuple[torch.Tensor, list[int]] | None, norms: bool) -> None:
     """On the host worker, once the step's last backward landed gradients of ``bucket`` and
     they are summed: unscale them (``unscale``: the inverse scale and which gradients; the
     others keep their scale and get no norm), then take the norms clipping needs

@@ -58,19 +58,19 @@ POOLED_BUFFERS = 3
 """Host buffers gradients pass through: one being copied down, one stepped with, one spare."""
 
 
-def host_state_bytes(numel: int, optimizer: torch.optim.Optimizer, lasting_grads: bool = True) -> int:
+def host_state_bytes(numel: int, optimizer: torch.optim.Optimizer, grads_wait_on_host: bool = True) -> int:
     """Host bytes for ``numel`` offloaded elements: the fp32 master, the fp32 gradient when
     gradients wait in host memory, and the optimizer's per-element state (two fp32 moments
     for the Adam family)."""
     state = optimizer_state_bytes(type(optimizer).__name__, optimizer.defaults)
-    return numel * (4 + (4 if lasting_grads else 0) + state)
+    return numel * (4 + (4 if grads_wait_on_host else 0) + state)
 
 
 def check_host_memory(params: list[nn.Parameter], on_device: set[int], optimizer: torch.optim.Optimizer,
-                       lasting_grads: bool, pool_bytes: int) -> None:
+                       grads_wait_on_host: bool, pool_bytes: int) -> None:
     # in fp32 elements: an fp64 master, its gradient and state take twice the bytes
     numel = sum(p.numel() * master_dtype(p).itemsize // 4 for p in params if id(p) not in on_device)
     cpu_resident = sum(p.numel() * p.element_size() for p in params if p.device.type == "cpu")
     # Parameters already in host memory (CPU device, streamed blocks) are replaced, not added to.
-    needed = host_state_bytes(numel, optimizer, lasting_grads) + min(pool_bytes, 4 * numel) - cpu_resident
+    needed = host_state_bytes(numel, optimizer, grads_wait_on_host) + min(pool_bytes, 4 * numel) - cpu_resident
     transfer.check_host_memory(needed, "optimizer offload")

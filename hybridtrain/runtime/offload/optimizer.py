@@ -53,7 +53,7 @@ from hybridtrain.runtime import transfer
 from hybridtrain.runtime.device import normalize_device
 from hybridtrain.runtime.offload.background_updates import PendingWeights, running_in_background
 from hybridtrain.runtime.offload.bucket import Bucket
-from hybridtrain.runtime.offload.grads import hook_arrivals, offload_grads
+from hybridtrain.runtime.offload.grads import copy_grads_to_host, hook_arrivals
 from hybridtrain.runtime.offload.half_uploads import STAGING_BUFFERS, HalfUploads
 from hybridtrain.runtime.offload.host_grad_checks import clip_grad_norm, unscale_and_check
 from hybridtrain.runtime.offload.inner_optimizer import (
@@ -89,14 +89,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         bucket_numel: elements per automatically formed bucket.
         defer: always defer the host step to :meth:`step` (clipping, fp16, skip-on-inf).
         streamed: parameter lists (blocks) that become their own host masters and whose
-            gradients the caller lands with :meth:`land`.
-        lasting_grads: whether gradients will wait in host memory (accumulation over
+            gradients the caller offloads with :meth:`offload_grads`.
+        grads_wait_on_host: whether gradients will wait in host memory (accumulation over
             micro-batches landing one by one, or a deferred step); only sizes the host
             memory check — buffers follow what actually happens.
-        late: ids of parameters whose gradient may arrive in several backward passes of
+        several_backwards: ids of parameters whose gradient may arrive in several backward passes of
             one micro-batch (shared by blocks that recompute in a backward of their own):
             their buckets land after the whole backward instead of on arrival.
-        half: ids of parameters autocast reads only in half
+        half_dtypes: ids of parameters autocast reads only in half
             (:func:`~hybridtrain.runtime.precision.half_width.half_width_params`): host-updated ones
             that land once per backward send their gradients down in half (exactly) when
             the backward's graph shows one cast as their only use.
@@ -118,8 +118,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, pin_memory: bool = True,
                  host_ratio: float = 1.0, bucket_numel: int = 500_000_000, defer: bool = False,
-                 streamed: Sequence[Sequence[nn.Parameter]] = (), lasting_grads: bool = True,
-                 late: frozenset[int] = frozenset(), half: Mapping[int, torch.dtype] | None = None,
+                 streamed: Sequence[Sequence[nn.Parameter]] = (), grads_wait_on_host: bool = True,
+                 several_backwards: frozenset[int] = frozenset(),
+                 half_dtypes: Mapping[int, torch.dtype] | None = None,
                  grad_norms: bool = False) -> None:
         self.device = device = normalize_device(device)
         self.pin_memory = pin_memory
@@ -151,10 +152,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # A host-updated weight that autocast reads only in half has, after one backward,
         # the fp32 gradient autocast widened from a half one: narrowing it back on the
         # device is exact, and it crosses in 2 bytes. Not when it may hold a sum: several
-        # backward passes of one micro-batch (late), landed for a whole step (manual), or
+        # backward passes of one micro-batch (several_backwards), landed for a whole step (manual), or
         # a graph that shows other uses of the weight (checked before each backward).
-        self._narrow = {i: dtype for i, dtype in (half or {}).items()
-                        if i not in streamed_ids and i not in on_device and i not in late}
+        self._narrow = {i: dtype for i, dtype in (half_dtypes or {}).items()
+                        if i not in streamed_ids and i not in on_device and i not in several_backwards}
         self._cast_once: set[int] = set()  # those whose gradient this backward is one widened half one
         self.half_uploads = HalfUploads(self._narrow, pin_memory, device)
         """Which of them go up in half after an update, once attached to the model."""
@@ -164,7 +165,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             [(chunk, False) for chunk in chunks(list(reversed(auto)), bucket_numel)]
         largest = max((sum(p.numel() * master_dtype(p).itemsize for p in ps) for ps, _ in plan), default=0)
         staging = STAGING_BUFFERS * largest // 2 if self._narrow else 0  # half uploads' (half of fp32 bytes)
-        check_host_memory(params, on_device, optimizer, lasting_grads or defer, POOLED_BUFFERS * largest + staging)
+        check_host_memory(params, on_device, optimizer, grads_wait_on_host or defer, POOLED_BUFFERS * largest + staging)
 
         self.buckets: list[Bucket] = []
         for bucket_params, is_streamed in plan:
@@ -189,7 +190,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         device_groups = [[group_index[id(p)] for p in device_params]]
         self._device_optimizer = (inner_optimizer(self._cls, self, [device_params], device_groups, fused=False)
                                   if device_params else None)
-        self._hooks: list[RemovableHandle] = hook_arrivals(self, late)
+        self._hooks: list[RemovableHandle] = hook_arrivals(self, several_backwards)
         self._final = False
         self._eager = False
         self._finite: torch.Tensor | None = None
@@ -248,7 +249,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             # Streamed buckets are landed by their streamer (their parameters may already
             # hold the exposed host gradients).
             if not bucket.streamed and any(p.grad is not None for p in bucket.params):
-                self.land(bucket.index)
+                self.offload_grads(bucket.index)
         self._cast_once = set()
         if final:
             with step_part("host_optimizer"):
@@ -256,7 +257,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             for bucket in self.buckets:
                 bucket.expose_grads()
 
-    def land(self, index: int, then: Callable[[], None] | None = None,
+    def offload_grads(self, index: int, then: Callable[[], None] | None = None,
              grads: Sequence[torch.Tensor | None] | None = None) -> None:
         """Copy bucket ``index``'s device gradients to the host and release them; the
         worker accumulates them (and, on an eager final micro-batch, steps the bucket).
@@ -272,7 +273,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             grads: the gradients to land, one per parameter, instead of the parameters'
                 ``.grad`` (which is released either way).
         """
-        offload_grads(self, index, then, grads)
+        copy_grads_to_host(self, index, then, grads)
 
     # ------------------------------------------------------------------ host side (worker)
     def _step_bucket(self, bucket: Bucket, grads: list[torch.Tensor] | None = None,

@@ -65,7 +65,7 @@ class _Aborted(BaseException):
 class _Turns:
     """Round-robin turns among the workers of one step: exactly one holds the turn.
 
-    ``wait`` and ``pass_turn`` are called from the worker threads, ``finish`` once by each
+    ``wait`` and ``give_turn_to_next`` are called from the worker threads, ``finish`` once by each
     worker as it ends; a failed worker's error makes every waiting worker abort.
     """
 
@@ -86,7 +86,7 @@ class _Turns:
             if self.error is not None:
                 raise _Aborted
 
-    def pass_turn(self, worker: int) -> None:
+    def give_turn_to_next(self, worker: int) -> None:
         """The holder ``worker`` gives the turn to the next live worker (itself if alone)."""
         with self._cond:
             self._turn = self._next(worker)
@@ -254,9 +254,9 @@ class LayerMajorRunner:
                         sums[j] = grad.float() if total is None else total.add_(grad)
         del boundaries  # the segment's graph and saved activations go now
         if sums is None:
-            self.streamer.land(index)
+            self.streamer.offload_grads(index)
         else:
-            self.streamer.land_grads(index, [sums[j] if j in half else p.grad for j, p in enumerate(params)])
+            self.streamer.offload_given_grads(index, [sums[j] if j in half else p.grad for j, p in enumerate(params)])
 
     # ------------------------------------------------------------------ hooks
     def _worker(self) -> int | None:
@@ -269,7 +269,7 @@ class LayerMajorRunner:
         worker = self._worker()
         if worker is None:
             return
-        self._turns.pass_turn(worker)
+        self._turns.give_turn_to_next(worker)
         self._turns.wait(worker)
         self.streamer.enter(index)
 

@@ -42,7 +42,7 @@ Because everything is driven by module and autograd hooks, the engine's ordinary
 run unchanged; gradients reach the host optimizer through :class:`OffloadOptimizer`.
 With ``layer_major`` a whole-step runner (:mod:`hybridtrain.runtime.streaming.layer_major`) sets
 :attr:`LayerStreamer.driven` for the step, which silences the hooks, and calls
-:meth:`~LayerStreamer.enter`, :meth:`~LayerStreamer.release` and :meth:`~LayerStreamer.land`
+:meth:`~LayerStreamer.enter`, :meth:`~LayerStreamer.release` and :meth:`~LayerStreamer.offload_grads`
 itself.
 """
 
@@ -85,7 +85,7 @@ class _StreamedBlock:
         self.device = device
         self.host_views = bucket.views(bucket.flat_master)
         self.set_wire({}, pin=False)
-        self.imaged = False
+        self.image_current = False
         """The image holds the masters as they are (cast since the block last landed)."""
         self.image_read: torch.cuda.Event | None = None
         """The last upload from the image: it must finish before the image is cast again."""
@@ -153,9 +153,9 @@ class _StreamedBlock:
         with torch.no_grad():
             for image, master in zip(self.image_views, self.host_views, strict=True):
                 image.copy_(master)
-        self.imaged = True
+        self.image_current = True
 
-    def point_at(self, views: Sequence[torch.Tensor]) -> None:
+    def use_views(self, views: Sequence[torch.Tensor]) -> None:
         for p, view in zip(self.bucket.params, views, strict=True):
             p.data = view
 
@@ -169,7 +169,7 @@ class LayerStreamer:
             parameter lists in the same order (bucket ``i`` is block ``i``).
         device: the compute device.
         prefetch_blocks: blocks uploaded ahead of the computing one.
-        half: parameters (by ``id``) that may cross and compute in a half type, from
+        half_dtypes: parameters (by ``id``) that may cross and compute in a half type, from
             :func:`~hybridtrain.runtime.precision.half_width.half_width_params`; the first training
             step (moved in fp32) shows which of them the ops read once by a matmul, and
             only those cross in half afterwards.
@@ -181,7 +181,8 @@ class LayerStreamer:
     """
 
     def __init__(self, blocks: Sequence[nn.Module], optimizer: OffloadOptimizer, device: torch.device,
-                 prefetch_blocks: int = 1, half: Mapping[int, torch.dtype] | None = None,
+                 prefetch_blocks: int = 1,
+                 half_dtypes: Mapping[int, torch.dtype] | None = None,
                  keep_blocks_for_backward: int = 0) -> None:
         self.device = normalize_device(device)
         self.optimizer = optimizer
@@ -194,7 +195,7 @@ class LayerStreamer:
         """True while a whole-step runner moves the blocks itself (the hooks stand aside)."""
         self._h2d = transfer.SideStream(device, "uploads")
         self._caster = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridtrain-cast")
-        self._candidates = dict(half or {})
+        self._candidates = dict(half_dtypes or {})
         """What the structural rule allows to cross in half; the first training step
         (in fp32) shows which of those modules run once per forward (see :meth:`_decide`)."""
         self._observing = bool(self._candidates)
@@ -210,7 +211,7 @@ class LayerStreamer:
         self.blocks = [_StreamedBlock(i, m, optimizer.buckets[i], device) for i, m in enumerate(blocks)]
         self._handles: list[RemovableHandle] = []
         for block in self.blocks:
-            block.point_at(block.host_views)
+            block.use_views(block.host_views)
             self._handles.append(block.module.register_forward_pre_hook(
                 lambda _m, _a, b=block: self._forward_starts(b), prepend=True))
             self._handles.append(block.module.register_forward_hook(
@@ -248,7 +249,7 @@ class LayerStreamer:
         # A half-width image is cast at every forward upload, so whatever wrote the masters
         # since (the optimizer, a checkpoint load, the user) is what goes up; backward
         # reuses the forward's image (nothing writes a block's masters before it lands).
-        cast = block.image is not None and not (backward and block.imaged)
+        cast = block.image is not None and not (backward and block.image_current)
         # The block's update may still run on the host worker (a background step): the
         # upload follows it, and only this block's waits for it.
         block.update = block.bucket.unfinished_update
@@ -299,7 +300,7 @@ class LayerStreamer:
         transfer.compute_waits(block.ready, self.device)
         block.ready = None
         if not block.active:
-            block.point_at(block.device_views)
+            block.use_views(block.device_views)
             block.active = True
 
     def _free(self, block: _StreamedBlock) -> None:
@@ -311,7 +312,7 @@ class LayerStreamer:
         # back to the compute stream's pool, so that stream must not run past the upload.
         transfer.compute_waits(block.ready, self.device)
         block.ready = None
-        block.point_at(block.host_views)
+        block.use_views(block.host_views)
         block.active = False
         block.device_flat.untyped_storage().resize_(0)
         block.loaded = False
@@ -332,17 +333,17 @@ class LayerStreamer:
         """Free block ``index``'s device copy (its parameters point at the host master)."""
         self._free(self.blocks[index])
 
-    def land(self, index: int) -> None:
+    def offload_grads(self, index: int) -> None:
         """Block ``index``'s gradients are complete: move them to the host, free its device
         copy, and let the host optimizer update it (at once, when the step allows)."""
-        self.land_grads(index, None)
+        self.offload_given_grads(index, None)
 
-    def land_grads(self, index: int, grads: Sequence[torch.Tensor | None] | None) -> None:
-        """:meth:`land` with ``grads`` (one per parameter) instead of the parameters' ``.grad``."""
+    def offload_given_grads(self, index: int, grads: Sequence[torch.Tensor | None] | None) -> None:
+        """:meth:`offload_grads` with ``grads`` (one per parameter) instead of the parameters' ``.grad``."""
         block = self.blocks[index]
         block.landed = True
-        block.imaged = False  # the host step may now write the masters
-        self.optimizer.land(index, then=lambda: self._free(block), grads=grads)
+        block.image_current = False  # the host step may now write the masters
+        self.optimizer.offload_grads(index, then=lambda: self._free(block), grads=grads)
 
     def kept_for_backward(self, index: int) -> bool:
         """Whether block ``index`` stays on the device from its forward to its backward (of
@@ -440,7 +441,7 @@ class LayerStreamer:
         block.arrived += 1
         if block.arrived == block.hooked + block.watching:
             # Every node that reads the weights has run.
-            self.land(block.index)
+            self.offload_grads(block.index)
 
     # ------------------------------------------------------------------ engine protocol
     def before_backward(self, final: bool, loss: torch.Tensor) -> None:
@@ -456,7 +457,7 @@ class LayerStreamer:
         with unused parameters never complete through the hooks)."""
         for block in self.blocks:
             if not block.landed and any(p.grad is not None for p in block.bucket.params):
-                self.land(block.index)
+                self.offload_grads(block.index)
             self._free(block)
             block.watching = False
         self.optimizer.after_backward(final)

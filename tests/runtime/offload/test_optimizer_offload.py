@@ -220,7 +220,7 @@ def test_host_memory_check_counts_gradient_buffers_only_when_they_wait(monkeypat
     monkeypatch.setattr(transfer, "check_host_memory", lambda n, what: needed.append(n))
     for lasting in (False, True):
         OffloadOptimizer(torch.optim.AdamW(model.parameters()), torch.device("cpu"), bucket_numel=256 * 256,
-                         lasting_grads=lasting).close()
+                         grads_wait_on_host=lasting).close()
     numel = sum(p.numel() for p in model.parameters())
     # fp32 master + two Adam moments (+ fp32 gradient) + 3 pooled buffers of the largest
     # bucket (one weight), less the parameters' own host memory, which the masters replace.
