@@ -126,7 +126,8 @@ def copy_grads_to_host(optimizer: OffloadingOptimizer, index: int, then: Callabl
 
 
 def accumulate_on_host(optimizer: OffloadingOptimizer, bucket: Bucket,
-                       landed: list[tuple[int, bool, torch.dtype | None]], copied: torch.cuda.Event | None, through: torch.Tensor | None, step: bool,
+                       landed: list[tuple[int, bool, torch.dtype | None]], copied: torch.cuda.Event | None,
+                       through: torch.Tensor | None, step: bool,
                        finite: torch.Tensor | None = None, norms: bool = False,
                        unscale: tuple[torch.Tensor, list[int]] | None = None) -> None:
     """On the host worker: wait for ``landed``'s copies, sum them into the bucket's lasting
