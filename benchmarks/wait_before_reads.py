@@ -1,5 +1,5 @@
 """What the read guard of overlapped host updates costs: the reference GPT's forward and
-backward with :class:`~hybridtrain.runtime.wait_before_reads.WaitBeforeReads` entered and
+backward with :class:`~hybridtrain.runtime.offload.wait_before_reads.WaitBeforeReads` entered and
 a weight still pending (so every op's arguments are looked at), against the same step
 without it, measured in one run.
 
@@ -23,7 +23,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from hybridtrain.models.gpt import build_gpt, causal_lm_loss
-from hybridtrain.runtime.wait_before_reads import WaitBeforeReads
+from hybridtrain.runtime.offload.wait_before_reads import WaitBeforeReads
 
 
 class _CountCalls(TorchFunctionMode):

@@ -28,7 +28,7 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
         loss_fn: ``loss_fn(outputs, batch) -> loss``; without it the output's ``.loss`` or a
             scalar output is the loss.
         optimizer: an optimizer over ``model``'s parameters; built from ``config.optimizer``
-            when absent. Either trains with plain PyTorch math: DeepSpeed's fp16-wrapper step
+            when absent. Either trains with plain PyTorch math: DeepSpeed's fp16 init step
             (one step with zero gradients when built) is the DeepSpeed drop-in's
             (:mod:`hybridtrain.deepspeed`), taken here only where the config's
             ``optimizer.params.fp16_init_step`` is true.

@@ -26,6 +26,7 @@ from torch import nn
 
 from hybridtrain import checkpoint as ckpt
 from hybridtrain.config import BatchSizes
+from hybridtrain.optim import Scheduler
 from hybridtrain.parallel.mesh import Topology
 from hybridtrain.parallel.replicated import ReplicatedRuntime
 from hybridtrain.parallel.runtime import ParallelRuntime
@@ -40,9 +41,8 @@ from hybridtrain.runtime.batch import (
     split_batch,
     to_device,
 )
-from hybridtrain.runtime.optim import Scheduler
-from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
 from hybridtrain.runtime.precision import LossScaler, autocast, reported_loss
+from hybridtrain.runtime.step_optimizer import PlainSteps, StepOptimizer
 from hybridtrain.runtime.step_parts import PartClock, step_part
 from hybridtrain.runtime.step_runner import (
     BackwardObserver,
@@ -80,7 +80,9 @@ class EngineOptions:
     observers: Sequence[BackwardObserver] = ()
     """Told about every backward of the micro-batch loop and of ``engine.backward``, in this order."""
     autocast_cache: bool = False
-    """Autocast's weight-cast cache (:func:`~hybridtrain.runtime.precision.autocast`)."""
+    """Autocast's weight-cast cache (:func:`~hybridtrain.runtime.precision.scaling.autocast`)."""
+    steps: StepOptimizer | None = None
+    """What the step asks of the optimizer beyond torch's API (None: :class:`PlainSteps`)."""
 
 
 class Engine:
@@ -122,6 +124,9 @@ class Engine:
         # Everything that differs when several processes cooperate goes through this object.
         self.parallel: ParallelRuntime = options.parallel or ReplicatedRuntime(module)
         self.runner: StepRunner = options.runner or MicroBatchRunner(self.parallel.set_grad_sync)
+        # Whatever the optimizer does around its step (optimizer offload's host worker) goes
+        # through this object: the engine never asks which optimizer it holds.
+        self.steps: StepOptimizer = options.steps or PlainSteps()
         self._nonfinite_skips = 0
         self._manual_micro_steps = 0
         self._manual_loss: torch.Tensor | None = None
@@ -147,14 +152,14 @@ class Engine:
         self.module.train()
         micro_batches = split_batch(batch, self.options.batch.accumulation_steps)
         self.optimizer.zero_grad(set_to_none=True)
-        if isinstance(self.optimizer, OffloadOptimizer) and self.scaler is not None:
-            self.optimizer.unscale_on_landing(self.scaler)  # its host worker unscales as the last backward lands
+        if self.scaler is not None:
+            self.steps.unscale_on_landing(self.scaler)
         backward = self._scaled_backward if self.micro_batch_done is None else \
             _counted(self._scaled_backward, self.micro_batch_done, len(micro_batches))
         step = StepContext(self._micro_loss, backward, 1.0 / len(micro_batches), self.loss_scale, self._timed)
         # wall_clock_breakdown: the parts of this step, transfers and collectives included.
         with PartClock().running() if self.options.wall_clock_breakdown else nullcontext() as clock:
-            with self._reads_wait():
+            with self.steps.reads_wait():
                 total = self.runner.forward_backward(micro_batches, step)
             value = float(self.parallel.mean_loss(total).item())
             with self._timed("step"):
@@ -169,7 +174,7 @@ class Engine:
 
     def eval_batch(self, batch: Batch) -> float:
         """Mean loss of ``batch`` without gradients (in micro-batches of the training size)."""
-        self._settle_resident()
+        self.steps.wait_for_resident_updates()  # outside train_batch no read waits per weight
         if self.runner.whole_steps_only:
             return float(self.parallel.mean_loss(self.runner.evaluate(to_device(batch, self.device))))
         was_training = self.module.training
@@ -204,7 +209,7 @@ class Engine:
         if self.runner.whole_steps_only:
             raise RuntimeError("pipeline parallel runs forward and backward of all micro-batches in its "
                                "schedule; use engine.train_batch(batch) instead of engine(...)/backward/step")
-        self._settle_resident()
+        self.steps.wait_for_resident_updates()  # outside train_batch no read waits per weight
         args, kwargs = to_device((args, kwargs), self.device)
         self.parallel.set_grad_sync(self.is_gradient_accumulation_boundary())
         with self._autocast():
@@ -280,12 +285,10 @@ class Engine:
 
     def _optimizer_step(self, loss_value: float, resident: bool = False) -> bool:
         """Unscale, check, clip, step, schedule; returns False when the step was skipped.
-        ``resident``: the next forward runs under :meth:`_reads_wait` on this thread."""
+        ``resident``: the next forward runs under ``steps.reads_wait()`` on this thread."""
         self.global_step += 1
         if self.scaler is not None:
-            # The host optimizer's worker unscaled and checked its gradients as they landed.
-            local = self.optimizer.unscale_and_check(self.scaler) if isinstance(self.optimizer, OffloadOptimizer) \
-                else self.scaler.unscale_and_check(self._params)
+            local = self.steps.unscale_and_check(self.scaler, self._params)
             finite = self.parallel.all_finite(local)
             self.scaler.update(overflow=not finite)
             if not finite:
@@ -301,49 +304,28 @@ class Engine:
             self.optimizer.zero_grad(set_to_none=True)
             return False
         if self.options.gradient_clipping > 0:
-            self.last_grad_norm = self._clip(self.options.gradient_clipping)
-        if isinstance(self.optimizer, OffloadOptimizer):
-            self.optimizer.background = self.overlap_updates
-            self.optimizer.background_resident = self.overlap_updates and resident
+            self.last_grad_norm = self.steps.clip_grad_norm(self._params, self.options.gradient_clipping,
+                                                            self.parallel.clip_grad_norm)
+        self.steps.set_overlap(self.overlap_updates, resident)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
         return True
 
-    def _clip(self, max_norm: float) -> torch.Tensor:
-        # The host optimizer clips its own gradients where the runtime's rule is the local
-        # norm (one process, or replicated gradients): the same result, off the critical path.
-        local = type(self.parallel).clip_grad_norm is ReplicatedRuntime.clip_grad_norm
-        if local and isinstance(self.optimizer, OffloadOptimizer):
-            return self.optimizer.clip_grad_norm(max_norm)
-        return self.parallel.clip_grad_norm(self._params, max_norm)
-
     def _timed(self, part: str) -> AbstractContextManager[None]:
         return step_part(part, self.device)
 
-    def _reads_wait(self) -> AbstractContextManager[Any]:
-        if isinstance(self.optimizer, OffloadOptimizer):
-            return self.optimizer.reads_wait()
-        return nullcontext()
-
-    def _settle_resident(self) -> None:
-        # Outside train_batch nothing waits per read for weights updating in the background.
-        if isinstance(self.optimizer, OffloadOptimizer) and self.optimizer.resident_pending:
-            self.optimizer.settle()
-
     def _settle_updates(self) -> None:
         # Before reading through state_dict (which gives rounded weights' masters) or training on.
-        if isinstance(self.optimizer, OffloadOptimizer):
-            self.optimizer.settle()
+        self.steps.wait_for_updates()
 
     def settle(self) -> None:
         """Wait for host updates still running after the last step (:attr:`overlap_updates`),
         and give weights that went up in half their exact fp32 values
-        (:mod:`~hybridtrain.runtime.half_uploads`): afterwards the model's parameters and the
+        (:mod:`~hybridtrain.runtime.offload.half_uploads`): afterwards the model's parameters and the
         optimizer's state are that step's result."""
         self._settle_updates()
-        if isinstance(self.optimizer, OffloadOptimizer):
-            self.optimizer.half_uploads.exact()  # also before a checkpoint is loaded in place
+        self.steps.make_weights_exact()  # also before a checkpoint is loaded in place
 
     # ------------------------------------------------------------------ readings
     @property
@@ -423,8 +405,8 @@ class Engine:
         """
         self.settle()
         restored = ckpt.load(path, self._checkpoint_parts(), self._check_compatible, model_only)
-        if model_only and isinstance(self.optimizer, OffloadOptimizer):
-            self.optimizer.refresh_masters()  # the next update starts from the loaded weights
+        if model_only:
+            self.steps.refresh_masters()  # the next update starts from the loaded weights
         if not model_only:
             self.global_step = int(restored.counters["global_step"])
             self._nonfinite_skips = int(restored.counters["nonfinite_skips"])

@@ -43,7 +43,7 @@ class Prepared:
 
 def prepare(config: ConfigSource | None, model: nn.Module, loss_fn: LossFn | None = None,
             optimizer: torch.optim.Optimizer | None = None, example_batch: Batch | None = None,
-            world_size: int | None = None, zero_gradient_step: bool = False) -> Prepared:
+            world_size: int | None = None) -> Prepared:
     """Turn ``config`` and ``model`` into an engine: plan (``auto``), resolve, cap, build.
 
     Args:
@@ -51,8 +51,6 @@ def prepare(config: ConfigSource | None, model: nn.Module, loss_fn: LossFn | Non
         model: the model (changed in place by the build).
         loss_fn / optimizer / example_batch: as :func:`hybridtrain.initialize`.
         world_size: processes (default: ``WORLD_SIZE`` from the environment).
-        zero_gradient_step: step the optimizer once with zero gradients before training
-            (the DeepSpeed drop-in's fp16-wrapper rule; see :func:`~hybridtrain.plan.resolve.resolve`).
 
     Returns:
         The engine and its plan.
@@ -62,8 +60,7 @@ def prepare(config: ConfigSource | None, model: nn.Module, loss_fn: LossFn | Non
             before the model is changed.
     """
     cfg = planned_config(config, model, loss_fn, example_batch)
-    plan = resolve(cfg, model, world_size, example_batch=example_batch, optimizer=optimizer,
-                   zero_gradient_step=zero_gradient_step)
+    plan = resolve(cfg, model, world_size, example_batch=example_batch, optimizer=optimizer)
     limit = plan.config.device_memory_limit
     if limit is not None and plan.device.type == "cuda":  # on CPU a guard counts live bytes per step
         cap_cuda_memory(limit, plan.device)

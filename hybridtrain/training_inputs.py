@@ -14,10 +14,10 @@ from hybridtrain.config import Config, ConfigError
 from hybridtrain.config.batch_sizes import resolve_batch_sizes
 from hybridtrain.data import TokenBatches, load_tokens
 from hybridtrain.models.factory import build_model, parameter_count
+from hybridtrain.optim import optimizer_state_bytes
 from hybridtrain.parallel.mesh import env_world_size
 from hybridtrain.plan import TrainingPlan, resolve
 from hybridtrain.runtime.device import resolve_device
-from hybridtrain.runtime.optim import optimizer_state_bytes
 from hybridtrain.runtime.transfer import available_host_bytes
 
 

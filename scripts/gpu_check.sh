@@ -164,7 +164,7 @@ cuda_tests() {
   "$py" -m pytest -q -rs -p no:cacheprovider -m cuda --junitxml="$out/cuda_tests.xml" $files &
   local tests=$!
   "$py" -m pytest -q -rs -p no:cacheprovider -k "$race" --junitxml="$out/stream_races.xml" \
-    tests/runtime/test_stream_races.py > "$out/stream_races.log" 2>&1 &
+    tests/runtime/streaming/test_stream_races.py > "$out/stream_races.log" 2>&1 &
   local races=$!
   local rc=0
   wait $tests || rc=$?

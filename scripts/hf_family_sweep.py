@@ -298,7 +298,8 @@ def run_model(arch: Arch, modes: list[str], out_path: str) -> None:
 _VARIANTS = {
     "use_cache=False": "the engine turns Hugging Face KV caches off in recomputed (checkpointed / streamed) "
                        "models (plan/build.py disable_caches); the model's forward rounds differently without one",
-    "autocast cache off": "the engine's autocast has the weight-cast cache off (runtime/precision.py); a weight "
+    "autocast cache off": "the engine's autocast has the weight-cast cache off "
+                          "(runtime/precision/scaling.py); a weight "
                           "used twice in one forward then gets its two gradients summed in fp32, not in bf16",
 }
 

@@ -197,7 +197,7 @@ def model_cases() -> dict[str, ModelCase]:
 
 
 def _warmup_cosine(step: int) -> float:
-    # Written out independently of hybridtrain.runtime.optim: warm-up 2 steps, cosine to 0.1 at step 6.
+    # Written out independently of hybridtrain.optim: warm-up 2 steps, cosine to 0.1 at step 6.
     if step < 2:
         return step / 2
     done = min(1.0, (step - 2) / 4)
@@ -269,7 +269,7 @@ MODES: dict[str, Mode] = {
         "zero_optimization": {"stage": 2, "reduce_bucket_size": 2000, "offload_optimizer": {"device": "cpu"}}},
         autocast_dtype=torch.bfloat16, clip=0.05, extra={"plain_micro_batches": 2}),
     # Half-width streaming (bf16/fp16): nn.Linear weights go up and their gradients come
-    # down in half (hybridtrain.runtime.half_width), summed in fp32 on the host per
+    # down in half (hybridtrain.runtime.precision.half_width), summed in fp32 on the host per
     # micro-batch, or (layer-major, several micro-batches) on the device; clipping that
     # clips (every case's gradient norm is far above 0.05) and fp16 steps that overflow and
     # skip (a loss scale of 2^20 overflows the first steps of most cases).
@@ -334,7 +334,7 @@ def steps_with_fused_adam(mode: Mode, device: str = "cpu") -> bool:
     """Whether the plain loop takes torch's fused AdamW kernel for ``mode``.
 
     The engine steps offloaded and streamed parameters on the host with torch's fused CPU
-    AdamW (``runtime/optimizer_offload.py``). Its arithmetic is the same AdamW, but its
+    AdamW (``runtime/offload/optimizer.py``). Its arithmetic is the same AdamW, but its
     vectorized kernel rounds about 5 % of the elements one ulp away from the default
     single-tensor kernel's (measured on every CPU capability torch offers: ``default``, AVX2,
     AVX-512). Under bf16/fp16 autocast one such ulp can move a weight across a half-precision

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hybridtrain.deepspeed as deepspeed
+from hybridtrain.config.launcher_spellings import apply_launcher_spellings
 from hybridtrain.parallel import launch_cli
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "deepspeed"
@@ -162,22 +163,22 @@ def test_deepspeed_launcher_flags_map_to_torchrun(tmp_path: Path) -> None:
     from hybridtrain.parallel.launch import torchrun_argv
 
     args = _launch_args(["--num_gpus", "2", "--num_nodes", "1", "--master_port", "29555", "--master_addr", "h0"])
-    assert launch_cli.apply_deepspeed_launcher_options(args) == {}
+    assert apply_launcher_spellings(args) == {}
     argv = torchrun_argv(launch_cli.spec_from_args(args), args.script, args.script_args)
     assert {"--nproc-per-node=2", "--nnodes=1", "--master-addr=h0", "--master-port=29555"} <= set(argv)
     assert argv[-2:] == ["train.py", "--deepspeed"]
     local = tmp_path / "hostfile"
     local.write_text("# one host\nlocalhost slots=3\n")
     args = _launch_args(["--hostfile", str(local)])
-    launch_cli.apply_deepspeed_launcher_options(args)
+    apply_launcher_spellings(args)
     assert args.nproc_per_node == "3"
     local.write_text("worker-0 slots=4\nworker-1 slots=4\n")
     with pytest.raises(ValueError, match="does not ssh into other hosts"):
-        launch_cli.apply_deepspeed_launcher_options(_launch_args(["--hostfile", str(local)]))
+        apply_launcher_spellings(_launch_args(["--hostfile", str(local)]))
     with pytest.raises(ValueError, match="this host only"):
-        launch_cli.apply_deepspeed_launcher_options(_launch_args(["--include", "worker-0@worker-1:0,2"]))
+        apply_launcher_spellings(_launch_args(["--include", "worker-0@worker-1:0,2"]))
     with pytest.raises(ValueError, match="contradicts"):
-        launch_cli.apply_deepspeed_launcher_options(_launch_args(["--nproc-per-node", "4", "--num_gpus", "2"]))
+        apply_launcher_spellings(_launch_args(["--nproc-per-node", "4", "--num_gpus", "2"]))
 
 
 def _free_port() -> int:

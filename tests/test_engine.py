@@ -154,7 +154,7 @@ def test_micro_batch_done_counts_each_micro_batch_and_leaves_the_math_alone() ->
                          rtol=1e-5, atol=1e-6)
 
 
-# DeepSpeed's fp16 wrapper steps the optimizer it holds once with zero gradients when built
+# DeepSpeed's fp16 wrapper takes the fp16 init step (zero gradients) on the optimizer it holds when built
 # (deepspeed/runtime/fp16/fused_optimizer.py, unfused_optimizer.py: initialize_optimizer_states),
 # a caller's too (runtime/engine.py _configure_optimizer), before the config's LR schedule is
 # built. That is the DeepSpeed drop-in's rule (tests/deepspeed/test_initialize.py):
@@ -166,11 +166,11 @@ WARMUP = {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "wa
 DEEPSPEED_OPTIMIZER = {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": DECAY}}}
 
 
-def _fp16_reference(wrapper_step: bool, model: torch.nn.Module, batches: list) -> None:
+def _fp16_reference(init_step: bool, model: torch.nn.Module, batches: list) -> None:
     """The plain loop: AdamW (after DeepSpeed's zero-gradient step when asked), then
     loss-scaled fp16 steps (torch's GradScaler with DeepSpeed's initial scale 2^16)."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
-    if wrapper_step:
+    if init_step:
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
         opt.step()
@@ -204,8 +204,8 @@ def _callers_engine(config: dict, path) -> tuple[ht.Engine, torch.nn.Module, lis
     return ht.initialize(model, path, loss_fn=mse, optimizer=optimizer), model, start
 
 
-@pytest.mark.parametrize(("config", "wrapper_step"), CALLERS_OPTIMIZER_CASES, ids=CASE_IDS)
-def test_a_callers_optimizer_takes_the_wrapper_step_where_the_config_asks(config: dict, wrapper_step: bool,
+@pytest.mark.parametrize(("config", "init_step"), CALLERS_OPTIMIZER_CASES, ids=CASE_IDS)
+def test_a_callers_optimizer_takes_the_fp16_init_step_where_the_config_asks(config: dict, init_step: bool,
                                                                          tmp_path) -> None:
     engine, model, _ = _callers_engine(config, tmp_path / "ds_config.json")
     torch.manual_seed(0)
@@ -213,19 +213,19 @@ def test_a_callers_optimizer_takes_the_wrapper_step_where_the_config_asks(config
     batches = [(x[:4], y[:4]) for x, y in _regression_batches(3)]
     for batch in batches:
         engine.train_batch(batch)
-    _fp16_reference(wrapper_step, reference, batches)
+    _fp16_reference(init_step, reference, batches)
     eps = torch.finfo(torch.float16).eps  # one fp16 rounding per step may differ
     for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(mine.detach(), theirs.detach(), rtol=3 * eps, atol=3 * LR * eps)
 
 
-@pytest.mark.parametrize(("config", "wrapper_step"), CALLERS_OPTIMIZER_CASES, ids=CASE_IDS)
-def test_the_wrapper_step_of_a_callers_optimizer_runs_at_its_own_rate(config: dict, wrapper_step: bool,
+@pytest.mark.parametrize(("config", "init_step"), CALLERS_OPTIMIZER_CASES, ids=CASE_IDS)
+def test_the_fp16_init_step_of_a_callers_optimizer_runs_at_its_own_rate(config: dict, init_step: bool,
                                                                      tmp_path) -> None:
     # DeepSpeed steps before it builds the config's schedule: the warm-up's first rate (0)
     # would hide the weight decay. The schedule's rate is back afterwards.
     engine, model, start = _callers_engine({**config, **WARMUP}, tmp_path / "ds_config.json")
-    decayed = 1 - LR * DECAY if wrapper_step else 1.0
+    decayed = 1 - LR * DECAY if init_step else 1.0
     for p, p0 in zip(model.parameters(), start, strict=True):
         torch.testing.assert_close(p.detach(), p0 * decayed, rtol=0, atol=0)
     twin = MLPStack()

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS: list[list[str]] = [  # bottom first; a module may import its own layer and those below
     ["units", "cli_parser", "hardware", "compat", "bounded_parse"],  # plain tables and parsers
     ["config"],
-    ["data", "models", "metrics", "stopping", "terminate", "run_dir", "run_lock", "outputs"],
+    ["data", "models", "metrics", "stopping", "terminate", "run_dir", "run_lock", "outputs",
+     "optim"],                                                 # optimizers and schedules by name
     ["runtime"],                                               # one-process techniques
     ["parallel"],
     ["profiling"],

@@ -44,12 +44,12 @@ from torch.distributed.checkpoint.metadata import (
 
 from hybridtrain.checkpoint import legacy, sharded
 from hybridtrain.checkpoint.layout import CheckpointError, read_meta
+from hybridtrain.optim import Scheduler
 from hybridtrain.parallel.gradient_sync import local
 from hybridtrain.parallel.runtime import ParallelRuntime
 from hybridtrain.parallel.tensor import qkv_to_user
 from hybridtrain.runtime import device as dev
-from hybridtrain.runtime.optim import Scheduler
-from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
+from hybridtrain.runtime.offload import OffloadOptimizer
 from hybridtrain.runtime.precision import LossScaler
 
 MODEL, OPTIM, ENGINE, RNG, NAMES = "model.", "optim.", "engine", "rng.", "names."

@@ -166,11 +166,14 @@ TREATMENTS: dict[str, Treatment] = {
     # ---------------------------------------------------------------- refused: changes the math
     "amp": _refused("NVIDIA Apex mixed precision with its own casting rules; use fp16 or bf16"),
     "fp8": _refused("fp8 training; use bf16"),
-    "compression_training": _refused("quantization-aware training and pruning; no hybridtrain equivalent", when=_enables),
+    "compression_training": _refused("quantization-aware training and pruning; no hybridtrain equivalent",
+                                     when=_enables),
     "sparse_attention": _no("settings of DeepSpeed's sparse-attention modules, which only model code using "
                             "them reads"),
-    "progressive_layer_drop": _refused("randomly skips layers during training; no hybridtrain equivalent", when=_enables),
-    "curriculum_learning": _refused("changes the sequence length over training; no hybridtrain equivalent", when=_enables),
+    "progressive_layer_drop": _refused("randomly skips layers during training; no hybridtrain equivalent",
+                                       when=_enables),
+    "curriculum_learning": _refused("changes the sequence length over training; no hybridtrain equivalent",
+                                    when=_enables),
     "data_efficiency": _refused("data sampling and routing schedules; no hybridtrain equivalent", when=_enables),
     "eigenvalue": _refused("eigenvalue-based adaptive layer-wise schedules; no hybridtrain equivalent", when=_enables),
     "quantize_training": _refused("quantized training (MoQ); use bf16"),
@@ -255,20 +258,15 @@ def apply_treatments(raw: dict[str, Any]) -> tuple[dict[str, Any], list[Applied]
     return raw, applied
 
 
-FP16_INIT_STEP = "fp16_init_step"
-"""``optimizer.params.fp16_init_step``: a user's explicit say over DeepSpeed's fp16-wrapper step,
-one optimizer step with zero gradients before training (``true`` takes it, ``false`` skips
-it). Nothing adds it: the DeepSpeed drop-in takes that step where DeepSpeed would (see
-:func:`fp16_wrapper_steps`), hybridtrain's own road never unless asked. No optimizer argument:
-:func:`hybridtrain.plan.resolve.optimizer_settings` reads it into the plan."""
-# DeepSpeed's own optimizers (hybridtrain.runtime.optim.DEEPSPEED_OPTIMIZERS), as named in refusals.
+# DeepSpeed's own optimizers (hybridtrain.optim.DEEPSPEED_OPTIMIZERS), as named in refusals.
 _DEEPSPEED_OPTIMIZER_NAMES = {"lamb": "LAMB", "onebitadam": "1-bit Adam", "zerooneadam": "0/1 Adam",
                               "onebitlamb": "1-bit LAMB"}
 
 
-def fp16_wrapper_steps(raw: dict[str, Any]) -> bool:
+def deepspeed_takes_fp16_init_step(raw: dict[str, Any]) -> bool:
     """Whether DeepSpeed (0.19.8) holds the optimizer of this config — its own or the
-    caller's — in its fp16 wrapper, which steps it once with zero gradients when built.
+    caller's — in its fp16 wrapper, which steps it once with zero gradients when built
+    (the fp16 init step, :mod:`hybridtrain.optim.deepspeed.init_step`).
 
     ``deepspeed/runtime/engine.py``: ``_do_optimizer_sanity_check`` answers ``FP16`` (fp16)
     or ``DDP_BFLOAT16`` (bf16 unless pipelined) when ZeRO is off, and ``_configure_optimizer``
@@ -294,7 +292,7 @@ def fp16_wrapper_steps(raw: dict[str, Any]) -> bool:
 
 def _deepspeed_optimizer_rules(raw: dict[str, Any]) -> list[str]:
     """For DeepSpeed's LAMB and 1-bit optimizers, the combinations its engine asserts
-    against (or computes differently) are refused. DeepSpeed's fp16-wrapper step is not
+    against (or computes differently) are refused. DeepSpeed's fp16 init step is not
     a key treatment: the DeepSpeed drop-in takes it (:mod:`hybridtrain.deepspeed.building`),
     so loading a config adds nothing a written config would carry."""
     optimizer = raw.get("optimizer")
@@ -315,8 +313,8 @@ def _deepspeed_optimizer_refusals(raw: dict[str, Any], name: str, shown: str) ->
         refusals.append(f"{shown} with zero_optimization.stage = {stage}: DeepSpeed asserts "
                         f"'{label} is not compatible with ZeRO'; use stage 0")
     # Pipelined bf16 gets BF16_Optimizer, which flattens; unpipelined bf16 at stage 0 gets
-    # FP16_UnfusedOptimizer, per tensor as with fp16 (see fp16_wrapper_steps).
-    bf16_flat = _get(raw, "bf16.enabled") is True and not fp16_wrapper_steps(raw)
+    # FP16_UnfusedOptimizer, per tensor as with fp16 (see deepspeed_takes_fp16_init_step).
+    bf16_flat = _get(raw, "bf16.enabled") is True and not deepspeed_takes_fp16_init_step(raw)
     if name in ("lamb", "onebitlamb") and (stage or bf16_flat):
         refusals.append(f"{shown} with {'ZeRO' if stage else 'bf16 and pipeline parallel'}: DeepSpeed then takes "
                         "the trust ratio over each flattened partition of parameters, not per tensor as "

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from hybridtrain.deepspeed import checkpointing, comm, ops, pipe, runtime, utils
-from hybridtrain.deepspeed.building import build_engine, master_weights, wrapper_step
+from hybridtrain.deepspeed.building import build_engine, master_weights, takes_fp16_init_step
 from hybridtrain.deepspeed.comm import init_distributed
 from hybridtrain.deepspeed.dropin import VERSION
 from hybridtrain.deepspeed.engine import DeepSpeedEngine
@@ -106,14 +106,14 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
 
         return initialize_pipeline(model, raw, optimizer, params, training_data, lr_scheduler,
                                    dist_init_required, collate_fn, drop_last)
-    wrapper_steps = wrapper_step(raw, client=optimizer is not None)
+    init_step = takes_fp16_init_step(raw, client=optimizer is not None)
     cfg = load_config(raw)
     # As DeepSpeed's engine: join the group a launcher describes (one process too, as under
     # `deepspeed script.py` or `python -m hybridtrain.deepspeed`, so a framework's collectives run).
     if dist_init_required or (dist_init_required is None and (int(os.environ.get("WORLD_SIZE", "1")) > 1
                                                               or comm.launched())):
         init_distributed(dist_init_required=True)
-    engine = build_engine(model, cfg, wrapper_steps, optimizer, params, lr_scheduler,
+    engine = build_engine(model, cfg, init_step, optimizer, params, lr_scheduler,
                           half_weights=master_weights(raw, cfg))
     loader = None
     if training_data is not None:

@@ -1,6 +1,7 @@
 """The engine behind ``deepspeed.initialize``: the caller's optimizer and scheduler
-arguments read as DeepSpeed reads them, and DeepSpeed's fp16-wrapper step decided
-(:func:`wrapper_step`), then the one road (:func:`hybridtrain.prepare.prepare`).
+arguments read as DeepSpeed reads them, and DeepSpeed's fp16 init step decided
+(:func:`takes_fp16_init_step`) and stated in the config handed down the one road
+(:func:`hybridtrain.prepare.prepare`).
 
 Shared by plain models (built at ``initialize``) and pipeline modules (built once the
 first micro-batch shows the activation shapes, when ``initialize`` had no data).
@@ -17,26 +18,28 @@ from torch import nn
 
 from hybridtrain.compose import check_plain_initialize
 from hybridtrain.config import Config
-from hybridtrain.config.deepspeed_keys import FP16_INIT_STEP, fp16_wrapper_steps
+from hybridtrain.config.deepspeed_keys import deepspeed_takes_fp16_init_step
 from hybridtrain.deepspeed.client_optimizer import describe, lay_groups, with_optimizer
 from hybridtrain.deepspeed.master_weights import MasterWeightsOptimizer, NormRule, cast_parameters
 from hybridtrain.engine import Engine
+from hybridtrain.optim import FP16_INIT_STEP
 from hybridtrain.prepare import prepare
 from hybridtrain.runtime.batch import Batch, LossFn
 
 
-def wrapper_step(raw: Mapping[str, Any], client: bool) -> bool:
-    """Whether DeepSpeed's fp16 wrapper steps this run's optimizer once with zero gradients
-    when it is built (:func:`hybridtrain.config.deepspeed_keys.fp16_wrapper_steps`): the
-    config's own optimizer section or a caller's optimizer (without either DeepSpeed has
-    no optimizer; hybridtrain's default one takes no such step). A DeepSpeed rule, applied
-    here and passed down the one road, never written into the config.
+def takes_fp16_init_step(raw: Mapping[str, Any], client: bool) -> bool:
+    """Whether DeepSpeed's fp16 wrapper takes the fp16 init step (one step with zero gradients
+    when it is built; :func:`hybridtrain.config.deepspeed_keys.deepspeed_takes_fp16_init_step`)
+    on the config's own optimizer section or a caller's optimizer (without either DeepSpeed
+    has no optimizer; hybridtrain's default one takes no such step). A DeepSpeed rule,
+    applied here and stated in the config handed down the one road (:func:`build_engine`);
+    loading a config adds nothing.
 
     Args:
         raw: the DeepSpeed config as written (after this layer's own rewrites).
         client: the caller gave ``deepspeed.initialize`` an optimizer.
     """
-    return fp16_wrapper_steps(dict(raw)) and (client or isinstance(raw.get("optimizer"), Mapping))
+    return deepspeed_takes_fp16_init_step(dict(raw)) and (client or isinstance(raw.get("optimizer"), Mapping))
 
 
 def master_weights(raw: Mapping[str, Any], cfg: Config) -> bool:
@@ -57,33 +60,38 @@ def master_weights(raw: Mapping[str, Any], cfg: Config) -> bool:
             and cfg.pipeline.stages == 1 and not cfg.layer_streaming.enabled)
 
 
-def build_engine(model: nn.Module, cfg: Config, wrapper_steps: bool, optimizer: Any, params: list[Any] | None,
+def build_engine(model: nn.Module, cfg: Config, init_step: bool, optimizer: Any, params: list[Any] | None,
                  lr_scheduler: Any, loss_fn: LossFn | None = None, example_batch: Batch | None = None,
                  half_weights: bool = False) -> Engine:
     """:func:`hybridtrain.initialize` with ``deepspeed.initialize``'s optimizer arguments.
 
     Args:
-        wrapper_steps: DeepSpeed's fp16 wrapper steps the optimizer once with zero gradients
-            (:func:`wrapper_step`).
+        init_step: DeepSpeed's fp16 wrapper takes the fp16 init step
+            (:func:`takes_fp16_init_step`); written into ``cfg`` unless it already says.
         optimizer: an optimizer, a callable taking the parameters, or None (the config's).
         params: ``model_parameters`` (parameters or param-group dicts), or None.
         lr_scheduler: a scheduler, a callable taking the optimizer, or None (the config's).
         loss_fn / example_batch: as :func:`hybridtrain.initialize`.
         half_weights: train with DeepSpeed's bf16 math (:func:`master_weights` decided it).
     """
+    from hybridtrain.optim import build_optimizer, build_scheduler
     from hybridtrain.plan.resolve import optimizer_settings
-    from hybridtrain.runtime.optim import build_optimizer, build_scheduler
 
     rule = _norm_rule(cfg, optimizer)
     cfg = without_unstreamable_param_offload(cfg, model)
+    if half_weights:
+        # DeepSpeed's bf16 wrapper takes the init step over its fp32 masters; the engine takes none.
+        init_step = bool(cfg.optimizer.params.get(FP16_INIT_STEP, init_step))
+        cfg = _with_fp16_init_step_said(cfg, False)
+    else:
+        cfg = with_fp16_init_step(cfg, init_step)
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(params if params is not None else model.parameters())
     elif optimizer is None and params is not None and _custom_groups(params, model):
         settings = optimizer_settings(cfg)
         optimizer = build_optimizer(params, settings.type, dict(settings.params))
     if half_weights:
-        optimizer, cfg = _with_master_weights(model, cfg, optimizer, params, wrapper_steps, rule)
-        wrapper_steps = False  # the wrapper took DeepSpeed's zero-gradient step over its masters
+        optimizer, cfg = _with_master_weights(model, cfg, optimizer, params, init_step, rule)
     spec = None
     if isinstance(optimizer, torch.optim.Optimizer) and _replaces_parameters(cfg):
         # The engine shards the parameters before it builds its optimizer: the caller's is
@@ -92,10 +100,9 @@ def build_engine(model: nn.Module, cfg: Config, wrapper_steps: bool, optimizer: 
         asked_step = {k: v for k, v in cfg.optimizer.params.items() if k == FP16_INIT_STEP}
         cfg = with_optimizer(cfg, spec, asked_step)
     check_plain_initialize(cfg)
-    # The one road, with DeepSpeed's fp16-wrapper step asked for here (the plan carries it;
-    # build takes it before the LR schedule, as DeepSpeed does).
-    engine = prepare(cfg, model, loss_fn, None if spec else optimizer, example_batch,
-                     zero_gradient_step=wrapper_steps).engine
+    # The one road; the config states DeepSpeed's fp16 init step (the plan carries it, build
+    # takes it before the LR schedule, as DeepSpeed does).
+    engine = prepare(cfg, model, loss_fn, None if spec else optimizer, example_batch).engine
     if spec is not None and lay_groups(engine.optimizer, engine.module, spec) and cfg.scheduler is not None:
         # The config's schedule was built over the one group; it drives the caller's groups.
         engine.scheduler = build_scheduler(engine.optimizer, cfg.scheduler.type, cfg.scheduler.params)
@@ -114,7 +121,7 @@ def build_engine(model: nn.Module, cfg: Config, wrapper_steps: bool, optimizer: 
 def without_unstreamable_param_offload(cfg: Config, model: nn.Module) -> Config:
     """``cfg`` without ``offload_param`` where the one road would stream the model's repeated
     blocks for it (ZeRO-3 parameter offload on one process,
-    :func:`hybridtrain.plan.checks.map_deepspeed_offload`) but the model has none, such as
+    :func:`hybridtrain.config.offload_sections.apply_offload_sections`) but the model has none, such as
     transformers' ``RegressionPreTrainedModel`` (two scalar parameters): DeepSpeed offloads
     any model's parameters, so the run trains with them in device memory instead, the same
     math (said once at info level). The optimizer offload stays."""
@@ -136,14 +143,14 @@ def without_unstreamable_param_offload(cfg: Config, model: nn.Module) -> Config:
 
 
 def _with_master_weights(model: nn.Module, cfg: Config, optimizer: torch.optim.Optimizer | None,
-                         params: list[Any] | None, wrapper_steps: bool,
+                         params: list[Any] | None, init_step: bool,
                          rule: NormRule) -> tuple[MasterWeightsOptimizer, Config]:
     """The module cast to bfloat16 and DeepSpeed's bf16 wrapper over the basic optimizer (the
     caller's, else the config's over ``params`` or the model's parameters); the config the
     engine then runs: no autocast, no clipping of its own (the wrapper clips as DeepSpeed),
     and no ZeRO (one process: ZeRO-1/2 shard nothing; the wrapper holds their arithmetic)."""
+    from hybridtrain.optim import build_optimizer
     from hybridtrain.plan.resolve import optimizer_settings
-    from hybridtrain.runtime.optim import build_optimizer
 
     cast_parameters(model, torch.bfloat16)
     if optimizer is None:
@@ -151,7 +158,7 @@ def _with_master_weights(model: nn.Module, cfg: Config, optimizer: torch.optim.O
         optimizer = build_optimizer(params if params is not None else model.parameters(), settings.type,
                                     dict(settings.params))
     wrapped = MasterWeightsOptimizer(optimizer, cfg.gradient_clipping, rule,
-                                     zero_gradient_step=wrapper_steps)
+                                     fp16_init_step=init_step)
     zero = cfg.zero_optimization.model_copy(update={"stage": 0})
     plain = cfg.model_copy(update={"bf16": cfg.bf16.model_copy(update={"enabled": False}),
                                    "gradient_clipping": 0.0, "zero_optimization": zero})
@@ -181,6 +188,19 @@ def _world_size() -> int:
 
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else \
         int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def with_fp16_init_step(cfg: Config, init_step: bool) -> Config:
+    """``cfg`` stating DeepSpeed's fp16 init step in ``optimizer.params.fp16_init_step``; a
+    value the user wrote there decides instead."""
+    if not init_step or FP16_INIT_STEP in cfg.optimizer.params:
+        return cfg
+    return _with_fp16_init_step_said(cfg, True)
+
+
+def _with_fp16_init_step_said(cfg: Config, take: bool) -> Config:
+    params = {**cfg.optimizer.params, FP16_INIT_STEP: take}
+    return cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"params": params})})
 
 
 def _replaces_parameters(cfg: Config) -> bool:

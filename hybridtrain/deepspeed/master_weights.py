@@ -22,7 +22,7 @@ The wrappers differ only in the norm's arithmetic (:data:`NormRule`) and one ste
   ``FP16_UnfusedOptimizer``): each bfloat16 gradient's fp32 norm, squares summed in an fp32 tensor
   (``get_weight_norm``). Both stage-0 wrappers step the basic optimizer once with zero gradients
   when built (``initialize_optimizer_states``, decided by
-  :func:`hybridtrain.deepspeed.building.wrapper_step`).
+  :func:`hybridtrain.deepspeed.building.takes_fp16_init_step`).
 - ``zero``: ZeRO stages 1 and 2 (``runtime/zero/stage_1_and_2.py`` ``DeepSpeedZeroOptimizer``):
   each bfloat16 gradient's norm in fp64, squares summed and rooted in fp32
   (``get_grad_norm_direct``), groups combined by an fp32 vector norm
@@ -96,11 +96,11 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         inner: the basic optimizer (the config's or the caller's), over the half parameters.
         max_norm: ``gradient_clipping`` (0: none).
         rule: which DeepSpeed wrapper's norm and clip arithmetic (:data:`NormRule`).
-        zero_gradient_step: step the masters once with zero gradients now (the ZeRO-0 wrappers').
+        fp16_init_step: step the masters once with zero gradients now (the ZeRO-0 wrappers').
     """
 
     def __init__(self, inner: torch.optim.Optimizer, max_norm: float, rule: NormRule,
-                 zero_gradient_step: bool) -> None:
+                 fp16_init_step: bool) -> None:
         # The base class's constructor is not run: the groups and state are the inner optimizer's.
         self.inner = inner
         self.defaults = inner.defaults
@@ -120,7 +120,7 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         """The global gradient norm (before clipping) of the latest :meth:`step`."""
         self.last_step_skipped = False
         """Whether the latest :meth:`step` was skipped (a gradient norm not finite)."""
-        if zero_gradient_step:
+        if fp16_init_step:
             for master in self._masters():
                 master.grad = torch.zeros_like(master)
             self.inner.step()

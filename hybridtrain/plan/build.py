@@ -17,6 +17,7 @@ from torch import nn
 
 from hybridtrain.checkpoint.sharded import checkpoint_group
 from hybridtrain.engine import Engine, EngineOptions
+from hybridtrain.optim import build_optimizer, build_scheduler, take_fp16_init_step
 from hybridtrain.parallel import mesh
 from hybridtrain.parallel.data import apply_data_parallel
 from hybridtrain.parallel.gradient_sync import GradientSync
@@ -28,19 +29,16 @@ from hybridtrain.parallel.split import SplitRuntime
 from hybridtrain.parallel.tensor import apply_tensor_parallel
 from hybridtrain.parallel.zero import ZeroRuntime, apply_zero
 from hybridtrain.plan.types import TrainingPlan
-from hybridtrain.runtime.activation_offload import (
+from hybridtrain.runtime.activations import (
+    apply_activation_checkpointing,
     apply_activation_offload,
     params_in_several_backwards,
 )
 from hybridtrain.runtime.batch import Batch, LossFn, to_device
-from hybridtrain.runtime.half_width import half_width_params
-from hybridtrain.runtime.layer_major import LayerMajorRunner
-from hybridtrain.runtime.optim import build_optimizer, build_scheduler, zero_grad_step
-from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
-from hybridtrain.runtime.precision import LossScaler, precision_name
-from hybridtrain.runtime.recompute import apply_activation_checkpointing
+from hybridtrain.runtime.offload import OffloadOptimizer, OffloadSteps
+from hybridtrain.runtime.precision import LossScaler, half_width_params, precision_name
 from hybridtrain.runtime.step_runner import BackwardObserver, StepRunner
-from hybridtrain.runtime.streaming import LayerStreamer, place_for_streaming
+from hybridtrain.runtime.streaming import LayerMajorRunner, LayerStreamer, place_for_streaming
 
 Sharder = Callable[[nn.Module, list[nn.Module]], None]
 
@@ -83,23 +81,24 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
         optimizer = build_optimizer(model.parameters(), settings.type, optimizer_params(plan))
     elif plan.pipeline is not None:
         _keep_held(optimizer, model)
-    if settings.zero_gradient_step:  # before the schedule sets its first rate, as DeepSpeed steps
-        zero_grad_step(optimizer)
+    if settings.fp16_init_step:  # before the schedule sets its first rate, as DeepSpeed steps
+        take_fp16_init_step(optimizer)
     setup = _resume_fingerprint(plan, optimizer)
     offload = None
     # Which weights autocast reads only in half (they may cross host⇄device in half);
     # across processes gradients are reduced in fp32 before they land, so none there.
-    half = half_width_params(model, plan.compute_dtype, plan.sizes.world)
+    half_dtypes = half_width_params(model, plan.compute_dtype, plan.sizes.world)
     if plan.optimizer.placement != "device":
         placement = plan.optimizer
         offload = OffloadOptimizer(optimizer, device, placement.pin_memory, placement.host_ratio,
                                    placement.bucket_size, placement.defer_step,
                                    streamed=[list(block.parameters()) for block in streamed],
-                                   lasting_grads=placement.lasting_grads,
-                                   late=params_in_several_backwards(model, swap_recompute), half=half,
+                                   grads_wait_on_host=placement.grads_wait_on_host,
+                                   several_backwards=params_in_several_backwards(model, swap_recompute),
+                                   half_dtypes=half_dtypes,
                                    grad_norms=plan.step_rules.gradient_clipping > 0)
-        # model.state_dict() settles first; updated weights go up in half where exact.
-        offload.half_uploads.attach(model, offload.buckets, offload.settle)
+        # model.state_dict() waits for updates first; updated weights go up in half where exact.
+        offload.half_uploads.attach(model, offload.buckets, offload.wait_for_updates)
         optimizer = offload
     schedule = plan.scheduler
     scheduler = build_scheduler(optimizer, schedule.type, dict(schedule.params)) if schedule else None
@@ -108,7 +107,8 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
                         scaling.min_scale) if scaling else None
     if streamed and offload is not None:
         # The streamer tells the host optimizer about each backward itself.
-        streamer = LayerStreamer(streamed, offload, device, plan.stream_prefetch_blocks, half=half,
+        streamer = LayerStreamer(streamed, offload, device, plan.stream_prefetch_blocks,
+                                 half_dtypes=half_dtypes,
                                  keep_blocks_for_backward=plan.stream_keep_blocks)
         observers.append(streamer)
         if plan.step_runner == "layer_major":
@@ -121,12 +121,19 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
         gradient_clipping=rules.gradient_clipping, nonfinite_loss=rules.nonfinite_loss,
         wall_clock_breakdown=rules.wall_clock_breakdown, setup=setup, parallel=parallel,
         runner=runner, observers=observers, autocast_cache=plan.autocast_cache,
+        steps=OffloadSteps(offload, _clips_locally(parallel)) if offload is not None else None,
     )
     return Engine(model, optimizer, scheduler, scaler, loss_fn, options)
 
 
 def _modules(model: nn.Module, names: list[str]) -> list[nn.Module]:
     return [model.get_submodule(name) for name in names]
+
+
+def _clips_locally(parallel: ParallelRuntime) -> bool:
+    """Whether the runtime's clip is the local norm (one process, or replicated gradients):
+    a runtime that keeps the replicated rule clips what this process holds."""
+    return type(parallel).clip_grad_norm is ReplicatedRuntime.clip_grad_norm
 
 
 def _parallelize(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None,
@@ -167,9 +174,10 @@ def _parallelize(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None,
         raise ValueError("build: a pipeline plan needs the example_batch it was resolved with")
     example = to_device(example_batch, device)
     container = model.get_submodule(plan.pipeline.blocks_path) if plan.pipeline.blocks_path else model
-    split = split_pipeline(model, container, plan.pipeline, topology, example, loss_fn, device,  # type: ignore[arg-type]
-                           plan.compute_dtype, shard)
-    runtime = SplitRuntime(model, topology, plan.zero_stage, split.owner, split.counted, qkv_interleaved, pipelined=True)
+    split = split_pipeline(model, container, plan.pipeline, topology, example,  # type: ignore[arg-type]
+                           loss_fn, device, plan.compute_dtype, shard)
+    runtime = SplitRuntime(model, topology, plan.zero_stage, split.owner, split.counted, qkv_interleaved,
+                           pipelined=True)
     return runtime, PipelineRunner(split, plan.pipeline, topology, device, plan.compute_dtype), []
 
 

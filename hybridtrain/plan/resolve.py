@@ -16,14 +16,15 @@ import torch
 from torch import nn
 
 from hybridtrain.config import Config, ConfigError, ConfigSource, load_config, resolve_batch_sizes
-from hybridtrain.config.deepspeed_keys import FP16_INIT_STEP
+from hybridtrain.config.offload_sections import apply_offload_sections
 from hybridtrain.models.blocks import BlockList, BlocksNotFoundError, block_names, find_block_lists
 from hybridtrain.models.usage import ModelUsage, trace_usage
+from hybridtrain.optim import FP16_INIT_STEP, build_optimizer, build_scheduler
 from hybridtrain.parallel import mesh
 from hybridtrain.parallel.model_parallel import resolve_device_map
 from hybridtrain.parallel.partition import choose_partition, stage_bounds
 from hybridtrain.parallel.tensor import resolve_plan
-from hybridtrain.plan.checks import check_supported, map_deepspeed_offload, parallel_sizes
+from hybridtrain.plan.checks import check_supported, parallel_sizes
 from hybridtrain.plan.types import (
     BlockPlan,
     DataParallelSettings,
@@ -39,17 +40,15 @@ from hybridtrain.plan.types import (
     SwapSettings,
     TrainingPlan,
 )
+from hybridtrain.runtime.activations import select_checkpoint_targets
 from hybridtrain.runtime.batch import Batch, batch_size, run_model, to_device
 from hybridtrain.runtime.device import resolve_device
-from hybridtrain.runtime.optim import build_optimizer, build_scheduler
 from hybridtrain.runtime.precision import autocast
-from hybridtrain.runtime.recompute import select_checkpoint_targets
 from hybridtrain.runtime.streaming import check_not_shared
 
 
 def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | None = None,
-            example_batch: Batch | None = None, optimizer: torch.optim.Optimizer | None = None,
-            zero_gradient_step: bool = False) -> TrainingPlan:
+            example_batch: Batch | None = None, optimizer: torch.optim.Optimizer | None = None) -> TrainingPlan:
     """Decide how ``model`` trains under ``config`` on ``world_size`` processes.
 
     Args:
@@ -60,16 +59,13 @@ def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | Non
             are split at build) and used by streaming to find parameters used outside
             their block.
         optimizer: the caller's own optimizer, if any (read, never changed).
-        zero_gradient_step: step the optimizer once with zero gradients before training
-            (the DeepSpeed drop-in asks for it where DeepSpeed's fp16 wrapper would); an
-            ``optimizer.params.fp16_init_step`` the user wrote decides instead.
 
     Raises:
         ConfigError: any invalid, unsupported or inapplicable setting (one line each).
     """
     cfg = load_config(config)
     world = world_size if world_size is not None else mesh.env_world_size()
-    cfg = map_deepspeed_offload(cfg, world)
+    cfg = apply_offload_sections(cfg, world)
     check_supported(cfg, world)
     dp, tp, pp = parallel_sizes(cfg, world)
     sizes = ParallelSizes(dp, tp, pp)
@@ -122,7 +118,7 @@ def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | Non
         device_map=tuple(device_map.items()),
         pipeline=pipeline,
         optimizer=_optimizer(cfg, sizes, bool(streamed), batch.accumulation_steps),
-        optimizer_settings=optimizer_settings(cfg, zero_gradient_step),
+        optimizer_settings=optimizer_settings(cfg),
         scheduler=SchedulerSettings(cfg.scheduler.type, tuple(cfg.scheduler.params.items())) if cfg.scheduler else None,
         loss_scaler=_loss_scaler(cfg),
         swap=SwapSettings(cfg.activation_offload.prefetch_blocks, cfg.activation_offload.pin_memory,
@@ -149,13 +145,12 @@ def _loss_scaler(cfg: Config) -> LossScaling | None:
                        fp16.min_loss_scale)
 
 
-def optimizer_settings(cfg: Config, zero_gradient_step: bool = False) -> OptimizerSettings:
-    """``cfg.optimizer`` as build uses it: ``fp16_init_step``, where the user wrote it, read
-    out of the parameters into :attr:`OptimizerSettings.zero_gradient_step` (else
-    ``zero_gradient_step``, the caller's)."""
+def optimizer_settings(cfg: Config) -> OptimizerSettings:
+    """``cfg.optimizer`` as build uses it: ``optimizer.params.fp16_init_step``, where the
+    config has it (written by a user, or by a layer that hands the config down), read out
+    of the parameters into :attr:`OptimizerSettings.fp16_init_step`."""
     params = dict(cfg.optimizer.params)
-    asked = params.pop(FP16_INIT_STEP, None)
-    step = asked is True if asked is not None else zero_gradient_step
+    step = params.pop(FP16_INIT_STEP, None) is True
     return OptimizerSettings(cfg.optimizer.type, tuple(params.items()), step)
 
 
@@ -409,7 +404,7 @@ def _optimizer(cfg: Config, sizes: ParallelSizes, streaming: bool, accumulation:
     return OptimizerPlan(
         placement="host_streamed" if streaming else "host",
         host_ratio=1.0 if streaming else section.ratio,
-        defer_step=defer, lasting_grads=defer or summed_on_host,
+        defer_step=defer, grads_wait_on_host=defer or summed_on_host,
         pin_memory=cfg.layer_streaming.pin_memory if streaming else section.pin_memory,
         bucket_size=cfg.zero_optimization.reduce_bucket_size,
     )

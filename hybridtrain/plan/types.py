@@ -67,7 +67,7 @@ class OptimizerPlan:
             rest on the device).
         defer_step: the host step waits until every gradient has landed (clipping, fp16,
             ``nonfinite_loss: skip``), instead of running as each bucket lands.
-        lasting_grads: gradients wait in host memory (summed there, or deferred).
+        grads_wait_on_host: gradients wait in host memory (summed there, or deferred).
         pin_memory: host buffers page-locked.
         bucket_size: elements per gradient bucket (optimizer offload).
     """
@@ -75,7 +75,7 @@ class OptimizerPlan:
     placement: OptimizerPlacement = "device"
     host_ratio: float = 0.0
     defer_step: bool = False
-    lasting_grads: bool = False
+    grads_wait_on_host: bool = False
     pin_memory: bool = False
     bucket_size: int = 0
 
@@ -89,16 +89,15 @@ class OptimizerSettings:
         type: ``optimizer.type``.
         params: its keyword arguments (``optimizer.params`` without
             ``fp16_init_step``, which is no optimizer argument).
-        zero_gradient_step: step it once with zero gradients before training, before the LR
-            schedule is built. DeepSpeed's fp16 wrapper does this at ZeRO stage 0 (fp16, or
-            bf16 unless pipelined): the DeepSpeed key treatments ask for it with
-            ``optimizer.params.fp16_init_step`` (:func:`hybridtrain.config.deepspeed_keys.
-            fp16_wrapper_steps`), and the DeepSpeed drop-in for a caller's optimizer.
+        fp16_init_step: step it once with zero gradients before training, before the LR
+            schedule is built (:mod:`hybridtrain.optim.deepspeed.init_step`), where the
+            config's ``optimizer.params.fp16_init_step`` is true: a user's, or the one the
+            DeepSpeed drop-in writes where DeepSpeed's fp16 wrapper would take the step.
     """
 
     type: str = "AdamW"
     params: tuple[tuple[str, Any], ...] = ()
-    zero_gradient_step: bool = False
+    fp16_init_step: bool = False
 
 
 @dataclass(frozen=True)
@@ -252,7 +251,7 @@ class TrainingPlan:
         """Whether autocast keeps its weight-cast cache (torch's default: a weight read twice
         in one forward shares one half copy, as in a plain loop): where nothing is
         checkpointed, swapped, streamed, split by tensor or pipeline parallel, so the saved
-        tensors hold every cast copy anyway (:func:`hybridtrain.runtime.precision.autocast`)."""
+        tensors hold every cast copy anyway (:func:`hybridtrain.runtime.precision.scaling.autocast`)."""
         return not (self.checkpoint_modules or self.swap_modules or any(b.stream for b in self.blocks)
                     or self.tensor_plan or self.pipeline is not None or self.step_runner != "micro_batches")
 

@@ -3,7 +3,7 @@ behaviour, emulated for the trace (:mod:`hybridtrain.planner.trace`).
 
 - :class:`MetaAutocast`: autocast has no meta backend. Matmul-like functions receive
   their floating inputs cast to the compute dtype; the engine's autocast runs without
-  the weight-cast cache (``runtime/precision.py``), so every cast is a fresh tensor, as
+  the weight-cast cache (``runtime/precision/scaling.py``), so every cast is a fresh tensor, as
   here. It also runs ``scaled_dot_product_attention`` as CPU's flash kernel: on meta,
   SDPA takes the math path and saves the ``T × T`` attention matrix, while CPU and CUDA
   run flash kernels that save only the output and the log-sum-exp.

@@ -43,7 +43,7 @@ from hybridtrain.planner.trace import PASSES, ModelTrace, trace_model
 from hybridtrain.profiling.host_bandwidth import ADAM_BYTES_PER_PARAM, probe_host_bandwidth
 from hybridtrain.profiling.link_bandwidth import probe_link_bandwidth
 from hybridtrain.runtime.batch import Batch, LossFn
-from hybridtrain.runtime.half_width import half_width_params
+from hybridtrain.runtime.precision import half_width_params
 from hybridtrain.units import format_bytes
 
 GPU_KERNEL_SECONDS = 8e-6
@@ -229,7 +229,7 @@ def estimate(config: ConfigSource, target: Target | None = None, world_size: int
 
 
 def half_width_numel(model: nn.Module, plan: TrainingPlan, blocks: list[str]) -> dict[str, int]:
-    """Elements that cross host⇄device in half precision (:mod:`hybridtrain.runtime.half_width`),
+    """Elements that cross host⇄device in half precision (:mod:`hybridtrain.runtime.precision.half_width`),
     per block module path and, under ``""``, in the whole model; empty where build moves
     everything at full width (fp32 runs, several processes)."""
     half_width_ids = half_width_params(model, plan.compute_dtype, plan.sizes.world)

@@ -29,9 +29,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
+from hybridtrain.optim import optimizer_state_bytes
 from hybridtrain.plan.types import TrainingPlan
 from hybridtrain.planner.trace import ModelTrace, PhaseProfile
-from hybridtrain.runtime.optim import optimizer_state_bytes
 
 _FP32 = 4
 
@@ -177,7 +177,7 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
     # ---- host -------------------------------------------------------------------------
     host_params = host_grads = host_state = host_buffers = host_acts = 0
     if opt.placement != "device":
-        lasting = opt.lasting_grads
+        lasting = opt.grads_wait_on_host
         streamed_bytes = _FP32 * streamed_numel
         host_params = _FP32 * offloaded_numel  # masters (the streamed blocks' are their weights)
         host_state = state_per_elem * offloaded_numel
@@ -337,7 +337,7 @@ def _backward(replay: _Replay, trace: ModelTrace, stage_blocks: list[int], treat
 def _layer_major_step(replay: _Replay, trace: ModelTrace, stage_blocks: list[int], treatments: list[str], count: int,
                       tp: int, swap_prefetch: int, landing: set[int], streamed: list[bool]) -> int:
     """Forward and backward of ``count`` micro-batches in layer-major order
-    (:mod:`hybridtrain.runtime.layer_major`); returns the activation bytes sent to host memory.
+    (:mod:`hybridtrain.runtime.streaming.layer_major`); returns the activation bytes sent to host memory.
 
     Each phase runs for every micro-batch before the next phase starts, so what each
     micro-batch keeps piles up ``count`` times (the head's saved logits too). The runner

@@ -38,9 +38,9 @@ from torch.utils import flop_counter
 
 from hybridtrain.compat import tree_flatten, tree_leaves, tree_unflatten
 from hybridtrain.planner.emulation import FLOP_FORMULAS, MetaAutocast, Recompute, SwapEmulation
+from hybridtrain.runtime.activations import is_kv_cache, tensor_call
 from hybridtrain.runtime.batch import Batch, LossFn, compute_loss, run_model
 from hybridtrain.runtime.memory_limit import LiveTensorBytes
-from hybridtrain.runtime.recompute import is_kv_cache, tensor_call
 
 PASSES = ("plain", "checkpoint", "swap", "swap_checkpoint")
 """How a pass treats every block: as is, checkpointed, swapped, checkpointed with its inputs swapped."""

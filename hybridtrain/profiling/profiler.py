@@ -47,11 +47,10 @@ from hybridtrain.profiling.diagnosis import diagnose
 from hybridtrain.profiling.module_spans import ModuleSpans
 from hybridtrain.profiling.report import ModuleProfile, Profile, hidden_share
 from hybridtrain.runtime.device import peak_reserved_bytes
-from hybridtrain.runtime.layer_major import LayerMajorRunner
-from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
+from hybridtrain.runtime.offload import OffloadOptimizer
 from hybridtrain.runtime.step_parts import PartClock
 from hybridtrain.runtime.stream_marks import StreamMarks
-from hybridtrain.runtime.streaming import LayerStreamer
+from hybridtrain.runtime.streaming import LayerMajorRunner, LayerStreamer
 
 _KINETO_MARKER = re.compile(rb"^USDT:.*\] profiler_(start|stop)\s*$")
 """The line libkineto's logger writes to stderr as a trace starts and as it stops."""

@@ -52,7 +52,6 @@ from hybridtrain.plan.variants import describe_changes, draws_random_numbers, la
 from hybridtrain.prepare import prepare
 from hybridtrain.recovery.memory_plans import Replanner
 from hybridtrain.runtime import device as dev
-from hybridtrain.runtime.background_updates import in_background_update
 from hybridtrain.runtime.batch import Batch, LossFn, split_batch
 from hybridtrain.runtime.memory_limit import (
     DeviceMemoryLimitError,
@@ -60,6 +59,7 @@ from hybridtrain.runtime.memory_limit import (
     cap_cuda_memory,
     tensors_alive,
 )
+from hybridtrain.runtime.offload import in_background_update
 from hybridtrain.runtime.step_runner import MicroBatchRunner
 from hybridtrain.units import format_bytes
 

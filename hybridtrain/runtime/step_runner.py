@@ -4,7 +4,7 @@ The engine splits the batch, then hands the micro-batches to its :class:`StepRun
 
 - :class:`MicroBatchRunner` (the default): one micro-batch after the other, forward then
   backward, gradients accumulating — the plain loop;
-- layer-major streaming (:mod:`hybridtrain.runtime.layer_major`): every micro-batch through
+- layer-major streaming (:mod:`hybridtrain.runtime.streaming.layer_major`): every micro-batch through
   one block before the next;
 - a pipeline schedule (:mod:`hybridtrain.parallel.pipeline`): stages interleave the
   micro-batches' forwards and backwards across ranks.
@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from hybridtrain.runtime.batch import Batch
-from hybridtrain.runtime.precision import reported_loss
+from hybridtrain.runtime.precision.scaling import reported_loss
 
 
 class BackwardObserver(Protocol):

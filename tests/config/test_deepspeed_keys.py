@@ -105,8 +105,8 @@ def test_deepspeeds_own_optimizers_as_its_engine_takes_them() -> None:
     with pytest.raises(ConfigError, match=r"'Lamb' \(LAMB\) with bf16 and pipeline parallel: DeepSpeed then "
                                           "takes the trust ratio"):
         load_config({"optimizer": {"type": "Lamb"}, "bf16": {"enabled": True}, "pipeline": {"stages": 2}})
-    # DeepSpeed's fp16 wrapper steps them once with zero gradients at stage 0 with fp16: a rule
-    # of the DeepSpeed drop-in (hybridtrain.deepspeed.building.wrapper_step); loading adds nothing.
+    # DeepSpeed's fp16 wrapper takes the fp16 init step on them at stage 0 with fp16: a rule
+    # of the DeepSpeed drop-in (hybridtrain.deepspeed.building.takes_fp16_init_step); loading adds nothing.
     for name in ("Lamb", "OnebitAdam", "ZeroOneAdam", "OneBitLamb"):
         for half in ("fp16", "bf16"):
             cfg = load_config({"optimizer": {"type": name, "params": {"lr": 1e-3}}, half: {"enabled": True}})
@@ -118,11 +118,14 @@ def test_the_init_step_key_is_read_into_the_plan_not_passed_to_the_optimizer() -
 
     asked = load_config({"optimizer": {"type": "AdamW", "params": {"lr": 0.1, "fp16_init_step": True}}})
     settings = optimizer_settings(asked)
-    assert (settings.type, dict(settings.params), settings.zero_gradient_step) == ("AdamW", {"lr": 0.1}, True)
-    # The user's word decides over the caller's (the DeepSpeed drop-in's) default.
+    assert (settings.type, dict(settings.params), settings.fp16_init_step) == ("AdamW", {"lr": 0.1}, True)
+    # The user's word decides over the one the DeepSpeed drop-in writes into the config.
+    from hybridtrain.deepspeed.building import with_fp16_init_step
+
     skipped = load_config({"optimizer": {"type": "AdamW", "params": {"lr": 0.1, "fp16_init_step": False}}})
-    assert optimizer_settings(skipped, zero_gradient_step=True).zero_gradient_step is False
-    assert optimizer_settings(load_config({}), zero_gradient_step=True).zero_gradient_step is True
+    assert optimizer_settings(with_fp16_init_step(skipped, True)).fp16_init_step is False
+    assert optimizer_settings(with_fp16_init_step(load_config({}), True)).fp16_init_step is True
+    assert optimizer_settings(with_fp16_init_step(load_config({}), False)).fp16_init_step is False
 
 
 @pytest.mark.parametrize(("raw", "steps"), [
@@ -144,21 +147,21 @@ def test_the_init_step_key_is_read_into_the_plan_not_passed_to_the_optimizer() -
     ({"fp16": {"enabled": "auto"}}, False),
     ({"torch_autocast": {"enabled": True, "dtype": "torch.float16"}}, False),
 ])
-def test_fp16_wrapper_steps_where_deepspeed_wraps_the_optimizer(raw: dict, steps: bool) -> None:
-    from hybridtrain.config.deepspeed_keys import fp16_wrapper_steps
-    from hybridtrain.deepspeed.building import wrapper_step
+def test_fp16_init_step_where_deepspeed_wraps_the_optimizer(raw: dict, steps: bool) -> None:
+    from hybridtrain.config.deepspeed_keys import deepspeed_takes_fp16_init_step
+    from hybridtrain.deepspeed.building import takes_fp16_init_step
 
-    assert fp16_wrapper_steps(raw) is steps
+    assert deepspeed_takes_fp16_init_step(raw) is steps
     # The drop-in steps every optimizer, not only DeepSpeed's own: the config's, or a caller's;
     # without either DeepSpeed has none (hybridtrain's default takes no step). Loading adds nothing.
     for optimizer in ({"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
                       {"type": "Adam", "params": {"adam_w_mode": False}}, {"type": "SGD", "params": {"lr": 0.1}}):
-        assert wrapper_step({**raw, "optimizer": optimizer}, client=False) is steps
+        assert takes_fp16_init_step({**raw, "optimizer": optimizer}, client=False) is steps
         cfg, applied = explain_config({**raw, "optimizer": optimizer})
         assert cfg.optimizer.params == optimizer["params"]
         assert not [a for a in applied if "fp16_init_step" in a.key]
-    assert wrapper_step(raw, client=True) is steps
-    assert wrapper_step(raw, client=False) is False
+    assert takes_fp16_init_step(raw, client=True) is steps
+    assert takes_fp16_init_step(raw, client=False) is False
 
 
 def test_an_explicit_init_step_setting_is_kept() -> None:

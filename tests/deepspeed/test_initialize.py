@@ -39,7 +39,7 @@ def test_a_callers_optimizer_is_stepped_once_with_zero_gradients_then_trains_as_
     assert (returned is optimizer) is not offload
     assert all(s["step"] == 1 for s in returned.state.values())
 
-    # The reference: DeepSpeed's wrapper step, then loss-scaled fp16 steps.
+    # The reference: DeepSpeed's fp16 init step, then loss-scaled fp16 steps.
     opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=DECAY)
     for p in reference.parameters():
         p.grad = torch.zeros_like(p)
@@ -63,7 +63,7 @@ def test_a_callers_optimizer_is_stepped_once_with_zero_gradients_then_trains_as_
 
 
 @pytest.mark.parametrize("scheduler", ["callers", "config"])
-def test_the_wrapper_step_uses_the_learning_rate_of_the_moment_deepspeed_takes_it(scheduler: str) -> None:
+def test_the_fp16_init_step_uses_the_learning_rate_of_the_moment_deepspeed_takes_it(scheduler: str) -> None:
     model = _model()
     start = _start(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
@@ -89,7 +89,7 @@ def test_the_wrapper_step_uses_the_learning_rate_of_the_moment_deepspeed_takes_i
     fp32_engine, _, _, _ = deepspeed.initialize(model=unstepped, optimizer=plain, **{"config": {
         k: v for k, v in FP16.items() if k != "fp16"}, **twin})
     assert engine.get_lr() == fp32_engine.get_lr()
-    assert not plain.state  # without fp16 (or with ZeRO) DeepSpeed has no wrapper step
+    assert not plain.state  # without fp16 (or with ZeRO) DeepSpeed has no fp16 init step
 
 
 @pytest.mark.parametrize(("zero", "steps"), [({}, True), ({"zero_optimization": {"stage": 1}}, False)])

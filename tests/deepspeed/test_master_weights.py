@@ -159,7 +159,7 @@ def test_every_rule_measures_the_global_norm_and_clips_to_max_norm(rule: Any) ->
 def test_a_step_with_an_infinite_gradient_is_skipped() -> None:
     weight = nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
     optimizer = MasterWeightsOptimizer(torch.optim.SGD([weight], lr=0.1), max_norm=1.0, rule="zero",
-                                       zero_gradient_step=False)
+                                       fp16_init_step=False)
     weight.grad = torch.tensor([1.0, float("inf"), 0.0], dtype=torch.bfloat16)
     optimizer.step()
     assert optimizer.last_grad_norm == float("inf")

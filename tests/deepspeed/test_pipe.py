@@ -231,7 +231,7 @@ def test_partitions_are_deepspeeds(seed: int) -> None:
 def test_checkpointed_layers_follow_deepspeeds_chunks() -> None:
     """Chunks of 2 layers from each stage's start; a chunk with parameters is checkpointed
     (its layers with parameters, here); checkpointable_layers restricts by class name."""
-    from hybridtrain.runtime.recompute import is_checkpointed
+    from hybridtrain.runtime.activations.recompute import is_checkpointed
 
     def layers() -> list[Any]:
         return [nn.Linear(4, 4), nn.ReLU(), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)]

@@ -18,7 +18,7 @@ from hybridtrain.deepspeed.client_optimizer import describe, lay_groups, with_op
 from hybridtrain.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from hybridtrain.deepspeed.runtime import lr_schedules
 from hybridtrain.deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-from hybridtrain.runtime.optim import build_optimizer
+from hybridtrain.optim import build_optimizer
 
 ACCUMULATION = 2
 

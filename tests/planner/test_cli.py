@@ -98,7 +98,7 @@ def _keys(tree: object, prefix: str = "") -> set[str]:
 
 def _corpus_half_precision() -> list[Path]:
     """The corpus's fp16/bf16 configs at ZeRO stage 0 with an Adam-family optimizer section: where
-    DeepSpeed's fp16 wrapper steps the optimizer, where plan -o used to write fp16_init_step, and
+    DeepSpeed's fp16 wrapper takes the fp16 init step, where plan -o used to write fp16_init_step, and
     which the planner may move to ZeRO (DeepSpeed's LAMB and 1-bit optimizers refuse ZeRO)."""
     corpus = Path(__file__).resolve().parents[1] / "config" / "deepspeed_corpus"
     chosen = []
@@ -117,7 +117,7 @@ def _corpus_half_precision() -> list[Path]:
 def test_plan_on_public_deepspeed_configs_writes_only_their_keys_and_ours(tmp_path: Path) -> None:
     # Real fp16/bf16 DeepSpeed configs at stage 0, planned for 2 processes on a small device: the
     # planner may move them to ZeRO 1-3. The written plan holds the user's keys and the schema's,
-    # never DeepSpeed's fp16-wrapper step (the drop-in's rule, decided from the file it loads).
+    # never DeepSpeed's fp16 init step (the drop-in's rule, decided from the file it loads).
     import contextlib
     import io
 
@@ -149,9 +149,9 @@ def test_plan_on_public_deepspeed_configs_writes_only_their_keys_and_ours(tmp_pa
     assert moved, "no plan left ZeRO stage 0: the case this test is for did not happen"
 
 
-def test_a_plan_that_leaves_stage_0_writes_no_wrapper_step(tmp_path: Path) -> None:
+def test_a_plan_that_leaves_stage_0_writes_no_fp16_init_step(tmp_path: Path) -> None:
     # A DeepSpeed file at ZeRO stage 0 with fp16; a plan that moves it to stage 1. hybridtrain's
-    # own road takes no fp16-wrapper step at either stage (that is the DeepSpeed drop-in's rule),
+    # own road takes no fp16 init step at either stage (that is the DeepSpeed drop-in's rule),
     # so the written file is the plan's config, key for key, and loads back to the same math.
     from hybridtrain.commands.plan import write_config
     from hybridtrain.plan.resolve import optimizer_settings
@@ -168,7 +168,7 @@ def test_a_plan_that_leaves_stage_0_writes_no_wrapper_step(tmp_path: Path) -> No
         again = load_config(str(tmp_path / "plan.yaml"))
         assert again == moved
         assert optimizer_settings(again) == optimizer_settings(config)
-        assert not optimizer_settings(again).zero_gradient_step
+        assert not optimizer_settings(again).fp16_init_step
 
 
 def test_plan_states_its_kernel_efficiency_the_modes_it_searches_and_what_binds(

@@ -89,7 +89,7 @@ def test_a_callers_model_is_estimated_without_touching_it() -> None:
 @pytest.mark.parametrize("layer_major", [False, True])
 def test_half_width_weights_cross_at_two_bytes_in_the_time_model(layer_major: bool) -> None:
     """Under bf16, streamed Linear weights go up and their gradients come down as half
-    (runtime/half_width.py); layer-major's gradients summed over micro-batches stay fp32."""
+    (runtime/precision/half_width.py); layer-major's gradients summed over micro-batches stay fp32."""
     config = load_config({**TINY, "bf16": {"enabled": True}, "gradient_accumulation_steps": 2,
                           "train_batch_size": 16, "layer_streaming": {"enabled": True, "layer_major": layer_major,
                                                                       "boundary_activations": "host"}})

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import hybridtrain as ht
-import hybridtrain.runtime.layer_major as layer_major
+import hybridtrain.runtime.streaming.layer_major as layer_major
 from hybridtrain.models.gpt import GPT, GPTConfig, causal_lm_loss
 from hybridtrain.planner.estimate import estimate, model_source, resolve_target
 from hybridtrain.runtime.memory_limit import LiveTensorBytes

@@ -356,7 +356,7 @@ def test_oom_in_the_forward_after_an_overlapped_step_is_recovered() -> None:
     another plan instead of refused as "partly updated"."""
     import time
 
-    from hybridtrain.runtime.optimizer_offload import OffloadOptimizer
+    from hybridtrain.runtime.offload.optimizer import OffloadOptimizer
 
     raw = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8, "optimizer": OPTIMIZER, "device": "cpu",
            "gradient_clipping": 0.05, "oom_recovery": {"enabled": True},

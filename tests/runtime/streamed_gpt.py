@@ -6,7 +6,7 @@ import torch
 
 import hybridtrain as ht
 from hybridtrain.models.gpt import GPTConfig
-from hybridtrain.runtime.streaming import LayerStreamer
+from hybridtrain.runtime.streaming.streamer import LayerStreamer
 
 
 def gpt_batches(count: int, cfg: GPTConfig, size: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:

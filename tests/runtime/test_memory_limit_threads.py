@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hybridtrain as ht
-import hybridtrain.runtime.layer_major as layer_major
+import hybridtrain.runtime.streaming.layer_major as layer_major
 from hybridtrain.models.gpt import GPT, GPTConfig, causal_lm_loss
 from hybridtrain.runtime.memory_limit import (
     DeviceMemoryLimitError,
@@ -21,7 +21,7 @@ from hybridtrain.runtime.memory_limit import (
     storage_resized,
     tensors_alive,
 )
-from hybridtrain.runtime.streaming import LayerStreamer
+from hybridtrain.runtime.streaming.streamer import LayerStreamer
 from hybridtrain.runtime.thread_counters import counters_here, counting_with
 
 

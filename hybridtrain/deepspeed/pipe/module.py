@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from hybridtrain.deepspeed.pipe.partition import METHODS, method_parts
-from hybridtrain.runtime.recompute import (
+from hybridtrain.runtime.activations import (
     apply_activation_checkpointing,
     remove_activation_checkpointing,
 )
@@ -158,7 +158,8 @@ class PipelineModule(nn.Module):
             raise ValueError("PipelineModule(seed_layers=True) is not supported (per-layer reseeding of the random "
                              "generators); allowed: False — seed once with torch.manual_seed before building")
         if seed_fn is not None or base_seed != _DEFAULT_SEED:
-            log.info("PipelineModule(seed_fn=…/base_seed=%s): no effect without seed_layers, as in DeepSpeed", base_seed)
+            log.info("PipelineModule(seed_fn=…/base_seed=%s): no effect without seed_layers, as in DeepSpeed",
+                     base_seed)
         if activation_checkpoint_func is not None:
             log.info("PipelineModule(activation_checkpoint_func=…): not called; layers are checkpointed with torch's "
                      "non-reentrant checkpoint (RNG state preserved), the same math")

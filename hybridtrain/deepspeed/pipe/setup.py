@@ -39,7 +39,7 @@ from torch.utils.data.dataloader import default_collate
 
 from hybridtrain.config import Config, ConfigError, load_config
 from hybridtrain.config.batch_sizes import resolve_batch_sizes
-from hybridtrain.deepspeed.building import build_engine, wrapper_step
+from hybridtrain.deepspeed.building import build_engine, takes_fp16_init_step
 from hybridtrain.deepspeed.comm import init_distributed
 from hybridtrain.deepspeed.pipe.engine import PipelineEngine, PipelineLoss, StagePlace
 from hybridtrain.deepspeed.pipe.module import PipelineModule
@@ -77,7 +77,7 @@ def initialize_pipeline(module: PipelineModule, raw: dict[str, Any], optimizer: 
     """
     world = env_world_size()
     raw, pp, interval, reentrant = pipeline_config(raw, module, world)
-    wrapper_steps = wrapper_step(raw, client=optimizer is not None)
+    init_step = takes_fp16_init_step(raw, client=optimizer is not None)
     cfg = load_config(raw)
     dp, tp, _ = parallel_sizes(cfg, world)
     batch = resolve_batch_sizes(cfg, dp)
@@ -99,11 +99,12 @@ def initialize_pipeline(module: PipelineModule, raw: dict[str, Any], optimizer: 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     place = StagePlace(rank // (dp * tp) if pp > 1 else 0, pp, rank, world)
     loss = PipelineLoss(module.loss_fn)
-    build = functools.partial(_build, module, cfg, pp, wrapper_steps, optimizer, params, lr_scheduler, loss)
+    build = functools.partial(_build, module, cfg, pp, init_step, optimizer, params, lr_scheduler, loss)
     engine = PipelineEngine(module, cfg, batch, place, build, loss, optimizer, lr_scheduler)
     loader = None
     if training_data is not None:
-        sampler: DistributedSampler[Any] = DistributedSampler(training_data, num_replicas=dp, rank=(rank // tp) % dp, shuffle=False)
+        sampler: DistributedSampler[Any] = DistributedSampler(training_data, num_replicas=dp, rank=(rank // tp) % dp,
+                                                              shuffle=False)
         loader = RepeatingLoader(DataLoader(training_data, batch_size=batch.micro_batch, sampler=sampler,
                                             collate_fn=collate_fn, drop_last=drop_last))
         engine.set_dataloader(loader)
@@ -166,12 +167,12 @@ def pipeline_config(raw: dict[str, Any], module: PipelineModule, world: int) -> 
     return raw, pp, interval, reentrant
 
 
-def _build(module: PipelineModule, cfg: Config, pp: int, wrapper_steps: bool, optimizer: Any,
+def _build(module: PipelineModule, cfg: Config, pp: int, init_step: bool, optimizer: Any,
            params: list[Any] | None, lr_scheduler: Any, loss: PipelineLoss, example: Batch) -> Engine:
     if pp > 1:
         check_activations(module, example[0])
         module.pipelined = True  # the split wraps the layers: their checkpointing is fixed from here
-    return build_engine(module, cfg, wrapper_steps, optimizer, params, lr_scheduler, loss_fn=loss,
+    return build_engine(module, cfg, init_step, optimizer, params, lr_scheduler, loss_fn=loss,
                         example_batch=example if pp > 1 else None)
 
 

@@ -1,5 +1,5 @@
 """``deepspeed.runtime.lr_schedules``: DeepSpeed's schedulers by their class names, with
-DeepSpeed's formulas, defaults and step indexing (:mod:`hybridtrain.runtime.deepspeed_schedules`)."""
+DeepSpeed's formulas, defaults and step indexing (:mod:`hybridtrain.optim.deepspeed.schedules`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from hybridtrain.runtime.deepspeed_schedules import DeepSpeedSchedule
+from hybridtrain.optim.deepspeed.schedules import DeepSpeedSchedule
 
 __all__ = ["LR_RANGE_TEST", "ONE_CYCLE", "VALID_LR_SCHEDULES", "WARMUP_COSINE_LR", "WARMUP_DECAY_LR", "WARMUP_LR",
            "LRRangeTest", "OneCycle", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR"]

@@ -1,0 +1,76 @@
+"""How optimizer offload lays parameters out: which stay on the device (twin-flow), the
+buckets they travel in, the host masters' type, and the host memory all of it needs
+(checked before anything is allocated). Pure functions over parameter lists."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from hybridtrain.optim import optimizer_state_bytes
+from hybridtrain.runtime import transfer
+
+
+def device_kept(params: list[nn.Parameter], host_ratio: float, streamed: set[int]) -> set[int]:
+    """Twin-flow: the last parameters, ``1 - host_ratio`` of the elements, stay on the device."""
+    candidates = [p for p in params if id(p) not in streamed]
+    budget = (1.0 - host_ratio) * sum(p.numel() for p in candidates)
+    kept: set[int] = set()
+    for p in reversed(candidates):
+        if budget <= 0:
+            break
+        kept.add(id(p))
+        budget -= p.numel()
+    return kept
+
+
+def master_dtype(param: torch.Tensor) -> torch.dtype:
+    """The host master's type: fp64 for an fp64 parameter (an fp64 model trains in fp64, as
+    the plain loop does), fp32 for every other (mixed precision's fp32 masters; fp8 too)."""
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
+def bucket_dtype(params: list[nn.Parameter]) -> torch.dtype:
+    dtypes = {master_dtype(p) for p in params}
+    if len(dtypes) > 1:
+        raise ValueError(f"a streamed block's parameters need one master type, found {sorted(map(str, dtypes))}: "
+                         "give the block's parameters one dtype")
+    return dtypes.pop() if dtypes else torch.float32
+
+
+def chunks(params: list[nn.Parameter], numel: int) -> Iterable[list[nn.Parameter]]:
+    """Runs of ``params`` of about ``numel`` elements, each of one master type."""
+    chunk: list[nn.Parameter] = []
+    size = 0
+    for p in params:
+        if chunk and (size + p.numel() > numel or master_dtype(p) != master_dtype(chunk[0])):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(p)
+        size += p.numel()
+    if chunk:
+        yield chunk
+
+
+POOLED_BUFFERS = 3
+"""Host buffers gradients pass through: one being copied down, one stepped with, one spare."""
+
+
+def host_state_bytes(numel: int, optimizer: torch.optim.Optimizer, grads_wait_on_host: bool = True) -> int:
+    """Host bytes for ``numel`` offloaded elements: the fp32 master, the fp32 gradient when
+    gradients wait in host memory, and the optimizer's per-element state (two fp32 moments
+    for the Adam family)."""
+    state = optimizer_state_bytes(type(optimizer).__name__, optimizer.defaults)
+    return numel * (4 + (4 if grads_wait_on_host else 0) + state)
+
+
+def check_host_memory(params: list[nn.Parameter], on_device: set[int], optimizer: torch.optim.Optimizer,
+                       grads_wait_on_host: bool, pool_bytes: int) -> None:
+    # in fp32 elements: an fp64 master, its gradient and state take twice the bytes
+    numel = sum(p.numel() * master_dtype(p).itemsize // 4 for p in params if id(p) not in on_device)
+    cpu_resident = sum(p.numel() * p.element_size() for p in params if p.device.type == "cpu")
+    # Parameters already in host memory (CPU device, streamed blocks) are replaced, not added to.
+    needed = host_state_bytes(numel, optimizer, grads_wait_on_host) + min(pool_bytes, 4 * numel) - cpu_resident
+    transfer.check_host_memory(needed, "optimizer offload")
