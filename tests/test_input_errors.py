@@ -223,9 +223,9 @@ def _point_storage_at(step: Path, outside: Path, how: str) -> str:
     return words
 
 
-# bf16 without ZeRO: a config whose drop-in checkpoint keeps hybridtrain's sharded layout (the
+# ZeRO-3 under bf16: a config whose drop-in checkpoint keeps hybridtrain's sharded layout (the
 # DeepSpeed layout's .pt files are covered by tests/deepspeed/checkpoint/test_layout.py).
-DROPIN_CONFIG = {"train_batch_size": 2, "bf16": {"enabled": True}}
+DROPIN_CONFIG = {"train_batch_size": 2, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
 
 
 @pytest.fixture(scope="module")
