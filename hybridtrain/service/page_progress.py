@@ -45,7 +45,7 @@ def tail_records(path: Path, limit: int = METRICS_TAIL) -> list[dict[str, Any]]:
     for line in lines:
         try:
             value = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested deeper than Python parses
             continue
         if isinstance(value, dict):
             records.append(value)
@@ -68,7 +68,15 @@ def total_steps(job: JobRecord) -> int | None:
 
 
 def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+    """``value`` as a finite float; ``None`` for anything else (a bool, a string, an integer
+    too large for a float, NaN: any program may write the metrics file)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def progress(job: JobRecord) -> dict[str, Any]:
