@@ -26,8 +26,8 @@ def add_train_command(sub: Any) -> None:
     train.add_argument("config", nargs="?", help="JSON/YAML config (DeepSpeed keys accepted); defaults when omitted")
     _add_overrides(train)
     train.add_argument("--resume", nargs="?", const=True, default=False, metavar="CHECKPOINT",
-                       help="continue from CHECKPOINT, or from the newest one in train.output_dir when no path is given "
-                       "(starts fresh when there is none); after a crash under --max-restarts the ranks resume "
+                       help="continue from CHECKPOINT, or from the newest one in train.output_dir when no path is "
+                       "given (starts fresh when there is none); after a crash under --max-restarts the ranks resume "
                        "by themselves")
     train.add_argument("--overwrite", action="store_true",
                        help="start over in an output directory that has checkpoints: its checkpoints and metrics "

@@ -201,7 +201,8 @@ class TrialSpec(_Strict):
             _no_nul(f"trial.{field}", getattr(self, field))
         for name, value in self.env.items():
             if not name or "=" in name or "\0" in name:
-                raise _FieldError(f"trial.env.{json.dumps(name)[1:-1]}", "an environment variable name must be non-empty and "
+                raise _FieldError(f"trial.env.{json.dumps(name)[1:-1]}",
+                                  "an environment variable name must be non-empty and "
                                   "hold neither '=' nor a NUL character", name)
             _no_nul(f"trial.env.{json.dumps(name)[1:-1]}", value)
         return self

@@ -1,119 +1,111 @@
-"""The jobs web page: queue, running and finished jobs; per job its loss curve, devices,
-restarts and log. Served at ``/jobs`` behind the service's token (open it once with
-``/jobs?token=…``, which sets the same HTTP-only cookie as the HPO dashboard).
+"""The jobs web page: ``/jobs/`` lists the jobs (filters by state and experiment, links to
+each job), ``/jobs/NAME`` is one job's page (progress, attempts, loss curve, log, cancel and
+resubmit buttons). Served behind the service's token (open it once with ``/jobs?token=…``,
+which sets the same HTTP-only cookie as the HPO dashboard).
 
-The page reads its data from routes inside the same token-guarded app (``/jobs/data``),
-so the browser never holds the bearer token in script.
+The pages read their data from routes inside the same token-guarded app (``/jobs/data``,
+``/jobs/data/NAME``) and cancel or resubmit through ``POST /jobs/NAME/cancel|resubmit``, which
+call what ``POST /v1/jobs/NAME/cancel|resubmit`` call, so the browser never holds the bearer
+token in script. Those POSTs need the header ``X-Hybridtrain-Page`` (a cross-site form cannot
+send it; the cookie is ``SameSite=Strict`` too).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import os
+from typing import TYPE_CHECKING, Annotated, Any
+
+from fastapi import FastAPI, Header, HTTPException, Query
+from fastapi.responses import HTMLResponse
 
 from hybridtrain.hpo.auth import ASGIApp, TokenGuard
-from hybridtrain.service.errors import JobNotFoundError
+from hybridtrain.service.errors import JobConflictError, JobNotFoundError, JobSpecError
+from hybridtrain.service.page_html import JOB_PAGE, LIST_PAGE, security_policy
+from hybridtrain.service.page_progress import attempts, progress, queue_wait_s
 
 if TYPE_CHECKING:
     from hybridtrain.service.api import JobService
-
-_PAGE = """<!doctype html>
-<html><head><meta charset="utf-8"><title>hybridtrain jobs</title>
-<style>
-body{font:14px system-ui,sans-serif;margin:1.5em;color:#222}
-table{border-collapse:collapse;width:100%;margin-bottom:1.5em}
-td,th{border-bottom:1px solid #ddd;padding:.3em .6em;text-align:left;vertical-align:top}
-tr.sel{background:#eef}tr{cursor:pointer}
-.queued{color:#a60}.preempted{color:#a60;font-style:italic}.running{color:#06c}.succeeded{color:#080}.failed{color:#c00}
-.cancelled,.pruned{color:#777}pre{background:#f6f6f6;padding:.6em;max-height:24em;overflow:auto}
-</style></head><body>
-<h1>hybridtrain jobs</h1><div id="summary"></div>
-<table><thead><tr><th>job</th><th>state</th><th>devices</th><th>restarts</th>
-<th>backend</th><th>program</th><th>reason</th></tr></thead><tbody id="jobs"></tbody></table>
-<div id="detail"></div>
-<script>
-let selected = null;
-const esc = s => String(s ?? "").replace(/[&<>"]/g, c => ({"&":"&amp;","<":"&lt;",">":"&gt;",'"':"&quot;"}[c]));
-function curve(c) {
-  if (!c.steps.length) return "<p>no loss values yet</p>";
-  const W = 600, H = 200, xs = c.steps, ys = c.loss;
-  const x0 = Math.min(...xs), x1 = Math.max(...xs), y0 = Math.min(...ys), y1 = Math.max(...ys);
-  const px = x => 40 + (W - 50) * (x1 > x0 ? (x - x0) / (x1 - x0) : 0.5);
-  const py = y => 10 + (H - 30) * (y1 > y0 ? (y1 - y) / (y1 - y0) : 0.5);
-  const pts = xs.map((x, i) => px(x).toFixed(1) + "," + py(ys[i]).toFixed(1)).join(" ");
-  return `<svg width="${W}" height="${H}" role="img" aria-label="loss curve">
-    <polyline fill="none" stroke="#06c" stroke-width="1.5" points="${pts}"/>
-    <text x="2" y="14">${y1.toPrecision(4)}</text><text x="2" y="${H - 20}">${y0.toPrecision(4)}</text>
-    <text x="40" y="${H - 4}">step ${x0}</text><text x="${W - 80}" y="${H - 4}">step ${x1}</text></svg>`;
-}
-async function show(name) {
-  selected = name;
-  const r = await fetch("data/" + encodeURIComponent(name));
-  if (!r.ok) return;
-  const d = await r.json(), j = d.job;
-  const hist = j.history.map(h => `<li>attempt ${h.attempt}: ${esc(h.outcome)} (exit ${esc(h.exit_code)}) on ${esc(JSON.stringify(h.devices))}: ${esc(h.reason)}</li>`).join("");
-  document.getElementById("detail").innerHTML = `<h2>${esc(j.name)} <span class="${j.state}">${j.state}</span></h2>
-    <p>${esc(j.reason)}</p><p>devices ${esc(JSON.stringify(j.devices))} of ${j.devices_requested} asked,
-    restarts ${j.restarts}/${j.max_restarts}, attempt ${j.attempt}, backend ${esc(j.backend)},
-    ${j.preemptible ? "preemptible" : "not preemptible"}</p>
-    <h3>loss</h3>${curve(d.curve)}<h3>attempts</h3><ul>${hist || "<li>none yet</li>"}</ul>
-    <h3>log (last 64 KiB)</h3><pre>${esc(d.log)}</pre>`;
-}
-async function refresh() {
-  const r = await fetch("data");
-  if (!r.ok) return;
-  const d = await r.json();
-  const s = d.summary;
-  document.getElementById("summary").textContent = `${s.devices.kind} slots ${s.devices.ids.length}, busy ${s.devices.busy.length}; ` +
-    Object.entries(s.jobs).map(([k, v]) => `${k} ${v}`).join(", ");
-  const order = {running: 0, queued: 1, preempted: 1};
-  d.jobs.sort((a, b) => (order[a.state] ?? 2) - (order[b.state] ?? 2) || b.id - a.id);
-  document.getElementById("jobs").innerHTML = d.jobs.map(j => `<tr data-name="${esc(j.name)}" class="${j.name === selected ? "sel" : ""}">
-    <td>${esc(j.name)}</td><td class="${j.state}">${j.state}</td><td>${esc(JSON.stringify(j.devices))}</td>
-    <td>${j.restarts}/${j.max_restarts}</td><td>${esc(j.backend)}</td><td>${esc(j.program)}</td><td>${esc(j.reason)}</td></tr>`).join("");
-  for (const tr of document.querySelectorAll("#jobs tr")) tr.onclick = () => show(tr.dataset.name);
-  if (selected) show(selected);
-}
-refresh(); setInterval(refresh, 3000);
-</script></body></html>
-"""
+    from hybridtrain.service.store import JobRecord
 
 #: Bytes of a job's log the page shows.
 PAGE_LOG = 64 * 1024
+#: Header the page's POSTs carry (a plain cross-site form cannot set it).
+PAGE_HEADER = "x-hybridtrain-page"
 
 
 def jobs_page_app(service: JobService, token: str) -> ASGIApp:
-    """The page and its data routes as a token-guarded ASGI app (mount at ``/jobs``)."""
-    from fastapi import FastAPI, HTTPException
-    from fastapi.responses import HTMLResponse
+    """The pages, their data and action routes as a token-guarded ASGI app (mount at
+    ``/jobs``)."""
+    def html(document: str) -> HTMLResponse:
+        return HTMLResponse(document, headers={"content-security-policy": security_policy(document),
+                                               "x-content-type-options": "nosniff"})
 
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
+    def job_or_404(name: str) -> JobRecord:
+        try:
+            return service.store.get(name)
+        except JobNotFoundError as exc:
+            raise HTTPException(404, str(exc)) from None
+
     @app.get("/", response_class=HTMLResponse)
-    def page() -> str:
-        return _PAGE
+    def list_page() -> HTMLResponse:
+        return html(LIST_PAGE)
 
     @app.get("/data")
-    def data() -> dict[str, Any]:
+    def data(state: Annotated[str | None, Query()] = None,
+             experiment: Annotated[str | None, Query()] = None) -> dict[str, Any]:
         positions = service.queue_positions()
-        jobs = [service.brief(j, positions) for j in service.store.jobs()]
-        return {"summary": service.summary(), "jobs": jobs}
+        every = service.store.jobs()
+        experiments = sorted({j.experiment for j in every if j.experiment})
+        shown = [j for j in every if (not state or j.state in state.split(","))
+                 and (not experiment or j.experiment == experiment)]
+        jobs = [service.brief(j, positions) | {
+            "progress": progress(j) if j.state == "running" else None,
+            "queue_wait_s": queue_wait_s(j)} for j in shown]
+        return {"summary": service.summary(), "experiments": experiments, "jobs": jobs}
 
     @app.get("/data/{name}")
     def detail(name: str) -> dict[str, Any]:
-        try:
-            job = service.store.get(name)
-        except JobNotFoundError as exc:
-            raise HTTPException(404, str(exc)) from None
+        job = job_or_404(name)
         size = _size(job.job_dir, job.spec.stdout_file)
         log = service.logs(name, max(0, size - PAGE_LOG))["text"]
-        return {"job": job.as_dict(), "curve": service.curve(name), "log": log}
+        shown = job.as_dict() | {"queue_position": service.queue_positions().get(job.name)}
+        return {"job": shown, "curve": service.curve(name), "log": log, "progress": progress(job),
+                "queue_wait_s": queue_wait_s(job), "attempts": attempts(job)}
+
+    @app.get("/{name}", response_class=HTMLResponse)
+    def job_page(name: str) -> HTMLResponse:
+        job_or_404(name)
+        return html(JOB_PAGE)
+
+    def act(name: str, page_header: str | None, action: str) -> dict[str, Any]:
+        if not page_header:
+            raise HTTPException(403, f"the page's {action} needs the {PAGE_HEADER} header")
+        try:
+            record = service.cancel(name) if action == "cancel" else service.resubmit(name)
+        except JobNotFoundError as exc:
+            raise HTTPException(404, str(exc)) from None
+        except JobConflictError as exc:
+            raise HTTPException(409, str(exc)) from None
+        except JobSpecError as exc:
+            raise HTTPException(422, str(exc)) from None
+        return record.as_dict()
+
+    @app.post("/{name}/cancel")
+    def cancel(name: str, page_header: Annotated[str | None, Header(alias=PAGE_HEADER)] = None
+               ) -> dict[str, Any]:
+        return act(name, page_header, "cancel")
+
+    @app.post("/{name}/resubmit")
+    def resubmit(name: str, page_header: Annotated[str | None, Header(alias=PAGE_HEADER)] = None
+                 ) -> dict[str, Any]:
+        return act(name, page_header, "resubmit")
 
     return TokenGuard(app, token)
 
 
 def _size(directory: str, name: str) -> int:
-    import os
-
     try:
         return os.path.getsize(os.path.join(directory, name))
     except OSError:

@@ -94,6 +94,7 @@ def test_a_jobs_hostile_metric_line_is_skipped_in_its_curve_and_page(
     assert curve.status_code == 200 and curve.json() == {"name": "j", "steps": [2], "loss": [0.5]}
     page = client.get("/jobs/data/j", headers=AUTH)
     assert page.status_code == 200 and page.json()["curve"]["steps"] == [2]
+    assert page.json()["progress"]["step"] == 2 and page.json()["progress"]["loss"] == 0.5
 
 
 def _fill_up(engine: sa.engine.Engine) -> None:
