@@ -51,7 +51,7 @@ import hybridtrain as ht  # noqa: E402
 from hybridtrain.models.gpt import GPT, causal_lm_loss, gpt_config, gpt_param_count  # noqa: E402
 from hybridtrain.planner.estimate import Estimate, estimate, model_source, resolve_target  # noqa: E402
 from hybridtrain.planner.search import MARGIN  # noqa: E402
-from hybridtrain.profiling.timeline import measure_timeline, settle_updates  # noqa: E402
+from hybridtrain.profiling.timeline import measure_timeline, wait_for_host_updates  # noqa: E402
 from hybridtrain.runtime.transfer import available_host_bytes  # noqa: E402
 
 MODES: dict[str, dict[str, Any]] = {
@@ -198,7 +198,7 @@ def measure(setup: Setup, name: str) -> Result:
     engine = ht.initialize(build_model(setup.model), engine_config(setup, name), loss_fn=causal_lm_loss)
     engine.overlap_updates = setup.overlap
     data = setup.data()
-    result = time_steps(setup, name, lambda: engine.train_batch(data), functools.partial(settle_updates, engine),
+    result = time_steps(setup, name, lambda: engine.train_batch(data), functools.partial(wait_for_host_updates, engine),
                         config=engine_config(setup, name))
     moved = dict(engine.last_timings.transfer_bytes)  # the last timed step's
     # One further step, after the timed ones (its recorders must not touch their figures).

@@ -104,7 +104,7 @@ class Engine:
             one process), waits for that weight's update only — the same math.
             The engine's methods wait where they read the result (checkpoints,
             ``model_state_dict``, ``profile``); code of yours that reads the parameters
-            between steps calls :meth:`settle` first. ``hybridtrain train`` sets it.
+            between steps calls :meth:`wait_for_updates` first. ``hybridtrain train`` sets it.
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer,
@@ -315,16 +315,16 @@ class Engine:
     def _timed(self, part: str) -> AbstractContextManager[None]:
         return step_part(part, self.device)
 
-    def _settle_updates(self) -> None:
+    def _wait_for_host_updates(self) -> None:
         # Before reading through state_dict (which gives rounded weights' masters) or training on.
         self.steps.wait_for_updates()
 
-    def settle(self) -> None:
+    def wait_for_updates(self) -> None:
         """Wait for host updates still running after the last step (:attr:`overlap_updates`),
         and give weights that went up in half their exact fp32 values
         (:mod:`~hybridtrain.runtime.offload.half_uploads`): afterwards the model's parameters and the
         optimizer's state are that step's result."""
-        self._settle_updates()
+        self._wait_for_host_updates()
         self.steps.make_weights_exact()  # also before a checkpoint is loaded in place
 
     # ------------------------------------------------------------------ readings
@@ -347,7 +347,7 @@ class Engine:
 
         Under ZeRO or tensor/pipeline parallel this is a collective: call it on every rank.
         """
-        self._settle_updates()
+        self._wait_for_host_updates()
         return self.parallel.model_state_dict()
 
     @property
@@ -366,7 +366,7 @@ class Engine:
         See :mod:`hybridtrain.profiling.profiler`."""
         from hybridtrain.profiling.profiler import profile_engine
 
-        self._settle_updates()
+        self._wait_for_host_updates()
         return profile_engine(self, batch, steps, output_dir)
 
     # ------------------------------------------------------------------ checkpoints
@@ -384,7 +384,7 @@ class Engine:
         Raises:
             CheckpointError: a rank could not write (the previous checkpoint is untouched).
         """
-        self._settle_updates()
+        self._wait_for_host_updates()
         meta = {"step": self.global_step, "setup": self.options.setup,
                 "params": {k: list(v) for k, v in self.parallel.model_state_shapes().items()}}
         counters = {"global_step": self.global_step, "nonfinite_skips": self._nonfinite_skips}
@@ -403,7 +403,7 @@ class Engine:
                 message says what does not match); nothing is modified then.
             IncompleteCheckpointError: incomplete or corrupt; nothing is modified then.
         """
-        self.settle()
+        self.wait_for_updates()
         restored = ckpt.load(path, self._checkpoint_parts(), self._check_compatible, model_only)
         if model_only:
             self.steps.refresh_masters()  # the next update starts from the loaded weights

@@ -82,7 +82,7 @@ def build_engine(model: nn.Module, cfg: Config, init_step: bool, optimizer: Any,
     if half_weights:
         # DeepSpeed's bf16 wrapper takes the init step over its fp32 masters; the engine takes none.
         init_step = bool(cfg.optimizer.params.get(FP16_INIT_STEP, init_step))
-        cfg = _with_fp16_init_step_said(cfg, False)
+        cfg = _with_fp16_init_step_set(cfg, False)
     else:
         cfg = with_fp16_init_step(cfg, init_step)
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
@@ -195,10 +195,10 @@ def with_fp16_init_step(cfg: Config, init_step: bool) -> Config:
     value the user wrote there decides instead."""
     if not init_step or FP16_INIT_STEP in cfg.optimizer.params:
         return cfg
-    return _with_fp16_init_step_said(cfg, True)
+    return _with_fp16_init_step_set(cfg, True)
 
 
-def _with_fp16_init_step_said(cfg: Config, take: bool) -> Config:
+def _with_fp16_init_step_set(cfg: Config, take: bool) -> Config:
     params = {**cfg.optimizer.params, FP16_INIT_STEP: take}
     return cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"params": params})})
 

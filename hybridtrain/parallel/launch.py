@@ -171,7 +171,7 @@ def launch(spec: LaunchSpec, script: str, script_args: Sequence[str] = (), annou
         failure = failures[rank]
         others = sorted(set(failures) - {rank})
         also = f"; ranks {others} failed too" if others else ""
-        print(f"error: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {_how(failure)}; "
+        print(f"error: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {_describe_exit(failure)}; "
               f"the launcher stopped the other ranks{also}", file=sys.stderr, flush=True)
         return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
     except SignalException as exc:
@@ -228,19 +228,19 @@ def _finished_line(failures: Mapping[int, ProcessFailure]) -> str:
 def _lost_peer(failure: ProcessFailure) -> bool:
     # hybridtrain's workers record a dead peer as PeerFailure("lost contact with another
     # rank …"); other scripts' error files (torchrun's @record) carry gloo's own words.
-    said = _said(failure)
-    return any(words in said for words in ("lost contact with another rank", "Connection reset by peer",
+    recorded = _recorded_error(failure)
+    return any(words in recorded for words in ("lost contact with another rank", "Connection reset by peer",
                                            "Connection closed by peer"))
 
 
-def _how(failure: ProcessFailure) -> str:
+def _describe_exit(failure: ProcessFailure) -> str:
     if failure.exitcode < 0:
         return f"was killed by {failure.signal_name()}"
-    said = _said(failure)
-    return f"exited with code {failure.exitcode}" + (f" ({said})" if said else "")
+    recorded = _recorded_error(failure)
+    return f"exited with code {failure.exitcode}" + (f" ({recorded})" if recorded else "")
 
 
-def _said(failure: ProcessFailure) -> str:
+def _recorded_error(failure: ProcessFailure) -> str:
     """The exception a worker recorded in its error file (``TORCHELASTIC_ERROR_FILE``), one line."""
     message = failure.message
     if isinstance(message, dict):

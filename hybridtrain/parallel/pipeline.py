@@ -55,7 +55,7 @@ from hybridtrain.parallel.gradient_sync import GradientSync
 from hybridtrain.parallel.mesh import Topology
 from hybridtrain.parallel.partition import choose_partition, stage_bounds, time_blocks
 from hybridtrain.parallel.pipeline_plan import PipelinePlan
-from hybridtrain.parallel.pipeline_stage import HollowBlock, StageModule, StageRouter
+from hybridtrain.parallel.pipeline_stage import PassThroughBlock, StageModule, StageRouter
 from hybridtrain.runtime.batch import (
     Batch,
     LossFn,
@@ -176,7 +176,7 @@ def split_pipeline(model: nn.Module, blocks: BlockList, settings: PipelinePlan, 
     # blocks) goes to the device (a no-op where the whole model was placed to be timed).
     model.to(device)
     if shard is not None:  # after hollowing: only this rank's blocks become units
-        shard(model, [b for b in blocks if not isinstance(b, HollowBlock)])
+        shard(model, [b for b in blocks if not isinstance(b, PassThroughBlock)])
     router.install_exits(blocks)
     stages = [StageModule(model, router, s, _owned(model, blocks, layout, s), loss_fn,
                           1.0 / settings.micro_batches) for s in local]

@@ -17,7 +17,7 @@ only the stage's part::
         │
       post-work (final norm, head) and the loss: last stage only
 
-Blocks of other ranks are replaced by :class:`HollowBlock` (their weights freed), so a
+Blocks of other ranks are replaced by :class:`PassThroughBlock` (their weights freed), so a
 rank holds its own blocks plus the modules outside the blocks. Side inputs the blocks get
 from the pre-work (attention masks, rotary tables) are recomputed from the micro-batch:
 the schedule hands every stage the micro-batch's index, and the stage reads the
@@ -45,7 +45,7 @@ class StageExit(Exception):  # noqa: N818 (control flow, not an error)
         self.output = output
 
 
-class HollowBlock(nn.Module):
+class PassThroughBlock(nn.Module):
     """Stands in for a block another rank runs: passes the hidden state through."""
 
     def __init__(self, tuple_output: bool) -> None:
@@ -81,7 +81,7 @@ class StageRouter:
                 block = blocks[i]
                 block.forward = self._dispatch(i, block.forward)
             else:
-                blocks[i] = HollowBlock(tuple_output)
+                blocks[i] = PassThroughBlock(tuple_output)
 
     def run(self, stage: int, incoming: torch.Tensor | None, forward: Callable[[], Any]) -> Any:
         """Call ``forward`` (the model's forward) as stage ``stage`` with input ``incoming``.
@@ -118,7 +118,7 @@ class StageRouter:
         cutting it off.
         """
         for index, block in enumerate(blocks):
-            if not isinstance(block, HollowBlock):
+            if not isinstance(block, PassThroughBlock):
                 block.register_forward_hook(self._exit_hook(index))
 
     def _exit_hook(self, index: int) -> Callable[..., None]:

@@ -183,7 +183,7 @@ class ProfileSession:
         """
         if self.count is None or not self._walls:
             raise RuntimeError("a profile needs one counted step and at least one timed step")
-        self.engine.settle()
+        self.engine.wait_for_updates()
         host_step = [clock.work.get("host_step", 0.0) for clock in self._clocks]
         profile = _summarise(self.engine, self.count, self._events, len(self._walls), sum(host_step) / len(host_step),
                              self._spans)

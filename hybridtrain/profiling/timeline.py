@@ -33,10 +33,10 @@ TIMELINE_PARTS = ("compute", "recomputation", "uploads", "downloads", "host_step
 """The keys of :func:`measure_timeline`'s answer (besides ``source``)."""
 
 
-def settle_updates(engine: Any) -> None:
+def wait_for_host_updates(engine: Any) -> None:
     """Wait for host updates an overlapped step left running (not the exact-weights upload
-    :meth:`~hybridtrain.engine.Engine.settle` adds, which a training loop does not do)."""
-    wait = getattr(engine, "_settle_updates", None) or getattr(engine, "settle", None)
+    :meth:`~hybridtrain.engine.Engine.wait_for_updates` adds, which a training loop does not do)."""
+    wait = getattr(engine, "_wait_for_host_updates", None) or getattr(engine, "wait_for_updates", None)
     if wait is not None:
         wait()
 
@@ -58,13 +58,13 @@ def measure_timeline(engine: Any, batch: Any) -> dict[str, Any]:
         and ``source``: ``cuda events`` or ``wall clock``.
     """
     device = engine.device
-    settle_updates(engine)
+    wait_for_host_updates(engine)
     _synchronize(device)
     clock, marks = PartClock(), StreamMarks()
     start = time.perf_counter()
     with clock.running(), marks.recording():
         engine.train_batch(batch)
-        settle_updates(engine)  # this step's background update belongs to it
+        wait_for_host_updates(engine)  # this step's background update belongs to it
         _synchronize(device)
     total = time.perf_counter() - start
     marked = marks.seconds()

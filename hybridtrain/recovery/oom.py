@@ -360,7 +360,7 @@ def _release(engine: Engine) -> None:
     # Host updates still running in the background finish first (they write the state and
     # queue uploads); then uploads and prefetches queued on side streams may still read or
     # write the memory freed below; the allocator would hand it to the new engine meanwhile.
-    engine.settle()
+    engine.wait_for_updates()
     dev.synchronize(engine.device)
     engine.optimizer.zero_grad(set_to_none=True)
     engine.optimizer.state.clear()

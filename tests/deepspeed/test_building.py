@@ -42,7 +42,7 @@ def test_zero3_parameter_offload_of_a_model_without_blocks_trains_as_a_plain_loo
         (reference(x) - 2 * x).pow(2).mean().backward()
         optimizer.step()
         optimizer.zero_grad()
-    engine.engine.settle()
+    engine.engine.wait_for_updates()
     for mine, theirs in zip(engine.module.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(mine.detach(), theirs.detach(), rtol=1e-5, atol=0)
 

@@ -30,7 +30,7 @@ def load(engine: Any, tag_dir: Path, load_optimizer_states: bool = True, load_lr
     Raises:
         CheckpointError: the checkpoint's parameters do not match the model's.
     """
-    engine.settle()
+    engine.wait_for_updates()
     with_optimizer = load_optimizer_states and not load_module_only
     state = reader.read(tag_dir, with_optimizer=with_optimizer)
     _load_weights(engine, state)

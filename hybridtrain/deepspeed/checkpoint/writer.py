@@ -49,7 +49,7 @@ class EngineSnapshot:
     """
 
     def __init__(self, engine: Any) -> None:
-        engine.settle()
+        engine.wait_for_updates()
         self.engine = engine
         self.model = engine.parallel.model
         self.module = engine.model_state_dict()

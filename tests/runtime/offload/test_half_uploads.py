@@ -65,9 +65,9 @@ def test_device_weights_hold_the_rounding_and_every_reader_gets_the_masters(devi
     for source in (engine.module.state_dict(), engine.model_state_dict()):
         for name, value in masters.items():
             assert torch.equal(source[name].cpu(), value), name
-    # settle() makes the parameters themselves exact; the next steps round them again and
-    # train exactly as a run that never settled.
-    engine.settle()
+    # wait_for_updates() makes the parameters themselves exact; the next steps round them again and
+    # train exactly as a run that never waited.
+    engine.wait_for_updates()
     assert not offload.half_uploads.rounded
     for name, p in engine.module.named_parameters():
         assert torch.equal(p.detach().cpu(), masters[name]), name

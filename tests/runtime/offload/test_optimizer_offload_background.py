@@ -88,7 +88,7 @@ def test_the_next_forward_starts_while_the_last_block_still_updates(config: dict
     engine.train_batch(batches[0])
     returned = time.perf_counter()
     engine.train_batch(batches[1])
-    engine.settle()
+    engine.wait_for_updates()
     # Step 1's update of the last block ended after step 1 returned and after step 2's
     # forward had entered block 0: the host update overlapped the next forward.
     assert update_ends[0] > returned
