@@ -3,8 +3,8 @@ each job), ``/jobs/NAME`` is one job's page (progress, attempts, loss curve, log
 resubmit buttons). Served behind the service's token (open it once with ``/jobs?token=…``,
 which sets the same HTTP-only cookie as the HPO dashboard).
 
-The pages read their data from routes inside the same token-guarded app (``/jobs/data``,
-``/jobs/data/NAME``) and cancel or resubmit through ``POST /jobs/NAME/cancel|resubmit``, which
+The pages read their data from routes inside the same token-guarded app (``/jobs/_data``,
+``/jobs/_data/NAME``) and cancel or resubmit through ``POST /jobs/NAME/cancel|resubmit``, which
 call what ``POST /v1/jobs/NAME/cancel|resubmit`` call, so the browser never holds the bearer
 token in script. Those POSTs need the header ``X-Hybridtrain-Page`` (a cross-site form cannot
 send it; the cookie is ``SameSite=Strict`` too).
@@ -52,7 +52,7 @@ def jobs_page_app(service: JobService, token: str) -> ASGIApp:
     def list_page() -> HTMLResponse:
         return html(LIST_PAGE)
 
-    @app.get("/data")
+    @app.get("/_data")
     def data(state: Annotated[str | None, Query()] = None,
              experiment: Annotated[str | None, Query()] = None) -> dict[str, Any]:
         positions = service.queue_positions()
@@ -65,7 +65,7 @@ def jobs_page_app(service: JobService, token: str) -> ASGIApp:
             "queue_wait_s": queue_wait_s(j)} for j in shown]
         return {"summary": service.summary(), "experiments": experiments, "jobs": jobs}
 
-    @app.get("/data/{name}")
+    @app.get("/_data/{name}")
     def detail(name: str) -> dict[str, Any]:
         job = job_or_404(name)
         size = _size(job.job_dir, job.spec.stdout_file)

@@ -63,7 +63,7 @@ async function refresh() {{
   if (stateBox.value) query.set("state", stateBox.value);
   if (experimentBox.value) query.set("experiment", experimentBox.value);
   history.replaceState(null, "", "?" + query.toString());
-  const r = await fetch("data?" + query.toString());
+  const r = await fetch("_data?" + query.toString());
   if (!r.ok) return;
   const d = await r.json(), s = d.summary;
   document.getElementById("summary").textContent = `${{s.devices.kind}} slots ${{s.devices.ids.length}}, ` +
@@ -119,7 +119,7 @@ function attemptText(h) {{
     `${{esc(h.reason)}}</li>`;
 }}
 async function show() {{
-  const r = await fetch("data/" + encodeURIComponent(name));
+  const r = await fetch("_data/" + encodeURIComponent(name));
   if (!r.ok) {{ document.getElementById("detail").textContent = "no such job"; return; }}
   const d = await r.json(), j = d.job;
   const queue = j.queue_position === null ? "" :

@@ -78,11 +78,11 @@ def test_submit_watch_logs_page_and_metrics(client: TestClient, tmp_path: Path) 
     assert login.status_code == 303 and "HttpOnly" in login.headers["set-cookie"]
     page = client.get("/jobs/")
     assert page.status_code == 200 and "hybridtrain jobs" in page.text
-    data = client.get("/jobs/data").json()
+    data = client.get("/jobs/_data").json()
     assert [j["name"] for j in data["jobs"]] == ["hello"]
-    detail = client.get("/jobs/data/hello").json()
+    detail = client.get("/jobs/_data/hello").json()
     assert "hi there" in detail["log"] and len(detail["job"]["history"]) == 1
-    assert client.get("/jobs/data/none").status_code == 404
+    assert client.get("/jobs/_data/none").status_code == 404
 
 
 def test_curve_of_a_training_job(client: TestClient, tmp_path: Path) -> None:

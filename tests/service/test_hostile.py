@@ -92,7 +92,7 @@ def test_a_jobs_hostile_metric_line_is_skipped_in_its_curve_and_page(
     (run / "metrics.jsonl").write_bytes(f"{line}\n{good}\n".encode("utf-8", "surrogateescape"))
     curve = client.get("/v1/jobs/j/curve", headers=AUTH)
     assert curve.status_code == 200 and curve.json() == {"name": "j", "steps": [2], "loss": [0.5]}
-    page = client.get("/jobs/data/j", headers=AUTH)
+    page = client.get("/jobs/_data/j", headers=AUTH)
     assert page.status_code == 200 and page.json()["curve"]["steps"] == [2]
     assert page.json()["progress"]["step"] == 2 and page.json()["progress"]["loss"] == 0.5
 

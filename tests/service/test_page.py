@@ -22,5 +22,5 @@ def test_the_printed_page_address_opens_the_jobs_page(served: dict[str, str]) ->
         assert response.status == 200
         assert response.url.rstrip("/").endswith("/jobs")  # the token left the address
         assert "<h1>hybridtrain jobs</h1>" in response.read().decode()
-    with browser.open(f"{served['base']}/jobs/data", timeout=30) as response:  # the page's fetch
+    with browser.open(f"{served['base']}/jobs/_data", timeout=30) as response:  # the page's fetch
         assert response.status == 200 and b'"jobs":[]' in response.read()

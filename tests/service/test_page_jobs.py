@@ -92,33 +92,39 @@ def check_progress_queue_job_pages_filters_and_buttons(base: str, tmp_path: Path
                               "overrides": ["train.eval_every=2", "train.eval_batches=1"]})
     assert status == 201
     # 1. the running attempt, step N of total, ETA and eval loss
-    wait_for(lambda: (browser.json("/jobs/data/trainer")["progress"]["eval_loss"] is not None), 150,
+    wait_for(lambda: (browser.json("/jobs/_data/trainer")["progress"]["eval_loss"] is not None), 150,
              "the trainer to report an eval loss")
-    detail = browser.json("/jobs/data/trainer")
+    detail = browser.json("/jobs/_data/trainer")
     progress = detail["progress"]
     assert progress["step"] >= 2 and progress["total_steps"] == 100000, progress
     assert progress["eta_s"] > 0 and progress["tokens_per_s"] > 0, progress
     assert detail["attempts"][-1]["outcome"] == "running" and detail["attempts"][-1]["attempt"] == 1
     assert detail["job"]["priority"] == 0
-    listed = {j["name"]: j for j in browser.json("/jobs/data")["jobs"]}
+    listed = {j["name"]: j for j in browser.json("/jobs/_data")["jobs"]}
     assert listed["trainer"]["progress"]["total_steps"] == 100000
     # queue position and wait of a job that waits for the one slot (lower priority: no preemption)
     status, _ = submit(base, {"name": "waiter", "command": [sys.executable, "-c", "import time; time.sleep(600)"],
                               "priority": -5, "kill_grace": 5})
     assert status == 201
-    waiting = {j["name"]: j for j in browser.json("/jobs/data")["jobs"]}["waiter"]
+    waiting = {j["name"]: j for j in browser.json("/jobs/_data")["jobs"]}["waiter"]
     assert waiting["state"] == "queued" and waiting["queue_position"] == 1, waiting
     assert waiting["queue_wait_s"] >= 0 and waiting["priority"] == -5
     # 3. filters by state and experiment
-    assert [j["name"] for j in browser.json("/jobs/data?state=queued")["jobs"]] == ["waiter"]
-    assert [j["name"] for j in browser.json("/jobs/data?state=running")["jobs"]] == ["trainer"]
-    assert browser.json("/jobs/data?experiment=no-such")["jobs"] == []
+    assert [j["name"] for j in browser.json("/jobs/_data?state=queued")["jobs"]] == ["waiter"]
+    assert [j["name"] for j in browser.json("/jobs/_data?state=running")["jobs"]] == ["trainer"]
+    assert browser.json("/jobs/_data?experiment=no-such")["jobs"] == []
     assert 'id="state"' in LIST_PAGE and 'id="experiment"' in LIST_PAGE
     # 2. a page per job at its own address, linked from the list, behind the token
     status, headers, body = browser.get("/jobs/trainer")
     assert status == 200 and body == JOB_PAGE and 'id="cancel"' in body and 'id="resubmit"' in body
     assert "script-src 'sha256-" in headers["content-security-policy"]
     assert browser.get("/jobs/no-such-job")[0] == 404
+    # a job may be called "data": the data routes begin with "_", which no job name can
+    assert submit(base, {"name": "data", "command": [sys.executable, "-c", "pass"], "priority": -9})[0] == 201
+    status, _, body = browser.get("/jobs/data")
+    assert status == 200 and body == JOB_PAGE
+    assert browser.json("/jobs/_data/data")["job"]["name"] == "data"
+    assert browser.post("/jobs/data/cancel")[0] == 200  # still queued: cancelled at once
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(f"{base}/jobs/trainer", timeout=30)
     assert refused.value.code == 401
@@ -132,16 +138,16 @@ def check_progress_queue_job_pages_filters_and_buttons(base: str, tmp_path: Path
     assert refused.value.code == 401
     status, cancelled = browser.post("/jobs/trainer/cancel")
     assert status == 200 and cancelled["cancel_requested"], cancelled
-    wait_for(lambda: browser.json("/jobs/data/trainer")["job"]["state"] == "cancelled", 90,
+    wait_for(lambda: browser.json("/jobs/_data/trainer")["job"]["state"] == "cancelled", 90,
              "the trainer to stop")
-    wait_for(lambda: browser.json("/jobs/data/waiter")["job"]["state"] == "running", 30,
+    wait_for(lambda: browser.json("/jobs/_data/waiter")["job"]["state"] == "running", 30,
              "the waiter to take the freed slot")
     status, resubmitted = browser.post("/jobs/trainer/resubmit")
     assert status == 200 and resubmitted["state"] == "queued", resubmitted
     assert browser.post("/jobs/no-such-job/resubmit")[0] == 404
     for name in ("trainer", "waiter"):  # a stopped serve leaves jobs running: stop them first
         browser.post(f"/jobs/{name}/cancel")
-    wait_for(lambda: all(j["state"] == "cancelled" for j in browser.json("/jobs/data")["jobs"]), 60,
+    wait_for(lambda: all(j["state"] == "cancelled" for j in browser.json("/jobs/_data")["jobs"]), 60,
              "both jobs to stop")
 
 
@@ -151,7 +157,7 @@ def test_hostile_text_is_inert(served: dict[str, str]) -> None:
     assert submit(base, {"name": HOSTILE, "command": ["true"]})[0] == 422  # names are plain words
     status, _ = submit(base, {"name": "hostile", "command": ["echo", HOSTILE], "devices": 0})
     assert status == 201
-    wait_for(lambda: browser.json("/jobs/data/hostile")["job"]["state"] == "succeeded", 60,
+    wait_for(lambda: browser.json("/jobs/_data/hostile")["job"]["state"] == "succeeded", 60,
              "the hostile job to finish")
     for path in ("/jobs/", "/jobs/hostile"):
         status, headers, body = browser.get(path)
@@ -161,11 +167,11 @@ def test_hostile_text_is_inert(served: dict[str, str]) -> None:
         policy = headers["content-security-policy"]
         assert "script-src 'sha256-" in policy and "unsafe-inline" not in policy.split("script-src")[1].split(";")[0]
         assert headers["x-content-type-options"] == "nosniff"
-    for path in ("/jobs/data", "/jobs/data/hostile"):
+    for path in ("/jobs/_data", "/jobs/_data/hostile"):
         status, headers, body = browser.get(path)
         assert headers["content-type"].startswith("application/json")
         assert "<script>alert(1)</script>" in body  # data, for the page's esc() to escape
-    detail = browser.json("/jobs/data/hostile")
+    detail = browser.json("/jobs/_data/hostile")
     assert HOSTILE in detail["log"] and "<script>alert(1)</script>" in detail["job"]["program"]
     # esc() covers every character that could open a tag or end an attribute value.
     for character, entity in (("&", "&amp;"), ("<", "&lt;"), (">", "&gt;"), ('"', "&quot;"), ("'", "&#39;"),
