@@ -36,6 +36,7 @@ from hybridtrain.hpo.api import require_token
 from hybridtrain.hpo.metrics import BadMetricLine, parse_json_line
 from hybridtrain.service.devices import Want, start_order
 from hybridtrain.service.errors import JobSpecError
+from hybridtrain.service.page_progress import metrics_path
 from hybridtrain.service.scheduler import Scheduler
 from hybridtrain.service.spec import JobSpec, load_job_spec
 from hybridtrain.service.states import WAITING
@@ -155,12 +156,8 @@ class JobService:
         job = self.store.get(name)
         steps: list[int] = []
         losses: list[float] = []
-        directory = Path(job.job_dir)
-        path = directory / "run" / "metrics.jsonl"
-        if not path.is_file():
-            path = directory / "metrics.jsonl"
         try:
-            with path.open(errors="replace") as f:
+            with metrics_path(job).open(errors="replace") as f:
                 for line in f:
                     # Any program may write this file: a line the HPO service would skip
                     # (a step or loss no JSON number holds, nesting) is skipped here too.
