@@ -6,9 +6,12 @@ are pinned to them and ``OMP_NUM_THREADS`` is set to their number). A job starts
 when *all* the slots it asks for are free (gang allocation: no rank waits on a peer that
 has no device).
 
-Order: the highest *effective* priority first, the oldest first among equals. Waiting
-raises a job's effective priority by one every ``aging_s`` seconds, so a stream of
-high-priority jobs cannot starve a low one forever. A job that does not fit is skipped and
+Order: the highest *effective* priority level first. Waiting raises a job's effective
+priority by one level every ``aging_s`` seconds, so a stream of high-priority jobs cannot
+starve a low one forever. Within a level, users share fairly: the job of the user holding
+the fewest devices goes first (counting the jobs started in the same pass), then the
+oldest. A user's device quota caps what their running jobs hold together: a job that would
+pass it waits, without holding anyone else back (:class:`Shares`). A job that does not fit is skipped and
 smaller jobs behind it may start on the free slots (backfill), so small jobs do not wait
 behind a big one; but once the blocked job has waited ``reserve_after_s`` seconds it
 reserves: nothing behind it starts until it has run, so the big job is not starved either.
@@ -19,9 +22,10 @@ reserves: nothing behind it starts until it has run, so the big job is not starv
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 #: Overrides the detected slots: ``"gpu:0,1,2,3"``, ``"cpu:0-7"`` or a count ``"cpu:8"``.
 DEVICES_ENV = "HYBRIDTRAIN_SERVICE_DEVICES"
@@ -95,12 +99,41 @@ def parse_slots(text: str) -> Slots:
 
 @dataclass(frozen=True)
 class Want:
-    """A queued job as the planner sees it."""
+    """A queued job as the planner sees it (``user``: who submitted it; ``""`` for the
+    service's own administrator)."""
 
     name: str
     devices: int
     priority: int
     queued_at: float
+    user: str = ""
+
+
+@dataclass
+class Shares:
+    """Devices each user holds, and their quotas: what fair-share order and quotas read.
+
+    Attributes:
+        held: devices each user's running jobs hold now (the scheduler counts them).
+        quotas: the most devices a user's jobs may hold together; a user missing here
+            has no quota.
+    """
+
+    held: dict[str, int] = field(default_factory=dict)
+    quotas: Mapping[str, int] = field(default_factory=dict)
+
+    def allows(self, want: Want) -> bool:
+        """Whether ``want`` may start without its user passing their quota."""
+        quota = self.quotas.get(want.user)
+        return quota is None or self.held.get(want.user, 0) + want.devices <= quota
+
+    def take(self, want: Want) -> None:
+        """Count ``want``'s devices as its user's (it starts, or is placed first)."""
+        self.held[want.user] = self.held.get(want.user, 0) + want.devices
+
+    def copy(self) -> Shares:
+        """A copy to plan with (the scheduler's own counts stay as they are)."""
+        return Shares(dict(self.held), self.quotas)
 
 
 def effective_priority(want: Want, now: float, aging_s: float) -> float:
@@ -108,16 +141,32 @@ def effective_priority(want: Want, now: float, aging_s: float) -> float:
     return want.priority + max(0.0, now - want.queued_at) / aging_s
 
 
-def start_order(queued: Sequence[Want], now: float, aging_s: float = 300.0) -> list[Want]:
-    """The queue in the order jobs are considered for starting: effective priority, then
-    the longest waiting (a job that does not fit may be passed by a smaller one)."""
-    return sorted(queued, key=lambda w: (-effective_priority(w, now, aging_s), w.queued_at,
-                                         w.name))
+def _order_key(want: Want, now: float, aging_s: float, shares: Shares
+               ) -> tuple[float, int, float, str]:
+    """Start-order key: the effective priority's level, then the user's held devices,
+    then the oldest, then the name (a total order: the same queue always plans alike)."""
+    level = math.floor(effective_priority(want, now, aging_s))
+    return (-level, shares.held.get(want.user, 0), want.queued_at, want.name)
+
+
+def start_order(queued: Sequence[Want], now: float, aging_s: float = 300.0,
+                shares: Shares | None = None) -> list[Want]:
+    """The queue in the order jobs are considered for starting (see the module docstring:
+    priority level, fair share among users, then the longest waiting), as if each one
+    started in turn. A job that does not fit may be passed by a smaller one."""
+    shares = (shares or Shares()).copy()
+    left, order = list(queued), []
+    while left:
+        best = min(left, key=lambda w: _order_key(w, now, aging_s, shares))
+        left.remove(best)
+        order.append(best)
+        shares.take(best)
+    return order
 
 
 def plan_starts(queued: Sequence[Want], free: Sequence[int], now: float,
-                aging_s: float = 300.0, reserve_after_s: float = 600.0
-                ) -> list[tuple[str, tuple[int, ...]]]:
+                aging_s: float = 300.0, reserve_after_s: float = 600.0,
+                shares: Shares | None = None) -> list[tuple[str, tuple[int, ...]]]:
     """Which queued jobs start now, and on which slots (see the module docstring).
 
     Args:
@@ -125,18 +174,26 @@ def plan_starts(queued: Sequence[Want], free: Sequence[int], now: float,
         free: free slot ids.
         now: the time (``time.time()``).
         aging_s: seconds of waiting worth one priority level.
-        reserve_after_s: a blocked job waiting this long stops backfill behind it.
+        reserve_after_s: a blocked job waiting this long stops backfill behind it (a job
+            held back by its own user's quota reserves nothing).
+        shares: devices each user holds now, and the quotas (default: one user, no quota).
 
     Returns:
         ``(name, slots)`` for every job to start, in start order.
     """
-    order = start_order(queued, now, aging_s)
+    shares = (shares or Shares()).copy()
     pool = sorted(free)
+    left = list(queued)
     starts: list[tuple[str, tuple[int, ...]]] = []
-    for want in order:
+    while left:
+        want = min(left, key=lambda w: _order_key(w, now, aging_s, shares))
+        left.remove(want)
+        if not shares.allows(want):
+            continue
         if want.devices <= len(pool):
             taken, pool = tuple(pool[:want.devices]), pool[want.devices:]
             starts.append((want.name, taken))
+            shares.take(want)
         elif now - want.queued_at >= reserve_after_s:
             break  # reserved: the slots that free up next are this job's
     return starts

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hybridtrain.service.devices import Want, start_order
+from hybridtrain.service.devices import Shares, Want, start_order
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,8 @@ def _fewest(candidates: list[Holder], needed: int) -> list[Holder]:
 
 
 def choose_preemptions(queued: Sequence[Want], holders: Sequence[Holder], free: int,
-                       now: float, aging_s: float = 300.0) -> list[tuple[str, str]]:
+                       now: float, aging_s: float = 300.0, shares: Shares | None = None
+                       ) -> list[tuple[str, str]]:
     """The running jobs to preempt now.
 
     The queue is walked in start order (:func:`~hybridtrain.service.devices.start_order`);
@@ -80,6 +81,8 @@ def choose_preemptions(queued: Sequence[Want], holders: Sequence[Holder], free: 
         free: slots free now.
         now: the time (``time.time()``).
         aging_s: seconds of waiting worth one priority level (start order only).
+        shares: devices each user holds and the quotas: a job its user's quota holds back
+            preempts nobody.
 
     Returns:
         ``(holder, waiting job it makes room for)`` for each holder to preempt.
@@ -87,13 +90,18 @@ def choose_preemptions(queued: Sequence[Want], holders: Sequence[Holder], free: 
     pool = free + sum(h.devices for h in holders if h.stopping)
     left = [h for h in holders if not h.stopping and h.preemptible and h.devices > 0]
     preempt: list[tuple[str, str]] = []
-    for want in start_order(queued, now, aging_s):
+    shares = (shares or Shares()).copy()
+    for want in start_order(queued, now, aging_s, shares):
+        if not shares.allows(want):
+            continue
         if want.devices <= pool:
             pool -= want.devices
+            shares.take(want)
             continue
         chosen = _fewest([h for h in left if h.priority < want.priority], want.devices - pool)
         if not chosen:
             continue
+        shares.take(want)
         preempt += [(h.name, want.name) for h in chosen]
         left = [h for h in left if h not in chosen]
         pool += sum(h.devices for h in chosen) - want.devices
