@@ -60,6 +60,8 @@ JOBS = sa.Table(
     sa.Column("kind", sa.String(16), nullable=False, default="job"),
     sa.Column("experiment", sa.String(128), nullable=True),
     sa.Column("trial_number", sa.Integer, nullable=True),
+    # The user whose token submitted it (NULL: the administrator's, or from before users).
+    sa.Column("submitter", sa.String(64), nullable=True),
     sa.Column("job_dir", sa.Text, nullable=False),
     # Starts so far (first run and restarts); the attempt running now is ``attempt``.
     sa.Column("attempt", sa.Integer, nullable=False, default=0),
@@ -126,6 +128,7 @@ class JobRecord:
     queued_at: float = 0.0
     started_at: float | None = None
     finished_at: float | None = None
+    submitter: str | None = None
 
     @property
     def preempting(self) -> bool:
@@ -137,7 +140,8 @@ class JobRecord:
         return {
             "id": self.id, "name": self.name, "state": self.state, "reason": self.reason,
             "priority": self.priority, "kind": self.kind, "experiment": self.experiment,
-            "trial_number": self.trial_number, "backend": self.spec.backend,
+            "trial_number": self.trial_number, "submitter": self.submitter,
+            "backend": self.spec.backend,
             "devices_requested": self.spec.devices, "nodes": self.spec.nodes,
             "devices": list(self.devices), "attempt": self.attempt, "restarts": self.restarts,
             "max_restarts": self.spec.max_restarts, "preemptible": self.spec.preemptible,
@@ -161,7 +165,8 @@ def _record(row: sa.Row[Any]) -> JobRecord:
         pgid=row.pgid, start_ticks=row.start_ticks, backend_ref=row.backend_ref,
         cancel_requested=row.cancel_requested, stop_sent_at=row.stop_sent_at,
         history=json.loads(row.history_json), created_at=row.created_at,
-        queued_at=row.queued_at, started_at=row.started_at, finished_at=row.finished_at)
+        queued_at=row.queued_at, started_at=row.started_at, finished_at=row.finished_at,
+        submitter=row.submitter)
 
 
 class JobStore:
@@ -180,14 +185,16 @@ class JobStore:
         try:
             with setup_lock(self.url):
                 create_tables_racing(lambda: METADATA.create_all(self.engine, checkfirst=True))
+                _add_missing_columns(self.engine)
         except (sa.exc.SQLAlchemyError, OSError) as exc:
             raise StorageError(f"cannot create the job tables in {safe_url(self.url)!r}: "
                                f"{first_line(exc)}") from None
 
     # -- users' side --------------------------------------------------------------------
     def submit(self, spec: JobSpec, job_dir: str, kind: str = "job",
-               experiment: str | None = None, trial_number: int | None = None) -> JobRecord:
-        """Queue a new job.
+               experiment: str | None = None, trial_number: int | None = None,
+               submitter: str | None = None) -> JobRecord:
+        """Queue a new job (``submitter``: the user who sent it).
 
         Raises:
             JobConflictError: a job of that name exists.
@@ -199,6 +206,7 @@ class JobStore:
                     name=spec.name, spec_json=spec.model_dump_json(), state="queued",
                     reason="waiting for devices", priority=spec.priority, kind=kind,
                     experiment=experiment, trial_number=trial_number, job_dir=job_dir,
+                    submitter=submitter,
                     attempt=0, restarts=0, devices_json="[]", history_json="[]",
                     created_at=now, queued_at=now))
         except sa.exc.IntegrityError:
@@ -391,6 +399,17 @@ class JobStore:
         with self.engine.begin() as conn:
             conn.execute(LEADER.update().where(LEADER.c.id == 1, LEADER.c.owner == owner)
                          .values(owner=None, expires=0.0, url=None))
+
+
+def _add_missing_columns(engine: sa.engine.Engine) -> None:
+    """Add the columns newer versions define to a jobs table an older version created
+    (``create_all`` creates missing tables only), so an existing database keeps its jobs."""
+    present = {c["name"] for c in sa.inspect(engine).get_columns(JOBS.name)}
+    with engine.begin() as conn:
+        for column in JOBS.columns:
+            if column.name not in present and column.nullable:
+                kind = column.type.compile(dialect=engine.dialect)
+                conn.execute(sa.text(f'ALTER TABLE {JOBS.name} ADD COLUMN "{column.name}" {kind}'))
 
 
 def _dead_local_owner(owner: str | None) -> bool:
