@@ -34,10 +34,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from hybridtrain.config.loading import explain_config
 from hybridtrain.hpo.api import require_token
 from hybridtrain.hpo.metrics import BadMetricLine, parse_json_line
-from hybridtrain.service.devices import Want, start_order
+from hybridtrain.service.devices import start_order
 from hybridtrain.service.errors import JobSpecError
 from hybridtrain.service.page_progress import metrics_path
-from hybridtrain.service.scheduler import Scheduler
+from hybridtrain.service.scheduler import Scheduler, want_of
 from hybridtrain.service.spec import JobSpec, load_job_spec
 from hybridtrain.service.states import WAITING
 from hybridtrain.service.store import JobRecord, JobStore
@@ -180,9 +180,9 @@ class JobService:
     def queue_positions(self) -> dict[str, int]:
         """Every waiting (queued or preempted) job's place in the start order (1 = next),
         by name."""
-        wants = [Want(j.name, j.spec.devices, j.priority, j.queued_at)
-                 for j in self.store.jobs(WAITING)]
-        order = start_order(wants, time.time(), self.scheduler.aging_s)
+        wants = [want_of(j) for j in self.store.jobs(WAITING)]
+        shares = self.scheduler.shares(self.store.jobs(("running",)))
+        order = start_order(wants, time.time(), self.scheduler.aging_s, shares)
         return {want.name: place for place, want in enumerate(order, 1)}
 
     def brief(self, job: JobRecord, positions: dict[str, int]) -> dict[str, Any]:

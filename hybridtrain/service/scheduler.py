@@ -28,7 +28,7 @@ from pathlib import Path
 
 from hybridtrain.hpo.leases import new_owner_id
 from hybridtrain.service.backend import Backend, Ended, job_log
-from hybridtrain.service.devices import Slots, Want, plan_starts
+from hybridtrain.service.devices import Shares, Slots, Want, plan_starts
 from hybridtrain.service.errors import JobError
 from hybridtrain.service.failures import describe_exit
 from hybridtrain.service.preemption import Holder, choose_preemptions
@@ -55,6 +55,11 @@ def training_finished(job: JobRecord) -> bool:
     return isinstance(summary, dict) and summary.get("interrupted") is False
 
 
+def want_of(job: JobRecord) -> Want:
+    """A waiting job as start order and preemption see it."""
+    return Want(job.name, job.spec.devices, job.priority, job.queued_at, job.submitter or "")
+
+
 class Scheduler:
     """Runs the jobs of one storage while it holds the leader lease.
 
@@ -67,12 +72,14 @@ class Scheduler:
         aging_s, reserve_after_s: see :func:`~hybridtrain.service.devices.plan_starts`.
         preemption: whether waiting jobs preempt running ones of lower priority.
         on_event: called with one line per job event.
+        quotas: the users' device quotas, read at each round (default: none).
     """
 
     def __init__(self, store: JobStore, slots: Slots, backends: Mapping[str, Backend],
                  url: str | None = None, lease: float = 10.0, aging_s: float = 300.0,
                  reserve_after_s: float = 600.0, preemption: bool = True,
-                 on_event: Callable[[str], None] | None = None) -> None:
+                 on_event: Callable[[str], None] | None = None,
+                 quotas: Callable[[], Mapping[str, int]] | None = None) -> None:
         self.store = store
         self.slots = slots
         self.backends = dict(backends)
@@ -83,6 +90,7 @@ class Scheduler:
         self.preemption = preemption
         self.owner = new_owner_id()
         self.on_event = on_event or (lambda line: log.info("%s", line))
+        self.quotas = quotas or dict
         self.leading = False
         self._lock = threading.Lock()  # one tick at a time (thread and API calls)
         self._unwatched: set[str] = set()  # jobs already reported as not watchable here
@@ -209,10 +217,11 @@ class Scheduler:
         running = self.store.jobs(("running",))
         busy = {d for j in running for d in j.devices}
         free = [s for s in self.slots.ids if s not in busy]
-        wants = [Want(j.name, j.spec.devices, j.priority, j.queued_at) for j in local]
+        wants = [want_of(j) for j in local]
         by_name = {j.name: j for j in queued}
+        shares = self.shares(running)
         if self.preemption:
-            victims = self._preempt(wants, running, len(free))
+            victims = self._preempt(wants, running, len(free), shares)
             stopping = [j.priority for j in running if j.preempting] + victims
             if stopping:
                 # Slots that preemption frees are for the jobs that preempted: a job of no
@@ -220,7 +229,7 @@ class Scheduler:
                 # preempted in turn, over and over, while the others stop).
                 wants = [w for w in wants if w.priority > max(stopping)]
         for name, devices in plan_starts(wants, free, time.time(), self.aging_s,
-                                         self.reserve_after_s):
+                                         self.reserve_after_s, shares):
             self._start(by_name[name], devices)
         local_names = {j.name for j in local}
         for job in queued:
@@ -228,7 +237,16 @@ class Scheduler:
             if job.name not in local_names and job.spec.backend in self.backends:
                 self._start(job, ())
 
-    def _preempt(self, wants: list[Want], running: list[JobRecord], free: int) -> list[int]:
+    def shares(self, running: list[JobRecord]) -> Shares:
+        """Devices of this machine each user's running jobs hold, and the quotas."""
+        held: dict[str, int] = {}
+        for job in running:
+            if job.devices:
+                held[job.submitter or ""] = held.get(job.submitter or "", 0) + len(job.devices)
+        return Shares(held, self.quotas())
+
+    def _preempt(self, wants: list[Want], running: list[JobRecord], free: int,
+                 shares: Shares) -> list[int]:
         """Send SIGTERM to the running jobs :func:`choose_preemptions` picks; they are
         settled as ``preempted`` when they exit (:meth:`_settle`). Returns their priorities."""
         holders = [Holder(j.name, len(j.devices), j.priority, j.spec.preemptible,
@@ -237,7 +255,8 @@ class Scheduler:
         by_name = {j.name: j for j in running}
         priority = {w.name: w.priority for w in wants}
         marked: list[int] = []
-        for name, waiting in choose_preemptions(wants, holders, free, time.time(), self.aging_s):
+        for name, waiting in choose_preemptions(wants, holders, free, time.time(), self.aging_s,
+                                                shares):
             job = by_name[name]
             why = f"preempted for {waiting} (priority {priority[waiting]} > {job.priority})"
             if self.store.mark_preempting(job, why):
