@@ -38,7 +38,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from hybridtrain import __version__
-from hybridtrain.hpo.auth import token_matches
+from hybridtrain.hpo.auth import Admits, token_matches
 from hybridtrain.hpo.errors import (
     ExperimentConflictError,
     ExperimentNotFoundError,
@@ -108,7 +108,7 @@ def launch_worker(spec: ExperimentSpec, storage_url: str) -> subprocess.Popen[by
 
 def create_app(store: ExperimentStore, token: str, launcher: Launcher | None = launch_worker,
                dashboard: bool = True, max_body: int = DEFAULT_MAX_BODY,
-               metrics_public: bool = False) -> FastAPI:
+               metrics_public: bool = False, admits: Admits | None = None) -> FastAPI:
     """The FastAPI application.
 
     Args:
@@ -120,6 +120,7 @@ def create_app(store: ExperimentStore, token: str, launcher: Launcher | None = l
         max_body: largest request body in bytes (413 above it).
         metrics_public: serve ``/metrics`` without the token (for a Prometheus that
             scrapes without credentials); read-only either way.
+        admits: whether another token opens a path (the training service's users).
 
     Returns:
         The app, ready for uvicorn or FastAPI's ``TestClient``.
@@ -128,7 +129,7 @@ def create_app(store: ExperimentStore, token: str, launcher: Launcher | None = l
                   description="Katib-style hyperparameter optimization on Optuna.")
     app.state.token = token
     app.add_middleware(ApiGuard, token=token, max_body=max_body,
-                       metrics_public=metrics_public)
+                       metrics_public=metrics_public, admits=admits)
 
     @app.exception_handler(HPOError)
     async def _hpo_error(_request: Request, exc: HPOError) -> JSONResponse:

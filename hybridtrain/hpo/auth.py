@@ -25,6 +25,8 @@ DEFAULT_TOKEN_FILE = Path("~/.config/hybridtrain/hpo-token")
 _MIN_LENGTH = 16
 
 Scope = MutableMapping[str, Any]
+#: ``(path, token) -> bool``: whether a token other than the server's own opens ``path``.
+Admits = Callable[[str, str | None], bool]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]],
                    Awaitable[None]]
 
@@ -92,6 +94,11 @@ def token_matches(expected: str, given: str | None) -> bool:
     return given is not None and hmac.compare_digest(expected.encode(), given.encode())
 
 
+def admitted(token: str, admits: Admits | None, path: str, given: str | None) -> bool:
+    """Whether ``given`` opens ``path``: it is the server's ``token``, or ``admits`` lets it in."""
+    return token_matches(token, given) or (admits is not None and given is not None and admits(path, given))
+
+
 def bearer(headers: list[tuple[bytes, bytes]]) -> str | None:
     """The bearer token of raw ASGI headers (``Authorization``) or the login cookie."""
     for key, value in headers:
@@ -115,10 +122,11 @@ class TokenGuard:
     Args:
         app: the protected ASGI app (the dashboard).
         token: the expected token.
+        admits: ``(path, token) -> bool``: whether another token (a user's) opens the path.
     """
 
-    def __init__(self, app: ASGIApp, token: str) -> None:
-        self.app, self.token = app, token
+    def __init__(self, app: ASGIApp, token: str, admits: Admits | None = None) -> None:
+        self.app, self.token, self.admits = app, token, admits
 
     async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Any]],
                        send: Callable[[Any], Awaitable[None]]) -> None:
@@ -126,13 +134,13 @@ class TokenGuard:
             await self.app(scope, receive, send)
             return
         query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-        if token_matches(self.token, (query.get("token") or [None])[0]):
-            path = request_path(scope)
+        path = request_path(scope)
+        login = (query.get("token") or [None])[0]
+        if admitted(self.token, self.admits, path, login):
             await respond(send, 303, b"", [(b"location", path.encode()), (
-                b"set-cookie",
-                f"{COOKIE}={self.token}; HttpOnly; SameSite=Strict; Path=/".encode())])
+                b"set-cookie", f"{COOKIE}={login}; HttpOnly; SameSite=Strict; Path=/".encode())])
             return
-        if token_matches(self.token, bearer(scope["headers"])):
+        if admitted(self.token, self.admits, path, bearer(scope["headers"])):
             await self.app(scope, receive, send)
             return
         await respond(send, 401, b'{"detail":"missing or invalid bearer token"}',

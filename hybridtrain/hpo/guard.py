@@ -18,7 +18,7 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from hybridtrain.hpo.auth import ASGIApp, Scope, bearer, respond, token_matches
+from hybridtrain.hpo.auth import Admits, ASGIApp, Scope, admitted, bearer, respond
 
 #: Default body limit: an experiment spec is a few kilobytes.
 DEFAULT_MAX_BODY = 1024 * 1024
@@ -37,12 +37,14 @@ class ApiGuard:
         token: the bearer token ``/v1`` requests must carry.
         max_body: largest accepted body in bytes.
         metrics_public: serve ``/metrics`` without the token.
+        admits: ``(path, token) -> bool``: whether another token (a user's) opens that path.
     """
 
     def __init__(self, app: ASGIApp, token: str, max_body: int = DEFAULT_MAX_BODY,
-                 metrics_public: bool = False) -> None:
+                 metrics_public: bool = False, admits: Admits | None = None) -> None:
         self.app, self.token, self.max_body = app, token, max_body
         self.metrics_public = metrics_public
+        self.admits = admits
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -52,7 +54,7 @@ class ApiGuard:
         metrics = path == METRICS_PATH
         protected = path == "/v1" or path.startswith("/v1/") or (
             metrics and not self.metrics_public)
-        if protected and not token_matches(self.token, bearer(scope["headers"])):
+        if protected and not admitted(self.token, self.admits, path, bearer(scope["headers"])):
             await _reply(send, 401, "missing or invalid bearer token",
                          [(b"www-authenticate", b"Bearer")])
             return

@@ -13,6 +13,9 @@ GET      /v1/jobs/{name}/curve             the loss curve of a training job
 GET      /v1/service                       devices, leader, queue
 =======  ================================  ============================================
 
+A user's token (:mod:`.users`) opens these routes for that user's own jobs (another user's
+job is answered 404, as if it did not exist); the service's own token opens every job.
+
 Authentication, the body limit and the 401/404/409/413/422 answers are the HPO service's
 (:class:`~hybridtrain.hpo.guard.ApiGuard`, :func:`~hybridtrain.hpo.api.require_token` and
 its error handler): the routes are mounted on the app that
@@ -28,19 +31,20 @@ import time
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Depends, Query
+from fastapi import APIRouter, Body, Depends, HTTPException, Query
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
 from hybridtrain.config.loading import explain_config
-from hybridtrain.hpo.api import require_token
 from hybridtrain.hpo.metrics import BadMetricLine, parse_json_line
 from hybridtrain.service.devices import start_order
-from hybridtrain.service.errors import JobSpecError
+from hybridtrain.service.errors import JobNotFoundError, JobSpecError
 from hybridtrain.service.page_progress import metrics_path
 from hybridtrain.service.scheduler import Scheduler, want_of
 from hybridtrain.service.spec import JobSpec, load_job_spec
 from hybridtrain.service.states import WAITING
 from hybridtrain.service.store import JobRecord, JobStore
+from hybridtrain.service.users import ADMIN, Authenticator, User, UserStore
 
 #: Largest chunk of a log one request returns (the client asks again from the offset).
 LOG_CHUNK = 1 << 20
@@ -57,10 +61,13 @@ class JobService:
         store: the job storage.
         scheduler: the scheduler of this process (woken on submit and cancel).
         jobs_dir: the directory that holds every job's directory.
+        users: the users' tokens and quotas (``None``: the service's own token only).
     """
 
-    def __init__(self, store: JobStore, scheduler: Scheduler, jobs_dir: Path) -> None:
+    def __init__(self, store: JobStore, scheduler: Scheduler, jobs_dir: Path,
+                 users: UserStore | None = None) -> None:
         self.store = store
+        self.users = users
         self.scheduler = scheduler
         self.jobs_dir = jobs_dir.resolve()
         # Job directories hold logs and environments: the owner's only.
@@ -73,11 +80,29 @@ class JobService:
             raise JobSpecError(f"job name {name!r} would leave the jobs directory")
         return path
 
-    def submit(self, data: dict[str, Any]) -> JobRecord:
-        """Validate and queue a job (a name is made up when none is given).
+    def job(self, name: str, user: User = ADMIN) -> JobRecord:
+        """The job ``name`` if ``user`` may see it.
 
         Raises:
-            JobSpecError: invalid spec, or more devices than this machine has.
+            JobNotFoundError: no such job, or another user's (the same answer, so names of
+                others' jobs are not revealed).
+        """
+        job = self.store.get(name)
+        if not user.may_see(job.submitter):
+            raise JobNotFoundError(f"job {name!r} not found; `hybridtrain jobs list` shows the jobs")
+        return job
+
+    def jobs(self, user: User = ADMIN, states: tuple[str, ...] | None = None,
+             kind: str | None = None) -> list[JobRecord]:
+        """The jobs ``user`` may see (in ``states``, of ``kind`` if given), oldest first."""
+        return [j for j in self.store.jobs(states, kind) if user.may_see(j.submitter)]
+
+    def submit(self, data: dict[str, Any], user: User = ADMIN) -> JobRecord:
+        """Validate and queue a job for ``user`` (a name is made up when none is given).
+
+        Raises:
+            JobSpecError: invalid spec, more devices than this machine has or than the
+                user's quota.
             JobConflictError: the name is taken.
         """
         if isinstance(data, dict) and not data.get("name"):
@@ -100,18 +125,23 @@ class JobService:
             if spec.config is not None and not _is_path(Path(spec.workdir, spec.config), "file"):
                 raise JobSpecError(f"job spec field config = {spec.config[:120]!r}: no such file "
                                    "on the service's machine")
+        if user.devices is not None and spec.devices > user.devices:
+            raise JobSpecError(f"job spec field devices = {spec.devices}: user {user.name} may hold at "
+                               f"most {user.devices} devices at once (their quota)")
         check_training_config(spec)
-        record = self.store.submit(spec, str(self.job_dir(spec.name)))
+        submitter = None if user is ADMIN else user.name
+        record = self.store.submit(spec, str(self.job_dir(spec.name)), submitter=submitter)
         self.scheduler.wake.set()
         return record
 
-    def cancel(self, name: str) -> JobRecord:
+    def cancel(self, name: str, user: User = ADMIN) -> JobRecord:
         """Cancel (see :meth:`JobStore.cancel`) and wake the scheduler."""
-        record = self.store.cancel(name)
+        record = self.store.cancel(self.job(name, user).id)
         self.scheduler.wake.set()
         return record
 
-    def resubmit(self, name: str, overrides: list[str] | tuple[str, ...] = ()) -> JobRecord:
+    def resubmit(self, name: str, overrides: list[str] | tuple[str, ...] = (),
+                 user: User = ADMIN) -> JobRecord:
         """Queue a finished job again and wake the scheduler.
 
         Args:
@@ -123,7 +153,7 @@ class JobService:
             JobSpecError: overrides for a job that runs a command, or a bad key or value.
             JobConflictError: the job is queued or running.
         """
-        job = self.store.get(name)
+        job = self.job(name, user)
         spec = None
         if overrides:
             if job.spec.config is None:
@@ -136,9 +166,9 @@ class JobService:
         self.scheduler.wake.set()
         return record
 
-    def logs(self, name: str, offset: int = 0) -> dict[str, Any]:
+    def logs(self, name: str, offset: int = 0, user: User = ADMIN) -> dict[str, Any]:
         """The job's output from byte ``offset`` on (at most :data:`LOG_CHUNK`)."""
-        job = self.store.get(name)
+        job = self.job(name, user)
         path = Path(job.job_dir) / job.spec.stdout_file
         text, end = "", offset
         try:
@@ -150,10 +180,10 @@ class JobService:
             pass
         return {"name": job.name, "state": job.state, "text": text, "offset": end}
 
-    def curve(self, name: str) -> dict[str, Any]:
+    def curve(self, name: str, user: User = ADMIN) -> dict[str, Any]:
         """``{"steps": [...], "loss": [...]}`` from the job's ``run/metrics.jsonl`` (a
         training job) or ``metrics.jsonl`` (an HPO trial that reports with ``hpo.report``)."""
-        job = self.store.get(name)
+        job = self.job(name, user)
         steps: list[int] = []
         losses: list[float] = []
         try:
@@ -193,13 +223,13 @@ class JobService:
         out.pop("history")
         return out | {"queue_position": positions.get(job.name)}
 
-    def summary(self) -> dict[str, Any]:
-        """Devices, the leader and the number of jobs by state."""
-        jobs = self.store.jobs()
+    def summary(self, user: User = ADMIN) -> dict[str, Any]:
+        """Devices, the leader and the number of ``user``'s jobs by state."""
+        jobs = self.jobs(user)
         counts: dict[str, int] = {}
         for job in jobs:
             counts[job.state] = counts.get(job.state, 0) + 1
-        busy = sorted(d for j in jobs if j.state == "running" and j.spec.backend == "local"
+        busy = sorted(d for j in self.store.jobs(("running",)) if j.spec.backend == "local"
                       for d in j.devices)
         owner, url = self.store.leader()
         slots = self.scheduler.slots
@@ -253,55 +283,67 @@ class ResubmitBody(BaseModel):
     set: list[str] = Field(default_factory=list, max_length=256)
 
 
-def job_router(service: JobService) -> APIRouter:
-    """The ``/v1/jobs`` routes (every one needs the bearer token)."""
-    router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)])
+_SCHEME = HTTPBearer(auto_error=False)
+
+
+def job_router(service: JobService, auth: Authenticator) -> APIRouter:
+    """The ``/v1/jobs`` routes: every one needs the service's token or a user's."""
+    def current_user(cred: Annotated[HTTPAuthorizationCredentials | None, Depends(_SCHEME)]) -> User:
+        # The guard in front refused unknown tokens before the body was read; this keeps a
+        # route safe without it and tells each route who asks.
+        user = auth.user(cred.credentials if cred else None)
+        if user is None:
+            raise HTTPException(401, "missing or invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
+        return user
+
+    Caller = Annotated[User, Depends(current_user)]
+    router = APIRouter(prefix="/v1")
 
     @router.get("/jobs")
-    def list_jobs(state: Annotated[str | None, Query()] = None,
+    def list_jobs(user: Caller, state: Annotated[str | None, Query()] = None,
                   kind: Annotated[str | None, Query()] = None) -> list[dict[str, Any]]:
         """Jobs, oldest first (``state``: comma-separated states)."""
         states = tuple(state.split(",")) if state else None
         positions = service.queue_positions()
-        return [service.brief(j, positions) for j in service.store.jobs(states, kind)]
+        return [service.brief(j, positions) for j in service.jobs(user, states, kind)]
 
     @router.post("/jobs", status_code=201)
-    def submit(spec: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
+    def submit(user: Caller, spec: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
         """Queue a job; it starts when its devices are free."""
-        return service.submit(spec).as_dict()
+        return service.submit(spec, user).as_dict()
 
     @router.get("/jobs/{name}")
-    def show(name: str) -> dict[str, Any]:
+    def show(user: Caller, name: str) -> dict[str, Any]:
         """One job with its spec, history of attempts and queue position."""
-        job = service.store.get(name)
+        job = service.job(name, user)
         return job.as_dict() | {"queue_position": service.queue_positions().get(job.name)}
 
     @router.post("/jobs/{name}/cancel")
-    def cancel(name: str) -> dict[str, Any]:
+    def cancel(user: Caller, name: str) -> dict[str, Any]:
         """Cancel: queued jobs at once, running ones by SIGTERM (checkpoint, exit 130)."""
-        return service.cancel(name).as_dict()
+        return service.cancel(name, user).as_dict()
 
     @router.post("/jobs/{name}/resubmit")
-    def resubmit(name: str, body: Annotated[ResubmitBody | None, Body()] = None
+    def resubmit(user: Caller, name: str, body: Annotated[ResubmitBody | None, Body()] = None
                  ) -> dict[str, Any]:
         """Queue a finished job again (409 while it is queued or running); ``{"set":
         ["train.steps=400"]}`` adds config overrides to a training job's own."""
-        return service.resubmit(name, body.set if body else ()).as_dict()
+        return service.resubmit(name, body.set if body else (), user).as_dict()
 
     @router.get("/jobs/{name}/logs")
-    def logs(name: str, offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0) -> dict[str, Any]:
+    def logs(user: Caller, name: str, offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0
+             ) -> dict[str, Any]:
         """Output from ``offset`` on; pass the returned ``offset`` to follow."""
-        return service.logs(name, offset)
+        return service.logs(name, offset, user)
 
     @router.get("/jobs/{name}/curve")
-    def curve(name: str) -> dict[str, Any]:
+    def curve(user: Caller, name: str) -> dict[str, Any]:
         """Loss by step of a training job."""
-        return service.curve(name)
+        return service.curve(name, user)
 
     @router.get("/service")
-    def summary() -> dict[str, Any]:
-        """Devices, leader, jobs by state."""
-        return service.summary()
+    def summary(user: Caller) -> dict[str, Any]:
+        """Devices, leader, the caller's jobs by state."""
+        return service.summary(user)
 
     return router
-

@@ -257,6 +257,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  lease=args.lease, preemption=args.preemption)
 
 
+@_errors_to_exit
+def cmd_users(args: argparse.Namespace) -> int:
+    """Issue, revoke and list the service's users' tokens (in its storage)."""
+    from hybridtrain.service.users import UserStore
+
+    users = UserStore(args.storage)
+    if args.users_command == "add":
+        token = users.issue(args.name, admin=args.admin, devices=args.devices)
+        quota = f"at most {args.devices} devices" if args.devices is not None else "no device quota"
+        print(f"user {args.name}: {'administrator, ' if args.admin else ''}{quota}; their token (shown once, "
+              f"any earlier one of theirs no longer works):\n{token}\nthey use it as $HYBRIDTRAIN_HPO_TOKEN, "
+              "in a file given with --token-file, or on the page as /jobs?token=TOKEN")
+    elif args.users_command == "revoke":
+        users.revoke(args.name)
+        print(f"user {args.name}: token revoked; their jobs stay (an administrator sees them)")
+    else:
+        rows = [(u.name, "admin" if u.admin else "user", "-" if u.devices is None else str(u.devices))
+                for u in users.users()]
+        _out(args, [{"name": n, "role": r, "devices": d} for n, r, d in rows],
+             "\n".join(f"{n:<24} {r:<6} {d}" for n, r, d in [("NAME", "ROLE", "DEVICES"), *rows]))
+    return 0
+
+
 def _common(p: argparse.ArgumentParser, server: bool = True) -> None:
     p.add_argument("--storage", default=None, help=_STORAGE_HELP)
     p.add_argument("--token-file", default=None,
@@ -294,6 +317,23 @@ def add_service_commands(sub: Any) -> None:
                    help="a job of higher priority waits for devices instead of preempting "
                         "running jobs of lower priority")
     p.set_defaults(func=cmd_serve)
+    users = p.add_subparsers(dest="users_group", metavar="users", required=False).add_parser(
+        "users", help="issue, revoke and list users' tokens",
+        description="Users' tokens: each user sees and moves only their own jobs, within their device "
+                    "quota. Works on the storage directly (the service may run or not).")
+    actions = users.add_subparsers(dest="users_command", required=True)
+    for name, text in (("add", "issue NAME a token (a new one replaces their old one)"),
+                       ("revoke", "take NAME's token back"), ("list", "list the users")):
+        q = actions.add_parser(name, help=text, description=text)
+        q.add_argument("--storage", default=None, help=_STORAGE_HELP)
+        q.set_defaults(func=cmd_users)
+        if name != "list":
+            q.add_argument("name")
+        if name == "add":
+            q.add_argument("--devices", type=int, default=None, help="device quota (default: none)")
+            q.add_argument("--admin", action="store_true", help="sees and moves every job")
+        if name == "list":
+            q.add_argument("--json", action="store_true", help="print JSON")
 
     jobs = sub.add_parser("jobs", help="submit, watch and cancel training jobs",
                           description="Training jobs of the service (started in the "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import threading
 from pathlib import Path
@@ -62,12 +63,14 @@ def build_app(service: JobService, token: str, metrics_public: bool = False,
     from hybridtrain.service.api import job_router
     from hybridtrain.service.exporter import JobCollector
     from hybridtrain.service.page import jobs_page_app
+    from hybridtrain.service.users import Authenticator
 
     experiments = ExperimentStore(service.store.url)
+    auth = Authenticator(token, service.users)
     app = create_app(experiments, token, launcher=launch_worker, dashboard=False,
-                     metrics_public=metrics_public)
+                     metrics_public=metrics_public, admits=auth.admits)
     app.title = "hybridtrain service"
-    app.include_router(job_router(service))
+    app.include_router(job_router(service, auth))
     registry: Any = None
 
     def metrics(request: Request) -> Response:
@@ -96,7 +99,7 @@ def build_app(service: JobService, token: str, metrics_public: bool = False,
     # /jobs itself redirects there, query (the login token) kept. Without this route the
     # dashboard mounted at / would answer /jobs with its 404.
     app.add_api_route("/jobs", _to_jobs_page, methods=["GET"], include_in_schema=False)
-    app.mount("/jobs", jobs_page_app(service, token))
+    app.mount("/jobs", jobs_page_app(service, auth))
     if dashboard:
         from hybridtrain.hpo.dashboard import dashboard_app
 
@@ -115,12 +118,15 @@ def open_service(storage: str | None, jobs_dir: Path, url: str | None,
     """A :class:`~.api.JobService` with its scheduler (not yet ticking); ``preemption``:
     see :class:`~.scheduler.Scheduler`."""
     from hybridtrain.service.api import JobService
+    from hybridtrain.service.users import UserStore
 
     slots = slots or detect_slots()
     store = JobStore(storage)
+    users = UserStore(store.url)
     scheduler = Scheduler(store, slots, backends or make_backends(slots), url=url,
-                          lease=lease, preemption=preemption, on_event=lambda line: print(line, flush=True))
-    return JobService(store, scheduler, jobs_dir)
+                          lease=lease, preemption=preemption, on_event=lambda line: print(line, flush=True),
+                          quotas=users.quotas)
+    return JobService(store, scheduler, jobs_dir, users)
 
 
 def check_serve_options(host: str, port: int, lease: float, jobs_dir: Path) -> None:
@@ -158,7 +164,7 @@ def serve(host: str = "127.0.0.1", port: int = 8080, storage: str | None = None,
     """
     import uvicorn
 
-    from hybridtrain.hpo.auth import TOKEN_ENV, resolve_token
+    from hybridtrain.hpo.auth import DEFAULT_TOKEN_FILE, TOKEN_ENV, resolve_token
     from hybridtrain.hpo.errors import HPOError
     from hybridtrain.hpo.server import _is_loopback, bind
 
@@ -182,6 +188,10 @@ def serve(host: str = "127.0.0.1", port: int = 8080, storage: str | None = None,
     app = build_app(service, token, metrics_public=metrics_public)
     if created:
         print(f"generated API token (saved; set ${TOKEN_ENV} to override): {token}", flush=True)
+    from_env = bool(os.environ.get(TOKEN_ENV, "").strip())
+    where = f"${TOKEN_ENV}" if from_env else (token_file or DEFAULT_TOKEN_FILE).expanduser()
+    print(f"admin token: in {where}; users get their own with "
+          "`hybridtrain serve users add NAME [--devices N]`", flush=True)
     if not _is_loopback(host):
         print(f"warning: binding {host}: jobs run commands on this machine; anyone who has "
               "the token can start them", file=sys.stderr)

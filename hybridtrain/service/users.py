@@ -14,6 +14,7 @@ short enough to guess is ever hashed.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import re
 import secrets
 import time
@@ -149,3 +150,32 @@ class UserStore:
     def quotas(self) -> dict[str, int]:
         """``{user: devices}`` for every user with a quota."""
         return {u.name: u.devices for u in self.users() if u.devices is not None}
+
+
+#: Paths a user's token opens (everything else, the HPO routes and ``/metrics`` included,
+#: takes the administrator's).
+USER_PATHS = ("/v1/jobs", "/v1/service", "/jobs")
+
+
+class Authenticator:
+    """Who holds a token: the administrator (the service's own token) or a user.
+
+    Args:
+        admin_token: the service's own token.
+        users: the users' tokens (``None``: the administrator's token only).
+    """
+
+    def __init__(self, admin_token: str, users: UserStore | None = None) -> None:
+        self.admin_token, self.users = admin_token, users
+
+    def user(self, token: str | None) -> User | None:
+        """The holder of ``token``, or ``None`` for no or an unknown token."""
+        if token is not None and hmac.compare_digest(self.admin_token.encode(), token.encode()):
+            return ADMIN
+        return self.users.find(token) if self.users is not None else None
+
+    def admits(self, path: str, token: str | None) -> bool:
+        """Whether a user's ``token`` opens ``path`` (the guards ask this of a token that is
+        not the administrator's)."""
+        opens = any(path == p or path.startswith(p + "/") for p in USER_PATHS)
+        return opens and self.users is not None and self.users.find(token) is not None
