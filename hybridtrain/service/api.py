@@ -296,53 +296,55 @@ def job_router(service: JobService, auth: Authenticator) -> APIRouter:
             raise HTTPException(401, "missing or invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
         return user
 
-    Caller = Annotated[User, Depends(current_user)]
+    # A default, not an Annotated alias: the annotations of this module are strings that
+    # FastAPI resolves in the module's globals, where a local alias is not found.
+    caller = Depends(current_user)
     router = APIRouter(prefix="/v1")
 
     @router.get("/jobs")
-    def list_jobs(user: Caller, state: Annotated[str | None, Query()] = None,
-                  kind: Annotated[str | None, Query()] = None) -> list[dict[str, Any]]:
+    def list_jobs(state: Annotated[str | None, Query()] = None,
+                  kind: Annotated[str | None, Query()] = None, user: User = caller) -> list[dict[str, Any]]:
         """Jobs, oldest first (``state``: comma-separated states)."""
         states = tuple(state.split(",")) if state else None
         positions = service.queue_positions()
         return [service.brief(j, positions) for j in service.jobs(user, states, kind)]
 
     @router.post("/jobs", status_code=201)
-    def submit(user: Caller, spec: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
+    def submit(spec: Annotated[dict[str, Any], Body()], user: User = caller) -> dict[str, Any]:
         """Queue a job; it starts when its devices are free."""
         return service.submit(spec, user).as_dict()
 
     @router.get("/jobs/{name}")
-    def show(user: Caller, name: str) -> dict[str, Any]:
+    def show(name: str, user: User = caller) -> dict[str, Any]:
         """One job with its spec, history of attempts and queue position."""
         job = service.job(name, user)
         return job.as_dict() | {"queue_position": service.queue_positions().get(job.name)}
 
     @router.post("/jobs/{name}/cancel")
-    def cancel(user: Caller, name: str) -> dict[str, Any]:
+    def cancel(name: str, user: User = caller) -> dict[str, Any]:
         """Cancel: queued jobs at once, running ones by SIGTERM (checkpoint, exit 130)."""
         return service.cancel(name, user).as_dict()
 
     @router.post("/jobs/{name}/resubmit")
-    def resubmit(user: Caller, name: str, body: Annotated[ResubmitBody | None, Body()] = None
+    def resubmit(name: str, body: Annotated[ResubmitBody | None, Body()] = None, user: User = caller
                  ) -> dict[str, Any]:
         """Queue a finished job again (409 while it is queued or running); ``{"set":
         ["train.steps=400"]}`` adds config overrides to a training job's own."""
         return service.resubmit(name, body.set if body else (), user).as_dict()
 
     @router.get("/jobs/{name}/logs")
-    def logs(user: Caller, name: str, offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0
+    def logs(name: str, offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0, user: User = caller
              ) -> dict[str, Any]:
         """Output from ``offset`` on; pass the returned ``offset`` to follow."""
         return service.logs(name, offset, user)
 
     @router.get("/jobs/{name}/curve")
-    def curve(user: Caller, name: str) -> dict[str, Any]:
+    def curve(name: str, user: User = caller) -> dict[str, Any]:
         """Loss by step of a training job."""
         return service.curve(name, user)
 
     @router.get("/service")
-    def summary(user: Caller) -> dict[str, Any]:
+    def summary(user: User = caller) -> dict[str, Any]:
         """Devices, leader, the caller's jobs by state."""
         return service.summary(user)
 
