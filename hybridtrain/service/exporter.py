@@ -18,8 +18,10 @@ series                                          type   labels
 ==============================================  =====  ================================
 
 The per-job label is ``job_name`` (Prometheus keeps ``job`` for the scrape job), as on the
-training pods' series. Per-job series cover queued and running jobs and the last :data:`RECENT` finished ones,
-so the number of series stays bounded however many jobs the storage has seen.
+training pods' series. Per-job series cover queued and running jobs, and finished ones for
+:data:`FINISHED_KEEP_S` after they end (at most the last :data:`RECENT`): long enough for
+every scrape and alert to see how a job ended, and the number of series stays bounded however
+many jobs the storage has seen.
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ from hybridtrain.service.store import JobStore
 
 log = logging.getLogger(__name__)
 PREFIX = "hybridtrain_service_"
-#: Finished jobs that keep their per-job series.
+#: Finished jobs that keep their per-job series, at most.
 RECENT = 50
+#: Seconds a finished job keeps its per-job series.
+FINISHED_KEEP_S = 3600.0
 #: Every series name this module exposes (the Grafana dashboard's test checks against it).
 SERIES = tuple(PREFIX + name for name in (
     "up", "jobs", "queue_length", "devices", "devices_busy", "job_running", "job_devices",
@@ -49,10 +53,11 @@ class JobCollector:
     Args:
         store: the job storage.
         slots: this machine's device slots.
+        keep_finished_s: seconds a finished job keeps its per-job series.
     """
 
-    def __init__(self, store: JobStore, slots: Slots) -> None:
-        self.store, self.slots = store, slots
+    def __init__(self, store: JobStore, slots: Slots, keep_finished_s: float = FINISHED_KEEP_S) -> None:
+        self.store, self.slots, self.keep_finished_s = store, slots, keep_finished_s
 
     def describe(self) -> list[Any]:
         return []
@@ -96,7 +101,8 @@ class JobCollector:
                                      labels=["job_name"])
         waited = GaugeMetricFamily(PREFIX + "job_queued_seconds",
                                    "Seconds the queued job has waited", labels=["job_name"])
-        finished = [j for j in jobs if j.state not in ACTIVE]
+        finished = [j for j in jobs if j.state not in ACTIVE
+                    and now - (j.finished_at or 0.0) <= self.keep_finished_s]
         finished.sort(key=lambda j: j.finished_at or 0.0)
         shown = [j for j in jobs if j.state in ACTIVE] + finished[-RECENT:]
         for job in shown:
