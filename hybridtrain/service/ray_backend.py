@@ -18,6 +18,7 @@ on the cluster, so a trainer has time to save its checkpoint.
 from __future__ import annotations
 
 import contextlib
+import re
 import shlex
 import sys
 import time
@@ -30,6 +31,8 @@ from hybridtrain.service.backend import Backend, Ended, Started
 from hybridtrain.service.errors import BackendError
 from hybridtrain.service.store import JobRecord
 
+#: Terminal colour and style codes (ANSI CSI sequences) in Ray's log lines.
+_COLOUR = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 #: Seconds between two copies of a running job's logs into its directory.
 _LOG_EVERY = 2.0
 
@@ -127,6 +130,8 @@ class RayBackend(Backend):
         except RuntimeError:
             return
         directory = Path(job.job_dir)
+        # Ray colours its prefixes for a terminal; a log file read later is plain text.
+        text = _COLOUR.sub("", text)
         (directory / f"ray-attempt-{job.attempt}.log").write_text(
             f"--- attempt {job.attempt} on Ray ({ref}) ---\n{text}")
         parts = sorted(directory.glob("ray-attempt-*.log"),

@@ -63,6 +63,7 @@ class _Node:
     def run(self, argv: list[str], env: dict[str, str]) -> int:
         if self.stopped:
             return 128 + signal.SIGTERM  # stopped before it started
+        print(f"node {env['NODE_RANK']} of {env['NNODES']} on {socket.gethostname()}: {_devices()}", flush=True)
         self.proc = subprocess.Popen(argv, env=os.environ | env, start_new_session=True)
         return self.proc.wait()
 
@@ -70,6 +71,17 @@ class _Node:
         self.stopped = True
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
+
+
+def _devices() -> str:
+    """What Ray gave this node's program: its GPU ids, else its CPU cores."""
+    import ray
+
+    gpus = ray.get_gpu_ids()
+    if gpus:
+        return "GPUs " + ",".join(str(g) for g in gpus)
+    cores = ray.get_runtime_context().get_assigned_resources().get("CPU", 0)
+    return f"{cores:g} CPU cores"
 
 
 def main(args: Sequence[str] | None = None) -> int:

@@ -99,6 +99,11 @@ def test_a_job_runs_launch_on_two_ray_nodes(ray_head: str, tmp_path: Path) -> No
     # Two nodes, each one rank of `hybridtrain launch`, in one group: 1 + 2 = 3.
     assert "hybridtrain.parallel.launch_cli" in log
     assert "rank 0 of 2: sum 3" in log and "rank 1 of 2: sum 3" in log
+    # A log a person reads: no terminal colour codes, each node's devices named, and a
+    # successful run free of the C++ stack traces torch's elastic agent prints on shutdown.
+    assert "\x1b[" not in log, log[-3000:]
+    assert "node 0 of 2 on " in log and "node 1 of 2 on " in log, log[-3000:]
+    assert "Exception raised from" not in log and "frame #" not in log, log[-6000:]
 
 
 def test_a_training_job_on_ray_is_cancelled_with_a_checkpoint(ray_head: str,
