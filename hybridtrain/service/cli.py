@@ -258,6 +258,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 @_errors_to_exit
+def cmd_stop(args: argparse.Namespace) -> int:
+    """Stop the service that leads the storage (its running jobs go on)."""
+    from hybridtrain.service.address import stop_leader
+    from hybridtrain.service.store import JobStore
+
+    print(stop_leader(*JobStore(args.storage).leader(), timeout=args.timeout))
+    return 0
+
+
+@_errors_to_exit
 def cmd_users(args: argparse.Namespace) -> int:
     """Issue, revoke and list the service's users' tokens (in its storage)."""
     from hybridtrain.service.users import UserStore
@@ -317,7 +327,15 @@ def add_service_commands(sub: Any) -> None:
                    help="a job of higher priority waits for devices instead of preempting "
                         "running jobs of lower priority")
     p.set_defaults(func=cmd_serve)
-    users = p.add_subparsers(dest="users_group", metavar="users", required=False).add_parser(
+    more = p.add_subparsers(dest="serve_command", metavar="{stop,users}", required=False)
+    q = more.add_parser("stop", help="stop the service that leads the storage (running jobs go on)",
+                        description="SIGTERM to the service that leads the storage (started by serve or in "
+                        "the background by a jobs command); it gives its lease up and exits. Running jobs go "
+                        "on; the next service adopts them.")
+    q.add_argument("--storage", default=None, help=_STORAGE_HELP)
+    q.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for it to exit")
+    q.set_defaults(func=cmd_stop)
+    users = more.add_parser(
         "users", help="issue, revoke and list users' tokens",
         description="Users' tokens: each user sees and moves only their own jobs, within their device "
                     "quota. Works on the storage directly (the service may run or not).")

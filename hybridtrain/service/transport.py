@@ -3,16 +3,16 @@ to a running one or to one started here.
 
 The service to use is ``--server``/``$HYBRIDTRAIN_SERVER``, else the leader recorded in
 the storage (every ``serve`` publishes its address with its lease). When none answers, an
-*embedded* service is started in the background on a free loopback port, on the same
-storage, token and jobs directory: it runs the submitted jobs after the command returns,
-and any later ``jobs`` command (or ``hybridtrain serve``) finds it through the storage.
+*embedded* service is started in the background on the loopback port it had last time
+(:func:`~.address.embedded_port`), on the same storage, token and jobs directory: it runs the
+submitted jobs after the command returns, and any later ``jobs`` command (or ``hybridtrain
+serve``) finds it through the storage.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridtrain.service import wrap
+from hybridtrain.service.address import embedded_port
 from hybridtrain.service.errors import JobError
 
 SERVER_ENV = "HYBRIDTRAIN_SERVER"
@@ -104,9 +105,7 @@ def start_embedded(store: Any, token_file: Path | None, jobs_dir: Path | None,
 
     directory = (jobs_dir or DEFAULT_JOBS_DIR).resolve()
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with socket.socket() as probe:  # a free loopback port, so we know where to look
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = embedded_port(directory)  # the one of last time: page addresses keep working
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "hybridtrain.cli", "serve", "--port", str(port), "--storage",
             store.url, "--jobs-dir", str(directory)]
@@ -120,7 +119,7 @@ def start_embedded(store: Any, token_file: Path | None, jobs_dir: Path | None,
     while time.monotonic() < deadline:
         if healthy(url):
             say(f"started the service in the background (pid {proc.pid}, {url}, log "
-                f"{log_path}); it runs the jobs after this command and stops with kill {proc.pid}")
+                f"{log_path}); it runs the jobs after this command; `hybridtrain serve stop` stops it")
             return url
         if proc.poll() is not None:
             tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or [""]

@@ -3,6 +3,7 @@ background, and submit, wait, logs, list, show, cancel and resubmit all go throu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -51,8 +52,8 @@ def jobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     return run
 
 
-def test_jobs_commands_start_an_embedded_service(tmp_path: Path, jobs: Callable[..., Result]
-                                                 ) -> None:
+def test_jobs_commands_start_an_embedded_service(tmp_path: Path, jobs: Callable[..., Result],
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
     script = tmp_path / "count.py"
     script.write_text("import sys, time\nfor i in range(int(sys.argv[1])):\n"
                       "    print('tick', i, flush=True); time.sleep(0.1)\n")
@@ -89,8 +90,20 @@ def test_jobs_commands_start_an_embedded_service(tmp_path: Path, jobs: Callable[
         assert "devices = 9: this machine has 2 cpu slots" in bad.stderr
         missing = jobs("submit", "nope.yaml")
         assert missing.returncode == 2 and "config 'nope.yaml' not found" in missing.stderr
+        # `serve stop` stops it; the next command starts one at the same address.
+        url = re.search(r"(http://127\.0\.0\.1:\d+)", first.stderr).group(1)  # type: ignore[union-attr]
+        storage = ["--storage", f"sqlite:///{tmp_path / 's.db'}"]
+        assert main(["serve", "stop", *storage]) == 0
+        assert f"stopped the service at {url} (pid {pid})" in capsys.readouterr().out
+        again = jobs("list")
+        assert "started the service in the background" in again.stderr and url in again.stderr, again
+        pid = int(re.search(r"\(pid (\d+)", again.stderr).group(1))  # type: ignore[union-attr]
+        assert main(["serve", "stop", *storage]) == 0 and "stopped" in capsys.readouterr().out
+        assert main(["serve", "stop", *storage]) == 0
+        assert "nothing to stop" in capsys.readouterr().out
     finally:
-        os.kill(pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
 
 
 def test_preemption_options_reach_the_spec_and_the_scheduler() -> None:
