@@ -26,7 +26,9 @@ LAYERS: list[list[str]] = [  # bottom first; a module may import its own layer a
     ["prepare", "compose"],                                    # the one road, initialize
     ["recovery"],                                              # memory policy above the engine
     ["errors", "trainer", "training_inputs"],
-    ["deepspeed", "report", "hpo", "service"],
+    ["deepspeed", "report", "server"],                          # server: what both services share
+    ["service"],
+    ["hpo"],                                                   # its trials are service jobs
     ["", "cli", "train_cli", "commands", "hpo.cli", "hpo.__main__", "service.cli",
      "deepspeed.__main__"],  # commands
 ]

@@ -13,10 +13,10 @@ GET      /v1/jobs/{name}/curve             the loss curve of a training job
 GET      /v1/service                       devices, leader, queue
 =======  ================================  ============================================
 
-Authentication, the body limit and the 401/404/409/413/422 answers are the HPO service's
-(:class:`~hybridtrain.hpo.guard.ApiGuard`, :func:`~hybridtrain.hpo.api.require_token` and
-its error handler): the routes are mounted on the app that
-:func:`hybridtrain.hpo.api.create_app` builds.
+Authentication, the body limit and the 401/404/409/413/422 answers are the servers' shared
+ones (:class:`~hybridtrain.server.guard.ApiGuard`, :func:`~hybridtrain.server.rest.require_token`
+and :func:`~hybridtrain.server.rest.answer_errors_in_one_line`): ``hybridtrain serve``
+mounts these routes on the app that also serves the HPO service.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from fastapi import APIRouter, Body, Depends, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from hybridtrain.config.loading import explain_config
-from hybridtrain.hpo.api import require_token
-from hybridtrain.hpo.metrics import BadMetricLine, parse_json_line
+from hybridtrain.server.metric_lines import BadMetricLine, parse_json_line
+from hybridtrain.server.rest import require_token
 from hybridtrain.service.devices import Want, start_order
 from hybridtrain.service.errors import JobSpecError
 from hybridtrain.service.page_progress import metrics_path

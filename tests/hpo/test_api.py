@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybridtrain.hpo.api import create_app, launch_worker
-from hybridtrain.hpo.auth import resolve_token
 from hybridtrain.hpo.experiments import ExperimentStore
+from hybridtrain.server.auth import resolve_token
 from tests.hpo.conftest import serve_process
 
 pytestmark = pytest.mark.timeout(180)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridtrain.hpo.process import group_alive
+from hybridtrain.server.process_groups import group_alive
 from hybridtrain.service.client import Client
 from hybridtrain.service.transport import healthy
 from tests.hpo.conftest import free_port
