@@ -108,7 +108,7 @@ def start_embedded(store: Any, token_file: Path | None, jobs_dir: Path | None,
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "hybridtrain.cli", "serve", "--port", str(port), "--storage",
+    argv = [sys.executable, "-m", "hybridtrain", "serve", "--port", str(port), "--storage",
             store.url, "--jobs-dir", str(directory)]
     if token_file is not None:
         argv += ["--token-file", str(token_file)]

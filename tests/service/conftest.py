@@ -103,7 +103,7 @@ def served(tmp_path: Path) -> Iterator[dict[str, str]]:
     env = os.environ | {"HYBRIDTRAIN_HPO_TOKEN": TOKEN, "PYTHONPATH": str(REPO),
                         "HYBRIDTRAIN_SERVICE_DEVICES": "cpu:1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hybridtrain.cli", "serve", "--port", "0", "--storage",
+        [sys.executable, "-m", "hybridtrain", "serve", "--port", "0", "--storage",
          f"sqlite:///{tmp_path / 's.db'}", "--jobs-dir", str(tmp_path / "jobs")],
         env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
