@@ -46,7 +46,8 @@ import optuna
 from hybridtrain.hpo.controller import Controller
 from hybridtrain.hpo.shell import argv_without_shell
 from hybridtrain.hpo.spec import load_spec
-from hybridtrain.hpo.storage import open_engine, open_optuna_storage
+from hybridtrain.hpo.storage import open_optuna_storage
+from hybridtrain.server.storage import open_engine
 
 COMMAND = "echo loss=${x}"
 

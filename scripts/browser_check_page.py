@@ -136,7 +136,7 @@ def start_serve(workdir: Path) -> tuple[subprocess.Popen[str], str]:
     """``hybridtrain serve --port 0`` on one CPU slot; the process and its base address."""
     env = os.environ | {"HYBRIDTRAIN_HPO_TOKEN": TOKEN, "PYTHONPATH": str(REPO),
                         "HYBRIDTRAIN_SERVICE_DEVICES": "cpu:1"}
-    proc = subprocess.Popen([sys.executable, "-m", "hybridtrain.cli", "serve", "--port", "0", "--storage",
+    proc = subprocess.Popen([sys.executable, "-m", "hybridtrain", "serve", "--port", "0", "--storage",
                              f"sqlite:///{workdir / 's.db'}", "--jobs-dir", str(workdir / "jobs")],
                             env=env, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None

@@ -58,7 +58,7 @@ class Cycle:
 
 def train_command(out: Path, steps: int, nproc: int, restarts: int) -> list[str]:
     """The ``hybridtrain train`` command line of the soak's run (a small reference GPT)."""
-    return [sys.executable, "-m", "hybridtrain.cli", "train", "--nproc-per-node", str(nproc),
+    return [sys.executable, "-m", "hybridtrain", "train", "--nproc-per-node", str(nproc),
             "--max-restarts", str(restarts), "--steps", str(steps), "--output-dir", str(out), "--no-progress",
             "--set", "device=cpu", "--set", "model.overrides.n_layer=2", "--set", "data.seq_len=32",
             "--set", "train_micro_batch_size_per_gpu=2", "--set", "train.checkpoint_every=2",

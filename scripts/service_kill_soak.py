@@ -40,7 +40,7 @@ def _serve(work: Path, storage: str, tag: str) -> tuple[subprocess.Popen[bytes],
     env = os.environ | {"HYBRIDTRAIN_HPO_TOKEN": TOKEN, "HYBRIDTRAIN_SERVICE_DEVICES": "cpu:2",
                         "PYTHONPATH": str(REPO)}
     with (work / f"serve-{tag}.log").open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "hybridtrain.cli", "serve", "--port",
+        proc = subprocess.Popen([sys.executable, "-m", "hybridtrain", "serve", "--port",
                                  str(port), "--storage", storage, "--jobs-dir",
                                  str(work / "jobs")], cwd=work, env=env, stdout=log,
                                 stderr=subprocess.STDOUT)

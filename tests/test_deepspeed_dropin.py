@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import hybridtrain.deepspeed as deepspeed
+from hybridtrain.commands import launch as launch_cli
 from hybridtrain.config.launcher_spellings import apply_launcher_spellings
-from hybridtrain.parallel import launch_cli
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "deepspeed"
 ACCUMULATION, MICRO = 4, 2
@@ -191,16 +191,16 @@ def _free_port() -> int:
 SCRIPTS = {
     "cifar10": ([sys.executable, "cifar10_deepspeed.py", "--deepspeed", "--epochs", "1", "--log-interval", "4"],
                 ["Finished Training", "Accuracy of the network on the 40 test images"]),
-    "cifar10_zero2_bf16_2_ranks": ([sys.executable, "-m", "hybridtrain.cli", "launch", "--num_gpus", "2",
+    "cifar10_zero2_bf16_2_ranks": ([sys.executable, "-m", "hybridtrain", "launch", "--num_gpus", "2",
                                     "--master_port", "PORT", "cifar10_deepspeed.py", "--deepspeed", "--epochs", "1",
                                     "--log-interval", "4", "--stage", "2", "--dtype", "bf16"],
                                    ["Finished Training"]),
-    "test_model_2_ranks": ([sys.executable, "-m", "hybridtrain.cli", "launch", "--num_gpus", "2", "--master_port",
+    "test_model_2_ranks": ([sys.executable, "-m", "hybridtrain", "launch", "--num_gpus", "2", "--master_port",
                             "PORT", "test_model.py"],
                            ["2222", "2223", "LOSS:"]),  # both ranks seeded; their lines may interleave
     # fp16, batch 256, ZeRO-3 with 30 % of the optimizer update offloaded (its --zero 0 default
     # keeps offload_optimizer below stage 1, which hybridtrain refuses); hidden size: CPU_SIZES.
-    "partial_offload_zero3": ([sys.executable, "-m", "hybridtrain.cli", "launch", "--num_gpus", "1",
+    "partial_offload_zero3": ([sys.executable, "-m", "hybridtrain", "launch", "--num_gpus", "1",
                                "--master_port", "PORT", "partial_offload_test.py", "--zero", "3"],
                               ["'stage': 3", "LOSS:"]),
     # engine.compile() (torch.compile, inductor), 100 bf16 ZeRO-3 steps; the script counts graph breaks.
@@ -267,7 +267,7 @@ def test_deepspeed_pipeline_example_trains_alike_on_one_and_two_processes(tmp_pa
               "--steps", "2", "--backend", "gloo"]
     runs = {}
     for name, launcher in (("one process", [sys.executable]),
-                           ("two processes", [sys.executable, "-m", "hybridtrain.cli", "launch", "--num_gpus", "2",
+                           ("two processes", [sys.executable, "-m", "hybridtrain", "launch", "--num_gpus", "2",
                                               "--master_port", "PORT"])):
         proc = _run([*launcher, "_run_without_cuda.py", *script], tmp_path, timeout=100)
         assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"

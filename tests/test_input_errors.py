@@ -19,7 +19,7 @@ import torch
 
 import hybridtrain.deepspeed as deepspeed
 from hybridtrain.checkpoint.layout import MARKER, CheckpointError
-from hybridtrain.cli import main
+from hybridtrain.commands.cli import main
 from hybridtrain.config import load_config
 from hybridtrain.trainer import run_training
 from tests.checkpoint.test_safe_load import recommit
@@ -354,7 +354,7 @@ def test_a_launched_rank_that_finished_is_not_reported_failed(tmp_path: Path, dy
                                                               words: str | None) -> None:
     script = tmp_path / "ddp.py"
     script.write_text(ABORT_IN_TEARDOWN)
-    done = subprocess.run([sys.executable, "-m", "hybridtrain.cli", "launch", "--nproc-per-node", "2", str(script),
+    done = subprocess.run([sys.executable, "-m", "hybridtrain", "launch", "--nproc-per-node", "2", str(script),
                            str(tmp_path), str(dying), ending], capture_output=True, text=True, timeout=200,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == code, done.stderr[-2000:]

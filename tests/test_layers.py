@@ -1,6 +1,10 @@
 """The package's import graph, read from the source (every import statement: top level,
-inside functions, under TYPE_CHECKING): no cycle, and no import that climbs back up the
-layers of docs/architecture.md ("Layers")."""
+inside functions, under TYPE_CHECKING): no cycle, no two parts that import each other, and
+no import that climbs back up the layers of docs/architecture.md ("Layers").
+
+A part is a top-level module or package of hybridtrain/; the layers name parts only, each
+once. One rule places modules inside a part: a package's ``__main__`` (``python -m
+hybridtrain.X``) is a command, in the commands' layer whatever its package."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS: list[list[str]] = [  # bottom first; a module may import its own layer and those below
-    ["units", "cli_parser", "hardware", "compat", "bounded_parse"],  # plain tables and parsers
+    ["units", "hardware", "compat", "bounded_parse"],           # plain tables and parsers
     ["config"],
     ["data", "models", "metrics", "stopping", "terminate", "run_dir", "run_lock", "outputs",
      "optim"],                                                 # optimizers and schedules by name
@@ -26,10 +30,12 @@ LAYERS: list[list[str]] = [  # bottom first; a module may import its own layer a
     ["prepare", "compose"],                                    # the one road, initialize
     ["recovery"],                                              # memory policy above the engine
     ["errors", "trainer", "training_inputs"],
-    ["deepspeed", "report", "hpo", "service"],
-    ["", "cli", "train_cli", "commands", "hpo.cli", "hpo.__main__", "service.cli",
-     "deepspeed.__main__"],  # commands
+    ["deepspeed", "report", "server"],                          # server: what both services share
+    ["service"],
+    ["hpo"],                                                   # its trials are service jobs
+    ["", "commands"],  # the commands (and every package's __main__), the package's face
 ]
+COMMANDS = len(LAYERS) - 1
 
 
 @functools.cache
@@ -72,15 +78,34 @@ def _imports(modules: dict[str, Path]) -> dict[str, set[tuple[str, int]]]:
 
 
 def _layer(module: str) -> int:
-    """The layer of the longest prefix in :data:`LAYERS` that names ``module``."""
-    best, length = -1, -1
-    for index, names in enumerate(LAYERS):
-        for short in names:
-            full = f"hybridtrain.{short}" if short else "hybridtrain"
-            if (module == full or module.startswith(full + ".")) and len(full) > length:
-                best, length = index, len(full)
-    assert best >= 0, f"{module} has no layer: add it to LAYERS here and in docs/architecture.md"
-    return best
+    """The layer of ``module``'s part (a package's ``__main__``: the commands')."""
+    if module.rpartition(".")[2] == "__main__":
+        return COMMANDS
+    part = _part(module)
+    layers = [index for index, names in enumerate(LAYERS) if part in names]
+    assert layers, f"{module}: its part {part!r} has no layer: add it to LAYERS here and in docs/architecture.md"
+    return layers[0]
+
+
+def _part(module: str) -> str:
+    """``hybridtrain.hpo.api`` -> ``hpo``; the package itself -> ``""``."""
+    return module.split(".")[1] if "." in module else ""
+
+
+def test_the_layers_name_parts_each_once() -> None:
+    names = [name for names in LAYERS for name in names]
+    assert len(names) == len(set(names))
+    parts = {_part(module) for module in _modules()} - {"__main__"}
+    assert sorted(names) == sorted(parts), "LAYERS must name every part of hybridtrain/ and nothing else"
+
+
+def test_no_two_parts_import_each_other() -> None:
+    def part(module: str) -> str:
+        return "commands" if module.rpartition(".")[2] == "__main__" else _part(module)
+
+    imports = {(part(source), part(target)) for source, targets in _edges().items() for target, _ in targets}
+    both_ways = sorted(f"{a} <-> {b}" for a, b in imports if a < b and (b, a) in imports)
+    assert both_ways == []
 
 
 def test_no_import_climbs_back_up_the_layers() -> None:

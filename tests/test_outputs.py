@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from hybridtrain.cli import main
+from hybridtrain.commands.cli import main
 from hybridtrain.trainer import run_training
 from tests.tiny_run import tiny_config
 

@@ -16,7 +16,7 @@ import pytest
 
 from hybridtrain.checkpoint import CheckpointError
 from hybridtrain.checkpoint.layout import MARKER, commit, file_digests, temporary_dir
-from hybridtrain.cli import main
+from hybridtrain.commands.cli import main
 from hybridtrain.config import Config
 from hybridtrain.run_lock import (
     LOCK_FILE,

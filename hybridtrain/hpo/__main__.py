@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from hybridtrain.hpo.cli import main
+from hybridtrain.commands.hpo import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -14,9 +14,9 @@ GET      /metrics                           Prometheus text (:mod:`hybridtrain.h
 =======  =================================  ===========================================
 
 Every ``/v1`` route needs ``Authorization: Bearer TOKEN``, checked from the headers
-before any byte of the body is read (:mod:`hybridtrain.hpo.guard`); so does ``/metrics``
+before any byte of the body is read (:mod:`hybridtrain.server.guard`); so does ``/metrics``
 unless the app is made with ``metrics_public=True`` (``hpo serve --metrics-public``).
-Errors are JSON ``{"detail": "one line"}``: 401 without token, 404 unknown experiment,
+Errors are JSON ``{"detail": "one line"}`` (:mod:`hybridtrain.server.rest`): 401 without token, 404 unknown experiment,
 405 anything but GET on ``/metrics``, 409 a spec that conflicts with the stored
 experiment, 413 a body over the limit, 422 an invalid spec or request, 501 ``/metrics``
 without ``prometheus_client``, 503 the storage cannot be reached, 507 the storage is full.
@@ -27,64 +27,22 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
-import sqlalchemy
 from fastapi import Body, Depends, FastAPI, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.responses import Response
 
 from hybridtrain import __version__
-from hybridtrain.hpo.auth import Admits, token_matches
-from hybridtrain.hpo.errors import (
-    ExperimentConflictError,
-    ExperimentNotFoundError,
-    HPOError,
-    SpecError,
-    StorageError,
-    StorageFullError,
-    storage_error,
-)
+from hybridtrain.hpo.errors import ExperimentNotFoundError, HPOError
 from hybridtrain.hpo.experiments import ExperimentStore
-from hybridtrain.hpo.guard import DEFAULT_MAX_BODY, METRICS_PATH, ApiGuard
 from hybridtrain.hpo.spec import ExperimentSpec, load_spec
+from hybridtrain.server.auth import Admits
+from hybridtrain.server.guard import DEFAULT_MAX_BODY, METRICS_PATH, ApiGuard
+from hybridtrain.server.rest import answer_errors_in_one_line, require_token
 
 Launcher = Callable[[ExperimentSpec, str], Any]
-_SCHEME = HTTPBearer(auto_error=False)
-
-
-def require_token(
-    request: Request, cred: Annotated[HTTPAuthorizationCredentials | None, Depends(_SCHEME)]
-) -> None:
-    """Dependency of every ``/v1`` route: the app's bearer token must be presented.
-
-    :class:`~hybridtrain.hpo.guard.ApiGuard` has refused a request without it already,
-    before the body was read; this dependency puts the scheme into the OpenAPI schema
-    and keeps a route safe should it ever be served without the guard.
-
-    Raises:
-        HTTPException: 401 with ``WWW-Authenticate: Bearer``.
-    """
-    if cred is None or not token_matches(request.app.state.token, cred.credentials):
-        raise HTTPException(401, "missing or invalid bearer token",
-                            headers={"WWW-Authenticate": "Bearer"})
-
-
-def validation_line(errors: Sequence[Any]) -> str:
-    """FastAPI's request-validation errors as one line: where, and what is allowed (the
-    input itself is left out: it may be huge, or a number JSON cannot hold)."""
-    first = errors[0] if errors else {}
-    where = ".".join(str(p) for p in first.get("loc", ())) or "request"
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{where}: {first.get('msg', 'invalid')}{more}"
-
-
-def _storage_answer(exc: StorageError) -> JSONResponse:
-    return JSONResponse({"detail": str(exc)},
-                        status_code=507 if isinstance(exc, StorageFullError) else 503)
 
 
 def launch_worker(spec: ExperimentSpec, storage_url: str) -> subprocess.Popen[bytes]:
@@ -131,29 +89,7 @@ def create_app(store: ExperimentStore, token: str, launcher: Launcher | None = l
     app.add_middleware(ApiGuard, token=token, max_body=max_body,
                        metrics_public=metrics_public, admits=admits)
 
-    @app.exception_handler(HPOError)
-    async def _hpo_error(_request: Request, exc: HPOError) -> JSONResponse:
-        # Most specific first: a not-found is a storage error, a conflict a spec error.
-        codes = ((ExperimentNotFoundError, 404), (ExperimentConflictError, 409),
-                 (SpecError, 422), (StorageFullError, 507), (StorageError, 503))
-        code = next((c for cls, c in codes if isinstance(exc, cls)), 409)
-        return JSONResponse({"detail": str(exc)}, status_code=code)
-
-    @app.exception_handler(RequestValidationError)
-    async def _bad_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        # FastAPI's own answer echoes the input, which fails to encode when it is a float
-        # no JSON holds (a body of ``1e999``) and turns a 422 into a 500: one line instead.
-        return JSONResponse({"detail": validation_line(exc.errors())}, status_code=422)
-
-    @app.exception_handler(sqlalchemy.exc.OperationalError)
-    async def _database_error(_request: Request, exc: sqlalchemy.exc.OperationalError
-                              ) -> JSONResponse:
-        return _storage_answer(storage_error(exc))
-
-    @app.exception_handler(OSError)
-    async def _file_error(_request: Request, exc: OSError) -> JSONResponse:
-        return _storage_answer(storage_error(exc))
-
+    answer_errors_in_one_line(app)
     auth = [Depends(require_token)]
 
     @app.get("/health")

@@ -44,13 +44,16 @@ from optuna.trial import TrialState
 
 from hybridtrain.hpo.algorithms import build_pruner, build_sampler, distributions
 from hybridtrain.hpo.errors import HPOError
-from hybridtrain.hpo.leases import Claim, Heartbeat, Leases, new_owner_id
-from hybridtrain.hpo.process import stop_orphan_group, wait_for_exit
+from hybridtrain.hpo.leases import Claim, Heartbeat, Leases
+from hybridtrain.hpo.process import wait_for_exit
 from hybridtrain.hpo.records import ExperimentRecord, Records, TrialRun
 from hybridtrain.hpo.spec import ExperimentSpec
-from hybridtrain.hpo.storage import open_engine, open_optuna_storage, resolve_url
+from hybridtrain.hpo.storage import open_optuna_storage, resolve_url
 from hybridtrain.hpo.trial import Outcome, RunningTrial
-from hybridtrain.service.trial_jobs import JobProcess, TrialJobs
+from hybridtrain.hpo.trial_jobs import JobProcess, TrialJobs
+from hybridtrain.server.owners import new_owner_id
+from hybridtrain.server.process_groups import stop_orphan_group
+from hybridtrain.server.storage import open_engine
 
 log = logging.getLogger(__name__)
 

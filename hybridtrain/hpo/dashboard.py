@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hybridtrain.hpo.auth import ASGIApp, TokenGuard
+from hybridtrain.server.auth import ASGIApp, TokenGuard
 
 if TYPE_CHECKING:
     import optuna

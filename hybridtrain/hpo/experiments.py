@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 from hybridtrain.hpo.errors import HPOError
 from hybridtrain.hpo.records import ExperimentRecord, Records
 from hybridtrain.hpo.spec import ExperimentSpec, load_spec
-from hybridtrain.hpo.storage import open_engine, open_optuna_storage, resolve_url
+from hybridtrain.hpo.storage import open_optuna_storage, resolve_url
+from hybridtrain.server.storage import open_engine
 
 if TYPE_CHECKING:
     import optuna

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -57,11 +55,6 @@ class RenewalCounter:
 RENEWALS = RenewalCounter()
 
 
-def new_owner_id() -> str:
-    """A unique id for one controller process: ``host:pid:random``."""
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-
-
 @dataclass(frozen=True)
 class Claim:
     """A slot this controller now holds.
@@ -92,7 +85,7 @@ class Leases:
     Args:
         engine: engine on the storage database.
         experiment: experiment name.
-        owner: this controller's id (:func:`new_owner_id`).
+        owner: this controller's id (:func:`hybridtrain.server.owners.new_owner_id`).
         lease_duration: seconds a lease lives without renewal.
     """
 

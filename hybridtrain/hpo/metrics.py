@@ -4,18 +4,19 @@ Stdout follows Katib's format: ``name=value`` pairs anywhere in a line, scientif
 notation allowed, other text ignored; a ``step=N`` pair on the same line gives the step.
 The JSONL file (``HYBRIDTRAIN_METRICS_FILE``) holds one JSON object per line, e.g.
 ``{"step": 3, "loss": 2.91}``; ``hybridtrain train`` and :func:`hybridtrain.hpo.report`
-write it. A training run usually writes the same step to both, so observations are keyed
-by ``(metric, step)`` and the second copy is dropped.
+write it (its lines are read by :mod:`hybridtrain.server.metric_lines`, which the training
+service's REST curve shares). A training run usually writes the same step to both, so
+observations are keyed by ``(metric, step)`` and the second copy is dropped.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from hybridtrain.server.metric_lines import STEP_KEY, BadMetricLine, checked_step, parse_json_line
 
 # A metric name starts with a letter or "_" and is not glued to a preceding word, dash or
 # slash or URL query, so echoed flags ("--lr=0.1") and URLs are not taken for metrics.
@@ -26,25 +27,7 @@ _PAIR = re.compile(
     r"([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?|[+-]?(?:nan|inf(?:inity)?))(?!\w|\.\d)",
     re.IGNORECASE,
 )
-STEP_KEY = "step"
-MAX_STEP = 2**63 - 1
-"""Steps are stored as 64-bit integers (Optuna's intermediate values): larger is a bad line."""
-
 log = logging.getLogger(__name__)
-
-
-class BadMetricLine(ValueError):
-    """A metrics line that names a metric but cannot be recorded (the reason says why)."""
-
-
-def _step(raw: float) -> int | None:
-    """``raw`` as a step; non-finite values give no step (as before), out-of-range ones
-    (negative, past 64 bits) make the line bad."""
-    if not math.isfinite(raw):
-        return None
-    if raw < 0 or raw > MAX_STEP:
-        raise BadMetricLine(f"step {raw:g} is outside 0..2^63-1")
-    return int(raw)
 
 
 def parse_line(line: str) -> tuple[dict[str, float], int | None]:
@@ -62,41 +45,9 @@ def parse_line(line: str) -> tuple[dict[str, float], int | None]:
     for name, raw in _PAIR.findall(line):
         value = float(raw)
         if name == STEP_KEY:
-            step = _step(value)
+            step = checked_step(value)
         else:
             metrics[name] = value
-    return metrics, step
-
-
-def parse_json_line(line: str) -> tuple[dict[str, float], int | None]:
-    """Parse one JSONL metrics line; anything that is not a JSON object yields nothing.
-
-    Returns:
-        ``(metrics, step)`` as :func:`parse_line`.
-
-    Raises:
-        BadMetricLine: nested too deep to parse, a step out of range, or a number no
-            float holds.
-    """
-    try:
-        obj = json.loads(line)
-    except RecursionError:
-        raise BadMetricLine("JSON nested too deeply") from None
-    except ValueError:
-        return {}, None
-    if not isinstance(obj, dict):
-        return {}, None
-    raw_step = obj.get(STEP_KEY)
-    try:
-        step = _step(float(raw_step)) if isinstance(raw_step, int | float) and not isinstance(raw_step, bool) \
-            else None
-        metrics = {
-            k: float(v)
-            for k, v in obj.items()
-            if k != STEP_KEY and isinstance(v, int | float) and not isinstance(v, bool)
-        }
-    except OverflowError:
-        raise BadMetricLine("a number too large for a float") from None
     return metrics, step
 
 

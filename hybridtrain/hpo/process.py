@@ -6,7 +6,8 @@ SIGKILL after a grace period); through ``/bin/sh`` unless it needs no shell
 (:func:`hybridtrain.hpo.shell.argv_without_shell`). Output goes to files rather than
 pipes so a trial survives its controller being killed, and the next controller can
 still read it. :func:`wait_for_exit` sleeps until a trial exits (Linux: a pidfd per
-trial), so a short trial is recorded when it ends, not at the next poll.
+trial), so a short trial is recorded when it ends, not at the next poll. Process groups
+themselves (alive, stopped, an orphan's) are :mod:`hybridtrain.server.process_groups`.
 """
 
 from __future__ import annotations
@@ -20,79 +21,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-
-def process_start_ticks(pid: int) -> int | None:
-    """The start time of process ``pid`` in clock ticks since boot (Linux ``/proc``).
-
-    Together with the pid it identifies a process across pid reuse.
-
-    Returns:
-        The start time, or ``None`` if the process does not exist or ``/proc`` is absent.
-    """
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # Field 2 (comm) may contain spaces and parentheses; fields after the last ")" are fixed.
-    fields = stat.rsplit(")", 1)[1].split()
-    return int(fields[19])
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether process group ``pgid`` has a member left (one we may not signal counts)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-def stop_group(pgid: int, grace: float, leader: subprocess.Popen[bytes] | None = None) -> None:
-    """SIGTERM the process group ``pgid``; SIGKILL whatever is left after ``grace`` seconds.
-
-    Args:
-        pgid: the process group id.
-        grace: seconds to wait for a clean exit.
-        leader: the group leader when it is our child, so it is reaped (a zombie leader
-            would keep the group "alive").
-    """
-    _signal_group(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        if leader is not None:
-            leader.poll()
-        if not group_alive(pgid):
-            return
-        time.sleep(0.02)
-    _signal_group(pgid, signal.SIGKILL)
-    if leader is not None:
-        leader.wait()
-
-
-def stop_orphan_group(pgid: int, start_ticks: int | None, grace: float) -> bool:
-    """Stop a trial process group left behind by a controller that died.
-
-    The group is signalled only if its leader is gone (a live group id cannot be reused)
-    or is still the very process that was started (same start time), never a stranger
-    that happens to have the same pid.
-
-    Returns:
-        Whether a live group was found and stopped.
-    """
-    ticks = process_start_ticks(pgid)
-    if ticks is not None and ticks != start_ticks:
-        return False
-    if not group_alive(pgid):
-        return False
-    stop_group(pgid, grace)
-    return True
+from hybridtrain.server.process_groups import process_start_ticks, signal_group, stop_group
 
 
 def _open_pidfd(pid: int) -> int | None:
@@ -206,7 +135,7 @@ class TrialProcess:
     def terminate(self) -> None:
         """Send SIGTERM to the whole process group without waiting (see :meth:`stop`)."""
         assert self._popen is not None, "start() first"
-        _signal_group(self._popen.pid, signal.SIGTERM)
+        signal_group(self._popen.pid, signal.SIGTERM)
 
     def stop(self, grace: float, pruned: bool = False) -> int:
         """Stop the whole process group (SIGTERM, SIGKILL after ``grace`` s).

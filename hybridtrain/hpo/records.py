@@ -24,7 +24,8 @@ import sqlalchemy as sa
 
 from hybridtrain.hpo.errors import ExperimentConflictError, ExperimentNotFoundError, StorageError
 from hybridtrain.hpo.spec import ExperimentSpec
-from hybridtrain.hpo.storage import create_tables_racing, first_line, safe_url, setup_lock
+from hybridtrain.server.errors import first_line
+from hybridtrain.server.storage import create_tables_racing, safe_url, setup_lock
 
 METADATA = sa.MetaData()
 

@@ -16,10 +16,10 @@ GET      /v1/service                       devices, leader, queue
 A user's token (:mod:`.users`) opens these routes for that user's own jobs (another user's
 job is answered 404, as if it did not exist); the service's own token opens every job.
 
-Authentication, the body limit and the 401/404/409/413/422 answers are the HPO service's
-(:class:`~hybridtrain.hpo.guard.ApiGuard`, :func:`~hybridtrain.hpo.api.require_token` and
-its error handler): the routes are mounted on the app that
-:func:`hybridtrain.hpo.api.create_app` builds.
+The body limit and the 401/404/409/413/422 answers are the servers' shared ones
+(:class:`~hybridtrain.server.guard.ApiGuard` and
+:func:`~hybridtrain.server.rest.answer_errors_in_one_line`): ``hybridtrain serve`` mounts these
+routes on the app that also serves the HPO service.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
 from hybridtrain.config.loading import explain_config
-from hybridtrain.hpo.metrics import BadMetricLine, parse_json_line
+from hybridtrain.server.metric_lines import BadMetricLine, parse_json_line
 from hybridtrain.service.devices import start_order
 from hybridtrain.service.errors import JobNotFoundError, JobSpecError
 from hybridtrain.service.page_progress import metrics_path

@@ -17,14 +17,15 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridtrain.hpo.auth import TOKEN_ENV
-from hybridtrain.hpo.storage import STORAGE_ENV
-from hybridtrain.service.store import JobRecord
+from hybridtrain.server.auth import TOKEN_ENV
+from hybridtrain.service.store import STORAGE_ENVS, JobRecord
 
 #: What the service holds that its jobs must not see: its bearer token (anyone with it
 #: may start commands on this machine) and its storage URL and password (the jobs table
 #: holds every job's environment).
-SECRET_ENV = frozenset({TOKEN_ENV, STORAGE_ENV, "PGPASSWORD"})
+SECRET_ENV = frozenset({TOKEN_ENV, *STORAGE_ENVS, "PGPASSWORD"})
+#: Where ``serve`` keeps job directories (logs, environments) unless told otherwise.
+DEFAULT_JOBS_DIR = Path("hybridtrain-jobs")
 
 
 def inherited_env() -> dict[str, str]:

@@ -157,7 +157,7 @@ class Client:
         say: called with one line when a service is started in the background.
 
     Raises:
-        JobError: the service cannot be reached or started; HPOError: no usable token.
+        JobError: the service cannot be reached or started; ServerError: no usable token.
     """
 
     def __init__(self, server: str | None = None, token: str | None = None, *,

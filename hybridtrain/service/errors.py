@@ -1,33 +1,29 @@
 """Exceptions of the training service.
 
-They subclass the HPO service's errors on purpose: the service answers both over one REST
-app, whose error handler maps a not-found to 404, a bad spec to 422 and a conflict to 409
-(:func:`hybridtrain.hpo.api.create_app`), and the CLI prints every one as one line.
+They derive from the servers' shared kinds (:mod:`hybridtrain.server.errors`), not from
+the HPO service's: one REST app serves both, and its error handler maps a not-found to
+404, a bad spec to 422 and a conflict to 409 by kind
+(:func:`hybridtrain.server.errors.error_status`); the CLI prints every one as one line.
 """
 
 from __future__ import annotations
 
-from hybridtrain.hpo.errors import (
-    ExperimentConflictError,
-    ExperimentNotFoundError,
-    HPOError,
-    SpecError,
-)
+from hybridtrain.server.errors import ConflictError, InvalidRequestError, NotFoundError, ServerError
 
 
-class JobError(HPOError):
+class JobError(ServerError):
     """Base class of every error raised by :mod:`hybridtrain.service`."""
 
 
-class JobSpecError(JobError, SpecError):
+class JobSpecError(JobError, InvalidRequestError):
     """A job spec failed validation (raised before anything is stored or started)."""
 
 
-class JobNotFoundError(JobError, ExperimentNotFoundError):
+class JobNotFoundError(JobError, NotFoundError):
     """No job of the given name or id exists in the storage."""
 
 
-class JobConflictError(JobError, ExperimentConflictError):
+class JobConflictError(JobError, ConflictError):
     """The request conflicts with the job's state or with another job (a name in use)."""
 
 

@@ -8,7 +8,7 @@ operator, which ``deploy/k8s/training`` already targets, and whose ``PET_*`` var
 are what ``torchrun`` (inside ``hybridtrain train``/``launch``) reads for its rendezvous.
 
 What the pods run: a training config is shipped in a ``ConfigMap`` (mounted at
-``/config``) and trained with ``torchrun -m hybridtrain.cli train /config/… --resume``
+``/config``) and trained with ``torchrun -m hybridtrain train /config/… --resume``
 into ``/checkpoints/NAME`` on the ``hybridtrain-checkpoints`` volume, so a restart (a new
 attempt) resumes from its newest checkpoint; a Python script runs under ``torchrun``; any
 other command as it is, in the image. The service restarts failed attempts itself
@@ -43,7 +43,7 @@ def _container_program(job: JobRecord, argv: list[str]) -> tuple[list[str], list
     """``(command, args)`` of the pods (see the module docstring)."""
     spec = job.spec
     if spec.config is not None:
-        args = ["-m", "hybridtrain.cli", "train", f"/config/{Path(spec.config).name}",
+        args = ["-m", "hybridtrain", "train", f"/config/{Path(spec.config).name}",
                 "--resume", "--no-progress", "--output-dir", f"/checkpoints/{job.name}"]
         for item in spec.overrides:
             args += ["--set", item]

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from hybridtrain.hpo.process import group_alive, process_start_ticks
+from hybridtrain.server.process_groups import group_alive, process_start_ticks
 from hybridtrain.service import wrap
 from hybridtrain.service.backend import Backend, Ended, Started, inherited_env
 from hybridtrain.service.devices import Slots

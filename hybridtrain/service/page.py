@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 from fastapi import FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse
 
-from hybridtrain.hpo.auth import ASGIApp, TokenGuard, bearer
+from hybridtrain.server.auth import ASGIApp, TokenGuard, bearer
 from hybridtrain.service.errors import JobConflictError, JobNotFoundError, JobSpecError
 from hybridtrain.service.page_html import JOB_PAGE, LIST_PAGE, security_policy
 from hybridtrain.service.page_progress import attempts, progress, queue_wait_s

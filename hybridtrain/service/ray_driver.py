@@ -24,24 +24,33 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-#: Programs that take the rendezvous as options rather than only as variables.
-_LAUNCHERS = ("hybridtrain.parallel.launch_cli", "hybridtrain.cli")
+#: hybridtrain's commands that take the rendezvous as options rather than only as variables.
+_LAUNCHERS = ("launch", "train")
+
+
+def _launcher(argv: Sequence[str]) -> tuple[str, int] | None:
+    """``(command, index after it)`` of ``python -m hybridtrain launch|train`` in ``argv``."""
+    for at in range(len(argv) - 2):
+        if argv[at:at + 2] == ["-m", "hybridtrain"] and argv[at + 2] in _LAUNCHERS:
+            return argv[at + 2], at + 3
+    return None
 
 
 def node_argv(argv: Sequence[str], nodes: int, rank: int, addr: str, port: int,
               devices: int) -> list[str]:
     """``argv`` for node ``rank``: rendezvous options added to hybridtrain's launchers."""
     out = list(argv)
-    launcher = next((name for name in _LAUNCHERS if name in out), None)
-    if nodes == 1 or launcher is None:
+    found = _launcher(out)
+    if nodes == 1 or found is None:
         return out
+    launcher, after = found
     options = ["--nnodes", str(nodes), "--node-rank", str(rank), "--master-addr", addr,
                "--master-port", str(port)]
     if "--nproc-per-node" not in out:
         options += ["--nproc-per-node", str(max(devices, 1))]
     # launch takes its options before the script (whose own arguments follow it); train
     # takes them anywhere.
-    at = out.index(launcher) + 1 if launcher == _LAUNCHERS[0] else len(out)
+    at = after if launcher == "launch" else len(out)
     return out[:at] + options + out[at:]
 
 

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from hybridtrain.hpo.leases import new_owner_id
+from hybridtrain.server.owners import new_owner_id
 from hybridtrain.service.backend import Backend, Ended, job_log
 from hybridtrain.service.devices import Shares, Slots, Want, plan_starts
 from hybridtrain.service.errors import JobError

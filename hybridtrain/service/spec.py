@@ -135,7 +135,7 @@ class JobSpec(BaseModel):
         """
         per_node = max(self.devices, 1)
         if self.config is not None:
-            argv = [python, "-m", "hybridtrain.cli", "train", self.config, "--resume",
+            argv = [python, "-m", "hybridtrain", "train", self.config, "--resume",
                     "--no-progress", "--output-dir", str(run_dir)]
             for item in self.overrides:
                 argv += ["--set", item]
@@ -143,7 +143,7 @@ class JobSpec(BaseModel):
         if self.shell:
             return ["/bin/sh", "-c", self.command[0]]
         if (per_node > 1 or self.nodes > 1) and self.command[0].endswith(".py"):
-            return [python, "-m", "hybridtrain.parallel.launch_cli", "--nproc-per-node",
+            return [python, "-m", "hybridtrain", "launch", "--nproc-per-node",
                     str(per_node), *self.command]
         return list(self.command)
 

@@ -1,8 +1,9 @@
-"""Jobs in the HPO service's storage: one row per job, one row naming the scheduler.
+"""Jobs in the services' storage: one row per job, one row naming the scheduler.
 
-The jobs live in the same database as the experiments (:mod:`hybridtrain.hpo.storage`:
-SQLite by default, PostgreSQL for several service processes), so one service serves both
-and a trial is a job. Job states::
+The jobs live in the servers' shared database (:mod:`hybridtrain.server.storage`: SQLite
+by default, PostgreSQL for several service processes), the one that also holds the HPO
+service's experiments under ``hybridtrain serve``, so one process serves both and a trial
+is a job. Job states::
 
     queued --devices free--> running --exit 0--> succeeded
       ^  \\                     |  \\--cancel (SIGTERM, checkpoint)--> cancelled
@@ -31,10 +32,11 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from hybridtrain.hpo.errors import StorageError
-from hybridtrain.hpo.storage import (
+from hybridtrain.server.errors import StorageError, first_line
+from hybridtrain.server.storage import (
+    HPO_STORAGE_ENV,
+    SERVICE_STORAGE_ENV,
     create_tables_racing,
-    first_line,
     open_engine,
     resolve_url,
     safe_url,
@@ -43,6 +45,11 @@ from hybridtrain.hpo.storage import (
 from hybridtrain.service.errors import JobConflictError, JobNotFoundError
 from hybridtrain.service.spec import JobSpec
 from hybridtrain.service.states import TERMINAL, WAITING
+
+#: Where the jobs' storage URL is read from when none is given, the first one set: the
+#: service's own variable, then the HPO service's (the documented fallback: set-ups that
+#: gave both services one database through it keep working).
+STORAGE_ENVS = (SERVICE_STORAGE_ENV, HPO_STORAGE_ENV)
 
 METADATA = sa.MetaData()
 
@@ -173,14 +180,15 @@ class JobStore:
     """Submit, read and move jobs in one storage.
 
     Args:
-        storage: storage URL (default ``$HYBRIDTRAIN_HPO_STORAGE`` or ``sqlite:///hpo.db``).
+        storage: storage URL (default ``$HYBRIDTRAIN_SERVICE_STORAGE``, else
+            ``$HYBRIDTRAIN_HPO_STORAGE``, else ``sqlite:///hpo.db``).
 
     Raises:
         StorageError: the storage cannot be opened.
     """
 
     def __init__(self, storage: str | None = None) -> None:
-        self.url = resolve_url(storage)
+        self.url = resolve_url(storage, STORAGE_ENVS)
         self.engine = open_engine(self.url)
         try:
             with setup_lock(self.url):

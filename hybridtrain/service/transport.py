@@ -81,9 +81,9 @@ def connect(server: str | None = None, storage: str | None = None,
     """A client of the service (module docstring), starting an embedded one if needed.
 
     Raises:
-        HPOError: bad token or storage; JobError: the embedded service did not start.
+        ServerError: bad token or storage; JobError: the embedded service did not start.
     """
-    from hybridtrain.hpo.auth import resolve_token
+    from hybridtrain.server.auth import resolve_token
 
     token = token or resolve_token(token_file)[0]
     base = server or os.environ.get(SERVER_ENV)
@@ -101,13 +101,13 @@ def connect(server: str | None = None, storage: str | None = None,
 def start_embedded(store: Any, token_file: Path | None, jobs_dir: Path | None,
                    say: Any) -> str:
     """Start ``hybridtrain serve`` in the background; its address once it answers."""
-    from hybridtrain.service.server import DEFAULT_JOBS_DIR
+    from hybridtrain.service.backend import DEFAULT_JOBS_DIR
 
     directory = (jobs_dir or DEFAULT_JOBS_DIR).resolve()
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     port = embedded_port(directory)  # the one of last time: page addresses keep working
     url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "hybridtrain.cli", "serve", "--port", str(port), "--storage",
+    argv = [sys.executable, "-m", "hybridtrain", "serve", "--port", str(port), "--storage",
             store.url, "--jobs-dir", str(directory)]
     if token_file is not None:
         argv += ["--token-file", str(token_file)]

@@ -22,9 +22,10 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 
-from hybridtrain.hpo.errors import StorageError
-from hybridtrain.hpo.storage import create_tables_racing, first_line, open_engine, resolve_url, safe_url, setup_lock
+from hybridtrain.server.errors import StorageError, first_line
+from hybridtrain.server.storage import create_tables_racing, open_engine, resolve_url, safe_url, setup_lock
 from hybridtrain.service.errors import JobNotFoundError, JobSpecError
+from hybridtrain.service.store import STORAGE_ENVS
 
 METADATA = sa.MetaData()
 
@@ -97,7 +98,7 @@ class UserStore:
     """
 
     def __init__(self, storage: str | None = None) -> None:
-        self.url = resolve_url(storage)
+        self.url = resolve_url(storage, STORAGE_ENVS)
         self.engine = open_engine(self.url)
         try:
             with setup_lock(self.url):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hybridtrain as ht
-from hybridtrain.cli import main
+from hybridtrain.commands.cli import main
 from hybridtrain.config import Config
 from tests.equivalence import gpt_case
 

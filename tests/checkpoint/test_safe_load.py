@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from hybridtrain.checkpoint import sharded
 from hybridtrain.checkpoint.layout import MARKER, META, CheckpointError
 from hybridtrain.checkpoint.safe_load import read_metadata_safely
-from hybridtrain.cli import main
+from hybridtrain.commands.cli import main
 from hybridtrain.trainer import run_training
 from tests.tiny_run import tiny_config
 

@@ -77,7 +77,7 @@ def start(script: str, args: list[str], tmp: Path, real: bool, env: dict[str, st
                                      else []), *runner, *target]
         path.append(str(ROOT))
     elif nproc > 1:
-        command = [sys.executable, "-m", "hybridtrain.parallel.launch_cli", "--nproc-per-node", str(nproc), *target]
+        command = [sys.executable, "-m", "hybridtrain", "launch", "--nproc-per-node", str(nproc), *target]
         path = [str(poisoned_deepspeed(tmp)), *path, str(ROOT)]
     else:  # without the drop-in's entry point (dropin False) the script installs it itself
         command = [sys.executable, "-S", *(["-m", "hybridtrain.deepspeed"] if dropin else []), *target]

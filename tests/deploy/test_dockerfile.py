@@ -77,4 +77,4 @@ def test_copied_files_exist_and_the_context_keeps_them() -> None:
             for source in sources:
                 assert (ROOT / source).exists(), source
                 assert kept(source), f"{source} is excluded by Dockerfile.dockerignore"
-    assert kept("hybridtrain/cli.py") and not kept("tests/test_cli.py") and not kept(".venv")
+    assert kept("hybridtrain/commands/cli.py") and not kept("tests/commands/test_cli.py") and not kept(".venv")

@@ -202,7 +202,7 @@ def test_services_select_pods_and_name_their_ports() -> None:
 
 
 def _train_parser_args(args: list[str]) -> Any:
-    from hybridtrain.cli import build_parser
+    from hybridtrain.commands.cli import build_parser
 
     return build_parser().parse_args(args)
 
@@ -226,9 +226,9 @@ def test_pytorchjob_runs_hybridtrain_train_elastically_with_resume(tmp_path: Pat
     nproc = int(spec["nprocPerNode"])
     assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == nproc
 
-    # torchrun -m hybridtrain.cli train …: the workers' command line is a valid `train` one.
+    # torchrun -m hybridtrain train …: the workers' command line is a valid `train` one.
     command = container["command"] + container["args"]
-    assert command[:3] == ["torchrun", "-m", "hybridtrain.cli"]
+    assert command[:3] == ["torchrun", "-m", "hybridtrain"]
     args = _train_parser_args(command[3:])
     assert args.command == "train" and args.resume is True and args.no_progress
 

@@ -1,4 +1,5 @@
-"""The REST API: auth, validation, experiments end to end, and a fuzz pass."""
+"""The REST API: auth, validation, experiments end to end, and a fuzz pass (the token itself:
+tests/server/test_auth.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybridtrain.hpo.api import create_app, launch_worker
-from hybridtrain.hpo.auth import resolve_token
 from hybridtrain.hpo.experiments import ExperimentStore
 from tests.hpo.conftest import serve_process
 
@@ -85,17 +85,6 @@ def test_stop_over_http(sqlite_url: str, make_spec: Any) -> None:
     r = client.post("/v1/experiments/branin/stop", headers=AUTH)
     assert r.json()["state"] == "stopped"
     assert client.get("/v1/experiments/branin/best", headers=AUTH).status_code == 404
-
-
-def test_token_is_generated_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("HYBRIDTRAIN_HPO_TOKEN", raising=False)
-    path = tmp_path / "token"
-    token, created = resolve_token(path)
-    assert created and len(token) >= 32 and path.stat().st_mode & 0o777 == 0o600
-    assert resolve_token(path) == (token, False)
-    monkeypatch.setenv("HYBRIDTRAIN_HPO_TOKEN", "short")
-    with pytest.raises(Exception, match="at least 16 characters"):
-        resolve_token(path)
 
 
 _scalars = (st.none() | st.booleans() | st.integers()

@@ -140,7 +140,7 @@ def guarded_server(sqlite_url: str) -> Iterator[tuple[str, int]]:
     """The REST app in a real uvicorn server with ``hpo serve``'s guard (short bounds)."""
     import uvicorn
 
-    from hybridtrain.hpo.slow_clients import guarded_protocol
+    from hybridtrain.server.slow_clients import guarded_protocol
 
     port = free_port()
     app = create_app(ExperimentStore(sqlite_url), TOKEN, launcher=None, dashboard=False)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from hybridtrain.hpo.cli import main
+from hybridtrain.commands.hpo import main
 from hybridtrain.hpo.errors import SpecError
 from hybridtrain.hpo.katib import is_katib, katib_to_spec
 from hybridtrain.hpo.katib_export import check_katib_document, spec_to_katib

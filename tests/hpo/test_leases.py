@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from hybridtrain.hpo.leases import Heartbeat, Leases
 from hybridtrain.hpo.records import Records, TrialRun
 from hybridtrain.hpo.spec import load_spec
-from hybridtrain.hpo.storage import open_engine
+from hybridtrain.server.storage import open_engine
 
 
 @pytest.fixture

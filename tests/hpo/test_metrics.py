@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridtrain.hpo.metrics import MetricsCollector, parse_json_line, parse_line
+from hybridtrain.hpo.metrics import MetricsCollector, parse_line
 
 TRAIN_LOG = """\
 [2024-05-01 10:00:00] INFO building model gpt-tiny (n_layer=2, lr=0.001 from config)
@@ -32,14 +32,6 @@ def test_parse_line_katib_format() -> None:
     # A value may end a sentence, but a version or an address is no number.
     assert parse_line("Validation done: loss=0.25.") == ({"loss": 0.25}, None)
     assert parse_line("torch version=2.3.1 host ip=10.0.0.1 lr=1e-3x") == ({}, None)
-
-
-def test_parse_json_line() -> None:
-    assert parse_json_line('{"step": 3, "loss": 2.91, "lr": 0.001, "tag": "x"}') == (
-        {"loss": 2.91, "lr": 0.001}, 3)
-    assert parse_json_line("{not json") == ({}, None)
-    assert parse_json_line("[1, 2]") == ({}, None)
-    assert parse_json_line('{"ok": true, "loss": "nan"}') == ({}, None)
 
 
 def test_collector_on_training_log(tmp_path: Path) -> None:

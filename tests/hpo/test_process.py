@@ -9,12 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridtrain.hpo.process import (
-    TrialProcess,
-    process_start_ticks,
-    stop_orphan_group,
-    wait_for_exit,
-)
+from hybridtrain.hpo.process import TrialProcess, wait_for_exit
+from hybridtrain.server.process_groups import process_start_ticks, stop_orphan_group
 
 pytestmark = pytest.mark.timeout(60)
 

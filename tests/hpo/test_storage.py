@@ -1,4 +1,5 @@
-"""Storage: URLs, SQLite settings for several workers, racing table creation."""
+"""The experiments' storage: Optuna's tables beside ours, SQLite settings for several workers,
+racing table creation, its URL variable."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from hybridtrain.hpo.errors import StorageError
 from hybridtrain.hpo.records import Records
-from hybridtrain.hpo.storage import open_engine, open_optuna_storage, resolve_url
+from hybridtrain.hpo.storage import open_optuna_storage, resolve_url
+from hybridtrain.server.storage import open_engine
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -72,10 +73,8 @@ def test_a_commit_survives_its_process_killed_right_after(tmp_path: Path) -> Non
     assert [t.user_attrs["i"] for t in trials] == list(range(20))
 
 
-def test_urls() -> None:
-    assert resolve_url("sqlite:///x.db") == "sqlite:///x.db"
-    assert resolve_url("postgresql://u:p@h/db").startswith("postgresql+psycopg")
-    with pytest.raises(StorageError, match="not a database URL"):
-        resolve_url("hpo.db")
-    with pytest.raises(StorageError, match="cannot open storage 'sqlite:////nonexistent/"):
-        open_engine("sqlite:////nonexistent/dir/x.db")
+def test_the_experiments_url_comes_from_the_hpo_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HYBRIDTRAIN_SERVICE_STORAGE", "sqlite:///service.db")
+    monkeypatch.setenv("HYBRIDTRAIN_HPO_STORAGE", "sqlite:///hpo-env.db")
+    assert resolve_url(None) == "sqlite:///hpo-env.db"
+    assert resolve_url("sqlite:///given.db") == "sqlite:///given.db"

@@ -15,13 +15,13 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_lr_search_on_tiny_gpt(make_spec: Any, sqlite_url: str, tmp_path: Path) -> None:
-    pytest.importorskip("hybridtrain.train_cli")
+    pytest.importorskip("hybridtrain.commands.train")
     config = tmp_path / "cfg.json"  # JSON is YAML, so the trainer's YAML loader reads it
     config.write_text(json.dumps({"model": {"name": "gpt-tiny"}, "train": {"steps": 3}}))
     spec = make_spec(
         name="gpt-lr",
         parameters={"lr": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True}},
-        trial={"command": f"{sys.executable} -m hybridtrain.cli train {config} "
+        trial={"command": f"{sys.executable} -m hybridtrain train {config} "
                           "--set optimizer.params.lr=${lr} --set train.output_dir=${trial_dir}",
                "timeout": 240},
         algorithm={"name": "random", "seed": 1}, max_trials=2, parallel_trials=1,

@@ -56,7 +56,7 @@ def records(out: Path) -> list[dict[str, Any]]:
 
 def test_cli_run_serves_metrics_that_agree_with_metrics_jsonl(tmp_path: Path) -> None:
     out, port = tmp_path / "run", free_port()
-    cmd = [sys.executable, "-m", "hybridtrain.cli", "train", "--steps", "6", "--output-dir", str(out),
+    cmd = [sys.executable, "-m", "hybridtrain", "train", "--steps", "6", "--output-dir", str(out),
            "--metrics-port", str(port), "--no-progress",
            "--set", "model.overrides.n_layer=1", "--set", "data.seq_len=32", "--set", "train_batch_size=4",
            "--set", "device=cpu", "--set", "wall_clock_breakdown=true", "--set", "train.eval_every=3",

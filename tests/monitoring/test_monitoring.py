@@ -108,7 +108,7 @@ def test_wandb_without_the_package_is_refused_before_training(monkeypatch: pytes
     cfg = load_config({**tiny, "wandb": {"enabled": True}})
     with pytest.raises(ConfigError, match=r"wandb.enabled is true but the wandb package is not installed"):
         check_monitoring(cfg)
-    from hybridtrain.cli import main
+    from hybridtrain.commands.cli import main
 
     config = Path(tiny["train"]["output_dir"]).with_suffix(".json")
     config.write_text(json.dumps({**tiny, "wandb": {"enabled": True}}))

@@ -106,7 +106,7 @@ main()
 def test_a_dying_rank_fails_the_launch_naming_it(source: str, code: int, how: str, tmp_path: Path) -> None:
     script = tmp_path / "die.py"
     script.write_text(source)
-    proc = subprocess.run([sys.executable, "-m", "hybridtrain.parallel.launch_cli", "--nproc-per-node", "2",
+    proc = subprocess.run([sys.executable, "-m", "hybridtrain", "launch", "--nproc-per-node", "2",
                            str(script)], capture_output=True, text=True, timeout=100)
     assert proc.returncode == code, proc.stderr[-2000:]
     assert "error: rank 1 (local rank 1" in proc.stderr and how in proc.stderr
@@ -116,7 +116,7 @@ def test_a_dying_rank_fails_the_launch_naming_it(source: str, code: int, how: st
 def test_train_with_nproc_per_node_writes_once(tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "hybridtrain.cli", "train", "--nproc-per-node", "2", "--steps", "2",
+        [sys.executable, "-m", "hybridtrain", "train", "--nproc-per-node", "2", "--steps", "2",
          "--output-dir", str(out), "--no-progress", "--set", "model.overrides.n_layer=1",
          "--set", "data.seq_len=32", "--set", "train_micro_batch_size_per_gpu=2"],
         capture_output=True, text=True, timeout=170)
@@ -129,7 +129,7 @@ def test_train_with_nproc_per_node_writes_once(tmp_path: Path) -> None:
 
 def _start_two_ranks(out: Path, *extra: str) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hybridtrain.cli", "train", "--nproc-per-node", "2", "--steps", "100000",
+        [sys.executable, "-m", "hybridtrain", "train", "--nproc-per-node", "2", "--steps", "100000",
          "--output-dir", str(out), "--no-progress", "--set", "device=cpu", "--set", "model.overrides.n_layer=1",
          "--set", "data.seq_len=16", "--set", "train_micro_batch_size_per_gpu=2", "--set", "steps_per_print=100000",
          *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -214,7 +214,7 @@ def test_a_plain_script_restarts_on_a_fresh_store(tmp_path: Path) -> None:
     # the first round's dead addresses ("connectFullMesh failed", 5 of 5 tries measured).
     script = tmp_path / "restart.py"
     script.write_text(RESTARTING_SCRIPT)
-    proc = subprocess.run([sys.executable, "-m", "hybridtrain.parallel.launch_cli", "--nproc-per-node", "2",
+    proc = subprocess.run([sys.executable, "-m", "hybridtrain", "launch", "--nproc-per-node", "2",
                            "--max-restarts", "1", str(script), str(tmp_path)], capture_output=True, text=True,
                           timeout=140)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -237,7 +237,7 @@ def test_ranks_run_the_host_step_on_their_cores_unless_the_user_said(user_value:
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     if user_value is not None:
         env["OMP_NUM_THREADS"] = user_value
-    proc = subprocess.run([sys.executable, "-m", "hybridtrain.parallel.launch_cli", "--nproc-per-node", "1",
+    proc = subprocess.run([sys.executable, "-m", "hybridtrain", "launch", "--nproc-per-node", "1",
                            str(script)], capture_output=True, text=True, timeout=50, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     expected = user_value or str(len(os.sched_getaffinity(0)))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hybridtrain.cli import main
+from hybridtrain.commands.cli import main
 from hybridtrain.config import load_config
 
 TINY = {"model": {"name": "gpt-tiny"}, "data": {"seq_len": 64}, "train_batch_size": 4,

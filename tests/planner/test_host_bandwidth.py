@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hybridtrain.cli import main
+from hybridtrain.commands.cli import main
 from hybridtrain.planner.estimate import (
     Target,
     estimate,

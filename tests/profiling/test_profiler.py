@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hybridtrain as ht
-from hybridtrain.cli import main
+from hybridtrain.commands.cli import main
 from hybridtrain.config import load_config
 from hybridtrain.models.gpt import GPT, GPTConfig, causal_lm_loss
 from hybridtrain.profiling.breakdown import PARTS

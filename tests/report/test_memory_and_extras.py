@@ -44,7 +44,7 @@ def test_the_page_heads_a_cpu_runs_memory_figure_as_rss(tmp_path: Path) -> None:
 
 def test_without_matplotlib_the_report_is_one_line_naming_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    from hybridtrain.cli import main
+    from hybridtrain.commands.cli import main
 
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] or ["matplotlib"]:
         monkeypatch.setitem(sys.modules, name, None)  # an import of it raises ImportError

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridtrain.cli import main
+from hybridtrain.commands.cli import main
 from hybridtrain.report import ReportError, build_report, config_differences, flatten, load_run
 
 pytest.importorskip("matplotlib")

@@ -37,8 +37,9 @@ def api_client(storage: str, jobs_dir: Path, slots: str = "cpu:2", raise_server_
     service on ``app.state.service``."""
     from fastapi.testclient import TestClient
 
+    from hybridtrain.commands.serve import build_app
     from hybridtrain.service.devices import parse_slots
-    from hybridtrain.service.server import build_app, make_backends, open_service
+    from hybridtrain.service.opening import make_backends, open_service
 
     parsed = parse_slots(slots)
     service = open_service(storage, jobs_dir, None, make_backends(parsed), parsed)
@@ -102,7 +103,7 @@ def served(tmp_path: Path) -> Iterator[dict[str, str]]:
     env = os.environ | {"HYBRIDTRAIN_HPO_TOKEN": TOKEN, "PYTHONPATH": str(REPO),
                         "HYBRIDTRAIN_SERVICE_DEVICES": "cpu:1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hybridtrain.cli", "serve", "--port", "0", "--storage",
+        [sys.executable, "-m", "hybridtrain", "serve", "--port", "0", "--storage",
          f"sqlite:///{tmp_path / 's.db'}", "--jobs-dir", str(tmp_path / "jobs")],
         env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

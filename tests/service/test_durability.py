@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridtrain.hpo.process import group_alive
+from hybridtrain.server.process_groups import group_alive
 from hybridtrain.service.client import Client
 from hybridtrain.service.transport import healthy
 from tests.hpo.conftest import free_port
@@ -38,7 +38,7 @@ def serve(tmp_path: Path, storage: str, tag: str) -> Iterator[tuple[subprocess.P
                         "PYTHONPATH": str(REPO)}
     with (tmp_path / f"{tag}.log").open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "hybridtrain.cli", "serve", "--port", str(port), "--storage",
+            [sys.executable, "-m", "hybridtrain", "serve", "--port", str(port), "--storage",
              storage, "--jobs-dir", str(tmp_path / "jobs"), "--lease", "30"],
             cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"

@@ -18,9 +18,9 @@ import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
-from hybridtrain.cli import main
+from hybridtrain.commands.cli import main
 from hybridtrain.service.devices import parse_slots
-from hybridtrain.service.server import make_backends, open_service
+from hybridtrain.service.opening import make_backends, open_service
 from tests.service.conftest import AUTH, TOKEN, api_client, wait_for
 
 pytestmark = pytest.mark.timeout(120)

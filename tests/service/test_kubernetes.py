@@ -44,7 +44,7 @@ def test_pytorchjob_of_a_training_job_validates(tmp_path: Path, nodes: int) -> N
     pod = replicas["Master"]["template"]["spec"]
     container = pod["containers"][0]
     assert container["command"] == ["torchrun"]
-    assert container["args"][:4] == ["-m", "hybridtrain.cli", "train", "/config/My Config.yaml"]
+    assert container["args"][:4] == ["-m", "hybridtrain", "train", "/config/My Config.yaml"]
     assert "--resume" in container["args"] and "train.steps=7" in container["args"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
     assert pod["terminationGracePeriodSeconds"] == 300

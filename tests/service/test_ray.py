@@ -97,7 +97,7 @@ def test_a_job_runs_launch_on_two_ray_nodes(ray_head: str, tmp_path: Path) -> No
     assert job.state == "succeeded", (job.reason, log[-3000:])
     assert job.backend_ref and job.backend_ref.startswith("hybridtrain-on-ray-")
     # Two nodes, each one rank of `hybridtrain launch`, in one group: 1 + 2 = 3.
-    assert "hybridtrain.parallel.launch_cli" in log
+    assert "-m hybridtrain launch" in log
     assert "rank 0 of 2: sum 3" in log and "rank 1 of 2: sum 3" in log
     # A log a person reads: no terminal colour codes, each node's devices named, and a
     # successful run free of the C++ stack traces torch's elastic agent prints on shutdown.

@@ -10,7 +10,7 @@ import pytest
 
 from hybridtrain.service.api import JobService
 from hybridtrain.service.devices import parse_slots
-from hybridtrain.service.server import make_backends, open_service
+from hybridtrain.service.opening import make_backends, open_service
 from tests.service.conftest import wait_for
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""Bearer-token authentication of ``hpo serve``.
+"""Bearer-token authentication of ``hpo serve`` and ``serve`` (one token for both services).
 
 Trial commands run on the server, so every request except ``/health`` and the OpenAPI
 schema needs the token. It comes from ``$HYBRIDTRAIN_HPO_TOKEN``, else from a token file;
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
-from hybridtrain.hpo.errors import HPOError
+from hybridtrain.server.errors import ServerError
 
 TOKEN_ENV = "HYBRIDTRAIN_HPO_TOKEN"
 COOKIE = "hybridtrain_hpo_token"
@@ -42,7 +42,7 @@ def resolve_token(token_file: Path | None = None) -> tuple[str, bool]:
         ``(token, created)``; ``created`` is true when the token was just generated.
 
     Raises:
-        HPOError: the token is shorter than 16 characters, or the token file can be
+        ServerError: the token is shorter than 16 characters, or the token file can be
             neither read nor created (one line).
     """
     token = os.environ.get(TOKEN_ENV, "").strip()
@@ -56,11 +56,11 @@ def resolve_token(token_file: Path | None = None) -> tuple[str, bool]:
                 token, created = _create_token_file(path)
         except (OSError, UnicodeDecodeError) as exc:
             why = getattr(exc, "strerror", None) or str(exc)
-            raise HPOError(f"token file {str(path)[:200]!r}: {why}; give a readable file (or a "
+            raise ServerError(f"token file {str(path)[:200]!r}: {why}; give a readable file (or a "
                            f"path where one can be created) with --token-file, or set "
                            f"${TOKEN_ENV}") from None
     if len(token) < _MIN_LENGTH:
-        raise HPOError(f"the HPO API token must have at least {_MIN_LENGTH} characters; got "
+        raise ServerError(f"the HPO API token must have at least {_MIN_LENGTH} characters; got "
                        f"{len(token)} (from ${TOKEN_ENV} or the token file)")
     return token, created
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridtrain.cli import main
+from hybridtrain.commands.cli import main
 from hybridtrain.service.client import Client
 from tests.service.conftest import REPO, TOKEN, wait_for
 
@@ -51,7 +51,7 @@ def test_list_has_a_header_and_the_queue_in_start_order(
 
 def test_a_closed_pipe_ends_the_listing_without_a_traceback(queue: str) -> None:
     env = os.environ | {"HYBRIDTRAIN_HPO_TOKEN": TOKEN, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "hybridtrain.cli", "jobs", "list",
+    proc = subprocess.Popen([sys.executable, "-m", "hybridtrain", "jobs", "list",
                              "--server", queue], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     assert proc.stdout is not None and proc.stderr is not None

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "gpt_tiny.yaml"
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hybridtrain.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "hybridtrain", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
 
 
@@ -41,7 +41,7 @@ def test_train_writes_metrics_checkpoints_and_summary(tmp_path: Path) -> None:
     out = tmp_path / "run"
     env_metrics = tmp_path / "hpo-metrics.jsonl"
     proc = subprocess.run(
-        [sys.executable, "-m", "hybridtrain.cli", "train", str(EXAMPLE), "--steps", "4", "--output-dir", str(out),
+        [sys.executable, "-m", "hybridtrain", "train", str(EXAMPLE), "--steps", "4", "--output-dir", str(out),
          "--set", "steps_per_print=2", "--set", "train.eval_batches=1"],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
         env={**os.environ, "HYBRIDTRAIN_METRICS_FILE": str(env_metrics)},
@@ -72,7 +72,7 @@ def test_resume_continues_with_the_uninterrupted_losses(tmp_path: Path) -> None:
 
 def test_sigterm_saves_a_checkpoint_and_resume_finishes(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "hybridtrain.cli", "train", str(EXAMPLE), "--steps", "100000", "--output-dir",
+    args = [sys.executable, "-m", "hybridtrain", "train", str(EXAMPLE), "--steps", "100000", "--output-dir",
             str(out), "--no-progress", "--set", "train.eval_batches=1"]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 90
@@ -110,7 +110,7 @@ def _main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, list[str
     info or torch warnings."""
     import logging
 
-    from hybridtrain.cli import main
+    from hybridtrain.commands.cli import main
 
     logger = logging.getLogger("hybridtrain")
     before = list(logger.handlers)
@@ -203,12 +203,12 @@ def test_ctrl_c_while_starting_is_one_line_and_exit_130(rank: str | None, said: 
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     # The parser imports torch (seconds): a Ctrl-C then, or in a command that does not
     # catch it, was a traceback. Under torchrun rank 0 says it for the run.
-    import hybridtrain.cli
+    import hybridtrain.commands.cli
 
     def interrupted() -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(hybridtrain.cli, "build_parser", interrupted)
+    monkeypatch.setattr(hybridtrain.commands.cli, "build_parser", interrupted)
     if rank is None:
         monkeypatch.delenv("RANK", raising=False)
     else:
@@ -229,14 +229,14 @@ SPACED_VALUES = [
 
 @pytest.mark.parametrize(("spaced", "joined"), SPACED_VALUES, ids=[s for s, _ in SPACED_VALUES])
 def test_a_value_with_a_leading_minus_parses_after_a_space_as_after_equals(spaced: str, joined: str) -> None:
-    from hybridtrain.cli import build_parser
+    from hybridtrain.commands.cli import build_parser
 
     parser = build_parser()
     assert vars(parser.parse_args(spaced.split())) == vars(parser.parse_args(joined.split()))
 
 
 def test_a_launched_scripts_own_arguments_stay_its_own() -> None:
-    from hybridtrain.cli import build_parser
+    from hybridtrain.commands.cli import build_parser
 
     args = build_parser().parse_args(["launch", "--nproc-per-node", "2", "train.py", "--lr", "-1e-3", "-5GB", "--x"])
     assert args.script == "train.py" and args.script_args == ["--lr", "-1e-3", "-5GB", "--x"]
@@ -247,8 +247,8 @@ def test_the_summary_says_what_each_memory_figure_measures(tmp_path: Path, capsy
     # live tensor bytes: the summary names both, and prints the peak the limit was checked against.
     import logging
 
-    from hybridtrain.cli import main
-    from hybridtrain.train_cli import memory_words
+    from hybridtrain.commands.cli import main
+    from hybridtrain.commands.train import memory_words
     from hybridtrain.trainer import TrainSummary
 
     before = list(logging.getLogger("hybridtrain").handlers)

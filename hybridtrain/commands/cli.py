@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Sequence
 
 from hybridtrain import __version__
-from hybridtrain.cli_parser import CommandParser
+from hybridtrain.commands.parser import CommandParser
 from hybridtrain.terminate import Terminated, raise_on_sigterm
 
 
@@ -27,19 +27,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hybridtrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    from hybridtrain.train_cli import add_train_command
+    from hybridtrain.commands.train import add_train_command
 
     add_train_command(sub)
 
-    from hybridtrain.parallel.launch_cli import add_launch_command
+    from hybridtrain.commands.launch import add_launch_command
 
     add_launch_command(sub)
 
-    from hybridtrain.hpo.cli import add_hpo_commands
+    from hybridtrain.commands.hpo import add_hpo_commands
 
     add_hpo_commands(sub)
 
-    from hybridtrain.service.cli import add_service_commands
+    from hybridtrain.commands.jobs import add_service_commands
 
     add_service_commands(sub)
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
 from typing import Any
 
-from hybridtrain.cli_parser import CommandParser
 from hybridtrain.config.launcher_spellings import (
     add_launcher_spellings,
     apply_launcher_spellings,
@@ -66,16 +64,3 @@ def _launch(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hybridtrain.parallel.launch_cli …`` = ``hybridtrain launch …``."""
-    parser = CommandParser(prog="hybridtrain")
-    add_launch_command(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["launch", *(argv if argv is not None else sys.argv[1:])])
-    code: int = args.func(args)
-    return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,14 +14,15 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybridtrain.hpo.errors import HPOError
+from hybridtrain.server.errors import ServerError
 from hybridtrain.service.client import CONFIG_SUFFIXES
 from hybridtrain.service.states import WAITING
 
 if TYPE_CHECKING:
     from hybridtrain.service.client import Client
 
-_STORAGE_HELP = "storage URL (default: $HYBRIDTRAIN_HPO_STORAGE or sqlite:///hpo.db)"
+_STORAGE_HELP = ("storage URL (default: $HYBRIDTRAIN_SERVICE_STORAGE, else $HYBRIDTRAIN_HPO_STORAGE, "
+                 "else sqlite:///hpo.db)")
 #: Exit codes of the commands that wait for a job to end (``wait``, ``submit --wait``,
 #: ``cancel --wait``), by the job's final state. Every other command exits 0 when the
 #: service did what was asked; every command exits 2 for a refused request (one line).
@@ -39,7 +40,7 @@ def _errors_to_exit(func: Callable[[argparse.Namespace], int]) -> Callable[..., 
     def wrapper(args: argparse.Namespace) -> int:
         try:
             return func(args)
-        except (HPOError, ValueError) as exc:
+        except (ServerError, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         except BrokenPipeError:
@@ -247,7 +248,8 @@ def cmd_resubmit(args: argparse.Namespace) -> int:
 @_errors_to_exit
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve the training service and the HPO service."""
-    from hybridtrain.service.server import DEFAULT_JOBS_DIR, serve
+    from hybridtrain.commands.serve import serve
+    from hybridtrain.service.backend import DEFAULT_JOBS_DIR
 
     return serve(host=args.host, port=args.port, storage=args.storage,
                  token_file=Path(args.token_file) if args.token_file else None,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridtrain.hpo.errors import HPOError
+from hybridtrain.server.errors import ServerError
 
 _STORAGE_HELP = "storage URL (default: $HYBRIDTRAIN_HPO_STORAGE or sqlite:///hpo.db)"
 
@@ -23,7 +24,7 @@ def _errors_to_exit(func: Callable[[argparse.Namespace], int]) -> Callable[..., 
     def wrapper(args: argparse.Namespace) -> int:
         try:
             return func(args)
-        except HPOError as exc:
+        except ServerError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
 
@@ -67,7 +68,7 @@ def _run_controller(args: argparse.Namespace, live: bool) -> int:
     except KeyboardInterrupt:
         print(f"interrupted; resume with: hybridtrain hpo run {args.spec}", file=sys.stderr)
         return 130
-    except HPOError:
+    except ServerError:
         raise  # bad spec or storage gone: one line from _errors_to_exit, nothing to record
     except Exception as exc:  # noqa: BLE001 - a dead worker must not leave its experiment "running"
         return _worker_died(store, spec.name, exc)

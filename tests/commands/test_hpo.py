@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from hybridtrain.hpo.cli import add_hpo_commands, main
+from hybridtrain.commands.hpo import add_hpo_commands, main
 from tests.hpo.conftest import REPO
 
 pytestmark = pytest.mark.timeout(120)
@@ -91,7 +91,7 @@ def test_stop_of_an_idle_experiment(make_spec: Any, sqlite_url: str,
 
 
 def test_module_entry_point_help_is_fast_and_light() -> None:
-    code = ("import sys, hybridtrain.hpo.cli; "
+    code = ("import sys, hybridtrain.commands.hpo; "
             "print(any(m.startswith(('optuna', 'fastapi', 'sqlalchemy')) for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                          text=True, timeout=60)

@@ -1,15 +1,15 @@
 """``hybridtrain serve``: the training service and the HPO service in one process.
 
 One uvicorn server, one storage, one token: ``/v1/experiments`` (the HPO service's app,
-:func:`hybridtrain.hpo.api.create_app`), ``/v1/jobs`` (:mod:`.api`), the jobs page at
-``/jobs``, the optuna-dashboard at ``/``, and ``/metrics`` with both services' series. A
-scheduler thread ticks beside it. Stopping the server (Ctrl-C, SIGTERM) leaves running
-jobs running: the next ``serve`` adopts them (see :mod:`.local`).
+:func:`hybridtrain.hpo.api.create_app`), ``/v1/jobs`` (:mod:`hybridtrain.service.api`), the
+jobs page at ``/jobs``, the optuna-dashboard at ``/``, and ``/metrics`` with both services'
+series. A scheduler thread ticks beside it. Stopping the server (Ctrl-C, SIGTERM) leaves
+running jobs running: the next ``serve`` adopts them (see :mod:`hybridtrain.service.local`).
+It sits with the commands, above both services, because it is the one place that hosts both.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import sys
@@ -21,37 +21,19 @@ from fastapi import HTTPException, Request
 from fastapi.responses import RedirectResponse, Response
 from fastapi.routing import APIRoute
 
-from hybridtrain.service.backend import Backend
-from hybridtrain.service.devices import Slots, detect_slots
-from hybridtrain.service.local import LocalBackend
-from hybridtrain.service.scheduler import Scheduler
-from hybridtrain.service.store import JobStore
+from hybridtrain.server.errors import ServerError
+from hybridtrain.server.listen import bind, check_host, check_port, is_loopback
+from hybridtrain.service.backend import DEFAULT_JOBS_DIR
+from hybridtrain.service.devices import detect_slots
+from hybridtrain.service.opening import make_backends, open_service
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from hybridtrain.service.api import JobService
 
-log = logging.getLogger(__name__)
-DEFAULT_JOBS_DIR = Path("hybridtrain-jobs")
 #: Longest leader lease ``serve --lease`` takes (a leader that dies is replaced after it).
 MAX_LEASE_S = 3600.0
-
-
-def make_backends(slots: Slots, ray_address: str | None = None,
-                  kubernetes_namespace: str | None = None,
-                  image: str = "hybridtrain:latest") -> dict[str, Backend]:
-    """The backends a service enables: local always, Ray and Kubernetes when asked."""
-    backends: dict[str, Backend] = {"local": LocalBackend(slots)}
-    if ray_address:
-        from hybridtrain.service.ray_backend import RayBackend
-
-        backends["ray"] = RayBackend(ray_address)
-    if kubernetes_namespace:
-        from hybridtrain.service.kubernetes import KubernetesBackend
-
-        backends["kubernetes"] = KubernetesBackend(kubernetes_namespace, image)
-    return backends
 
 
 def build_app(service: JobService, token: str, metrics_public: bool = False,
@@ -59,7 +41,7 @@ def build_app(service: JobService, token: str, metrics_public: bool = False,
     """The combined app: HPO routes, job routes, jobs page, dashboard, ``/metrics``."""
     from hybridtrain.hpo.api import create_app, launch_worker
     from hybridtrain.hpo.experiments import ExperimentStore
-    from hybridtrain.hpo.guard import METRICS_PATH
+    from hybridtrain.server.guard import METRICS_PATH
     from hybridtrain.service.api import job_router
     from hybridtrain.service.exporter import JobCollector
     from hybridtrain.service.page import jobs_page_app
@@ -112,41 +94,21 @@ def _to_jobs_page(request: Request) -> Response:
     return RedirectResponse("/jobs/" + (f"?{query}" if query else ""), status_code=307)
 
 
-def open_service(storage: str | None, jobs_dir: Path, url: str | None,
-                 backends: dict[str, Backend] | None = None, slots: Slots | None = None,
-                 lease: float = 10.0, preemption: bool = True) -> JobService:
-    """A :class:`~.api.JobService` with its scheduler (not yet ticking); ``preemption``:
-    see :class:`~.scheduler.Scheduler`."""
-    from hybridtrain.service.api import JobService
-    from hybridtrain.service.users import UserStore
-
-    slots = slots or detect_slots()
-    store = JobStore(storage)
-    users = UserStore(store.url)
-    scheduler = Scheduler(store, slots, backends or make_backends(slots), url=url,
-                          lease=lease, preemption=preemption, on_event=lambda line: print(line, flush=True),
-                          quotas=users.quotas)
-    return JobService(store, scheduler, jobs_dir, users)
-
-
 def check_serve_options(host: str, port: int, lease: float, jobs_dir: Path) -> None:
     """Refuse bad ``serve`` options in one line, before anything starts or is written.
 
     Raises:
-        HPOError: a port TCP does not have, a host that is no address, a lease that is not
-            a positive finite number of seconds, a jobs directory that is a file.
+        ServerError: a port TCP does not have, a host that is no address, a lease that is
+            not a positive finite number of seconds, a jobs directory that is a file.
     """
-    from hybridtrain.hpo.errors import HPOError
-    from hybridtrain.hpo.server import check_host, check_port
-
     check_port(port)
     check_host(host)
     # A lease of nan is never "live" nor "expired", so no scheduler would ever lead.
     if not (math.isfinite(lease) and 0 < lease <= MAX_LEASE_S):
-        raise HPOError(f"--lease {lease}: give seconds in (0, {MAX_LEASE_S:g}]")
+        raise ServerError(f"--lease {lease}: give seconds in (0, {MAX_LEASE_S:g}]")
     for path in (jobs_dir, *jobs_dir.parents):
         if path.exists() and not path.is_dir():
-            raise HPOError(f"--jobs-dir {str(jobs_dir)[:200]!r}: {str(path)[:200]!r} is a file, "
+            raise ServerError(f"--jobs-dir {str(jobs_dir)[:200]!r}: {str(path)[:200]!r} is a file, "
                            "not a directory")
 
 
@@ -159,14 +121,12 @@ def serve(host: str = "127.0.0.1", port: int = 8080, storage: str | None = None,
     job of higher priority waits for devices instead of preempting running jobs.
 
     Raises:
-        HPOError: bad options (:func:`check_serve_options`), token or storage, a port in
-            use; ValueError: bad ``$HYBRIDTRAIN_SERVICE_DEVICES``.
+        ServerError: bad options (:func:`check_serve_options`), token or storage, a port
+            in use; ValueError: bad ``$HYBRIDTRAIN_SERVICE_DEVICES``.
     """
     import uvicorn
 
-    from hybridtrain.hpo.auth import DEFAULT_TOKEN_FILE, TOKEN_ENV, resolve_token
-    from hybridtrain.hpo.errors import HPOError
-    from hybridtrain.hpo.server import _is_loopback, bind
+    from hybridtrain.server.auth import DEFAULT_TOKEN_FILE, TOKEN_ENV, resolve_token
 
     check_serve_options(host, port, lease, jobs_dir)
     token, created = resolve_token(token_file)
@@ -183,7 +143,7 @@ def serve(host: str = "127.0.0.1", port: int = 8080, storage: str | None = None,
         jobs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
         sock.close()
-        raise HPOError(f"--jobs-dir {str(jobs_dir)[:200]!r}: {exc.strerror}") from None
+        raise ServerError(f"--jobs-dir {str(jobs_dir)[:200]!r}: {exc.strerror}") from None
     service = open_service(storage, jobs_dir, base, backends, slots, lease, preemption)
     app = build_app(service, token, metrics_public=metrics_public)
     if created:
@@ -192,7 +152,7 @@ def serve(host: str = "127.0.0.1", port: int = 8080, storage: str | None = None,
     where = f"${TOKEN_ENV}" if from_env else (token_file or DEFAULT_TOKEN_FILE).expanduser()
     print(f"admin token: in {where}; users get their own with "
           "`hybridtrain serve users add NAME [--devices N]`", flush=True)
-    if not _is_loopback(host):
+    if not is_loopback(host):
         print(f"warning: binding {host}: jobs run commands on this machine; anyone who has "
               "the token can start them", file=sys.stderr)
     print(f"REST API:  {base}/v1/jobs  {base}/v1/experiments  (schema: {base}/openapi.json)\n"

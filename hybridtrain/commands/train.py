@@ -40,7 +40,7 @@ def add_train_command(sub: Any) -> None:
                        help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics while training "
                        "(shortcut for --set train.metrics_port=…; each rank on PORT + its local rank; "
                        "train.metrics_host sets the address)")
-    from hybridtrain.parallel.launch_cli import add_launch_options
+    from hybridtrain.commands.launch import add_launch_options
 
     # --nproc-per-node N (or several nodes) starts N ranks through torchrun, each running
     # this same command without the placement options.
@@ -152,8 +152,8 @@ def _wants_launch(args: argparse.Namespace) -> bool:
 
 
 def _launch_ranks(args: argparse.Namespace) -> int:
+    from hybridtrain.commands.launch import spec_from_args
     from hybridtrain.config import explain_config
-    from hybridtrain.parallel.launch_cli import spec_from_args
     from hybridtrain.run_lock import TOKEN_ENV, acquire
     from hybridtrain.trainer import check_output_dir
 
@@ -181,8 +181,8 @@ def _launch_ranks(args: argparse.Namespace) -> int:
 
 
 def _launch_workers(args: argparse.Namespace) -> int:
+    from hybridtrain.commands.launch import spec_from_args
     from hybridtrain.parallel.launch import launch
-    from hybridtrain.parallel.launch_cli import spec_from_args
 
     worker = ["train", *([args.config] if args.config else [])]
     for item in args.overrides:
@@ -196,7 +196,7 @@ def _launch_workers(args: argparse.Namespace) -> int:
     worker += ["--no-progress"] if args.no_progress else []
     try:
         # Rank 0 says how a Ctrl-C/SIGTERM ended (the step it saved): the launcher stays quiet.
-        return launch(spec_from_args(args, module=True), "hybridtrain.cli", worker, announce_stop=False,
+        return launch(spec_from_args(args, module=True), "hybridtrain", worker, announce_stop=False,
                       rounds_keep_apart=True)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

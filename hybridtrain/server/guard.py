@@ -18,11 +18,11 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from hybridtrain.hpo.auth import Admits, ASGIApp, Scope, admitted, bearer, respond
+from hybridtrain.server.auth import Admits, ASGIApp, Scope, admitted, bearer, respond
 
 #: Default body limit: an experiment spec is a few kilobytes.
 DEFAULT_MAX_BODY = 1024 * 1024
-#: Prometheus text of the service (:mod:`hybridtrain.hpo.exporter`).
+#: Prometheus text of a service (:mod:`hybridtrain.hpo.exporter`, :mod:`hybridtrain.service.exporter`).
 METRICS_PATH = "/metrics"
 
 Receive = Callable[[], Awaitable[Any]]

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridtrain.cli import build_parser, main
-from hybridtrain.service.cli import submit_args
+from hybridtrain.commands.cli import build_parser, main
+from hybridtrain.commands.jobs import submit_args
 from tests.service.conftest import REPO, TOKEN
 
 pytestmark = pytest.mark.timeout(180)
