@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hybridtrain.deepspeed as deepspeed
-from hybridtrain.commands import launch as launch_cli
+from hybridtrain.commands import launch as launch_command
 from hybridtrain.config.launcher_spellings import apply_launcher_spellings
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "deepspeed"
@@ -155,7 +155,7 @@ def test_config_precedence_and_arguments(tmp_path: Path) -> None:
 
 def _launch_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    launch_cli.add_launch_command(parser.add_subparsers(dest="command"))
+    launch_command.add_launch_command(parser.add_subparsers(dest="command"))
     return parser.parse_args(["launch", *argv, "train.py", "--deepspeed"])
 
 
@@ -164,7 +164,7 @@ def test_deepspeed_launcher_flags_map_to_torchrun(tmp_path: Path) -> None:
 
     args = _launch_args(["--num_gpus", "2", "--num_nodes", "1", "--master_port", "29555", "--master_addr", "h0"])
     assert apply_launcher_spellings(args) == {}
-    argv = torchrun_argv(launch_cli.spec_from_args(args), args.script, args.script_args)
+    argv = torchrun_argv(launch_command.spec_from_args(args), args.script, args.script_args)
     assert {"--nproc-per-node=2", "--nnodes=1", "--master-addr=h0", "--master-port=29555"} <= set(argv)
     assert argv[-2:] == ["train.py", "--deepspeed"]
     local = tmp_path / "hostfile"

@@ -109,7 +109,7 @@ def check_serve_options(host: str, port: int, lease: float, jobs_dir: Path) -> N
     for path in (jobs_dir, *jobs_dir.parents):
         if path.exists() and not path.is_dir():
             raise ServerError(f"--jobs-dir {str(jobs_dir)[:200]!r}: {str(path)[:200]!r} is a file, "
-                           "not a directory")
+                              "not a directory")
 
 
 def serve(host: str = "127.0.0.1", port: int = 8080, storage: str | None = None,

@@ -13,7 +13,7 @@
 * :mod:`.opening` — a service opened on a storage (what ``serve`` hosts);
 * :mod:`.client` — :class:`Client`, the typed Python client (:mod:`.transport`: its REST);
 
-The commands (``serve``, ``jobs …``) are :mod:`hybridtrain.commands.service`, the process
+The commands (``serve``, ``jobs …``) are :mod:`hybridtrain.commands.jobs`, the process
 that hosts both services :mod:`hybridtrain.commands.serve`; HPO trials run as jobs through
 :mod:`hybridtrain.hpo.trial_jobs`.
 """
