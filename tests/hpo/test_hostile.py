@@ -111,7 +111,7 @@ def test_reposting_a_name_with_another_spec_is_a_conflict(sqlite_url: str, make_
 def test_a_dead_worker_fails_its_experiment_and_stop_always_ends(
         sqlite_url: str, make_spec: Any, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    from hybridtrain.hpo import cli
+    from hybridtrain.commands import hpo as cli
     from hybridtrain.hpo.controller import Controller
 
     store = ExperimentStore(sqlite_url)
