@@ -129,8 +129,9 @@ class JobProcess(TrialProcess):
     def start(self) -> JobProcess:
         """Submit the trial as a job and let the scheduler start it if it can."""
         # On a GPU machine the service hands out the GPUs (gpus_per_trial of them, from its
-        # own slots); elsewhere the experiment's pool stays as the controller chose it.
-        devices = self.devices if self.jobs.scheduler.slots.kind == "gpu" else 0
+        # own slots); on a machine without GPUs a trial takes one CPU core like any job, so
+        # trials and jobs together never run more processes than the machine has cores.
+        devices = self.devices if self.jobs.scheduler.slots.kind == "gpu" else 1
         direct = self.argv is not None and _executable(self.argv[0], self.env, self.cwd)
         program = ({"command": list(self.argv or ())} if direct
                    else {"command": [self.command], "shell": True})

@@ -84,7 +84,10 @@ class LocalBackend(Backend):
         elif devices:
             cores = ",".join(map(str, devices))
             full_env["OMP_NUM_THREADS"] = str(len(devices))
-            full_env["CUDA_VISIBLE_DEVICES"] = ""
+            # The service hands out no GPUs here: a job sees none, unless its own spec names
+            # some (an HPO trial given GPUs by its experiment's own pool).
+            if "CUDA_VISIBLE_DEVICES" not in env:
+                full_env["CUDA_VISIBLE_DEVICES"] = ""
         full_env["HYBRIDTRAIN_JOB_DEVICES"] = ",".join(map(str, devices))
         lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:

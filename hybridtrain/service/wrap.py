@@ -30,6 +30,17 @@ def private(path: str, flags: int) -> int:
     return os.open(path, flags, 0o600)
 
 
+def pinned_cores(slots: list[int], allowed: list[int]) -> set[int]:
+    """The cores a job on CPU ``slots`` runs on: the slots themselves where this process may
+    run on them; slots beyond (``HYBRIDTRAIN_SERVICE_DEVICES=cpu:8`` on a 4-core machine, to
+    run more light jobs at once than there are cores) wrap around onto the allowed cores.
+
+        >>> sorted(pinned_cores([2, 3], [0, 1]))
+        [0, 1]
+    """
+    return {s if s in allowed else allowed[s % len(allowed)] for s in slots}
+
+
 def main(argv: list[str]) -> int:
     """Run ``argv`` after ``--``; write ``{"code": N}`` to the exit file; return N."""
     # First of all: a cancel that comes this early must not kill the wrapper.
@@ -41,7 +52,7 @@ def main(argv: list[str]) -> int:
     with open(exit_path.replace(".exit", ".pid"), "w", opener=private) as out:
         out.write(str(os.getpid()))
     if cores:
-        os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
+        os.sched_setaffinity(0, pinned_cores([int(c) for c in cores.split(",")], sorted(os.sched_getaffinity(0))))
     try:
         child = subprocess.Popen(program)  # the lock fd is not passed on (close_fds)
     except OSError as exc:

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def _spawn(command: str, spec: dict[str, Any] | str, storage: str, tmp_path: Path,
-           tag: str) -> tuple[subprocess.Popen[bytes], Path]:
+           tag: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], Path]:
     if isinstance(spec, dict):
         path = tmp_path / f"{spec['name']}.json"
         path.write_text(json.dumps(spec))
@@ -33,7 +33,7 @@ def _spawn(command: str, spec: dict[str, Any] | str, storage: str, tmp_path: Pat
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "hybridtrain.hpo", command, arg,
                                  "--storage", storage], cwd=REPO, stdout=out,
-                                stderr=subprocess.STDOUT)
+                                stderr=subprocess.STDOUT, env=os.environ | (env or {}))
     return proc, log
 
 
@@ -207,7 +207,10 @@ def _two_workers(make_spec: Any, storage: str, tmp_path: Path, name: str = "bran
     hold.touch()
     spec = _held_spec(make_spec, hold, name=name, max_trials=8)
     store = ExperimentStore(storage)
-    workers = [_spawn("worker", spec, storage, tmp_path, f"w{i}") for i in range(2)]
+    # A trial takes a core like any job: four trials at once need four slots (they only
+    # wait on a file, so four slots on fewer cores cost nothing here).
+    slots = {"HYBRIDTRAIN_SERVICE_DEVICES": "cpu:4"}
+    workers = [_spawn("worker", spec, storage, tmp_path, f"w{i}", slots) for i in range(2)]
     # Both workers hold two trials each before any trial may end: each takes part.
     wait_for(lambda: len({r.owner for r in store.records.running_slots(name) if r.pgid}) == 2
              and len(_slot_groups(store, name)) == 4, 90, "both workers running two trials")

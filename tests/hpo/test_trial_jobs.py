@@ -59,3 +59,15 @@ def test_trials_their_pruner_stopped_are_pruned_jobs(make_spec: Any, sqlite_url:
         assert job.state == {"pruned": "pruned", "complete": "succeeded"}[state], job.reason
         if state == "pruned":
             assert job.reason.startswith("pruned by its HPO pruner: "), job.reason
+
+
+def test_on_a_machine_without_gpus_a_trial_takes_a_core_like_any_job(
+        make_spec: Any, sqlite_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # One core, two trials allowed at once by the experiment: the service runs one at a time.
+    monkeypatch.setenv("HYBRIDTRAIN_SERVICE_DEVICES", "cpu:1")
+    spec = make_spec(parallel_trials=2, max_trials=3, trial={"command": "sleep 0.2; echo loss=${x1}"})
+    assert run_experiment(spec, sqlite_url)["state"] == "succeeded"
+    jobs = JobStore(sqlite_url).jobs(kind="trial")
+    assert [(j.spec.devices, j.devices) for j in jobs] == [(1, (0,))] * 3
+    spans = sorted((j.started_at or 0.0, j.finished_at or 0.0) for j in jobs)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False)), spans
