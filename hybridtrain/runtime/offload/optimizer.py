@@ -55,6 +55,7 @@ from hybridtrain.runtime.offload.background_updates import PendingWeights, runni
 from hybridtrain.runtime.offload.bucket import Bucket
 from hybridtrain.runtime.offload.grads import copy_grads_to_host, hook_arrivals
 from hybridtrain.runtime.offload.half_uploads import STAGING_BUFFERS, HalfUploads
+from hybridtrain.runtime.offload.host_bytes import HostBytes, state_bytes
 from hybridtrain.runtime.offload.host_grad_checks import clip_grad_norm, unscale_and_check
 from hybridtrain.runtime.offload.inner_optimizer import (
     groups_over,
@@ -486,4 +487,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def host_numel(self) -> int:
         """Elements whose master weights and state live in host memory."""
         return sum(b.flat_master.numel() for b in self.buckets)
+
+    def host_bytes(self) -> HostBytes:
+        """The host memory this optimizer allocated, persistent and staging (:mod:`~.host_bytes`)."""
+        grads = sum(b.flat_grad.nbytes for b in self.buckets if b.flat_grad is not None)
+        state = state_bytes(self.state[m] for b in self.buckets for m in b.masters if m in self.state)
+        staging = self._pool.allocated * self._pool.numel + self.half_uploads.staging_bytes
+        return HostBytes(self.host_numel, sum(b.flat_master.nbytes for b in self.buckets), state, grads, 0, staging)
 

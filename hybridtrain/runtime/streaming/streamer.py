@@ -63,6 +63,7 @@ from hybridtrain.runtime import transfer
 from hybridtrain.runtime.device import normalize_device
 from hybridtrain.runtime.memory_limit import storage_resized
 from hybridtrain.runtime.offload.bucket import Bucket
+from hybridtrain.runtime.offload.host_bytes import HostBytes
 from hybridtrain.runtime.offload.optimizer import OffloadOptimizer
 from hybridtrain.runtime.precision.half_width import WeightReads, matmul_reads_only
 from hybridtrain.runtime.step_parts import step_part
@@ -344,6 +345,11 @@ class LayerStreamer:
         block.landed = True
         block.image_current = False  # the host step may now write the masters
         self.optimizer.offload_grads(index, then=lambda: self._free(block), grads=grads)
+
+    def host_bytes(self) -> HostBytes:
+        """Host memory of the streamed blocks and the host optimizer: its figures plus the
+        blocks' half-width images (:mod:`~hybridtrain.runtime.offload.host_bytes`)."""
+        return self.optimizer.host_bytes().with_images(sum(b.image.nbytes for b in self.blocks if b.image is not None))
 
     def kept_for_backward(self, index: int) -> bool:
         """Whether block ``index`` stays on the device from its forward to its backward (of
