@@ -493,3 +493,24 @@ def assert_resume_exact(make_engine: Callable[[], ht.Engine], batches: list[Any]
     for name, value in straight.model_state_dict().items():
         torch.testing.assert_close(final[name], value, rtol=0, atol=0)
     return first, resumed
+
+
+def _gradients_wait_on_device(mode: Mode) -> Mode:
+    """``mode`` with offloaded gradients waiting on the device (``gradients_wait: device``)."""
+    config = copy.deepcopy(mode.config)
+    offload = config.setdefault("zero_optimization", {}).setdefault("offload_optimizer", {})
+    offload["gradients_wait"] = "device"
+    return dataclasses.replace(mode, name=f"{mode.name}_grads_on_device", config=config)
+
+
+GRADS_ON_DEVICE_MODES: dict[str, Mode] = {
+    # Every offload mode whose gradients would wait in host memory (a deferred step, or a sum
+    # over micro-batches), with them waiting on the device: bf16 and fp16, accumulation,
+    # clipping that clips, fp16 overflow that skips, twin-flow, background updates.
+    m.name: m for m in map(_gradients_wait_on_device, [
+        {**MODES, **HALF_WIDTH_MODES}[name] for name in (
+            "offload_opt_accum2_clip", "offload_opt_bf16_accum2_clip", "offload_opt_twinflow_fp16",
+            "offload_opt_fp16_overflow", "cpu_checkpointing_accum2_offload", "stream_host_accum2_clip",
+            "stream_bf16_accum2_clip", "stream_fp16_overflow", "stream_layer_major_host_accum2_clip",
+            "stream_layer_major_fp16_overflow_accum2_clip", "stream_keep2_bf16_accum2_clip")])
+}

@@ -92,6 +92,11 @@ class OffloadOptimizerConfig(Section):
     """Fraction of the update done on the host (DeepSpeed's twin-flow ``ratio``)."""
     gpu_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
     """Fraction of the update kept on the device (twin-flow); the same as ``ratio = 1 - gpu_ratio``."""
+    gradients_wait: Literal["host", "device"] = "host"
+    """Where offloaded gradients wait when the host step cannot take them as they land (clipping,
+    fp16, ``nonfinite_loss: skip``, accumulation): ``host``, a 4-byte buffer per parameter in host
+    memory; ``device``, on the device at the width backward gave them, streamed to the host step
+    through a few pooled buffers (host: 12 bytes per AdamW parameter; the same math)."""
 
     @model_validator(mode="before")
     @classmethod

@@ -401,10 +401,12 @@ def _optimizer(cfg: Config, sizes: ParallelSizes, streaming: bool, accumulation:
     # Gradients wait in host memory when micro-batches land one by one and are summed there
     # (layer-major streaming sums them on the device and lands each block once).
     summed_on_host = accumulation > 1 and not (streaming and cfg.layer_streaming.layer_major)
+    waits = defer or summed_on_host
+    on_device = waits and section.gradients_wait == "device"
     return OptimizerPlan(
         placement="host_streamed" if streaming else "host",
         host_ratio=1.0 if streaming else section.ratio,
-        defer_step=defer, grads_wait_on_host=defer or summed_on_host,
+        defer_step=defer, grads_wait_on_host=waits and not on_device, grads_wait_on_device=on_device,
         pin_memory=cfg.layer_streaming.pin_memory if streaming else section.pin_memory,
         bucket_size=cfg.zero_optimization.reduce_bucket_size,
     )

@@ -68,6 +68,9 @@ class OptimizerPlan:
         defer_step: the host step waits until every gradient has landed (clipping, fp16,
             ``nonfinite_loss: skip``), instead of running as each bucket lands.
         grads_wait_on_host: gradients wait in host memory (summed there, or deferred).
+        grads_wait_on_device: gradients that must wait (summed, or deferred) wait on the
+            device instead, then stream through pooled host buffers (12 bytes per AdamW
+            parameter on the host; the device holds the waiting gradients).
         pin_memory: host buffers page-locked.
         bucket_size: elements per gradient bucket (optimizer offload).
     """
@@ -76,6 +79,7 @@ class OptimizerPlan:
     host_ratio: float = 0.0
     defer_step: bool = False
     grads_wait_on_host: bool = False
+    grads_wait_on_device: bool = False
     pin_memory: bool = False
     bucket_size: int = 0
 

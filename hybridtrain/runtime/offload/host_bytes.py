@@ -14,10 +14,13 @@ Two kinds of host memory, kept apart because they scale differently:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from hybridtrain.runtime.offload.bucket import Bucket
+from hybridtrain.runtime.transfer import HostBufferPool
 
 
 @dataclass(frozen=True)
@@ -60,3 +63,18 @@ def state_bytes(states: Iterable[dict[str, object]]) -> int:
     """Bytes of the host-memory tensors in optimizer states (Adam's moments and step counters)."""
     return sum(value.nbytes for state in states for value in state.values()
                if isinstance(value, torch.Tensor) and value.device.type == "cpu")
+
+
+def offload_host_bytes(buckets: Sequence[Bucket], state: Mapping[torch.Tensor, dict[str, object]],
+                       pool: HostBufferPool, half_staging: int) -> HostBytes:
+    """What an :class:`~hybridtrain.runtime.offload.optimizer.OffloadOptimizer` allocated: its
+    buckets' masters and lasting gradient buffers, the optimizer state of those masters, its
+    gradient pool's buffers and ``half_staging`` bytes of half-upload staging."""
+    return HostBytes(
+        params=sum(b.flat_master.numel() for b in buckets),
+        masters=sum(b.flat_master.nbytes for b in buckets),
+        optimizer_state=state_bytes(state[m] for b in buckets for m in b.masters if m in state),
+        waiting_grads=sum(b.flat_grad.nbytes for b in buckets if b.flat_grad is not None),
+        images=0,
+        staging=pool.allocated * pool.numel + half_staging,
+    )
