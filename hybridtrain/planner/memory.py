@@ -220,16 +220,21 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
     replay.current += stream_window  # the streamed blocks in flight (their device copies)
     replay.start = replay.current
     treatments = [treatment(plan, p.name) for p in blocks]
-    # Streamed blocks hand their gradients to the host as soon as their backward ends.
-    landing = {i for i in range(n) if streamed[i]} if opt.placement != "device" else set()
+    # Streamed blocks hand their gradients to the host as soon as their backward ends, unless
+    # gradients wait on the device for the step (held: at half width where they are half and
+    # land once, a streamed block's Linear weights).
+    held = opt.grads_wait_on_device
+    landing = {i for i in range(n) if streamed[i]} if opt.placement != "device" and not held else set()
+    narrower = {i: 2 * min(half_numel.get(blocks[i].name, 0), blocks[i].param_numel) // tp for i in range(n)
+                if streamed[i]} if held and accumulation == 1 else {}
     swap_prefetch = cfg.activation_offload.prefetch_blocks if not on_cpu else 0
     host_acts = 0
     # Offloaded gradients are landed (moved to host memory) bucket by bucket after each
     # backward: every micro-batch's in micro-batch order, all of them at once in layer-major.
-    landed = _FP32 * (offloaded_numel - streamed_numel) if opt.placement != "device" else 0
+    landed = _FP32 * (offloaded_numel - streamed_numel) if opt.placement != "device" and not held else 0
     if plan.step_runner == "layer_major":
         host_acts = _layer_major_step(replay, trace, stage_blocks, treatments, accumulation, tp, swap_prefetch, landing,
-                                      streamed)
+                                      streamed, narrower)
         replay.current -= landed
         replay.grads -= landed
     rounds, in_flight = (0, 0) if plan.step_runner == "layer_major" else \
@@ -239,8 +244,8 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
             host_acts = max(host_acts, _forward(replay, trace, stage_blocks, treatments, tp))
         for k in range(in_flight):
             # Offloaded gradients leave the device after each micro-batch: every backward finds none.
-            fresh = (m == 0 and k == 0) or opt.placement != "device"
-            _backward(replay, trace, stage_blocks, treatments, fresh, tp, swap_prefetch, landing)
+            fresh = (m == 0 and k == 0) or (opt.placement != "device" and not held)
+            _backward(replay, trace, stage_blocks, treatments, fresh, tp, swap_prefetch, landing, narrower)
         replay.current -= landed
         replay.grads -= landed
     if zero >= 2:
@@ -305,14 +310,15 @@ def _split(nbytes: int, output_bytes: int, tp: int) -> int:
 
 
 def _backward_phase(replay: _Replay, p: PhaseProfile, where: str, first: bool, tp: int, ahead: int = 0,
-                    lands: bool = False) -> None:
+                    lands: bool = False, narrower: int = 0) -> None:
     """One micro-batch's backward through phase ``p`` (``first``: it creates the gradients
-    of ``p``'s parameters; ``lands``: they leave for the host at its end)."""
+    of ``p``'s parameters; ``lands``: they leave for the host at its end; ``narrower``:
+    bytes fewer than fp32 they take, held at half width)."""
     peak, end = (p.backward_peak, p.backward_end) if first else (p.accumulate_peak, p.accumulate_end)
     replay.touch(_split(peak, p.output_bytes, tp) + ahead, f"backward of {where}")
     change = _split(end, p.output_bytes, tp) if end > 0 else -_split(-end, p.output_bytes, tp)
     replay.current += change
-    grads = _FP32 * p.param_numel // tp
+    grads = _FP32 * p.param_numel // tp - narrower
     if first:  # this phase's parameters now have gradients
         replay.grads += grads
     if lands:
@@ -321,7 +327,7 @@ def _backward_phase(replay: _Replay, p: PhaseProfile, where: str, first: bool, t
 
 
 def _backward(replay: _Replay, trace: ModelTrace, stage_blocks: list[int], treatments: list[str], first: bool,
-              tp: int, swap_prefetch: int, landing: set[int]) -> None:
+              tp: int, swap_prefetch: int, landing: set[int], narrower: Mapping[int, int]) -> None:
     if not stage_blocks or stage_blocks[-1] == len(trace.blocks) - 1:
         _backward_phase(replay, trace.post, "post", first, tp)
     for k, i in enumerate(reversed(stage_blocks)):
@@ -329,13 +335,14 @@ def _backward(replay: _Replay, trace: ModelTrace, stage_blocks: list[int], treat
         # Swapped blocks further back are copied to the device ahead of their backward.
         later = list(reversed(stage_blocks))[k + 1:k + 1 + swap_prefetch]
         ahead = sum(trace.block(j, treatments[j]).host_bytes // tp for j in later)
-        _backward_phase(replay, p, p.name, first, tp, ahead, i in landing)
+        _backward_phase(replay, p, p.name, first, tp, ahead, i in landing, narrower.get(i, 0))
     if not stage_blocks or stage_blocks[0] == 0:
         _backward_phase(replay, trace.pre, "pre", first, tp)
 
 
 def _layer_major_step(replay: _Replay, trace: ModelTrace, stage_blocks: list[int], treatments: list[str], count: int,
-                      tp: int, swap_prefetch: int, landing: set[int], streamed: list[bool]) -> int:
+                      tp: int, swap_prefetch: int, landing: set[int], streamed: list[bool],
+                      narrower: Mapping[int, int]) -> int:
     """Forward and backward of ``count`` micro-batches in layer-major order
     (:mod:`hybridtrain.runtime.streaming.layer_major`); returns the activation bytes sent to host memory.
 
@@ -376,7 +383,8 @@ def _layer_major_step(replay: _Replay, trace: ModelTrace, stage_blocks: list[int
         m = k % count
         ahead = sum(trace.block(j, treatments[j]).host_bytes // tp for j in order[k + 1:k + 1 + swap_prefetch])
         done_grads = m * p.output_bytes  # earlier micro-batches' output gradients, still on the cut leaves
-        _backward_phase(replay, p, p.name, m == 0, tp, ahead + done_grads, i in landing and m == count - 1)
+        _backward_phase(replay, p, p.name, m == 0, tp, ahead + done_grads, i in landing and m == count - 1,
+                        narrower.get(i, 0))
         if m == count - 1:
             replay.current -= count * held[i]
     if not stage_blocks or stage_blocks[0] == 0:

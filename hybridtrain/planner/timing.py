@@ -124,12 +124,19 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
     transfers += 2 * k * swap_bytes / link
     opt = plan.optimizer
     host_elems = 0.0
+    # Gradients held on the device go down once per step, after backward, beside the host
+    # step that takes them bucket by bucket (fp32 when summed over micro-batches).
+    held_down = 0.0
     if opt.placement == "host":
         host_elems = trace.param_numel * opt.host_ratio * stage / tp
         # Gradients go down once per micro-batch and updated weights come back once per
         # step, half-width ones at 2 bytes both ways.
         width = 4 * host_elems - 2 * min(half_numel.get("", 0) * opt.host_ratio, host_elems)
-        transfers += (width * k + width) / link
+        if opt.grads_wait_on_device:
+            held_down = (4 * host_elems if k > 1 else width) / link
+            transfers += width / link
+        else:
+            transfers += (width * k + width) / link
         first_update = min(host_elems, plan.optimizer.bucket_size)
     streamed = [p for p in trace.blocks if any(b.stream and b.name == p.name for b in plan.blocks)]
     if opt.placement == "host_streamed":
@@ -143,15 +150,20 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
         # (layer-major sums micro-batches on the device in fp32: full width unless k is 1).
         kept = set(kept_blocks(plan, [p.name for p in streamed]))
         kept_width = sum(uploaded_bytes(p.param_numel, half_numel.get(p.name, 0)) for p in streamed if p.name in kept)
-        grads = full if layer_major and k > 1 else width
-        transfers += (uploads * (2 * width - kept_width) + uploads * grads) / link
+        grads = full if (layer_major or opt.grads_wait_on_device) and k > 1 else width
+        if opt.grads_wait_on_device:
+            held_down = grads / link
+            transfers += uploads * (2 * width - kept_width) / link
+        else:
+            transfers += (uploads * (2 * width - kept_width) + uploads * grads) / link
         first_update = float(streamed[0].param_numel) if streamed else host_elems
-    host_update = host_elems / hw.host_update_rate if host_elems else 0.0
+    # Held gradients' copies and the host step run side by side: the slower one sets the pace.
+    host_update = max(host_elems / hw.host_update_rate, held_down) if host_elems else 0.0
     # Micro-batches landing one by one are summed on the host by the worker that steps
     # (offload_bucket.sum_staged): each later one during its own backward, the last one's
     # beside the eager step.
-    summed_on_host = k > 1 and (opt.placement == "host" or
-                                (opt.placement == "host_streamed" and plan.step_runner != "layer_major"))
+    summed_on_host = k > 1 and not opt.grads_wait_on_device and (
+        opt.placement == "host" or (opt.placement == "host_streamed" and plan.step_runner != "layer_major"))
     # At the host step's own rate (its bytes ÷ its seconds): the same cores and memory run both.
     host_bytes_rate = hw.host_update_rate * _ADAM_BYTES_PER_ELEMENT
     one_sum = host_elems * _HOST_SUM_BYTES_PER_ELEMENT / host_bytes_rate if summed_on_host else 0.0
