@@ -514,3 +514,27 @@ GRADS_ON_DEVICE_MODES: dict[str, Mode] = {
             "stream_bf16_accum2_clip", "stream_fp16_overflow", "stream_layer_major_host_accum2_clip",
             "stream_layer_major_fp16_overflow_accum2_clip", "stream_keep2_bf16_accum2_clip")])
 }
+
+
+TWIN_FLOW_STREAMING_MODES: dict[str, Mode] = {
+    # Twin-Flow under layer streaming: the last half of the parameters (their blocks resident)
+    # updated on the device, the rest streamed and updated on the host; gradients waiting in
+    # host memory or on the device.
+    "stream_twinflow_bf16_accum2_clip": Mode("stream_twinflow_bf16_accum2_clip", {
+        "bf16": {"enabled": True}, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
+        "layer_streaming": {"enabled": True}, "zero_optimization": {"offload_optimizer": {"ratio": 0.5}}},
+        autocast_dtype=torch.bfloat16, clip=0.05, extra={"plain_micro_batches": 2, "overlap_updates": True}),
+    "stream_layer_major_twinflow_fp16_overflow_accum2_clip": Mode(
+        "stream_layer_major_twinflow_fp16_overflow_accum2_clip", {
+            "fp16": {"enabled": True, "hysteresis": 1, "initial_scale_power": 20}, "gradient_accumulation_steps": 2,
+            "gradient_clipping": 0.05, "layer_streaming": {"enabled": True, "layer_major": True},
+            "zero_optimization": {"offload_optimizer": {"ratio": 0.5}}},
+        autocast_dtype=torch.float16, clip=0.05,
+        extra={"grad_scaler": True, "init_scale": 2.0**20, "plain_micro_batches": 2}),
+    "stream_layer_major_twinflow": Mode("stream_layer_major_twinflow", {
+        "layer_streaming": {"enabled": True, "layer_major": True},
+        "zero_optimization": {"offload_optimizer": {"ratio": 0.7}}}),
+}
+TWIN_FLOW_STREAMING_MODES.update({m.name: m for m in map(_gradients_wait_on_device, [
+    TWIN_FLOW_STREAMING_MODES["stream_twinflow_bf16_accum2_clip"],
+    TWIN_FLOW_STREAMING_MODES["stream_layer_major_twinflow_fp16_overflow_accum2_clip"]])})

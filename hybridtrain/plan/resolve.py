@@ -43,6 +43,7 @@ from hybridtrain.plan.types import (
 from hybridtrain.runtime.activations import select_checkpoint_targets
 from hybridtrain.runtime.batch import Batch, batch_size, run_model, to_device
 from hybridtrain.runtime.device import resolve_device
+from hybridtrain.runtime.offload import twin_flow_blocks
 from hybridtrain.runtime.precision import autocast
 from hybridtrain.runtime.streaming import check_not_shared
 
@@ -214,7 +215,11 @@ def _streamed(model: nn.Module, cfg: Config, blocks: _Blocks) -> list[str]:
     if unknown:
         raise ConfigError(f"layer_streaming.resident {unknown} are not blocks; blocks are "
                           f"{', '.join(names[:4])}, …")
-    streamed = [name for name in names if name not in section.resident]
+    # Twin-Flow (offload_optimizer.ratio below 1): the blocks holding the last parameters
+    # stay resident, their update on the device.
+    on_device = twin_flow_blocks(list(zip(names, blocks.modules, strict=True)), list(model.parameters()),
+                                 cfg.zero_optimization.offload_optimizer.ratio)
+    streamed = [name for name in names if name not in section.resident and name not in on_device]
     try:
         check_not_shared(model, [m for n, m in zip(names, blocks.modules, strict=True) if n in streamed])
     except ValueError as exc:
@@ -405,7 +410,7 @@ def _optimizer(cfg: Config, sizes: ParallelSizes, streaming: bool, accumulation:
     on_device = waits and section.gradients_wait == "device"
     return OptimizerPlan(
         placement="host_streamed" if streaming else "host",
-        host_ratio=1.0 if streaming else section.ratio,
+        host_ratio=section.ratio,
         defer_step=defer, grads_wait_on_host=waits and not on_device, grads_wait_on_device=on_device,
         pin_memory=cfg.layer_streaming.pin_memory if streaming else section.pin_memory,
         bucket_size=cfg.zero_optimization.reduce_bucket_size,

@@ -158,7 +158,8 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
     host_ratio = opt.host_ratio if opt.placement == "host" else 0.0
     offloaded_numel = int(resident_numel * host_ratio) if opt.placement == "host" else 0
     if opt.placement == "host_streamed":
-        offloaded_numel = model_numel  # resident parts are offloaded too
+        # Resident parts are offloaded too, but for Twin-Flow's last parameters (in resident blocks).
+        offloaded_numel = model_numel - int((1.0 - opt.host_ratio) * model_numel)
     zero_offload = zero and cfg.zero_optimization.offload_optimizer.device == "cpu"
 
     device_params = _FP32 * (resident_numel // (shard if zero == 3 else 1))
@@ -168,8 +169,9 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
         itemsize = 2 if plan.compute_dtype is not None else _FP32
         gathered = 2 * itemsize * max(block_numel)
     device_state_numel = 0 if (opt.placement != "device" or zero_offload) else model_numel
-    if opt.placement == "host":
-        device_state_numel = resident_numel - offloaded_numel
+    if opt.placement in ("host", "host_streamed"):
+        device_state_numel = model_numel - offloaded_numel if opt.placement == "host_streamed" else \
+            resident_numel - offloaded_numel
     device_state = state_per_elem * device_state_numel // shard
     grads_full = _FP32 * (resident_numel - (offloaded_numel if opt.placement != "device" else 0))
     grads_kept = grads_full // (shard if zero >= 2 else 1)

@@ -140,7 +140,7 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
         first_update = min(host_elems, plan.optimizer.bucket_size)
     streamed = [p for p in trace.blocks if any(b.stream and b.name == p.name for b in plan.blocks)]
     if opt.placement == "host_streamed":
-        host_elems = trace.param_numel * stage / tp
+        host_elems = trace.param_numel * opt.host_ratio * stage / tp  # Twin-Flow: the rest on the device
         full = 4 * sum(p.param_numel for p in streamed)
         width = sum(uploaded_bytes(p.param_numel, half_numel.get(p.name, 0)) for p in streamed)  # half width: 2 bytes
         layer_major = plan.step_runner == "layer_major"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from hybridtrain.runtime.offload.background_updates import in_background_update
 from hybridtrain.runtime.offload.bucket import Bucket
+from hybridtrain.runtime.offload.layout import twin_flow_blocks
 from hybridtrain.runtime.offload.optimizer import OffloadOptimizer
 from hybridtrain.runtime.offload.steps import OffloadSteps
 
@@ -23,4 +24,5 @@ __all__ = [
     "OffloadOptimizer",
     "OffloadSteps",
     "in_background_update",
+    "twin_flow_blocks",
 ]
