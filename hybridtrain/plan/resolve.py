@@ -397,7 +397,8 @@ def _replication(sizes: ParallelSizes, zero_stage: int) -> Replication:
 
 def _optimizer(cfg: Config, sizes: ParallelSizes, streaming: bool, accumulation: int) -> OptimizerPlan:
     """ZeRO-Offload on one process (several processes offload inside ZeRO sharding); layer
-    streaming always updates on the host, each streamed block being one bucket."""
+    streaming updates its streamed blocks on the host, each one bucket (Twin-Flow's last
+    parameters, in resident blocks, on the device)."""
     section = cfg.zero_optimization.offload_optimizer
     if not streaming and (section.device != "cpu" or sizes.world != 1):
         return OptimizerPlan()
