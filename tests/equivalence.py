@@ -538,3 +538,20 @@ TWIN_FLOW_STREAMING_MODES: dict[str, Mode] = {
 TWIN_FLOW_STREAMING_MODES.update({m.name: m for m in map(_gradients_wait_on_device, [
     TWIN_FLOW_STREAMING_MODES["stream_twinflow_bf16_accum2_clip"],
     TWIN_FLOW_STREAMING_MODES["stream_layer_major_twinflow_fp16_overflow_accum2_clip"]])})
+
+
+def _images_per_upload(mode: Mode) -> Mode:
+    """``mode`` with half-width images cast into pooled host buffers at every upload."""
+    config = copy.deepcopy(mode.config)
+    config["layer_streaming"]["half_images"] = "per_upload"
+    return dataclasses.replace(mode, name=f"{mode.name}_images_per_upload", config=config)
+
+
+PER_UPLOAD_IMAGE_MODES: dict[str, Mode] = {
+    # Half-width streaming with no image kept per block: micro-batch-major with accumulation
+    # and clipping, layer-major fp16 that overflows, kept blocks, gradients on the device.
+    m.name: m for m in map(_images_per_upload, [
+        MODES["stream_bf16_accum2_clip"], MODES["stream_layer_major_fp16_overflow_accum2_clip"],
+        HALF_WIDTH_MODES["stream_keep2_bf16_accum2_clip"], HALF_WIDTH_MODES["stream_layer_major_bf16"],
+        GRADS_ON_DEVICE_MODES["stream_bf16_accum2_clip_grads_on_device"]])
+}

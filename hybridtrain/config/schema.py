@@ -211,6 +211,11 @@ class LayerStreamingConfig(Section):
     resident; their optimizer state lives in host memory."""
     pin_memory: bool = True
     """Page-locked host buffers for the blocks' weights and gradients."""
+    half_images: Literal["kept", "per_upload"] = "kept"
+    """Under bf16/fp16, the half copy of each block's Linear weights that crosses to the device:
+    ``kept`` per block in host memory (2 bytes per such parameter; backward re-sends it), or
+    ``per_upload``: cast from the masters into a few pooled host buffers at every upload
+    (forward and backward), so the host holds none between uses. The same bits either way."""
 
 
 class DataParallelConfig(Section):

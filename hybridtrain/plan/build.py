@@ -110,7 +110,8 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
         # The streamer tells the host optimizer about each backward itself.
         streamer = LayerStreamer(streamed, offload, device, plan.stream_prefetch_blocks,
                                  half_dtypes=half_dtypes,
-                                 keep_blocks_for_backward=plan.stream_keep_blocks)
+                                 keep_blocks_for_backward=plan.stream_keep_blocks,
+                                 images_per_upload=plan.stream_images_per_upload)
         observers.append(streamer)
         if plan.step_runner == "layer_major":
             runner = LayerMajorRunner(streamer, swapper)

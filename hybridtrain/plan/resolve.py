@@ -126,6 +126,7 @@ def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | Non
                           cfg.activation_offload.min_bytes),
         stream_prefetch_blocks=cfg.layer_streaming.prefetch_blocks,
         stream_keep_blocks=kept,
+        stream_images_per_upload=cfg.layer_streaming.half_images == "per_upload",
         step_rules=StepRules(cfg.gradient_clipping, cfg.nonfinite_loss, cfg.wall_clock_breakdown),
         collective_timeout_s=cfg.distributed.timeout_s,
         data_parallel=DataParallelSettings(cfg.data_parallel.gradient_compression, cfg.data_parallel.powersgd_rank,

@@ -205,6 +205,8 @@ class TrainingPlan:
         loss_scaler: fp16 loss scaling, or None (no fp16).
         swap: how swapped activations move (read where ``swap_modules`` is not empty).
         stream_prefetch_blocks: streamed blocks fetched ahead of the one computing.
+        stream_images_per_upload: half-width images cast into pooled host buffers at every
+            upload instead of kept per block.
         stream_keep_blocks: how many streamed blocks (the last ones) keep their device copy
             from forward to backward (``-1`` resolved to the number streamed; 0 without
             streaming).
@@ -239,6 +241,7 @@ class TrainingPlan:
     swap: SwapSettings
     stream_prefetch_blocks: int
     stream_keep_blocks: int
+    stream_images_per_upload: bool
     step_rules: StepRules
     collective_timeout_s: float
     data_parallel: DataParallelSettings

@@ -32,6 +32,7 @@ from dataclasses import dataclass, fields
 from hybridtrain.optim import optimizer_state_bytes
 from hybridtrain.plan.types import TrainingPlan
 from hybridtrain.planner.trace import ModelTrace, PhaseProfile
+from hybridtrain.runtime.offload.layout import POOLED_BUFFERS
 
 _FP32 = 4
 
@@ -255,6 +256,13 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
         replay.grads = grads_kept
     # Optimizer step: torch's single-tensor Adam (CPU) makes two temporaries the size of a
     # parameter; the foreach path (CUDA) one the size of all device-updated parameters.
+    if held:
+        # OffloadOptimizer.step sends the held gradients down bucket by bucket before the
+        # device share steps; at most the pool's buckets are still in flight then.
+        going = replay.grads - _FP32 * device_state_numel // shard
+        in_flight = POOLED_BUFFERS * _FP32 * max(block_numel, default=0)
+        replay.current -= max(0, going - in_flight)
+        replay.grads -= max(0, going - in_flight)
     if device_state_numel:
         work = 2 * _FP32 * trace.largest_param_numel if on_cpu else _FP32 * device_state_numel // shard
         replay.touch(work, "optimizer step")

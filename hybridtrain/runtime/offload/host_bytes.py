@@ -53,10 +53,11 @@ class HostBytes:
         """:attr:`persistent` per offloaded parameter (12.0 for fp32 Adam with nothing waiting)."""
         return self.persistent / self.params if self.params else 0.0
 
-    def with_images(self, images: int) -> HostBytes:
-        """These bytes plus ``images`` bytes of half-width images."""
+    def with_images(self, images: int, staging: int = 0) -> HostBytes:
+        """These bytes plus ``images`` bytes of half-width images kept per block and
+        ``staging`` bytes of pooled ones."""
         return HostBytes(self.params, self.masters, self.optimizer_state, self.waiting_grads,
-                         self.images + images, self.staging)
+                         self.images + images, self.staging + staging)
 
 
 def state_bytes(states: Iterable[dict[str, object]]) -> int:
