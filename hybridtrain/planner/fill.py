@@ -27,6 +27,8 @@ from hybridtrain.planner.estimate import Estimate, ModelSource, Target, estimate
 
 RATIO_STEP = 0.05
 """Twin-Flow ratios tried: multiples of this below the variant's own."""
+FIT_RATIO_STEP = 0.01
+"""Twin-Flow ratios :func:`fit_host` tries: the host's last gigabytes decide a fit."""
 
 Variant = tuple[Config, tuple[str, ...], Estimate]
 
@@ -120,16 +122,23 @@ def _with_ratio(cfg: Config, ratio: float) -> Config:
 
 def fit_host(variant: Config, changes: tuple[str, ...], est: Estimate, target: Target, world: int,
              margin: float, model: ModelSource | None) -> Variant | None:
-    """A layer-streaming ``variant`` over host memory with the largest Twin-Flow ratio whose
-    host state fits (bisection: host bytes fall as the ratio does), if the device then holds
-    it too; None when no ratio fits both."""
+    """A layer-streaming ``variant`` over host memory made to fit it, if the device then holds
+    it too: its half-width images cast per upload instead of kept (bf16/fp16), then the
+    largest Twin-Flow ratio, in steps of :data:`FIT_RATIO_STEP`, whose host state fits
+    (bisection: host bytes fall as the ratio does). None when nothing fits both."""
     opt = est.plan.optimizer
     host = target.host_memory_bytes
     # Lowering the ratio only adds device bytes: worth trying only where the device holds it now.
     device_over = est.device_peak_bytes > (target.memory_bytes or est.device_peak_bytes) * (1 - margin)
     if opt.placement != "host_streamed" or world != 1 or host is None or est.host_bytes <= host or device_over:
         return None
-    ratios = [round(RATIO_STEP * n, 4) for n in range(round(opt.host_ratio / RATIO_STEP) - 1, 0, -1)]
+    if est.plan.compute_dtype is not None and not est.plan.stream_images_per_upload:
+        variant = _with_images_per_upload(variant)
+        changes = (*changes, "half-width images cast per upload")
+        est = estimate(variant, target, world, all_passes=True, model=model)
+        if est.host_bytes <= host:
+            return None if est.problems(margin) else (variant, changes, est)
+    ratios = [round(FIT_RATIO_STEP * n, 4) for n in range(round(opt.host_ratio / FIT_RATIO_STEP) - 1, 0, -1)]
     low, high, found = 0, len(ratios) - 1, None
     while low <= high:  # the first ratio (largest) whose host bytes fit
         mid = (low + high) // 2
@@ -143,3 +152,8 @@ def fit_host(variant: Config, changes: tuple[str, ...], est: Estimate, target: T
     ratio, fitted = found
     words = f"optimizer offload ratio {ratio} (Twin-Flow: the rest on the device)"
     return _with_ratio(variant, ratio), (*changes, words), fitted
+
+
+def _with_images_per_upload(cfg: Config) -> Config:
+    streaming = cfg.layer_streaming.model_copy(update={"half_images": "per_upload"})
+    return cfg.model_copy(update={"layer_streaming": streaming})

@@ -194,9 +194,16 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
         buckets = (1 if offloaded_numel > streamed_numel else 0) + sum(streamed)
         pooled = 0 if (lasting and trace.micro_batch and plan.batch.accumulation_steps == 1) else min(3, buckets)
         host_buffers = _FP32 * largest_bucket * pooled
-        # Streamed half-width weights keep their cast image in host memory (2 bytes each).
-        host_params += 2 * sum(min(half_numel.get(blocks[i].name, 0) // tp, x)
-                               for x, i in zip(block_numel, stage_blocks, strict=True) if streamed[i])
+        # Streamed half-width weights keep their cast image in host memory (2 bytes each), or
+        # pass through prefetch_blocks + 2 pooled images (half_images: per_upload).
+        images = [uploaded_bytes(x, min(half_numel.get(blocks[i].name, 0) // tp, x))
+                  for x, i in zip(block_numel, stage_blocks, strict=True)
+                  if streamed[i] and half_numel.get(blocks[i].name)]
+        if plan.stream_images_per_upload:
+            host_buffers += (cfg.layer_streaming.prefetch_blocks + 2) * max(images, default=0)
+        else:
+            host_params += 2 * sum(min(half_numel.get(blocks[i].name, 0) // tp, x)
+                                   for x, i in zip(block_numel, stage_blocks, strict=True) if streamed[i])
         del streamed_bytes
     if zero_offload:
         host_params = _FP32 * model_numel // shard

@@ -127,6 +127,7 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
     # Gradients held on the device go down once per step, after backward, beside the host
     # step that takes them bucket by bucket (fp32 when summed over micro-batches).
     held_down = 0.0
+    recast = 0.0  # half-width elements cast again for backward (half_images: per_upload)
     if opt.placement == "host":
         host_elems = trace.param_numel * opt.host_ratio * stage / tp
         # Gradients go down once per micro-batch and updated weights come back once per
@@ -157,6 +158,9 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
         else:
             transfers += (uploads * (2 * width - kept_width) + uploads * grads) / link
         first_update = float(streamed[0].param_numel) if streamed else host_elems
+        if plan.stream_images_per_upload:
+            recast = uploads * sum(min(half_numel.get(p.name, 0), p.param_numel)
+                                   for p in streamed if p.name not in kept)
     # Held gradients' copies and the host step run side by side: the slower one sets the pace.
     host_update = max(host_elems / hw.host_update_rate, held_down) if host_elems else 0.0
     # Micro-batches landing one by one are summed on the host by the worker that steps
@@ -167,7 +171,9 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
     # At the host step's own rate (its bytes ÷ its seconds): the same cores and memory run both.
     host_bytes_rate = hw.host_update_rate * _ADAM_BYTES_PER_ELEMENT
     one_sum = host_elems * _HOST_SUM_BYTES_PER_ELEMENT / host_bytes_rate if summed_on_host else 0.0
-    host_step = host_update + (k - 1) * one_sum
+    # A cast reads the fp32 master and writes the half image: 6 bytes per element, on the
+    # same host cores and memory as the step (counted with it).
+    host_step = host_update + (k - 1) * one_sum + recast * 6 / host_bytes_rate
     device_elems = max(0.0, trace.param_numel * stage / tp - host_elems)
     if plan.zero_stage:
         device_elems /= dp

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from hybridtrain.planner import plan
 from hybridtrain.planner.estimate import Target, estimate
-from hybridtrain.planner.fill import RATIO_STEP, fit_host
+from hybridtrain.planner.fill import FIT_RATIO_STEP, fit_host
 from hybridtrain.planner.search import MARGIN
 
 STREAM = {"model": {"name": "gpt-tiny"}, "data": {"seq_len": 64}, "train_batch_size": 8,
@@ -36,7 +36,7 @@ def test_a_streaming_variant_over_host_memory_takes_the_largest_fitting_ratio() 
     # The next larger ratio would not fit the host.
     larger = estimate(config.model_copy(update={"zero_optimization": config.zero_optimization.model_copy(
         update={"offload_optimizer": config.zero_optimization.offload_optimizer.model_copy(
-            update={"ratio": round(ratio + RATIO_STEP, 4)})})}), target)
+            update={"ratio": round(ratio + FIT_RATIO_STEP, 4)})})}), target)
     assert larger.host_bytes > target.host_memory_bytes
 
 

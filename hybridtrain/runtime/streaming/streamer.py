@@ -29,8 +29,8 @@ Under bf16/fp16, from the second training step, the parameters
 by a matmul) cross as half: each block uploads a byte image cast from the masters on a caster
 thread at every forward upload (backward re-sends the same image; with ``images_per_upload``
 the image is a pooled buffer, :mod:`~hybridtrain.runtime.streaming.streamed_block`, cast again
-for backward), the parameters compute as half, and their half gradients land on the host, which widens them exactly — the same
-bits as autocast casting fp32 weights on the device.
+for backward), the parameters compute as half, and their half gradients land on the host,
+which widens them exactly — the same bits as autocast casting fp32 weights on the device.
 
 The last ``keep_blocks_for_backward`` blocks (the last one always) are not freed after
 their forward: backward uploads nothing for them (its prefetch finds them loaded; block
