@@ -125,7 +125,8 @@ def fit_host(variant: Config, changes: tuple[str, ...], est: Estimate, target: T
     """A layer-streaming ``variant`` over host memory made to fit it, if the device then holds
     it too: its half-width images cast per upload instead of kept (bf16/fp16), then the
     largest Twin-Flow ratio, in steps of :data:`FIT_RATIO_STEP`, whose host state fits
-    (bisection: host bytes fall as the ratio does). None when nothing fits both."""
+    (bisection: host bytes fall as the ratio does). The result may still be over device
+    memory (then it shows how close the nearest plan comes); None when no ratio fits the host."""
     opt = est.plan.optimizer
     host = target.host_memory_bytes
     # Lowering the ratio only adds device bytes: worth trying only where the device holds it now.
@@ -137,7 +138,7 @@ def fit_host(variant: Config, changes: tuple[str, ...], est: Estimate, target: T
         changes = (*changes, "half-width images cast per upload")
         est = estimate(variant, target, world, all_passes=True, model=model)
         if est.host_bytes <= host:
-            return None if est.problems(margin) else (variant, changes, est)
+            return variant, changes, est
     ratios = [round(FIT_RATIO_STEP * n, 4) for n in range(round(opt.host_ratio / FIT_RATIO_STEP) - 1, 0, -1)]
     low, high, found = 0, len(ratios) - 1, None
     while low <= high:  # the first ratio (largest) whose host bytes fit
@@ -147,7 +148,7 @@ def fit_host(variant: Config, changes: tuple[str, ...], est: Estimate, target: T
             found, high = (ratios[mid], trial), mid - 1
         else:
             low = mid + 1
-    if found is None or found[1].problems(margin):
+    if found is None:
         return None
     ratio, fitted = found
     words = f"optimizer offload ratio {ratio} (Twin-Flow: the rest on the device)"

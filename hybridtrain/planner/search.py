@@ -120,7 +120,8 @@ def plan(config: ConfigSource, target: Target, world_size: int = 1, margin: floa
         problems = tuple(est.problems(margin))
         fitted = fit_host(variant, changes, est, target, world, margin, model) if problems else None
         if fitted is not None:
-            (variant, changes, est), problems = fitted, ()
+            variant, changes, est = fitted
+            problems = tuple(est.problems(margin))
         if not problems and any(b.stream for b in est.plan.blocks):
             variant, changes, est = keep_most(variant, changes, est, target, world, margin, model)
         (refused if problems else ranked).append(Candidate(variant, changes, est, problems))

@@ -47,3 +47,19 @@ def test_the_search_finds_a_twin_flow_streaming_plan_where_full_offload_does_not
                  and c.estimate.plan.optimizer.host_ratio < 1 and any(b.stream for b in c.estimate.plan.blocks)]
     assert twin_flow and all(0 < c.estimate.host_bytes <= target.host_memory_bytes for c in twin_flow)
     assert any("Twin-Flow" in words for words in twin_flow[0].changes)
+
+
+def test_when_the_device_cannot_hold_the_fitting_ratio_the_attempt_says_by_how_much() -> None:
+    target, _ = _targets()
+    est = estimate(STREAM, target)
+    # A device that holds the whole-host variant with nothing to spare.
+    tight = Target("cuda", "H100 SXM", int(est.device_peak_bytes / (1 - MARGIN)) + 1, target.host_memory_bytes,
+                   host_bandwidth=152e9)
+    est = estimate(STREAM, tight)
+    assert [p.split(":")[0] for p in est.problems(MARGIN)] == ["host memory"]
+    fitted = fit_host(est.config, (), est, tight, 1, MARGIN, None)
+    assert fitted is not None
+    _, changes, attempt = fitted
+    assert attempt.host_bytes <= tight.host_memory_bytes
+    assert [p.split(":")[0] for p in attempt.problems(MARGIN)] == ["device memory"]
+    assert "Twin-Flow" in changes[-1]
