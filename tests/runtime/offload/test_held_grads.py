@@ -18,6 +18,7 @@ from tests.equivalence import (
     MODES,
     SEED,
     STEPS,
+    assert_resume_exact,
     assert_same_training,
     engine_config,
     engine_run,
@@ -96,3 +97,14 @@ def test_waiting_on_the_device_gives_the_bits_of_waiting_in_host_memory(mode: st
     on_device = GRADS_ON_DEVICE_MODES[mode]
     in_host = {**MODES, **HALF_WIDTH_MODES}[mode.removesuffix("_grads_on_device")]
     assert_same_training(engine_run(CASES["gpt_tied"], in_host), engine_run(CASES["gpt_tied"], on_device), 0, 0)
+
+
+def test_resume_is_exact_with_gradients_waiting_on_the_device(tmp_path) -> None:
+    case = CASES["gpt_tied"]
+    mode = GRADS_ON_DEVICE_MODES["stream_layer_major_fp16_overflow_accum2_clip_grads_on_device"]
+
+    def make() -> ht.Engine:
+        torch.manual_seed(SEED)
+        return ht.initialize(case.build(), engine_config(mode), loss_fn=case.loss_fn)
+
+    assert_resume_exact(make, case.batches(STEPS), tmp_path / "ckpt")

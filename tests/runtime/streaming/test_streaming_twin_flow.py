@@ -16,6 +16,7 @@ from tests.equivalence import (
     SEED,
     STEPS,
     TWIN_FLOW_STREAMING_MODES,
+    assert_resume_exact,
     assert_same_training,
     engine_config,
     model_cases,
@@ -59,3 +60,13 @@ def test_twin_flow_under_streaming_trains_as_the_plain_loop(case: str, mode: str
     assert counted.params == optimizer.host_numel
     assert counted.masters + counted.optimizer_state + counted.waiting_grads == \
         (12 + waiting) * counted.params + 4 * tensors
+
+
+def test_resume_is_exact_with_twin_flow_under_streaming(tmp_path) -> None:
+    case, mode = CASES["gpt_tied"], TWIN_FLOW_STREAMING_MODES["stream_twinflow_bf16_accum2_clip_grads_on_device"]
+
+    def make() -> ht.Engine:
+        torch.manual_seed(SEED)
+        return ht.initialize(case.build(), engine_config(mode), loss_fn=case.loss_fn)
+
+    assert_resume_exact(make, case.batches(STEPS), tmp_path / "ckpt")
