@@ -89,9 +89,9 @@ def unscale_and_check(optimizer: OffloadingOptimizer, scaler: LossScaler) -> boo
 
 
 def clip_grad_norm(optimizer: OffloadingOptimizer, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.nn.utils.clip_grad_norm_``'s total norm and clip factor over the held
-    gradients (fp32, unscaled) and the device-kept ones, in the optimizer's parameter order;
-    the device-kept gradients are multiplied now, the held ones on the host as they land."""
+    """``torch.nn.utils.clip_grad_norm_``'s total norm and clip factor (in host memory) over
+    the held gradients (fp32, unscaled) and the device-kept ones, in the optimizer's parameter
+    order; the device-kept gradients are multiplied now, the held ones on the host as they land."""
     norms: list[torch.Tensor] = []
     kept: list[torch.Tensor] = []
     for group in optimizer.param_groups:
@@ -115,7 +115,8 @@ def clip_grad_norm(optimizer: OffloadingOptimizer, max_norm: float) -> tuple[tor
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grad in kept:
         grad.mul_(coef.to(grad.device))
-    return total, coef
+    # The host multiplies its gradients by it (a CUDA scalar cannot multiply host tensors).
+    return total, coef.to("cpu")
 
 
 def land_held(optimizer: OffloadingOptimizer, bucket: Bucket, coef: torch.Tensor | None,

@@ -16,8 +16,10 @@ from tests.equivalence import (
     GRADS_ON_DEVICE_MODES,
     HALF_WIDTH_MODES,
     MODES,
+    PER_UPLOAD_IMAGE_MODES,
     SEED,
     STEPS,
+    TWIN_FLOW_STREAMING_MODES,
     assert_resume_exact,
     assert_same_training,
     engine_config,
@@ -108,3 +110,25 @@ def test_resume_is_exact_with_gradients_waiting_on_the_device(tmp_path) -> None:
         return ht.initialize(case.build(), engine_config(mode), loss_fn=case.loss_fn)
 
     assert_resume_exact(make, case.batches(STEPS), tmp_path / "ckpt")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["offload_opt_bf16_accum2_clip_grads_on_device",
+                                  "offload_opt_twinflow_fp16_grads_on_device",
+                                  "stream_layer_major_fp16_overflow_accum2_clip_grads_on_device",
+                                  "stream_twinflow_bf16_accum2_clip_grads_on_device",
+                                  "stream_bf16_accum2_clip_images_per_upload"])
+def test_the_new_modes_train_on_cuda_as_the_plain_loop_there(mode: str) -> None:
+    """Gradients held on a CUDA device (copied down on the side stream, the clip factor
+    brought to the host), Twin-Flow under streaming and pooled images, against the plain
+    loop on the same device."""
+    m = {**GRADS_ON_DEVICE_MODES, **TWIN_FLOW_STREAMING_MODES, **PER_UPLOAD_IMAGE_MODES}[mode]
+    case = CASES["gpt_tied"]
+    expected = plain_run(case, m, device="cuda")
+    torch.manual_seed(SEED)
+    engine = ht.initialize(case.build(), engine_config(m, device="cuda"), loss_fn=case.loss_fn)
+    engine.overlap_updates = bool(m.extra.get("overlap_updates"))
+    torch.manual_seed(SEED + 1)
+    losses = [engine.train_batch(batch) for batch in case.batches(STEPS)]
+    state = {k: v.cpu() for k, v in engine.model_state_dict().items()}
+    assert_same_training(expected, (losses, state), m.rtol, m.atol)
