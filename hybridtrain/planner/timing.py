@@ -38,6 +38,7 @@ from hybridtrain.hardware.links import Links
 from hybridtrain.plan.types import TrainingPlan
 from hybridtrain.planner.memory import kept_blocks, uploaded_bytes
 from hybridtrain.planner.trace import ModelTrace
+from hybridtrain.runtime.offload.layout import POOLED_BUFFERS
 
 _ADAM_BYTES_PER_ELEMENT = 28
 """A fused Adam step reads parameter, gradient and two moments and writes three: 7 × 4 bytes."""
@@ -199,7 +200,12 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
             # first bucket's update; the rest runs behind that forward.
             forward_time = (k if whole else 1) * fwd / hw.flops
             first = min(host_update, first_update / hw.host_update_rate)
-            hidden_host += min(host_update - first, forward_time)
+            behind = host_update - first
+            if opt.grads_wait_on_device:
+                # Held gradients go down through the pool before step() returns: only the
+                # pool's last buckets are still updating when the next forward starts.
+                behind = min(behind, (POOLED_BUFFERS - 1) * first_update / hw.host_update_rate)
+            hidden_host += min(behind, forward_time)
     # Data parallel: gradient all-reduce (ring: 2 (n-1)/n of the bytes); ZeRO-3 also
     # gathers parameters for forward and backward.
     comm = 0.0
