@@ -493,3 +493,65 @@ def assert_resume_exact(make_engine: Callable[[], ht.Engine], batches: list[Any]
     for name, value in straight.model_state_dict().items():
         torch.testing.assert_close(final[name], value, rtol=0, atol=0)
     return first, resumed
+
+
+def _gradients_wait_on_device(mode: Mode) -> Mode:
+    """``mode`` with offloaded gradients waiting on the device (``gradients_wait: device``)."""
+    config = copy.deepcopy(mode.config)
+    offload = config.setdefault("zero_optimization", {}).setdefault("offload_optimizer", {})
+    offload["gradients_wait"] = "device"
+    return dataclasses.replace(mode, name=f"{mode.name}_grads_on_device", config=config)
+
+
+GRADS_ON_DEVICE_MODES: dict[str, Mode] = {
+    # Every offload mode whose gradients would wait in host memory (a deferred step, or a sum
+    # over micro-batches), with them waiting on the device: bf16 and fp16, accumulation,
+    # clipping that clips, fp16 overflow that skips, twin-flow, background updates.
+    m.name: m for m in map(_gradients_wait_on_device, [
+        {**MODES, **HALF_WIDTH_MODES}[name] for name in (
+            "offload_opt_accum2_clip", "offload_opt_bf16_accum2_clip", "offload_opt_twinflow_fp16",
+            "offload_opt_fp16_overflow", "cpu_checkpointing_accum2_offload", "stream_host_accum2_clip",
+            "stream_bf16_accum2_clip", "stream_fp16_overflow", "stream_layer_major_host_accum2_clip",
+            "stream_layer_major_fp16_overflow_accum2_clip", "stream_keep2_bf16_accum2_clip")])
+}
+
+
+TWIN_FLOW_STREAMING_MODES: dict[str, Mode] = {
+    # Twin-Flow under layer streaming: the last half of the parameters (their blocks resident)
+    # updated on the device, the rest streamed and updated on the host; gradients waiting in
+    # host memory or on the device.
+    "stream_twinflow_bf16_accum2_clip": Mode("stream_twinflow_bf16_accum2_clip", {
+        "bf16": {"enabled": True}, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
+        "layer_streaming": {"enabled": True}, "zero_optimization": {"offload_optimizer": {"ratio": 0.5}}},
+        autocast_dtype=torch.bfloat16, clip=0.05, extra={"plain_micro_batches": 2, "overlap_updates": True}),
+    "stream_layer_major_twinflow_fp16_overflow_accum2_clip": Mode(
+        "stream_layer_major_twinflow_fp16_overflow_accum2_clip", {
+            "fp16": {"enabled": True, "hysteresis": 1, "initial_scale_power": 20}, "gradient_accumulation_steps": 2,
+            "gradient_clipping": 0.05, "layer_streaming": {"enabled": True, "layer_major": True},
+            "zero_optimization": {"offload_optimizer": {"ratio": 0.5}}},
+        autocast_dtype=torch.float16, clip=0.05,
+        extra={"grad_scaler": True, "init_scale": 2.0**20, "plain_micro_batches": 2}),
+    "stream_layer_major_twinflow": Mode("stream_layer_major_twinflow", {
+        "layer_streaming": {"enabled": True, "layer_major": True},
+        "zero_optimization": {"offload_optimizer": {"ratio": 0.7}}}),
+}
+TWIN_FLOW_STREAMING_MODES.update({m.name: m for m in map(_gradients_wait_on_device, [
+    TWIN_FLOW_STREAMING_MODES["stream_twinflow_bf16_accum2_clip"],
+    TWIN_FLOW_STREAMING_MODES["stream_layer_major_twinflow_fp16_overflow_accum2_clip"]])})
+
+
+def _images_per_upload(mode: Mode) -> Mode:
+    """``mode`` with half-width images cast into pooled host buffers at every upload."""
+    config = copy.deepcopy(mode.config)
+    config["layer_streaming"]["half_images"] = "per_upload"
+    return dataclasses.replace(mode, name=f"{mode.name}_images_per_upload", config=config)
+
+
+PER_UPLOAD_IMAGE_MODES: dict[str, Mode] = {
+    # Half-width streaming with no image kept per block: micro-batch-major with accumulation
+    # and clipping, layer-major fp16 that overflows, kept blocks, gradients on the device.
+    m.name: m for m in map(_images_per_upload, [
+        MODES["stream_bf16_accum2_clip"], MODES["stream_layer_major_fp16_overflow_accum2_clip"],
+        HALF_WIDTH_MODES["stream_keep2_bf16_accum2_clip"], HALF_WIDTH_MODES["stream_layer_major_bf16"],
+        GRADS_ON_DEVICE_MODES["stream_bf16_accum2_clip_grads_on_device"]])
+}

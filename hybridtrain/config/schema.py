@@ -92,6 +92,11 @@ class OffloadOptimizerConfig(Section):
     """Fraction of the update done on the host (DeepSpeed's twin-flow ``ratio``)."""
     gpu_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
     """Fraction of the update kept on the device (twin-flow); the same as ``ratio = 1 - gpu_ratio``."""
+    gradients_wait: Literal["host", "device"] = "host"
+    """Where offloaded gradients wait when the host step cannot take them as they land (clipping,
+    fp16, ``nonfinite_loss: skip``, accumulation): ``host``, a 4-byte buffer per parameter in host
+    memory; ``device``, on the device at the width backward gave them, streamed to the host step
+    through a few pooled buffers (host: 12 bytes per AdamW parameter; the same math)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -206,6 +211,11 @@ class LayerStreamingConfig(Section):
     resident; their optimizer state lives in host memory."""
     pin_memory: bool = True
     """Page-locked host buffers for the blocks' weights and gradients."""
+    half_images: Literal["kept", "per_upload"] = "kept"
+    """Under bf16/fp16, the half copy of each block's Linear weights that crosses to the device:
+    ``kept`` per block in host memory (2 bytes per such parameter; backward re-sends it), or
+    ``per_upload``: cast from the masters into a few pooled host buffers at every upload
+    (forward and backward), so the host holds none between uses. The same bits either way."""
 
 
 class DataParallelConfig(Section):

@@ -96,7 +96,8 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
                                    grads_wait_on_host=placement.grads_wait_on_host,
                                    several_backwards=params_in_several_backwards(model, swap_recompute),
                                    half_dtypes=half_dtypes,
-                                   grad_norms=plan.step_rules.gradient_clipping > 0)
+                                   grad_norms=plan.step_rules.gradient_clipping > 0,
+                                   grads_wait_on_device=placement.grads_wait_on_device)
         # model.state_dict() waits for updates first; updated weights go up in half where exact.
         offload.half_uploads.attach(model, offload.buckets, offload.wait_for_updates)
         optimizer = offload
@@ -109,7 +110,8 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
         # The streamer tells the host optimizer about each backward itself.
         streamer = LayerStreamer(streamed, offload, device, plan.stream_prefetch_blocks,
                                  half_dtypes=half_dtypes,
-                                 keep_blocks_for_backward=plan.stream_keep_blocks)
+                                 keep_blocks_for_backward=plan.stream_keep_blocks,
+                                 images_per_upload=plan.stream_images_per_upload)
         observers.append(streamer)
         if plan.step_runner == "layer_major":
             runner = LayerMajorRunner(streamer, swapper)

@@ -43,6 +43,7 @@ from hybridtrain.plan.types import (
 from hybridtrain.runtime.activations import select_checkpoint_targets
 from hybridtrain.runtime.batch import Batch, batch_size, run_model, to_device
 from hybridtrain.runtime.device import resolve_device
+from hybridtrain.runtime.offload import twin_flow_blocks
 from hybridtrain.runtime.precision import autocast
 from hybridtrain.runtime.streaming import check_not_shared
 
@@ -125,6 +126,7 @@ def resolve(config: ConfigSource | None, model: nn.Module, world_size: int | Non
                           cfg.activation_offload.min_bytes),
         stream_prefetch_blocks=cfg.layer_streaming.prefetch_blocks,
         stream_keep_blocks=kept,
+        stream_images_per_upload=cfg.layer_streaming.half_images == "per_upload",
         step_rules=StepRules(cfg.gradient_clipping, cfg.nonfinite_loss, cfg.wall_clock_breakdown),
         collective_timeout_s=cfg.distributed.timeout_s,
         data_parallel=DataParallelSettings(cfg.data_parallel.gradient_compression, cfg.data_parallel.powersgd_rank,
@@ -214,7 +216,11 @@ def _streamed(model: nn.Module, cfg: Config, blocks: _Blocks) -> list[str]:
     if unknown:
         raise ConfigError(f"layer_streaming.resident {unknown} are not blocks; blocks are "
                           f"{', '.join(names[:4])}, …")
-    streamed = [name for name in names if name not in section.resident]
+    # Twin-Flow (offload_optimizer.ratio below 1): the blocks holding the last parameters
+    # stay resident, their update on the device.
+    on_device = twin_flow_blocks(list(zip(names, blocks.modules, strict=True)), list(model.parameters()),
+                                 cfg.zero_optimization.offload_optimizer.ratio)
+    streamed = [name for name in names if name not in section.resident and name not in on_device]
     try:
         check_not_shared(model, [m for n, m in zip(names, blocks.modules, strict=True) if n in streamed])
     except ValueError as exc:
@@ -392,7 +398,8 @@ def _replication(sizes: ParallelSizes, zero_stage: int) -> Replication:
 
 def _optimizer(cfg: Config, sizes: ParallelSizes, streaming: bool, accumulation: int) -> OptimizerPlan:
     """ZeRO-Offload on one process (several processes offload inside ZeRO sharding); layer
-    streaming always updates on the host, each streamed block being one bucket."""
+    streaming updates its streamed blocks on the host, each one bucket (Twin-Flow's last
+    parameters, in resident blocks, on the device)."""
     section = cfg.zero_optimization.offload_optimizer
     if not streaming and (section.device != "cpu" or sizes.world != 1):
         return OptimizerPlan()
@@ -401,10 +408,12 @@ def _optimizer(cfg: Config, sizes: ParallelSizes, streaming: bool, accumulation:
     # Gradients wait in host memory when micro-batches land one by one and are summed there
     # (layer-major streaming sums them on the device and lands each block once).
     summed_on_host = accumulation > 1 and not (streaming and cfg.layer_streaming.layer_major)
+    waits = defer or summed_on_host
+    on_device = waits and section.gradients_wait == "device"
     return OptimizerPlan(
         placement="host_streamed" if streaming else "host",
-        host_ratio=1.0 if streaming else section.ratio,
-        defer_step=defer, grads_wait_on_host=defer or summed_on_host,
+        host_ratio=section.ratio,
+        defer_step=defer, grads_wait_on_host=waits and not on_device, grads_wait_on_device=on_device,
         pin_memory=cfg.layer_streaming.pin_memory if streaming else section.pin_memory,
         bucket_size=cfg.zero_optimization.reduce_bucket_size,
     )

@@ -68,6 +68,9 @@ class OptimizerPlan:
         defer_step: the host step waits until every gradient has landed (clipping, fp16,
             ``nonfinite_loss: skip``), instead of running as each bucket lands.
         grads_wait_on_host: gradients wait in host memory (summed there, or deferred).
+        grads_wait_on_device: gradients that must wait (summed, or deferred) wait on the
+            device instead, then stream through pooled host buffers (12 bytes per AdamW
+            parameter on the host; the device holds the waiting gradients).
         pin_memory: host buffers page-locked.
         bucket_size: elements per gradient bucket (optimizer offload).
     """
@@ -76,6 +79,7 @@ class OptimizerPlan:
     host_ratio: float = 0.0
     defer_step: bool = False
     grads_wait_on_host: bool = False
+    grads_wait_on_device: bool = False
     pin_memory: bool = False
     bucket_size: int = 0
 
@@ -201,6 +205,8 @@ class TrainingPlan:
         loss_scaler: fp16 loss scaling, or None (no fp16).
         swap: how swapped activations move (read where ``swap_modules`` is not empty).
         stream_prefetch_blocks: streamed blocks fetched ahead of the one computing.
+        stream_images_per_upload: half-width images cast into pooled host buffers at every
+            upload instead of kept per block.
         stream_keep_blocks: how many streamed blocks (the last ones) keep their device copy
             from forward to backward (``-1`` resolved to the number streamed; 0 without
             streaming).
@@ -235,6 +241,7 @@ class TrainingPlan:
     swap: SwapSettings
     stream_prefetch_blocks: int
     stream_keep_blocks: int
+    stream_images_per_upload: bool
     step_rules: StepRules
     collective_timeout_s: float
     data_parallel: DataParallelSettings

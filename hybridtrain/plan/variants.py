@@ -58,6 +58,11 @@ def optimizer_offload(cfg: Config, ratio: float | None) -> Change:
         "device": "cpu", "ratio": ratio, "gpu_ratio": None}}}
 
 
+def gradients_wait(where: str) -> Change:
+    """Where offloaded gradients wait for a deferred or summed host step: ``host`` or ``device``."""
+    return {"zero_optimization": {"offload_optimizer": {"gradients_wait": where}}}
+
+
 def streaming(**settings: Any) -> Change:
     """Layer-to-layer streaming (``layer_major``, ``boundary_activations`` … as given)."""
     return {"layer_streaming": {"enabled": True, **settings}}
@@ -230,25 +235,34 @@ def _techniques(cfg: Config, world: int) -> Iterator[tuple[tuple[str, ...], Chan
     off = merge(merge(merge(checkpointing(None), swapping(False)),
                       {"layer_streaming": {"enabled": False, "layer_major": False}}), kept_blocks(0))
     off["activation_checkpointing"]["every_n_blocks"] = 1
-    offloads: list[tuple[str, Change]] = [("", optimizer_offload(cfg, None))]
+    offloads: list[tuple[str | tuple[str, ...], Change]] = [("", optimizer_offload(cfg, None))]
+    # Where gradients wait matters only when something defers the host step.
+    waits: list[tuple[str, Change]] = [("", {})]
+    if cfg.gradient_clipping > 0 or cfg.fp16.enabled or cfg.nonfinite_loss == "skip":
+        waits.append(("gradients wait on the device", gradients_wait("device")))
     if world == 1:
-        offloads += [("optimizer offload", optimizer_offload(cfg, 1.0)),
-                     ("optimizer offload ratio 0.5", optimizer_offload(cfg, 0.5))]
+        offloads += [((words, held), merge(optimizer_offload(cfg, ratio), wait)) for held, wait in waits
+                     for words, ratio in (("optimizer offload", 1.0), ("optimizer offload ratio 0.5", 0.5))]
     yield (), {}
     for every, ck_words in ((None, ""), (1, "checkpoint every block"), (2, "checkpoint every 2nd block"),
                             (4, "checkpoint every 4th block")):
         for swap in (False, True):
             for off_words, offload in offloads:
-                words = (ck_words, "activation swapping" if swap else "", off_words)
+                words = (ck_words, "activation swapping" if swap else "", *_words(off_words))
                 # Each section replaces ``off``'s whole (no checkpointing keeps the config's interval).
                 yield words, {**off, **checkpointing(every), **swapping(swap), **offload}
     if world == 1:
         for layer_major in (False, True):
             for boundary in ("recompute", "host"):
-                yield (f"layer streaming{' layer-major' if layer_major else ''}",
-                       "boundary activations in host memory" if boundary == "host" else ""), {
-                    **off, **streaming(layer_major=layer_major, boundary_activations=boundary,
-                                       keep_blocks_for_backward=0)}
+                for held, wait in waits:
+                    yield (f"layer streaming{' layer-major' if layer_major else ''}",
+                           "boundary activations in host memory" if boundary == "host" else "", held), merge({
+                        **off, **streaming(layer_major=layer_major, boundary_activations=boundary,
+                                           keep_blocks_for_backward=0)}, wait)
+
+
+def _words(words: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (words,) if isinstance(words, str) else words
 
 
 def _divisors(n: int) -> list[int]:

@@ -8,12 +8,13 @@ monotonically along it, so the largest fitting value is found by bisection:
   backward, fewer uploads;
 - ``activation_checkpointing.every_n_blocks``: a longer interval keeps more blocks'
   activations, less recomputation;
-- ``zero_optimization.offload_optimizer.ratio`` (optimizer offload on one process,
-  DeepSpeed's Twin-Flow): a lower ratio updates more parameters on the device, a shorter
-  host step and fewer bytes over the link. Layer streaming always updates on the host
-  (:func:`hybridtrain.plan.resolve.resolve` ignores the ratio there), so it is not offered.
+- ``zero_optimization.offload_optimizer.ratio`` (optimizer offload or layer streaming on one
+  process, DeepSpeed's Twin-Flow): a lower ratio updates more parameters on the device (under
+  streaming their blocks stay resident), a shorter host step and fewer bytes over the link.
 
-A grown value is taken only when it is predicted faster.
+A grown value is taken only when it is predicted faster. A streaming variant whose host
+state does not fit host memory is first given the largest ratio whose host state fits
+(:func:`fit_host`): host bytes fall with the ratio as device bytes rise.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from hybridtrain.planner.estimate import Estimate, ModelSource, Target, estimate
 
 RATIO_STEP = 0.05
 """Twin-Flow ratios tried: multiples of this below the variant's own."""
+FIT_RATIO_STEP = 0.01
+"""Twin-Flow ratios :func:`fit_host` tries: the host's last gigabytes decide a fit."""
 
 Variant = tuple[Config, tuple[str, ...], Estimate]
 
@@ -61,7 +64,7 @@ def fill_device(variant: Config, changes: tuple[str, ...], est: Estimate, target
         best = _grown(best, intervals, _with_interval, "checkpoint every {} blocks", target, world, margin, model,
                       replaces="checkpoint every")
     opt = best[2].plan.optimizer
-    if opt.placement == "host" and world == 1:
+    if opt.placement in ("host", "host_streamed") and world == 1:
         steps = round(opt.host_ratio / RATIO_STEP)
         ratios = [round(RATIO_STEP * n, 4) for n in range(steps - 1, 0, -1)]  # device memory grows along it
         best = _grown(best, ratios, _with_ratio, "optimizer offload ratio {} (Twin-Flow: the rest on the device)",
@@ -115,3 +118,43 @@ def _with_ratio(cfg: Config, ratio: float) -> Config:
     zero = cfg.zero_optimization
     offload = zero.offload_optimizer.model_copy(update={"ratio": ratio, "gpu_ratio": None})
     return cfg.model_copy(update={"zero_optimization": zero.model_copy(update={"offload_optimizer": offload})})
+
+
+def fit_host(variant: Config, changes: tuple[str, ...], est: Estimate, target: Target, world: int,
+             margin: float, model: ModelSource | None) -> Variant | None:
+    """A layer-streaming ``variant`` over host memory made to fit it, if the device then holds
+    it too: its half-width images cast per upload instead of kept (bf16/fp16), then the
+    largest Twin-Flow ratio, in steps of :data:`FIT_RATIO_STEP`, whose host state fits
+    (bisection: host bytes fall as the ratio does). The result may still be over device
+    memory (then it shows how close the nearest plan comes); None when no ratio fits the host."""
+    opt = est.plan.optimizer
+    host = target.host_memory_bytes
+    # Lowering the ratio only adds device bytes: worth trying only where the device holds it now.
+    device_over = est.device_peak_bytes > (target.memory_bytes or est.device_peak_bytes) * (1 - margin)
+    if opt.placement != "host_streamed" or world != 1 or host is None or est.host_bytes <= host or device_over:
+        return None
+    if est.plan.compute_dtype is not None and not est.plan.stream_images_per_upload:
+        variant = _with_images_per_upload(variant)
+        changes = (*changes, "half-width images cast per upload")
+        est = estimate(variant, target, world, all_passes=True, model=model)
+        if est.host_bytes <= host:
+            return variant, changes, est
+    ratios = [round(FIT_RATIO_STEP * n, 4) for n in range(round(opt.host_ratio / FIT_RATIO_STEP) - 1, 0, -1)]
+    low, high, found = 0, len(ratios) - 1, None
+    while low <= high:  # the first ratio (largest) whose host bytes fit
+        mid = (low + high) // 2
+        trial = estimate(_with_ratio(variant, ratios[mid]), target, world, all_passes=True, model=model)
+        if trial.host_bytes <= host:
+            found, high = (ratios[mid], trial), mid - 1
+        else:
+            low = mid + 1
+    if found is None:
+        return None
+    ratio, fitted = found
+    words = f"optimizer offload ratio {ratio} (Twin-Flow: the rest on the device)"
+    return _with_ratio(variant, ratio), (*changes, words), fitted
+
+
+def _with_images_per_upload(cfg: Config) -> Config:
+    streaming = cfg.layer_streaming.model_copy(update={"half_images": "per_upload"})
+    return cfg.model_copy(update={"layer_streaming": streaming})

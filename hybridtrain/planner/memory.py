@@ -32,6 +32,7 @@ from dataclasses import dataclass, fields
 from hybridtrain.optim import optimizer_state_bytes
 from hybridtrain.plan.types import TrainingPlan
 from hybridtrain.planner.trace import ModelTrace, PhaseProfile
+from hybridtrain.runtime.offload.layout import POOLED_BUFFERS
 
 _FP32 = 4
 
@@ -158,7 +159,8 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
     host_ratio = opt.host_ratio if opt.placement == "host" else 0.0
     offloaded_numel = int(resident_numel * host_ratio) if opt.placement == "host" else 0
     if opt.placement == "host_streamed":
-        offloaded_numel = model_numel  # resident parts are offloaded too
+        # Resident parts are offloaded too, but for Twin-Flow's last parameters (in resident blocks).
+        offloaded_numel = model_numel - int((1.0 - opt.host_ratio) * model_numel)
     zero_offload = zero and cfg.zero_optimization.offload_optimizer.device == "cpu"
 
     device_params = _FP32 * (resident_numel // (shard if zero == 3 else 1))
@@ -168,8 +170,9 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
         itemsize = 2 if plan.compute_dtype is not None else _FP32
         gathered = 2 * itemsize * max(block_numel)
     device_state_numel = 0 if (opt.placement != "device" or zero_offload) else model_numel
-    if opt.placement == "host":
-        device_state_numel = resident_numel - offloaded_numel
+    if opt.placement in ("host", "host_streamed"):
+        device_state_numel = model_numel - offloaded_numel if opt.placement == "host_streamed" else \
+            resident_numel - offloaded_numel
     device_state = state_per_elem * device_state_numel // shard
     grads_full = _FP32 * (resident_numel - (offloaded_numel if opt.placement != "device" else 0))
     grads_kept = grads_full // (shard if zero >= 2 else 1)
@@ -191,9 +194,16 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
         buckets = (1 if offloaded_numel > streamed_numel else 0) + sum(streamed)
         pooled = 0 if (lasting and trace.micro_batch and plan.batch.accumulation_steps == 1) else min(3, buckets)
         host_buffers = _FP32 * largest_bucket * pooled
-        # Streamed half-width weights keep their cast image in host memory (2 bytes each).
-        host_params += 2 * sum(min(half_numel.get(blocks[i].name, 0) // tp, x)
-                               for x, i in zip(block_numel, stage_blocks, strict=True) if streamed[i])
+        # Streamed half-width weights keep their cast image in host memory (2 bytes each), or
+        # pass through prefetch_blocks + 2 pooled images (half_images: per_upload).
+        images = [uploaded_bytes(x, min(half_numel.get(blocks[i].name, 0) // tp, x))
+                  for x, i in zip(block_numel, stage_blocks, strict=True)
+                  if streamed[i] and half_numel.get(blocks[i].name)]
+        if plan.stream_images_per_upload:
+            host_buffers += (cfg.layer_streaming.prefetch_blocks + 2) * max(images, default=0)
+        else:
+            host_params += 2 * sum(min(half_numel.get(blocks[i].name, 0) // tp, x)
+                                   for x, i in zip(block_numel, stage_blocks, strict=True) if streamed[i])
         del streamed_bytes
     if zero_offload:
         host_params = _FP32 * model_numel // shard
@@ -220,16 +230,21 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
     replay.current += stream_window  # the streamed blocks in flight (their device copies)
     replay.start = replay.current
     treatments = [treatment(plan, p.name) for p in blocks]
-    # Streamed blocks hand their gradients to the host as soon as their backward ends.
-    landing = {i for i in range(n) if streamed[i]} if opt.placement != "device" else set()
+    # Streamed blocks hand their gradients to the host as soon as their backward ends, unless
+    # gradients wait on the device for the step (held: at half width where they are half and
+    # land once, a streamed block's Linear weights).
+    held = opt.grads_wait_on_device
+    landing = {i for i in range(n) if streamed[i]} if opt.placement != "device" and not held else set()
+    narrower = {i: 2 * min(half_numel.get(blocks[i].name, 0), blocks[i].param_numel) // tp for i in range(n)
+                if streamed[i]} if held and accumulation == 1 else {}
     swap_prefetch = cfg.activation_offload.prefetch_blocks if not on_cpu else 0
     host_acts = 0
     # Offloaded gradients are landed (moved to host memory) bucket by bucket after each
     # backward: every micro-batch's in micro-batch order, all of them at once in layer-major.
-    landed = _FP32 * (offloaded_numel - streamed_numel) if opt.placement != "device" else 0
+    landed = _FP32 * (offloaded_numel - streamed_numel) if opt.placement != "device" and not held else 0
     if plan.step_runner == "layer_major":
         host_acts = _layer_major_step(replay, trace, stage_blocks, treatments, accumulation, tp, swap_prefetch, landing,
-                                      streamed)
+                                      streamed, narrower)
         replay.current -= landed
         replay.grads -= landed
     rounds, in_flight = (0, 0) if plan.step_runner == "layer_major" else \
@@ -239,8 +254,8 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
             host_acts = max(host_acts, _forward(replay, trace, stage_blocks, treatments, tp))
         for k in range(in_flight):
             # Offloaded gradients leave the device after each micro-batch: every backward finds none.
-            fresh = (m == 0 and k == 0) or opt.placement != "device"
-            _backward(replay, trace, stage_blocks, treatments, fresh, tp, swap_prefetch, landing)
+            fresh = (m == 0 and k == 0) or (opt.placement != "device" and not held)
+            _backward(replay, trace, stage_blocks, treatments, fresh, tp, swap_prefetch, landing, narrower)
         replay.current -= landed
         replay.grads -= landed
     if zero >= 2:
@@ -248,6 +263,13 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
         replay.grads = grads_kept
     # Optimizer step: torch's single-tensor Adam (CPU) makes two temporaries the size of a
     # parameter; the foreach path (CUDA) one the size of all device-updated parameters.
+    if held:
+        # OffloadOptimizer.step sends the held gradients down bucket by bucket before the
+        # device share steps; at most the pool's buckets are still in flight then.
+        going = replay.grads - _FP32 * device_state_numel // shard
+        in_flight = POOLED_BUFFERS * _FP32 * max(block_numel, default=0)
+        replay.current -= max(0, going - in_flight)
+        replay.grads -= max(0, going - in_flight)
     if device_state_numel:
         work = 2 * _FP32 * trace.largest_param_numel if on_cpu else _FP32 * device_state_numel // shard
         replay.touch(work, "optimizer step")
@@ -305,14 +327,15 @@ def _split(nbytes: int, output_bytes: int, tp: int) -> int:
 
 
 def _backward_phase(replay: _Replay, p: PhaseProfile, where: str, first: bool, tp: int, ahead: int = 0,
-                    lands: bool = False) -> None:
+                    lands: bool = False, narrower: int = 0) -> None:
     """One micro-batch's backward through phase ``p`` (``first``: it creates the gradients
-    of ``p``'s parameters; ``lands``: they leave for the host at its end)."""
+    of ``p``'s parameters; ``lands``: they leave for the host at its end; ``narrower``:
+    bytes fewer than fp32 they take, held at half width)."""
     peak, end = (p.backward_peak, p.backward_end) if first else (p.accumulate_peak, p.accumulate_end)
     replay.touch(_split(peak, p.output_bytes, tp) + ahead, f"backward of {where}")
     change = _split(end, p.output_bytes, tp) if end > 0 else -_split(-end, p.output_bytes, tp)
     replay.current += change
-    grads = _FP32 * p.param_numel // tp
+    grads = _FP32 * p.param_numel // tp - narrower
     if first:  # this phase's parameters now have gradients
         replay.grads += grads
     if lands:
@@ -321,7 +344,7 @@ def _backward_phase(replay: _Replay, p: PhaseProfile, where: str, first: bool, t
 
 
 def _backward(replay: _Replay, trace: ModelTrace, stage_blocks: list[int], treatments: list[str], first: bool,
-              tp: int, swap_prefetch: int, landing: set[int]) -> None:
+              tp: int, swap_prefetch: int, landing: set[int], narrower: Mapping[int, int]) -> None:
     if not stage_blocks or stage_blocks[-1] == len(trace.blocks) - 1:
         _backward_phase(replay, trace.post, "post", first, tp)
     for k, i in enumerate(reversed(stage_blocks)):
@@ -329,13 +352,14 @@ def _backward(replay: _Replay, trace: ModelTrace, stage_blocks: list[int], treat
         # Swapped blocks further back are copied to the device ahead of their backward.
         later = list(reversed(stage_blocks))[k + 1:k + 1 + swap_prefetch]
         ahead = sum(trace.block(j, treatments[j]).host_bytes // tp for j in later)
-        _backward_phase(replay, p, p.name, first, tp, ahead, i in landing)
+        _backward_phase(replay, p, p.name, first, tp, ahead, i in landing, narrower.get(i, 0))
     if not stage_blocks or stage_blocks[0] == 0:
         _backward_phase(replay, trace.pre, "pre", first, tp)
 
 
 def _layer_major_step(replay: _Replay, trace: ModelTrace, stage_blocks: list[int], treatments: list[str], count: int,
-                      tp: int, swap_prefetch: int, landing: set[int], streamed: list[bool]) -> int:
+                      tp: int, swap_prefetch: int, landing: set[int], streamed: list[bool],
+                      narrower: Mapping[int, int]) -> int:
     """Forward and backward of ``count`` micro-batches in layer-major order
     (:mod:`hybridtrain.runtime.streaming.layer_major`); returns the activation bytes sent to host memory.
 
@@ -376,7 +400,8 @@ def _layer_major_step(replay: _Replay, trace: ModelTrace, stage_blocks: list[int
         m = k % count
         ahead = sum(trace.block(j, treatments[j]).host_bytes // tp for j in order[k + 1:k + 1 + swap_prefetch])
         done_grads = m * p.output_bytes  # earlier micro-batches' output gradients, still on the cut leaves
-        _backward_phase(replay, p, p.name, m == 0, tp, ahead + done_grads, i in landing and m == count - 1)
+        _backward_phase(replay, p, p.name, m == 0, tp, ahead + done_grads, i in landing and m == count - 1,
+                        narrower.get(i, 0))
         if m == count - 1:
             replay.current -= count * held[i]
     if not stage_blocks or stage_blocks[0] == 0:

@@ -28,7 +28,7 @@ from hybridtrain.planner.estimate import (
     meta_model,
     resolve_target,
 )
-from hybridtrain.planner.fill import fill_device, keep_most
+from hybridtrain.planner.fill import fill_device, fit_host, keep_most
 
 MARGIN = 0.10
 """Share of the device memory a plan leaves free: allocator fragmentation and caches,
@@ -118,6 +118,10 @@ def plan(config: ConfigSource, target: Target, world_size: int = 1, margin: floa
             continue
         plans.add(plan_key)
         problems = tuple(est.problems(margin))
+        fitted = fit_host(variant, changes, est, target, world, margin, model) if problems else None
+        if fitted is not None:
+            variant, changes, est = fitted
+            problems = tuple(est.problems(margin))
         if not problems and any(b.stream for b in est.plan.blocks):
             variant, changes, est = keep_most(variant, changes, est, target, world, margin, model)
         (refused if problems else ranked).append(Candidate(variant, changes, est, problems))

@@ -38,6 +38,7 @@ from hybridtrain.hardware.links import Links
 from hybridtrain.plan.types import TrainingPlan
 from hybridtrain.planner.memory import kept_blocks, uploaded_bytes
 from hybridtrain.planner.trace import ModelTrace
+from hybridtrain.runtime.offload.layout import POOLED_BUFFERS
 
 _ADAM_BYTES_PER_ELEMENT = 28
 """A fused Adam step reads parameter, gradient and two moments and writes three: 7 × 4 bytes."""
@@ -124,16 +125,24 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
     transfers += 2 * k * swap_bytes / link
     opt = plan.optimizer
     host_elems = 0.0
+    # Gradients held on the device go down once per step, after backward, beside the host
+    # step that takes them bucket by bucket (fp32 when summed over micro-batches).
+    held_down = 0.0
+    recast = 0.0  # half-width elements cast again for backward (half_images: per_upload)
     if opt.placement == "host":
         host_elems = trace.param_numel * opt.host_ratio * stage / tp
         # Gradients go down once per micro-batch and updated weights come back once per
         # step, half-width ones at 2 bytes both ways.
         width = 4 * host_elems - 2 * min(half_numel.get("", 0) * opt.host_ratio, host_elems)
-        transfers += (width * k + width) / link
+        if opt.grads_wait_on_device:
+            held_down = (4 * host_elems if k > 1 else width) / link
+            transfers += width / link
+        else:
+            transfers += (width * k + width) / link
         first_update = min(host_elems, plan.optimizer.bucket_size)
     streamed = [p for p in trace.blocks if any(b.stream and b.name == p.name for b in plan.blocks)]
     if opt.placement == "host_streamed":
-        host_elems = trace.param_numel * stage / tp
+        host_elems = trace.param_numel * opt.host_ratio * stage / tp  # Twin-Flow: the rest on the device
         full = 4 * sum(p.param_numel for p in streamed)
         width = sum(uploaded_bytes(p.param_numel, half_numel.get(p.name, 0)) for p in streamed)  # half width: 2 bytes
         layer_major = plan.step_runner == "layer_major"
@@ -143,19 +152,29 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
         # (layer-major sums micro-batches on the device in fp32: full width unless k is 1).
         kept = set(kept_blocks(plan, [p.name for p in streamed]))
         kept_width = sum(uploaded_bytes(p.param_numel, half_numel.get(p.name, 0)) for p in streamed if p.name in kept)
-        grads = full if layer_major and k > 1 else width
-        transfers += (uploads * (2 * width - kept_width) + uploads * grads) / link
+        grads = full if (layer_major or opt.grads_wait_on_device) and k > 1 else width
+        if opt.grads_wait_on_device:
+            held_down = grads / link
+            transfers += uploads * (2 * width - kept_width) / link
+        else:
+            transfers += (uploads * (2 * width - kept_width) + uploads * grads) / link
         first_update = float(streamed[0].param_numel) if streamed else host_elems
-    host_update = host_elems / hw.host_update_rate if host_elems else 0.0
+        if plan.stream_images_per_upload:
+            recast = uploads * sum(min(half_numel.get(p.name, 0), p.param_numel)
+                                   for p in streamed if p.name not in kept)
+    # Held gradients' copies and the host step run side by side: the slower one sets the pace.
+    host_update = max(host_elems / hw.host_update_rate, held_down) if host_elems else 0.0
     # Micro-batches landing one by one are summed on the host by the worker that steps
     # (offload_bucket.sum_staged): each later one during its own backward, the last one's
     # beside the eager step.
-    summed_on_host = k > 1 and (opt.placement == "host" or
-                                (opt.placement == "host_streamed" and plan.step_runner != "layer_major"))
+    summed_on_host = k > 1 and not opt.grads_wait_on_device and (
+        opt.placement == "host" or (opt.placement == "host_streamed" and plan.step_runner != "layer_major"))
     # At the host step's own rate (its bytes ÷ its seconds): the same cores and memory run both.
     host_bytes_rate = hw.host_update_rate * _ADAM_BYTES_PER_ELEMENT
     one_sum = host_elems * _HOST_SUM_BYTES_PER_ELEMENT / host_bytes_rate if summed_on_host else 0.0
-    host_step = host_update + (k - 1) * one_sum
+    # A cast reads the fp32 master and writes the half image: 6 bytes per element, on the
+    # same host cores and memory as the step (counted with it).
+    host_step = host_update + (k - 1) * one_sum + recast * 6 / host_bytes_rate
     device_elems = max(0.0, trace.param_numel * stage / tp - host_elems)
     if plan.zero_stage:
         device_elems /= dp
@@ -181,7 +200,12 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
             # first bucket's update; the rest runs behind that forward.
             forward_time = (k if whole else 1) * fwd / hw.flops
             first = min(host_update, first_update / hw.host_update_rate)
-            hidden_host += min(host_update - first, forward_time)
+            behind = host_update - first
+            if opt.grads_wait_on_device:
+                # Held gradients go down through the pool before step() returns: only the
+                # pool's last buckets are still updating when the next forward starts.
+                behind = min(behind, (POOLED_BUFFERS - 1) * first_update / hw.host_update_rate)
+            hidden_host += min(behind, forward_time)
     # Data parallel: gradient all-reduce (ring: 2 (n-1)/n of the bytes); ZeRO-3 also
     # gathers parameters for forward and backward.
     comm = 0.0

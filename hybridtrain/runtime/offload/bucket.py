@@ -59,6 +59,8 @@ class Bucket:
     backward landed them; the rest are unscaled on the calling thread."""
     found_inf: torch.Tensor | None = None
     """Set to 1 when a gradient :meth:`unscale` unscaled was inf or NaN (None: none was)."""
+    held: list[torch.Tensor | None] = field(default_factory=list)
+    """Gradients waiting on the device (:mod:`~hybridtrain.runtime.offload.held_grads`)."""
     _offsets: list[int] = field(default_factory=list)
 
     @property
@@ -82,7 +84,7 @@ class Bucket:
         flat_master = transfer.host_buffer(sum(p.numel() for p in params), bucket_dtype(params), pin_memory, device)
         bucket = cls(index, params, [], flat_master, streamed, group_of=[group_index[id(p)] for p in params],
                      has_grad=[False] * len(params), relands=[False] * len(params),
-                     landed_now=[False] * len(params), unscaled=[False] * len(params))
+                     landed_now=[False] * len(params), unscaled=[False] * len(params), held=[None] * len(params))
         for p, view in zip(params, bucket.views(flat_master), strict=True):
             view.copy_(p.detach())
             if streamed:
@@ -96,7 +98,17 @@ class Bucket:
     def has_work(self) -> bool:
         """Whether an update would change anything: a gradient landed, or one was put on a
         master directly (DeepSpeed's fp16 init step gives every parameter a zero one)."""
-        return any(self.has_grad) or any(m.grad is not None for m in self.masters)
+        return any(self.has_grad) or self.has_held or any(m.grad is not None for m in self.masters)
+
+    @property
+    def has_held(self) -> bool:
+        """Whether gradients of this step wait on the device."""
+        return any(g is not None for g in self.held)
+
+    def take_held(self) -> list[torch.Tensor | None]:
+        """The gradients waiting on the device, no longer held here."""
+        held, self.held = self.held, [None] * len(self.params)
+        return held
 
     def expose_grads(self, grads: list[torch.Tensor] | None = None) -> None:
         """Put the step's gradients (``grads``, else the lasting buffer's) on the masters:
@@ -145,6 +157,7 @@ class Bucket:
         self.flat_master = torch.empty(0, dtype=self.flat_master.dtype)
         self.flat_grad = None
         self.optimizer = None
+        self.held = [None] * len(self.params)
 
     def clear(self) -> None:
         """Forget the step's gradients (host and device) and that it stepped."""
@@ -153,6 +166,7 @@ class Bucket:
         self.found_inf = None
         self.stepped = False
         self.norms = None
+        self.held = [None] * len(self.params)
         for p in self.params:
             p.grad = None
         for m in self.masters:

@@ -15,6 +15,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from hybridtrain.runtime import transfer
+from hybridtrain.runtime.offload import held_grads
 from hybridtrain.runtime.offload.bucket import Bucket
 from hybridtrain.runtime.offload.host_grad_checks import unscale_and_measure
 from hybridtrain.runtime.step_parts import step_part
@@ -60,6 +61,11 @@ def copy_grads_to_host(optimizer: OffloadingOptimizer, index: int, then: Callabl
     """:meth:`OffloadOptimizer.offload_grads`: queue the copies of bucket ``index``'s gradients to the
     host and hand them to the host worker (:func:`accumulate_on_host`)."""
     bucket = optimizer.buckets[index]
+    if optimizer.grads_wait_on_device:
+        held_grads.hold(optimizer, bucket, grads, then)
+        if not optimizer._eager:
+            return
+        grads, then = bucket.take_held(), None  # the step's sums, stepped with at once
     # Gradients stepped with as soon as they land pass through a pooled buffer; any
     # that must wait (summed later, or a deferred step) get the bucket's lasting one.
     lasting = bucket.flat_grad is not None or not optimizer._eager

@@ -131,6 +131,11 @@ class HalfUploads:
         if final:
             self._half = {i: self.candidates[i] for i in self._once - self._other} if self.active else {}
 
+    @property
+    def staging_bytes(self) -> int:
+        """Host bytes of the half staging buffers allocated so far (at most ``STAGING_BUFFERS``)."""
+        return sum(buffer.nbytes for buffer, _ in self._staging if buffer is not None)
+
     def bytes_up(self, bucket: Bucket) -> int:
         """Bytes an upload of ``bucket``'s weights sends."""
         return sum(p.numel() * (self._half[id(p)].itemsize if id(p) in self._half else p.element_size())

@@ -4,7 +4,7 @@ buckets they travel in, the host masters' type, and the host memory all of it ne
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -14,9 +14,11 @@ from hybridtrain.runtime import transfer
 
 
 def device_kept(params: list[nn.Parameter], host_ratio: float, streamed: set[int]) -> set[int]:
-    """Twin-flow: the last parameters, ``1 - host_ratio`` of the elements, stay on the device."""
+    """Twin-flow: the last parameters, ``1 - host_ratio`` of all the elements, stay on the
+    device; none of the ``streamed`` (layer streaming makes the blocks holding them resident
+    first, :func:`twin_flow_blocks`, so they are the same last parameters)."""
     candidates = [p for p in params if id(p) not in streamed]
-    budget = (1.0 - host_ratio) * sum(p.numel() for p in candidates)
+    budget = (1.0 - host_ratio) * sum(p.numel() for p in params)
     kept: set[int] = set()
     for p in reversed(candidates):
         if budget <= 0:
@@ -24,6 +26,15 @@ def device_kept(params: list[nn.Parameter], host_ratio: float, streamed: set[int
         kept.add(id(p))
         budget -= p.numel()
     return kept
+
+
+def twin_flow_blocks(blocks: Sequence[tuple[str, nn.Module]], params: list[nn.Parameter],
+                     host_ratio: float) -> list[str]:
+    """The blocks (``(name, module)``) holding a parameter Twin-Flow keeps on the device at
+    ``host_ratio`` (:func:`device_kept` over ``params``): under layer streaming they stay
+    resident, their update and state on the device."""
+    kept = device_kept(params, host_ratio, set())
+    return [name for name, module in blocks if any(id(p) in kept for p in module.parameters())]
 
 
 def master_dtype(param: torch.Tensor) -> torch.dtype:

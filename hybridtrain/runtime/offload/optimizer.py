@@ -9,23 +9,19 @@ optimizer state in host memory; the update runs on the host while backward conti
        ▼                                                                 [eager] fused CPU step,
     grads of bucket k-1 …                                                H2D of updated weights
 
-Parameters are grouped in *buckets* (backward order, ``reduce_bucket_size`` elements).
-When the last gradient of a bucket has accumulated, the bucket's gradients are copied to
-host buffers and the device gradients released. A gradient that is stepped with as soon
-as it lands (one landing per step, eager step) only passes through one of a few pooled
-host buffers; only gradients that must wait — summed over micro-batches, or kept for a
-deferred step — get a lasting host buffer per bucket. The host thus holds 12 bytes per
-offloaded Adam parameter in the first case and 16 in the second, plus the pool. On the last micro-batch of a step the
-host step of the bucket starts at once (the *eager* step) — unless something needs all
-gradients first: gradient clipping (global norm), fp16 loss scaling (global overflow
-check) or ``nonfinite_loss: skip``. Then the step is *deferred* to :meth:`OffloadOptimizer.step`,
-its work off the critical path where the math allows: as the step's last backward lands each
-bucket, the host worker, behind the rest of backward, unscales its gradients (fp16, with the
-scale :meth:`~OffloadOptimizer.unscale_on_landing` gave; its found-inf flag) and takes their
-norms (clipping): the engine's :meth:`~OffloadOptimizer.unscale_and_check` and
-:meth:`~OffloadOptimizer.clip_grad_norm` only combine them (:mod:`~hybridtrain.runtime.offload.host_grad_checks`),
-each bucket's update multiplies its own gradients by the clip factor — torch's kernels on the
-host tensors, bit for bit: each element sees the plain optimizer's update. With
+Parameters are grouped in *buckets* (backward order, ``reduce_bucket_size`` elements). When
+the last gradient of a bucket has accumulated, its gradients are copied to the host and the
+device ones released. One stepped with as it lands (one landing per step, eager step) passes
+through one of a few pooled host buffers; those that must wait — summed over micro-batches,
+or for a *deferred* step (clipping's global norm, fp16's global overflow check,
+``nonfinite_loss: skip``) — get a lasting host buffer per bucket: 12 bytes per offloaded Adam
+parameter, or 16, plus the pool (or, ``grads_wait_on_device``, wait on the device:
+:mod:`~hybridtrain.runtime.offload.held_grads`, 12). A deferred step's checks run off the
+critical path: as the last backward lands each bucket, the host worker unscales its gradients
+(fp16) and takes their norms (clipping); the engine's :meth:`~OffloadOptimizer.unscale_and_check`
+and :meth:`~OffloadOptimizer.clip_grad_norm` only combine them
+(:mod:`~hybridtrain.runtime.offload.host_grad_checks`), and each bucket's update multiplies its
+own gradients by the clip factor — torch's kernels, bit for bit. With
 :attr:`~OffloadOptimizer.background` (``engine.overlap_updates``) the streamed blocks are then
 updated on the worker after :meth:`~OffloadOptimizer.step` returns, in block order, while the
 next forward starts: each block's upload waits for its own update only.
@@ -51,10 +47,12 @@ from torch.utils.hooks import RemovableHandle
 
 from hybridtrain.runtime import transfer
 from hybridtrain.runtime.device import normalize_device
+from hybridtrain.runtime.offload import held_grads
 from hybridtrain.runtime.offload.background_updates import PendingWeights, running_in_background
 from hybridtrain.runtime.offload.bucket import Bucket
 from hybridtrain.runtime.offload.grads import copy_grads_to_host, hook_arrivals
 from hybridtrain.runtime.offload.half_uploads import STAGING_BUFFERS, HalfUploads
+from hybridtrain.runtime.offload.host_bytes import HostBytes, offload_host_bytes
 from hybridtrain.runtime.offload.host_grad_checks import clip_grad_norm, unscale_and_check
 from hybridtrain.runtime.offload.inner_optimizer import (
     groups_over,
@@ -103,6 +101,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         grad_norms: take each gradient's norm on the host worker as the step's last
             backward completes its bucket, for :meth:`clip_grad_norm` (gradient clipping;
             under fp16 loss scaling, once unscaled there: :meth:`unscale_on_landing`).
+        grads_wait_on_device: gradients that must wait (a deferred step, a sum over
+            landings) wait on the device, not in host buffers (:mod:`~.held_grads`).
 
     Attributes:
         background: a deferred :meth:`step` updates the streamed blocks on the host worker
@@ -121,11 +121,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
                  streamed: Sequence[Sequence[nn.Parameter]] = (), grads_wait_on_host: bool = True,
                  several_backwards: frozenset[int] = frozenset(),
                  half_dtypes: Mapping[int, torch.dtype] | None = None,
-                 grad_norms: bool = False) -> None:
+                 grad_norms: bool = False, grads_wait_on_device: bool = False) -> None:
         self.device = device = normalize_device(device)
         self.pin_memory = pin_memory
         self.defer = defer
         self.grad_norms = grad_norms
+        self.grads_wait_on_device = grads_wait_on_device
+        self._held_inv_scale: torch.Tensor | None = None  # fp16: the step's, for held gradients' landings
         self.background = False
         self.background_resident = False
         """With :attr:`background`: the other buckets too, their device weights written
@@ -186,7 +188,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for bucket in self.buckets:
             if bucket.params:  # a streamed block may have none (an activation function)
                 bucket.optimizer = inner_optimizer(self._cls, self, [bucket.masters], [bucket.group_of], fused=True)
-        device_params = [p for p in params if id(p) in on_device]
+        self._device_params = device_params = [p for p in params if id(p) in on_device]
         device_groups = [[group_index[id(p)] for p in device_params]]
         self._device_optimizer = (inner_optimizer(self._cls, self, [device_params], device_groups, fused=False)
                                   if device_params else None)
@@ -215,6 +217,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         parameters (the same bits): the calling thread unscales what the worker did not."""
         self.wait_for_updates()
         self._inv_scale = None
+        if self.grads_wait_on_device:
+            return held_grads.unscale_and_check(self, scaler)
         params = [p for group in self.param_groups for p in group["params"]]
         return unscale_and_check(params, self._slot_of, self.buckets, scaler)
 
@@ -259,20 +263,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def offload_grads(self, index: int, then: Callable[[], None] | None = None,
              grads: Sequence[torch.Tensor | None] | None = None) -> None:
-        """Copy bucket ``index``'s device gradients to the host and release them; the
-        worker accumulates them (and, on an eager final micro-batch, steps the bucket).
-
-        A gradient may be half (a half-width weight's, see
-        :mod:`~hybridtrain.runtime.precision.half_width`): it crosses as it is and the worker turns
-        it into the master's type exactly before summing or stepping with it.
-
-        Args:
-            index: the bucket.
-            then: runs after the copies are queued and before the host worker may touch
-                the bucket (layer streaming points the parameters back at the masters).
-            grads: the gradients to land, one per parameter, instead of the parameters'
-                ``.grad`` (which is released either way).
-        """
+        """Land bucket ``index``'s gradients (``grads``, one per parameter, else the released
+        ``.grad``; half ones cross as they are and are widened exactly): copied to the host for
+        the worker to sum or step with, or held on the device (``grads_wait_on_device``).
+        ``then`` runs once they are taken, before the worker may touch the bucket (layer
+        streaming points the parameters back at the masters)."""
         copy_grads_to_host(self, index, then, grads)
 
     # ------------------------------------------------------------------ host side (worker)
@@ -358,13 +353,21 @@ class OffloadOptimizer(torch.optim.Optimizer):
             # in the order the next forward reads it (uploads and reads wait for their own).
             for bucket in self.buckets:
                 if not any(bucket is b for b in later):
-                    self._step_bucket(bucket, coef=coef)
+                    if bucket.has_held:  # streamed down and stepped on the worker
+                        held_grads.land_held(self, bucket, coef)
+                    else:
+                        self._step_bucket(bucket, coef=coef)
+            if self.grads_wait_on_device:
+                self._wait()
             clocks = running_clocks()
             for bucket in sorted(later, key=lambda b: self._first_use[b.index]):
                 assert bucket.optimizer is not None
                 sync_hyperparams(bucket.optimizer, self)  # the scheduler moves on before it runs
-                bucket.update = self._worker.submit(self._update_in_background, bucket, coef, clocks)
-                self._jobs.append(bucket.update)
+                if bucket.has_held:
+                    held_grads.land_held(self, bucket, coef, background=True, clocks=clocks)
+                else:
+                    bucket.update = self._worker.submit(self._update_in_background, bucket, coef, clocks)
+                    self._jobs.append(bucket.update)
                 if not bucket.streamed:
                     transfer.count_bytes("weights_up", self.half_uploads.bytes_up(bucket))
                     self._pending.watch(bucket)
@@ -407,6 +410,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 bucket.clear()
         self._finite = None
         self._clip_coef = None
+        self._held_inv_scale = None
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
@@ -420,6 +424,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             The total norm before clipping.
         """
         self.wait_for_updates()
+        if self.grads_wait_on_device:
+            total, self._clip_coef = held_grads.clip_grad_norm(self, max_norm)
+            return total
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         total, self._clip_coef = clip_grad_norm(params, self._slot_of, max_norm, self._device_optimizer is not None)
         return total
@@ -486,4 +493,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def host_numel(self) -> int:
         """Elements whose master weights and state live in host memory."""
         return sum(b.flat_master.numel() for b in self.buckets)
+
+    def host_bytes(self) -> HostBytes:
+        """The host memory this optimizer allocated, persistent and staging (:mod:`~.host_bytes`)."""
+        return offload_host_bytes(self.buckets, self.state, self._pool, self.half_uploads.staging_bytes)
 

@@ -27,9 +27,10 @@ allocator never hands a buffer to new work before the kernels reading it have fi
 Under bf16/fp16, from the second training step, the parameters
 :mod:`~hybridtrain.runtime.precision.half_width` picks (Linear weights the first step saw read once,
 by a matmul) cross as half: each block uploads a byte image cast from the masters on a caster
-thread at every forward upload (backward re-sends the same image), the parameters compute
-as half, and their half gradients land on the host, which widens them exactly — the same
-bits as autocast casting fp32 weights on the device.
+thread at every forward upload (backward re-sends the same image; with ``images_per_upload``
+the image is a pooled buffer, :mod:`~hybridtrain.runtime.streaming.streamed_block`, cast again
+for backward), the parameters compute as half, and their half gradients land on the host,
+which widens them exactly — the same bits as autocast casting fp32 weights on the device.
 
 The last ``keep_blocks_for_backward`` blocks (the last one always) are not freed after
 their forward: backward uploads nothing for them (its prefetch finds them loaded; block
@@ -61,103 +62,12 @@ from torch.utils.hooks import RemovableHandle
 from hybridtrain.compat import tree_leaves
 from hybridtrain.runtime import transfer
 from hybridtrain.runtime.device import normalize_device
-from hybridtrain.runtime.memory_limit import storage_resized
-from hybridtrain.runtime.offload.bucket import Bucket
+from hybridtrain.runtime.offload.host_bytes import HostBytes
 from hybridtrain.runtime.offload.optimizer import OffloadOptimizer
 from hybridtrain.runtime.precision.half_width import WeightReads, matmul_reads_only
 from hybridtrain.runtime.step_parts import step_part
 from hybridtrain.runtime.streaming.residency import Residency
-
-
-class _StreamedBlock:
-    """One block's device buffer, its views, and its upload event.
-
-    With half-width parameters (see :mod:`~hybridtrain.runtime.precision.half_width`) the block
-    crosses as a byte *image*: full-width parameters first, then the half ones (so every
-    offset is a multiple of its element size), cast from the masters into a host buffer
-    before the upload; the device buffer holds the same bytes, viewed per parameter.
-    """
-
-    def __init__(self, index: int, module: nn.Module, bucket: Bucket, device: torch.device) -> None:
-        self.index = index
-        self.module = module
-        self.bucket = bucket
-        self.device = device
-        self.host_views = bucket.views(bucket.flat_master)
-        self.set_wire({}, pin=False)
-        self.image_current = False
-        """The image holds the masters as they are (cast since the block last landed)."""
-        self.image_read: torch.cuda.Event | None = None
-        """The last upload from the image: it must finish before the image is cast again."""
-        self.loaded = False
-        self.active = False
-        self.ready: torch.cuda.Event | None = None
-        self.pending: Future[None] | None = None
-        """The caster thread's cast and upload of the image, until the block is used or freed."""
-        self.update: Future[None] | None = None
-        """The block's background host update the pending upload follows."""
-        self.arrived = 0
-        self.landed = False
-        self.hooked = len(bucket.trained)
-        """Parameters whose gradient hooks count towards landing."""
-        self.frozen = self.hooked < len(bucket.params)
-        """Frozen weights (``requires_grad`` False) are read by backward without getting a
-        gradient, so their block lands only once the gradients of its inputs exist too."""
-        self.watching = False
-        """A hook on this forward's input gradients counts as one more arrival."""
-        self.in_forward = False
-        """Inside the block's own forward call (not a recomputation in backward)."""
-        self.linear_calls: dict[int, int] = {}
-        """Calls of each half-width Linear (or Conv1D) in the block's current forward call."""
-        self.reads: WeightReads | None = None
-        """Watching how the block's forward reads its weights (the first training step)."""
-        self.forwards = 0
-        """The block's forward calls since the last backward (micro-batch-major order)."""
-
-    def set_wire(self, half: Mapping[int, torch.dtype], pin: bool) -> None:
-        """Lay the block out for the device: parameters in ``half`` in that type (an image),
-        the rest in the master's; only while the block is not on the device."""
-        bucket, device, master = self.bucket, self.device, self.bucket.flat_master.dtype
-        self.wire = [half.get(id(p), master) for p in bucket.params]
-        """Each parameter's type on the device (its master's, or half)."""
-        self.image: torch.Tensor | None = None
-        self.image_views: list[torch.Tensor] = []
-        self.layout: list[tuple[int, int]] = []
-        """Each parameter's byte offset and element count in the image."""
-        if any(dtype != master for dtype in self.wire):
-            order = sorted(range(len(self.wire)), key=lambda j: -self.wire[j].itemsize)  # stable
-            self.layout = [(0, 0)] * len(self.wire)
-            offset = 0
-            for j in order:
-                self.layout[j] = (offset, bucket.params[j].numel())
-                offset += bucket.params[j].numel() * self.wire[j].itemsize
-            self.image = transfer.host_buffer(offset, torch.uint8, pin, device)
-            self.image_views = self._typed(self.image)
-            self.device_flat = torch.empty(offset, dtype=torch.uint8, device=device)
-            self.device_views = self._typed(self.device_flat)
-        else:
-            self.device_flat = torch.empty(bucket.flat_master.numel(), dtype=master, device=device)
-            self.device_views = bucket.views(self.device_flat)
-        self.nbytes = self.device_flat.untyped_storage().nbytes()
-        self.device_flat.untyped_storage().resize_(0)
-        storage_resized(self.device_flat, f"the release of streamed block {self.index}")
-
-    def _typed(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat[start:start + numel * dtype.itemsize].view(dtype).view(p.shape)
-                for (start, numel), dtype, p in zip(self.layout, self.wire, self.bucket.params, strict=True)]
-
-    def cast(self) -> None:
-        """Write the masters into the image, half ones rounded as autocast would on the device."""
-        assert self.image is not None
-        transfer.host_waits(self.image_read)  # a non-blocking upload may still read the image
-        with torch.no_grad():
-            for image, master in zip(self.image_views, self.host_views, strict=True):
-                image.copy_(master)
-        self.image_current = True
-
-    def use_views(self, views: Sequence[torch.Tensor]) -> None:
-        for p, view in zip(self.bucket.params, views, strict=True):
-            p.data = view
+from hybridtrain.runtime.streaming.streamed_block import ImagePool, StreamedBlock
 
 
 class LayerStreamer:
@@ -175,6 +85,9 @@ class LayerStreamer:
             only those cross in half afterwards.
         keep_blocks_for_backward: how many of the last blocks stay on the device from
             their forward to their backward, in either order (see :meth:`kept_for_backward`).
+        images_per_upload: half-width images are cast into a few pooled host buffers at
+            every upload (backward casts again) instead of kept per block (2 bytes per
+            half-width parameter of host memory).
 
     Raises:
         HostMemoryError: the half-width images do not fit in available host memory.
@@ -183,7 +96,7 @@ class LayerStreamer:
     def __init__(self, blocks: Sequence[nn.Module], optimizer: OffloadOptimizer, device: torch.device,
                  prefetch_blocks: int = 1,
                  half_dtypes: Mapping[int, torch.dtype] | None = None,
-                 keep_blocks_for_backward: int = 0) -> None:
+                 keep_blocks_for_backward: int = 0, images_per_upload: bool = False) -> None:
         self.device = normalize_device(device)
         self.optimizer = optimizer
         self.prefetch_blocks = prefetch_blocks
@@ -199,16 +112,19 @@ class LayerStreamer:
         """What the structural rule allows to cross in half; the first training step
         (in fp32) shows which of those modules run once per forward (see :meth:`_decide`)."""
         self._observing = bool(self._candidates)
+        # The blocks in flight, and one being cast: the pooled images' buffers.
+        self._image_pool = ImagePool(prefetch_blocks + 2, optimizer.pin_memory, self.device) \
+            if images_per_upload else None
         # Before any work: the images of every candidate (those kept fp32 later need none).
-        transfer.check_host_memory(
-            sum(p.numel() * self._candidates[id(p)].itemsize for block in blocks for p in block.parameters()
-                if id(p) in self._candidates),
-            "half-width layer streaming (a half copy of each block's Linear weights)")
+        images = [sum(p.numel() * self._candidates[id(p)].itemsize for p in block.parameters()
+                      if id(p) in self._candidates) for block in blocks]
+        transfer.check_host_memory((prefetch_blocks + 2) * max(images, default=0) if images_per_upload else sum(images),
+                                   "half-width layer streaming (a half copy of each block's Linear weights)")
         self._not_half: set[int] = set()
         """Candidates the first step saw read twice, or by another op, or in a reused block."""
         self._in_backward = False
         self._half_modules: set[int] = set()
-        self.blocks = [_StreamedBlock(i, m, optimizer.buckets[i], device) for i, m in enumerate(blocks)]
+        self.blocks = [StreamedBlock(i, m, optimizer.buckets[i], device) for i, m in enumerate(blocks)]
         self._handles: list[RemovableHandle] = []
         for block in self.blocks:
             block.use_views(block.host_views)
@@ -238,7 +154,7 @@ class LayerStreamer:
         self.blocks.clear()
 
     # ------------------------------------------------------------------ residency
-    def _upload(self, block: _StreamedBlock, backward: bool = False) -> None:
+    def _upload(self, block: StreamedBlock, backward: bool = False) -> None:
         if block.loaded:
             return
         # Allocated on the compute stream: its memory may be a just-freed block's, which
@@ -249,7 +165,7 @@ class LayerStreamer:
         # A half-width image is cast at every forward upload, so whatever wrote the masters
         # since (the optimizer, a checkpoint load, the user) is what goes up; backward
         # reuses the forward's image (nothing writes a block's masters before it lands).
-        cast = block.image is not None and not (backward and block.image_current)
+        cast = block.has_image and not (backward and block.image_current)
         # The block's update may still run on the host worker (a background step): the
         # upload follows it, and only this block's waits for it.
         block.update = block.bucket.unfinished_update
@@ -262,14 +178,15 @@ class LayerStreamer:
         with step_part("transfer"), self._h2d.after_compute():
             self._copy(block)
 
-    def _copy(self, block: _StreamedBlock) -> None:
+    def _copy(self, block: StreamedBlock) -> None:
         """Queue the upload on the copy stream (entered by the caller)."""
-        source = block.image if block.image is not None else block.bucket.flat_master
+        source = block.image if block.has_image and block.image is not None else block.bucket.flat_master
         block.device_flat.copy_(source, non_blocking=True)
         transfer.count_bytes("weights_up", block.nbytes)
-        block.ready = block.image_read = self._h2d.record()
+        block.ready = self._h2d.record()
+        block.sent(block.ready)
 
-    def _cast_and_copy(self, block: _StreamedBlock, after: torch.cuda.Event | None,
+    def _cast_and_copy(self, block: StreamedBlock, after: torch.cuda.Event | None,
                        update: Future[None] | None = None, cast: bool = True) -> None:
         if update is not None:
             update.result()  # the masters are the step's result from here on
@@ -280,7 +197,7 @@ class LayerStreamer:
             with self._h2d.after(after):  # after the compute work queued when it was asked for
                 self._copy(block)
 
-    def _arrived_upload(self, block: _StreamedBlock, check: bool = True) -> None:
+    def _arrived_upload(self, block: StreamedBlock, check: bool = True) -> None:
         """Wait for the caster to have queued ``block``'s upload (its ``ready`` event set)."""
         pending, block.pending = block.pending, None
         if pending is None:
@@ -294,7 +211,7 @@ class LayerStreamer:
         if error is not None and check:
             raise error
 
-    def _activate(self, block: _StreamedBlock) -> None:
+    def _activate(self, block: StreamedBlock) -> None:
         self._upload(block)
         self._arrived_upload(block)
         transfer.compute_waits(block.ready, self.device)
@@ -303,7 +220,7 @@ class LayerStreamer:
             block.use_views(block.device_views)
             block.active = True
 
-    def _free(self, block: _StreamedBlock) -> None:
+    def _free(self, block: StreamedBlock) -> None:
         if not block.loaded:
             return
         # A failed cast leaves nothing on the copy stream; the block is freed all the same.
@@ -345,6 +262,12 @@ class LayerStreamer:
         block.image_current = False  # the host step may now write the masters
         self.optimizer.offload_grads(index, then=lambda: self._free(block), grads=grads)
 
+    def host_bytes(self) -> HostBytes:
+        """Host memory of the streamed blocks and the host optimizer: its figures plus the
+        blocks' half-width images (:mod:`~hybridtrain.runtime.offload.host_bytes`)."""
+        kept = sum(b.kept_image_nbytes for b in self.blocks)
+        return self.optimizer.host_bytes().with_images(kept, self._image_pool.nbytes if self._image_pool else 0)
+
     def kept_for_backward(self, index: int) -> bool:
         """Whether block ``index`` stays on the device from its forward to its backward (of
         the same micro-batch, or of the step under layer-major order): the last one always
@@ -359,7 +282,7 @@ class LayerStreamer:
         return [dtype != block.bucket.flat_master.dtype for dtype in block.wire]
 
     # ------------------------------------------------------------------ hooks
-    def _forward_starts(self, block: _StreamedBlock) -> None:
+    def _forward_starts(self, block: StreamedBlock) -> None:
         block.in_forward = True
         block.linear_calls.clear()
         if self._observing and torch.is_grad_enabled():
@@ -372,14 +295,14 @@ class LayerStreamer:
                 block.reads = WeightReads(watched)
                 block.reads.__enter__()
 
-    def _forward_ends(self, block: _StreamedBlock) -> None:
+    def _forward_ends(self, block: StreamedBlock) -> None:
         block.in_forward = False
         reads, block.reads = block.reads, None
         if reads is not None:
             reads.__exit__(None, None, None)
             self._not_half |= reads.other | {i for i, n in reads.uses.items() if n > 1}
 
-    def _linear_called(self, block: _StreamedBlock, module: nn.Module) -> None:
+    def _linear_called(self, block: StreamedBlock, module: nn.Module) -> None:
         # Two uses of a half weight in one graph would sum its gradients in half precision
         # (fp32 weights sum fp32 copies): not the plain loop's math. A recomputation in
         # backward (outside the block's own call) is no second use.
@@ -402,11 +325,11 @@ class LayerStreamer:
         self._observing = False
         half = {i: dtype for i, dtype in self._candidates.items() if i not in self._not_half}
         for block in self.blocks:
-            block.set_wire(half, self.optimizer.pin_memory)
+            block.set_wire(half, self.optimizer.pin_memory, self._image_pool)
         self._half_modules = {id(m) for block in self.blocks for m in block.module.modules()
                               if any(id(p) in half for p in m.parameters(recurse=False))}
 
-    def _before_forward(self, block: _StreamedBlock, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _before_forward(self, block: StreamedBlock, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.driven:
             return
         self.enter(block.index)
@@ -418,7 +341,7 @@ class LayerStreamer:
                 torch.autograd.graph.register_multi_grad_hook(
                     inputs, lambda _grads, b=block: self._grad_arrived(b), mode="all")
 
-    def _after_forward(self, block: _StreamedBlock, output: Any) -> None:
+    def _after_forward(self, block: StreamedBlock, output: Any) -> None:
         if self.driven:
             return
         training = torch.is_grad_enabled()
@@ -431,11 +354,11 @@ class LayerStreamer:
         if not (training and grads and self.kept_for_backward(block.index)):
             self._free(block)
 
-    def _before_backward(self, block: _StreamedBlock) -> None:
+    def _before_backward(self, block: StreamedBlock) -> None:
         if not self.driven:
             self.enter(block.index, backward=True)
 
-    def _grad_arrived(self, block: _StreamedBlock) -> None:
+    def _grad_arrived(self, block: StreamedBlock) -> None:
         if self.driven:
             return
         block.arrived += 1

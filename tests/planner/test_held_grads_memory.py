@@ -1,0 +1,74 @@
+"""The planner's model of gradients that wait on the device (``gradients_wait: device``,
+:mod:`hybridtrain.runtime.offload.held_grads`): the host loses the 4-byte gradient buffer per
+offloaded parameter, the device holds the waiting gradients instead, and the planner's host
+bytes are what the runtime counts it allocated."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import hybridtrain as ht
+from hybridtrain.models.gpt import GPT, causal_lm_loss, gpt_config
+from hybridtrain.plan.variants import grid
+from hybridtrain.planner.estimate import Target, estimate, model_source
+from hybridtrain.runtime.offload.optimizer import OffloadOptimizer
+from hybridtrain.runtime.streaming.streamer import LayerStreamer
+
+BASE = {"model": {"name": "gpt-tiny"}, "data": {"seq_len": 64}, "train_batch_size": 8,
+        "train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+OFFLOAD = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
+STREAM = {"layer_streaming": {"enabled": True, "layer_major": True}}
+H100 = Target("cuda", "H100 SXM", 80 * 2**30, 128 * 2**30, host_bandwidth=152e9)
+
+
+def _waiting(config: dict[str, Any], where: str) -> dict[str, Any]:
+    zero = config.get("zero_optimization", {})
+    offload = {**zero.get("offload_optimizer", {}), "gradients_wait": where}
+    return {**BASE, **config, "zero_optimization": {**zero, "offload_optimizer": offload}}
+
+
+@pytest.mark.parametrize("technique", [OFFLOAD, STREAM], ids=["offload", "stream_layer_major"])
+def test_held_gradients_move_from_host_to_device_memory(technique: dict[str, Any]) -> None:
+    host = estimate(_waiting(technique, "host"), H100)
+    device = estimate(_waiting(technique, "device"), H100)
+    assert host.plan.optimizer.grads_wait_on_host and not host.plan.optimizer.grads_wait_on_device
+    assert device.plan.optimizer.grads_wait_on_device and not device.plan.optimizer.grads_wait_on_host
+    assert device.memory.host.gradients == 0 < host.memory.host.gradients
+    assert device.host_bytes < host.host_bytes
+    assert device.device_peak_bytes > host.device_peak_bytes  # the waiting gradients
+    # Summed on the device, the host step no longer sums micro-batches: never slower on the host.
+    assert device.time.host_step <= host.time.host_step
+
+
+def test_the_planner_offers_held_gradients_when_the_step_is_deferred() -> None:
+    deferred = [words for words, _, _ in grid(ht.load_config(BASE), 1, False)]
+    assert any("gradients wait on the device" in words for words in deferred)
+    eager = {k: v for k, v in BASE.items() if k != "gradient_clipping"}
+    assert not any("gradients wait on the device" in words for words, _, _ in grid(ht.load_config(eager), 1, False))
+
+
+@pytest.mark.parametrize("technique", [OFFLOAD, STREAM], ids=["offload", "stream_layer_major"])
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_planned_host_bytes_are_what_the_runtime_allocates(technique: dict[str, Any], where: str) -> None:
+    config = {**_waiting(technique, where), "device": "cpu", "bf16": {"enabled": False}}
+    cfg = ht.load_config(config)
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", seq_len=64))
+    example = (torch.zeros(4, 64, dtype=torch.long), torch.zeros(4, 64, dtype=torch.long))
+    planned = estimate(cfg, Target("cpu", "cpu"), model=model_source(model, example, causal_lm_loss))
+    engine = ht.initialize(model, config, loss_fn=causal_lm_loss)
+    engine.train_batch((torch.randint(0, 64, (8, 64)), torch.randint(0, 64, (8, 64))))
+    engine.wait_for_updates()
+    streamer = next((o for o in engine.options.observers if isinstance(o, LayerStreamer)), None)
+    assert isinstance(engine.optimizer, OffloadOptimizer)
+    counted = streamer.host_bytes() if streamer is not None else engine.optimizer.host_bytes()
+    host = planned.memory.host
+    # The planner leaves out Adam's step counters (4 bytes per tensor).
+    counters = 4 * sum(len(b.masters) for b in engine.optimizer.buckets)
+    assert host.parameters == counted.masters + counted.images
+    assert host.optimizer_state == counted.optimizer_state - counters
+    assert host.gradients == counted.waiting_grads

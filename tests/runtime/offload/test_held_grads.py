@@ -1,0 +1,134 @@
+"""Gradients that wait on the device (``gradients_wait: device``,
+:mod:`hybridtrain.runtime.offload.held_grads`): every offload and streaming mode whose
+gradients would wait in host memory equals the plain loop with them waiting on the device,
+and the host then holds 12 bytes per AdamW parameter (no gradient buffer) plus the pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hybridtrain as ht
+from hybridtrain.runtime.offload.layout import POOLED_BUFFERS
+from hybridtrain.runtime.offload.optimizer import OffloadOptimizer
+from hybridtrain.runtime.streaming.streamer import LayerStreamer
+from tests.equivalence import (
+    GRADS_ON_DEVICE_MODES,
+    HALF_WIDTH_MODES,
+    MODES,
+    PER_UPLOAD_IMAGE_MODES,
+    SEED,
+    STEPS,
+    TWIN_FLOW_STREAMING_MODES,
+    assert_resume_exact,
+    assert_same_training,
+    engine_config,
+    engine_run,
+    gpt_case,
+    model_cases,
+    plain_run,
+)
+
+CASES = model_cases()
+
+
+def _run(case_name: str, mode_name: str) -> tuple[tuple[list[float], dict[str, torch.Tensor]], ht.Engine, list[float],
+                                                   int]:
+    case, mode = CASES[case_name], GRADS_ON_DEVICE_MODES[mode_name]
+    torch.manual_seed(SEED)
+    engine = ht.initialize(case.build(), engine_config(mode), loss_fn=case.loss_fn)
+    engine.overlap_updates = bool(mode.extra.get("overlap_updates"))
+    torch.manual_seed(SEED + 1)
+    losses, norms = [], []
+    for batch in case.batches(STEPS):
+        losses.append(engine.train_batch(batch))
+        if engine.last_grad_norm is not None:
+            norms.append(float(engine.last_grad_norm))
+    return (losses, engine.model_state_dict()), engine, norms, engine.skipped_steps
+
+
+@pytest.mark.parametrize("mode", list(GRADS_ON_DEVICE_MODES))
+@pytest.mark.parametrize("case", ["gpt_tied", "sequential", "hf_llama"])
+def test_gradients_waiting_on_the_device_train_as_the_plain_loop(case: str, mode: str) -> None:
+    m = GRADS_ON_DEVICE_MODES[mode]
+    actual, engine, norms, skipped = _run(case, mode)
+    assert_same_training(plain_run(CASES[case], m), actual, rtol=m.rtol, atol=m.atol)
+    if m.clip and skipped < STEPS:
+        assert max(norms) > m.clip  # clipping clipped
+    streamer = next((o for o in engine.options.observers if isinstance(o, LayerStreamer)), None)
+    optimizer = engine.optimizer
+    assert isinstance(optimizer, OffloadOptimizer) and optimizer.grads_wait_on_device
+    counted = streamer.host_bytes() if streamer is not None else optimizer.host_bytes()
+    tensors = sum(len(b.masters) for b in optimizer.buckets)
+    assert counted.waiting_grads == 0
+    assert counted.masters + counted.optimizer_state == 12 * counted.params + 4 * tensors
+    assert counted.staging <= POOLED_BUFFERS * max(b.flat_master.nbytes for b in optimizer.buckets) \
+        + 3 * max(b.flat_master.nbytes for b in optimizer.buckets) // 2  # half uploads' staging
+
+
+@pytest.mark.parametrize("mode", ["offload_opt_fp16_overflow_grads_on_device",
+                                  "stream_layer_major_fp16_overflow_accum2_clip_grads_on_device"])
+def test_an_overflowing_fp16_step_is_skipped(mode: str) -> None:
+    *_, skipped = _run("gpt_tied", mode)
+    assert skipped > 0
+
+
+def test_deferred_gradients_wait_on_the_device_until_the_step() -> None:
+    case = gpt_case()
+    offload = {"stage": 1, "reduce_bucket_size": 2000,
+               "offload_optimizer": {"device": "cpu", "gradients_wait": "device"}}
+    config = engine_config(MODES["plain"], zero_optimization=offload, gradient_clipping=0.05)
+    engine = ht.initialize(case.build(), config, loss_fn=case.loss_fn)
+    optimizer = engine.optimizer
+    assert isinstance(optimizer, OffloadOptimizer)
+    batch = case.batches(1)[0]
+    engine.backward(case.loss_fn(engine(batch[0]), batch))
+    # Nothing crossed: every gradient is held on the device, no host buffer was made.
+    assert all(b.has_held and b.flat_grad is None and not b.stepped for b in optimizer.buckets)
+    assert all(p.grad is None for p in engine.module.parameters())
+    engine.step()
+    assert not any(b.has_held for b in optimizer.buckets)
+    assert optimizer.host_bytes().waiting_grads == 0
+
+
+@pytest.mark.parametrize("mode", ["offload_opt_bf16_accum2_clip_grads_on_device",
+                                  "offload_opt_twinflow_fp16_grads_on_device",
+                                  "stream_layer_major_fp16_overflow_accum2_clip_grads_on_device",
+                                  "stream_bf16_accum2_clip_grads_on_device"])
+def test_waiting_on_the_device_gives_the_bits_of_waiting_in_host_memory(mode: str) -> None:
+    on_device = GRADS_ON_DEVICE_MODES[mode]
+    in_host = {**MODES, **HALF_WIDTH_MODES}[mode.removesuffix("_grads_on_device")]
+    assert_same_training(engine_run(CASES["gpt_tied"], in_host), engine_run(CASES["gpt_tied"], on_device), 0, 0)
+
+
+def test_resume_is_exact_with_gradients_waiting_on_the_device(tmp_path) -> None:
+    case = CASES["gpt_tied"]
+    mode = GRADS_ON_DEVICE_MODES["stream_layer_major_fp16_overflow_accum2_clip_grads_on_device"]
+
+    def make() -> ht.Engine:
+        torch.manual_seed(SEED)
+        return ht.initialize(case.build(), engine_config(mode), loss_fn=case.loss_fn)
+
+    assert_resume_exact(make, case.batches(STEPS), tmp_path / "ckpt")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["offload_opt_bf16_accum2_clip_grads_on_device",
+                                  "offload_opt_twinflow_fp16_grads_on_device",
+                                  "stream_layer_major_fp16_overflow_accum2_clip_grads_on_device",
+                                  "stream_twinflow_bf16_accum2_clip_grads_on_device",
+                                  "stream_bf16_accum2_clip_images_per_upload"])
+def test_the_new_modes_train_on_cuda_as_the_plain_loop_there(mode: str) -> None:
+    """Gradients held on a CUDA device (copied down on the side stream, the clip factor
+    brought to the host), Twin-Flow under streaming and pooled images, against the plain
+    loop on the same device."""
+    m = {**GRADS_ON_DEVICE_MODES, **TWIN_FLOW_STREAMING_MODES, **PER_UPLOAD_IMAGE_MODES}[mode]
+    case = CASES["gpt_tied"]
+    expected = plain_run(case, m, device="cuda")
+    torch.manual_seed(SEED)
+    engine = ht.initialize(case.build(), engine_config(m, device="cuda"), loss_fn=case.loss_fn)
+    engine.overlap_updates = bool(m.extra.get("overlap_updates"))
+    torch.manual_seed(SEED + 1)
+    losses = [engine.train_batch(batch) for batch in case.batches(STEPS)]
+    state = {k: v.cpu() for k, v in engine.model_state_dict().items()}
+    assert_same_training(expected, (losses, state), m.rtol, m.atol)

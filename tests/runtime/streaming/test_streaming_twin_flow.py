@@ -1,0 +1,72 @@
+"""Twin-Flow under layer streaming (``offload_optimizer.ratio`` below 1): the blocks holding
+the last parameters stay resident with their update and state on the device, the rest stream
+and update on the host — equal to the plain loop (which steps the same last parameters on
+the device kernel), with the host holding 12 bytes per host-updated parameter only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hybridtrain as ht
+from hybridtrain.runtime.offload.layout import device_kept
+from hybridtrain.runtime.offload.optimizer import OffloadOptimizer
+from hybridtrain.runtime.streaming.streamer import LayerStreamer
+from tests.equivalence import (
+    SEED,
+    STEPS,
+    TWIN_FLOW_STREAMING_MODES,
+    assert_resume_exact,
+    assert_same_training,
+    engine_config,
+    model_cases,
+    plain_run,
+)
+
+CASES = model_cases()
+
+
+@pytest.mark.parametrize("mode", list(TWIN_FLOW_STREAMING_MODES))
+@pytest.mark.parametrize("case", ["gpt_tied", "sequential", "hf_llama"])
+def test_twin_flow_under_streaming_trains_as_the_plain_loop(case: str, mode: str) -> None:
+    m, c = TWIN_FLOW_STREAMING_MODES[mode], CASES[case]
+    torch.manual_seed(SEED)
+    model = c.build()
+    engine = ht.initialize(model, engine_config(m), loss_fn=c.loss_fn)
+    engine.overlap_updates = bool(m.extra.get("overlap_updates"))
+    torch.manual_seed(SEED + 1)
+    losses, norms = [], []
+    for batch in c.batches(STEPS):
+        losses.append(engine.train_batch(batch))
+        norms.append(engine.last_grad_norm)
+    assert_same_training(plain_run(c, m), (losses, engine.model_state_dict()), rtol=m.rtol, atol=m.atol)
+    if m.clip and engine.skipped_steps < STEPS:
+        assert max(float(n) for n in norms if n is not None) > m.clip
+    streamer = engine.options.observers[0]
+    optimizer = engine.optimizer
+    assert isinstance(streamer, LayerStreamer) and isinstance(optimizer, OffloadOptimizer)
+    # Some blocks stream, the last parameters (1 - ratio of the elements) are updated on the device.
+    params = list(model.parameters())
+    ratio = m.config["zero_optimization"]["offload_optimizer"]["ratio"]
+    kept = device_kept(params, ratio, set())
+    total = sum(p.numel() for p in params)
+    assert streamer.blocks and kept
+    assert sum(p.numel() for p in params if id(p) in kept) >= (1 - ratio) * total
+    assert optimizer.host_numel == total - sum(p.numel() for p in params if id(p) in kept)
+    assert not any(id(p) in kept for block in streamer.blocks for p in block.bucket.params)
+    counted = streamer.host_bytes()
+    tensors = sum(len(b.masters) for b in optimizer.buckets)
+    waiting = 4 if optimizer.defer and not optimizer.grads_wait_on_device else 0  # a deferred step's gradients
+    assert counted.params == optimizer.host_numel
+    assert counted.masters + counted.optimizer_state + counted.waiting_grads == \
+        (12 + waiting) * counted.params + 4 * tensors
+
+
+def test_resume_is_exact_with_twin_flow_under_streaming(tmp_path) -> None:
+    case, mode = CASES["gpt_tied"], TWIN_FLOW_STREAMING_MODES["stream_twinflow_bf16_accum2_clip_grads_on_device"]
+
+    def make() -> ht.Engine:
+        torch.manual_seed(SEED)
+        return ht.initialize(case.build(), engine_config(mode), loss_fn=case.loss_fn)
+
+    assert_resume_exact(make, case.batches(STEPS), tmp_path / "ckpt")
