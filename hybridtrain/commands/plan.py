@@ -212,8 +212,9 @@ def searched_modes() -> str:
     """The runtime's modes the planner searches (what a plan may choose), in one line."""
     return ("modes searched (each implemented by the runtime): micro-batch x accumulation, activation checkpointing "
             "every n blocks, activation swapping, optimizer offload (ZeRO-Offload) with its Twin-Flow ratio, "
-            "layer streaming (micro-batch- or layer-major, block inputs recomputed or in host memory, kept blocks); "
-            "several processes: data/tensor/pipeline split and ZeRO stage")
+            "layer streaming (micro-batch- or layer-major, block inputs recomputed or in host memory, kept blocks, "
+            "Twin-Flow ratio, half-width images kept or cast per upload), waiting gradients on the host or the "
+            "device; several processes: data/tensor/pipeline split and ZeRO stage")
 
 
 def _why(estimate: Any) -> str:
