@@ -1,5 +1,5 @@
 """DeepSpeed's monitor sections — ``tensorboard``, ``csv_monitor``, ``wandb`` — for
-``hybridtrain train``.
+``hybridtrain train`` (MLflow, the ``mlflow`` section, is in :mod:`.mlflow_monitor`).
 
 Each step is written twice: under our names (``hybridtrain/<metrics.jsonl field>``, indexed
 by optimizer step) and under DeepSpeed's (``Train/Samples/train_loss``, ``Train/Samples/lr``
@@ -12,7 +12,8 @@ the training loop only hands over a dict per step.
 - CSV: one file per metric in ``output_path/job_name``, as DeepSpeed's csv monitor writes
   them: the name with ``/`` and spaces turned into ``_`` plus ``.csv``, a header row
   ``step,<last part of the name>``, then ``index,value`` rows.
-- W&B: ``wandb.init(project, group, entity=team)`` and one ``wandb.log`` per step (the
+- W&B: ``wandb.init(project, group, entity=team, name)`` (``name``: the training service's job
+  name, else the output directory's) and one ``wandb.log`` per step (the
   ``Train/Samples/*`` series use ``samples`` as their x-axis). Without ``WANDB_MODE`` set,
   a run whose W&B server cannot be reached within a second logs offline (``wandb sync``
   uploads it later).
@@ -155,14 +156,14 @@ class WandbMonitor:
     """Logs each step to Weights & Biases (rank 0)."""
 
     def __init__(self, project: str, group: str | None, team: str | None, run_dir: Path,
-                 config: Mapping[str, Any] | None = None) -> None:
+                 config: Mapping[str, Any] | None = None, name: str | None = None) -> None:
         import wandb
 
         self.mode = choose_wandb_mode()
         self.wandb = wandb
         run_dir.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(project=project, group=group, entity=team, dir=str(run_dir),
-                              config=dict(config or {}))
+                              config=dict(config or {}), name=name)
         if hasattr(wandb, "define_metric"):
             wandb.define_metric("samples")
             wandb.define_metric("Train/Samples/*", step_metric="samples")
@@ -204,7 +205,7 @@ def choose_wandb_mode(timeout: float = 1.0) -> str:
         return "offline"
 
 
-def missing_packages(tensorboard: bool, wandb: bool, prometheus: bool) -> list[str]:
+def missing_packages(tensorboard: bool, wandb: bool, prometheus: bool, mlflow: bool = False) -> list[str]:
     """One-line problems for enabled destinations whose package is not installed."""
     problems = []
     if prometheus and not _installed("prometheus_client"):
@@ -216,6 +217,9 @@ def missing_packages(tensorboard: bool, wandb: bool, prometheus: bool) -> list[s
     if wandb and not _installed("wandb"):
         problems.append("wandb.enabled is true but the wandb package is not installed "
                         "(pip install wandb, or set wandb.enabled: false)")
+    if mlflow and not _installed("mlflow"):
+        problems.append("mlflow.enabled is true but the mlflow package is not installed "
+                        "(pip install 'hybridtrain[tracking]', or set mlflow.enabled: false)")
     return problems
 
 

@@ -1,5 +1,5 @@
 """What watches a ``hybridtrain train`` run besides ``metrics.jsonl``: the Prometheus
-endpoint (every rank) and the TensorBoard / CSV / W&B monitors (rank 0).
+endpoint (every rank) and the TensorBoard / CSV / W&B / MLflow monitors (rank 0).
 
 The training loop builds each step's record once (:func:`hybridtrain.trainer`), appends it
 to ``metrics.jsonl`` and hands the same dict here; every destination shows those numbers,
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridtrain.config import Config, ConfigError
+from hybridtrain.monitoring.mlflow_monitor import open_mlflow, run_name, unreachable
 from hybridtrain.monitoring.monitors import (
     CSVMonitor,
     Monitor,
@@ -33,9 +34,16 @@ def check_monitoring(cfg: Config) -> None:
     """Refuse, in one line and before anything is built, destinations that cannot work.
 
     Raises:
-        ConfigError: an enabled destination's package is missing.
+        ConfigError: an enabled destination's package is missing, or its tracking server does
+            not answer.
     """
-    problems = missing_packages(cfg.tensorboard.enabled, cfg.wandb.enabled, cfg.train.metrics_port > 0)
+    problems = missing_packages(cfg.tensorboard.enabled, cfg.wandb.enabled, cfg.train.metrics_port > 0,
+                                cfg.mlflow.enabled)
+    if cfg.mlflow.enabled and not problems:
+        why = unreachable(cfg.mlflow.tracking_uri)
+        if why is not None:
+            problems.append(f"mlflow.tracking_uri = {cfg.mlflow.tracking_uri!r} does not answer ({why}); "
+                            "start the tracking server, or fix the address")
     if problems:
         raise ConfigError("; ".join(problems))
 
@@ -100,7 +108,11 @@ class Telemetry:
                                                          cfg.csv_monitor.job_name), resumed))
             if cfg.wandb.enabled:
                 monitors.append(WandbMonitor(cfg.wandb.project, cfg.wandb.group, cfg.wandb.team,
-                                             Path(cfg.train.output_dir), run_config))
+                                             Path(cfg.train.output_dir), run_config,
+                                             run_name("", cfg.train.output_dir, os.environ)))
+            if cfg.mlflow.enabled:
+                monitors.append(open_mlflow(cfg.mlflow, cfg.train.output_dir, run_config or cfg.model_dump(),
+                                            resume=start_step > 0))
         except BaseException:
             for monitor in monitors:
                 monitor.close()
