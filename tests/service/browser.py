@@ -1,8 +1,9 @@
 """A real headless Chromium driven over the DevTools protocol, and the checks of the jobs page
 it runs (issue #35): load the address ``serve`` prints, follow the link to a running job's
-page, press cancel, accept the confirmation and see the job's state change to ``cancelled``;
-open a job whose output is hostile HTML and see that no script of it runs; report any
-Content-Security-Policy violation or script error.
+page, see its loss and eval-loss curves side by side, press cancel, accept the confirmation
+and see the job's state change to ``cancelled``; open a job whose output is hostile HTML and
+see that no script of it runs; see jobs grouped under their experiment and the filter keep one
+group; report any Content-Security-Policy violation or script error.
 
 Used by ``tests/service/test_page_browser.py`` and ``scripts/browser_check_page.py``. Needs
 ``chromium`` (Debian: ``apt-get install chromium``; ``.ci/chromium.sh``) and
@@ -141,9 +142,10 @@ def start_browser(workdir: Path) -> tuple[subprocess.Popen[str], str]:
     binary = chromium()
     if binary is None:
         raise RuntimeError("no chromium on PATH (Debian: apt-get install chromium)")
-    proc = subprocess.Popen([binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                             "--no-first-run",
-                             "--remote-debugging-port=0", f"--user-data-dir={workdir / 'profile'}", "about:blank"],
+    # A laptop-sized window: the job page's two curves fit side by side.
+    flags = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1280,900",
+             "--no-first-run", "--remote-debugging-port=0", f"--user-data-dir={workdir / 'profile'}"]
+    proc = subprocess.Popen([binary, *flags, "about:blank"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     for line in proc.stderr:
@@ -174,27 +176,56 @@ def check_page(workdir: Path) -> list[tuple[str, bool]]:
         base = printed["base"]
         try:
             with browsing(workdir) as tools:
-                return run_checks(base, tools)
+                return run_checks(base, tools, workdir)
         finally:
             with contextlib.suppress(OSError):  # best effort: the job may not exist
                 rest(base, "POST", "/v1/jobs/sleeper/cancel")
 
 
-def run_checks(base: str, tools: DevTools) -> list[tuple[str, bool]]:
-    """The checks, each as (what, passed)."""
+def run_checks(base: str, tools: DevTools, workdir: Path) -> list[tuple[str, bool]]:
+    """The checks, each as (what, passed), then whether the page reported no problem."""
+    results = check_job_page(base, tools) + check_hostile_output(base, tools) + check_groups(base, tools, workdir)
+    problems = tools.problems()
+    results.append((f"no CSP violation or script error ({problems[:3]})", not problems))
+    return results
+
+
+#: A job that writes eight steps' losses and two evaluations to its metrics file, then sleeps.
+SLEEPER = ("import json, os, time\n"
+           "with open(os.path.join(os.environ['HYBRIDTRAIN_JOB_DIR'], 'metrics.jsonl'), 'w') as f:\n"
+           "    for s in range(1, 9): f.write(json.dumps({'step': s, 'loss': 3 - s / 10}) + '\\n')\n"
+           "    for s in (4, 8): f.write(json.dumps({'step': s, 'eval_loss': 3.5 - s / 10}) + '\\n')\n"
+           "time.sleep(600)")
+
+
+def _points(figure: str) -> str:
+    """JavaScript: the number of points of the curve in ``figure`` (0 without one)."""
+    return (f"(document.querySelector('#{figure} polyline') ? "
+            f"document.querySelector('#{figure} polyline').getAttribute('points').split(' ').length : 0)")
+
+
+def check_job_page(base: str, tools: DevTools) -> list[tuple[str, bool]]:
+    """The printed address lists a running job; its page shows it running, its loss and eval-loss
+    curves side by side; cancel asks, then the page and the service show it cancelled."""
     results: list[tuple[str, bool]] = []
-    sleep = [sys.executable, "-c", "import time; time.sleep(600)"]
-    rest(base, "POST", "/v1/jobs", {"name": "sleeper", "command": sleep, "kill_grace": 5})
+    rest(base, "POST", "/v1/jobs", {"name": "sleeper", "command": [sys.executable, "-c", SLEEPER], "kill_grace": 5})
     results.append(("the job runs", until(lambda: rest(base, "GET", "/v1/jobs/sleeper")["state"] == "running", 60)))
     tools.send("Page.navigate", {"url": f"{base}/jobs?token={TOKEN}"}, session=True)
-    link = tools.wait("document.querySelector('#jobs a') && document.querySelector('#jobs a').textContent", 20)
+    link = tools.wait("document.querySelector('#jobs td a') && document.querySelector('#jobs td a').textContent", 20)
     results.append(("the list at the printed address shows the job, linked", link == "sleeper"))
-    tools.evaluate("document.querySelector('#jobs a').click()")
+    tools.evaluate("document.querySelector('#jobs td a').click()")
     state = tools.wait("location.pathname.endsWith('/jobs/sleeper') && "
                        "document.querySelector('#detail p') && document.querySelector('#detail p').textContent", 20)
     results.append(("the job's own page at /jobs/sleeper shows it running", state == "running"))
     attempt = tools.evaluate("document.querySelector('#detail ul').textContent")
     results.append(("the running attempt is listed", bool(attempt) and "attempt 1: running" in attempt))
+    curves = tools.wait(f"{_points('eval-curve')} === 2 && [{_points('loss-curve')}, {_points('eval-curve')}]", 20)
+    results.append((f"the loss curve (8 steps) and the eval-loss curve (2 evaluations) are drawn ({curves})",
+                    curves == [8, 2]))
+    beside = tools.evaluate("(() => { const a = document.getElementById('loss-curve').getBoundingClientRect(), "
+                            "b = document.getElementById('eval-curve').getBoundingClientRect(); "
+                            "return b.left >= a.right && b.top === a.top; })()")
+    results.append(("the eval-loss curve is beside the loss curve", beside is True))
     tools.evaluate("document.getElementById('cancel').click()")
     tools.pump(1)
     results.append(("cancel asks for confirmation", any("cancel job sleeper" in m for m in tools.dialogs())))
@@ -202,6 +233,12 @@ def run_checks(base: str, tools: DevTools) -> list[tuple[str, bool]]:
                        "document.getElementById('message').textContent", 30)
     results.append(("after cancel the page shows the job cancelled", bool(shown)))
     results.append(("the service has it cancelled", rest(base, "GET", "/v1/jobs/sleeper")["state"] == "cancelled"))
+    return results
+
+
+def check_hostile_output(base: str, tools: DevTools) -> list[tuple[str, bool]]:
+    """A job whose output is HTML with script: shown as text, nothing of it runs or is made."""
+    results: list[tuple[str, bool]] = []
     rest(base, "POST", "/v1/jobs", {"name": "hostile", "command": ["echo", HOSTILE], "devices": 0})
     until(lambda: rest(base, "GET", "/v1/jobs/hostile")["state"] == "succeeded", 60)
     before = len(tools.dialogs())
@@ -212,6 +249,33 @@ def run_checks(base: str, tools: DevTools) -> list[tuple[str, bool]]:
     results.append(("no script of it ran (no alert)", len(tools.dialogs()) == before))
     images = tools.evaluate("document.querySelectorAll('#detail img').length")
     results.append(("no element of it was made", images == 0))
-    problems = tools.problems()
-    results.append((f"no CSP violation or script error ({problems[:3]})", not problems))
+    return results
+
+
+def check_groups(base: str, tools: DevTools, workdir: Path) -> list[tuple[str, bool]]:
+    """The list groups jobs under their experiment (two trials of ``exp-a`` stored as an HPO
+    experiment's are), and the experiment filter keeps one group."""
+    from hybridtrain.service.spec import JobSpec
+    from hybridtrain.service.store import JobStore
+
+    store = JobStore(f"sqlite:///{workdir / 's.db'}")
+    for number in (0, 1):
+        name = f"exp-a-trial-{number}"
+        store.submit(JobSpec(name=name, command=("true",), devices=0, priority=-9), str(workdir / "jobs" / name),
+                     kind="trial", experiment="exp-a", trial_number=number)
+    tools.send("Page.navigate", {"url": f"{base}/jobs/"}, session=True)
+    grouped = ("Array.from(document.querySelectorAll('#jobs tbody.group')).map(b => [b.dataset.experiment, "
+               "Array.from(b.querySelectorAll('td a')).map(a => a.textContent).sort().join(' ')])")
+    groups = tools.wait(f"document.querySelectorAll('#jobs tbody.group').length === 2 && {grouped}", 20)
+    results = [(f"jobs are grouped under their experiment ({groups})",
+                groups == [["", "hostile sleeper"], ["exp-a", "exp-a-trial-0 exp-a-trial-1"]])]
+    head = tools.evaluate("document.querySelector('#jobs tbody.group[data-experiment=\"exp-a\"] th').textContent")
+    results.append((f"the group says its experiment and count ({head!r})",
+                    bool(head) and head.startswith("experiment exp-a: 2 jobs")))
+    tools.evaluate("const box = document.getElementById('experiment'); box.value = 'exp-a'; "
+                   "box.dispatchEvent(new Event('change'))")
+    kept = tools.wait(f"document.querySelectorAll('#jobs tbody.group').length === 1 && "
+                      f"location.search.includes('experiment=exp-a') && {grouped}", 20)
+    results.append((f"the experiment filter keeps its group only, in the address ({kept})",
+                    kept == [["exp-a", "exp-a-trial-0 exp-a-trial-1"]]))
     return results

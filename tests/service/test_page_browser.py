@@ -1,6 +1,7 @@
 """The jobs page in a real headless Chromium (issue #35), driven over the DevTools protocol: the
-printed address lists a running job, its own page shows it, cancel asks and cancels, hostile
-output stays text, and the Content-Security-Policy is never violated (the checks are in
+printed address lists a running job, its own page shows it with its loss and eval-loss curves
+side by side, cancel asks and cancels, hostile output stays text, jobs are grouped under their
+experiment and the filter keeps one group, and the Content-Security-Policy is never violated (the checks are in
 ``tests/service/browser.py``; ``scripts/browser_check_page.py`` prints them one by one)."""
 
 from __future__ import annotations
@@ -21,4 +22,4 @@ def test_the_page_in_a_real_browser(tmp_path: Path) -> None:
     results = check_page(tmp_path)
     failed = [what for what, passed in results if not passed]
     assert not failed, f"{len(failed)} of {len(results)} browser checks failed: {failed}"
-    assert len(results) >= 11
+    assert len(results) >= 16
