@@ -1,7 +1,8 @@
 """MLflow tracking against a real ``mlflow server`` (started here on a free loopback port with a
 throwaway sqlite store): the config as parameters and as ``config.json``, every metrics.jsonl
 value as a metric at its step, the service's job name as run name and tag, a resumed run logging
-into the same MLflow run, and one-line refusals of settings that cannot work."""
+into the same MLflow run, a job of a real ``hybridtrain serve`` tracked the same way, and
+one-line refusals of settings that cannot work."""
 
 from __future__ import annotations
 
@@ -88,6 +89,45 @@ def test_a_run_and_its_resume_reach_the_tracking_server(tracking_server: str, ti
     assert client.get_run(run_id).info.status == "FINISHED"
     steps = sorted(m.step for m in client.get_metric_history(run_id, "loss"))
     assert steps[-2:] == [7, 8] and set(steps) == set(range(1, 9))
+
+
+def test_a_training_service_job_is_tracked(tracking_server: str, tmp_path: Path) -> None:
+    """A job of a real ``hybridtrain serve`` whose config has an ``mlflow`` section: its run is
+    named after the job and holds the job's metrics."""
+    pytest.importorskip("fastapi")
+    from tests.service.serving import TOKEN, serving
+
+    config = tmp_path / "job.yaml"
+    config.write_text(json.dumps({"device": "cpu", "model": {"name": "gpt-tiny", "overrides": {"n_layer": 1}},
+                                  "data": {"seq_len": 16}, "train_batch_size": 4,
+                                  "train": {"steps": 3, "eval_every": 3, "eval_batches": 1},
+                                  "mlflow": {"enabled": True, "tracking_uri": tracking_server,
+                                             "experiment": "service-jobs"}}))
+    with serving(tmp_path) as printed:
+        base = printed["base"]
+
+        def call(method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+            request = urllib.request.Request(base + path, method=method, headers={
+                "Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+                data=json.dumps(body).encode() if body is not None else None)
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return json.loads(response.read())
+
+        call("POST", "/v1/jobs", {"name": "tracked", "config": str(config)})
+        deadline = time.monotonic() + 120
+        while (state := call("GET", "/v1/jobs/tracked")["state"]) in ("queued", "running"):
+            assert time.monotonic() < deadline, "the job did not finish in 120 s"
+            time.sleep(0.3)
+        assert state == "succeeded", (tmp_path / "jobs" / "tracked" / "output.log").read_text()[-2000:]
+    client = mlflow.tracking.MlflowClient(tracking_server)
+    [run] = client.search_runs([client.get_experiment_by_name("service-jobs").experiment_id])
+    assert run.info.run_name == "tracked" and run.data.tags["hybridtrain.job"] == "tracked"
+    assert run.data.params["train.steps"] == "3" and run.info.status == "FINISHED"
+    rows = [json.loads(line) for line in (tmp_path / "jobs" / "tracked" / "run" / "metrics.jsonl").read_text()
+            .splitlines()]
+    for field in ("loss", "eval_loss"):
+        logged = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, field))
+        assert logged == [(r["step"], r[field]) for r in rows if field in r] and logged, field
 
 
 def test_settings_that_cannot_work_are_refused_in_one_line(tiny: dict[str, Any],
