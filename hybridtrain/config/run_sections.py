@@ -133,8 +133,10 @@ class MLflowConfig(Section):
     """Log to MLflow (``hybridtrain train``)."""
     tracking_uri: str = Field(default="", pattern=r"^[^\x00]*$")
     """Where runs go: a tracking server (``http://HOST:5000``), a database (``sqlite:///mlflow.db``) or
-    a directory; empty = ``$MLFLOW_TRACKING_URI``, else MLflow's default (``./mlruns``). A server
-    that does not answer is refused before training starts."""
+    a directory (MLflow 3 refuses directories unless ``MLFLOW_ALLOW_FILE_STORE=true``); empty =
+    ``$MLFLOW_TRACKING_URI``, else MLflow's default (MLflow 3: ``sqlite:///mlflow.db`` in the
+    working directory; before: ``./mlruns``). A store that cannot be used (a server that does not
+    answer) is refused in one line before training starts."""
     experiment: str = Field(default="hybridtrain", min_length=1)
     """MLflow experiment of the run (created when missing)."""
     run_name: str = ""

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hybridtrain.config import ConfigError
 from hybridtrain.monitoring.monitors import OURS, Event
 
 #: Where the run's id is kept, in ``train.output_dir``.
@@ -59,16 +60,31 @@ def metric_points(events: list[Event]) -> list[tuple[str, float, int]]:
     return [(name[len(OURS):], value, index) for name, value, index in events if name.startswith(OURS)]
 
 
-def unreachable(tracking_uri: str, timeout: float = 5.0) -> str | None:
-    """Why an ``http(s)`` tracking server does not answer ``/health`` (``None`` when it does, or
-    when ``tracking_uri`` is no server address)."""
-    if not tracking_uri.lower().startswith(("http://", "https://")):
-        return None
+def store_problem(tracking_uri: str, timeout: float = 5.0) -> str | None:
+    """Why runs cannot be logged at ``tracking_uri`` (one line), or ``None``: an ``http(s)``
+    server must answer ``/health`` within ``timeout`` (asked first: MLflow's client would retry
+    for minutes), then the store must answer a query (MLflow 3 refuses a directory store unless
+    ``MLFLOW_ALLOW_FILE_STORE=true``; a database is created here when missing)."""
+    if tracking_uri.lower().startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(tracking_uri.rstrip("/") + "/health", timeout=timeout):  # noqa: S310
+                pass
+        except OSError as exc:
+            return f"it does not answer ({getattr(exc, 'reason', None) or exc}); start the tracking server, " \
+                   "or fix the address"
     try:
-        with urllib.request.urlopen(tracking_uri.rstrip("/") + "/health", timeout=timeout):  # noqa: S310
-            return None
-    except OSError as exc:
-        return str(getattr(exc, "reason", None) or exc)
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(tracking_uri or None).search_experiments(max_results=1)
+    except Exception as exc:  # noqa: BLE001 - whatever the store says, said in one line
+        return f"MLflow cannot use it ({type(exc).__name__}: {first_line(exc)})"
+    return None
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (MLflow's run to paragraphs)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 class MLflowMonitor:
@@ -137,6 +153,15 @@ class MLflowMonitor:
 
 
 def open_mlflow(section: Any, output_dir: str, config: Mapping[str, Any], resume: bool) -> MLflowMonitor:
-    """The monitor of the config's ``mlflow`` section for a run writing to ``output_dir``."""
-    return MLflowMonitor(section.tracking_uri, section.experiment, run_name(section.run_name, output_dir, os.environ),
-                         run_tags(section.tags, os.environ), config, Path(output_dir), resume)
+    """The monitor of the config's ``mlflow`` section for a run writing to ``output_dir``.
+
+    Raises:
+        ConfigError: the run cannot be opened (one line, naming ``mlflow.tracking_uri``).
+    """
+    try:
+        return MLflowMonitor(section.tracking_uri, section.experiment,
+                             run_name(section.run_name, output_dir, os.environ), run_tags(section.tags, os.environ),
+                             config, Path(output_dir), resume)
+    except Exception as exc:  # noqa: BLE001 - the store's failure, said in one line
+        raise ConfigError(f"mlflow.tracking_uri = {section.tracking_uri!r}: cannot open the MLflow run "
+                          f"({type(exc).__name__}: {first_line(exc)})") from None

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridtrain.config import Config, ConfigError
-from hybridtrain.monitoring.mlflow_monitor import open_mlflow, run_name, unreachable
+from hybridtrain.monitoring.mlflow_monitor import open_mlflow, run_name, store_problem
 from hybridtrain.monitoring.monitors import (
     CSVMonitor,
     Monitor,
@@ -34,16 +34,15 @@ def check_monitoring(cfg: Config) -> None:
     """Refuse, in one line and before anything is built, destinations that cannot work.
 
     Raises:
-        ConfigError: an enabled destination's package is missing, or its tracking server does
-            not answer.
+        ConfigError: an enabled destination's package is missing, or its tracking store
+            cannot be used.
     """
     problems = missing_packages(cfg.tensorboard.enabled, cfg.wandb.enabled, cfg.train.metrics_port > 0,
                                 cfg.mlflow.enabled)
     if cfg.mlflow.enabled and not problems:
-        why = unreachable(cfg.mlflow.tracking_uri)
+        why = store_problem(cfg.mlflow.tracking_uri)
         if why is not None:
-            problems.append(f"mlflow.tracking_uri = {cfg.mlflow.tracking_uri!r} does not answer ({why}); "
-                            "start the tracking server, or fix the address")
+            problems.append(f"mlflow.tracking_uri = {cfg.mlflow.tracking_uri!r}: {why}")
     if problems:
         raise ConfigError("; ".join(problems))
 

@@ -139,9 +139,15 @@ def test_settings_that_cannot_work_are_refused_in_one_line(tiny: dict[str, Any],
                               "postgresql, mysql, mssql, databricks")
     closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     cfg = load_config({**tiny, "mlflow": {"enabled": True, "tracking_uri": closed}})
-    with pytest.raises(ConfigError, match=rf"^mlflow.tracking_uri = '{closed}' does not answer \(.*\); start"):
+    with pytest.raises(ConfigError, match=rf"^mlflow.tracking_uri = '{closed}': it does not answer \(.*\); start"):
         run_training(cfg, progress=False)
     assert not Path(tiny["train"]["output_dir"], "metrics.jsonl").exists()  # refused before any step
+    blocker = Path(tiny["train"]["output_dir"]).parent / "a-file"
+    blocker.write_text("")
+    nowhere = f"sqlite:///{blocker}/mlflow.db"  # a store MLflow cannot open: its directory is a file
+    with pytest.raises(ConfigError, match=rf"^mlflow.tracking_uri = '{nowhere}': MLflow cannot use it \(") as err:
+        run_training(load_config({**tiny, "mlflow": {"enabled": True, "tracking_uri": nowhere}}), progress=False)
+    assert "\n" not in str(err.value) and not Path(tiny["train"]["output_dir"], "metrics.jsonl").exists()
     monkeypatch.setitem(sys.modules, "mlflow", None)  # "not installed", whatever this machine has
     with pytest.raises(ConfigError, match=r"mlflow.enabled is true but the mlflow package is not installed"):
         run_training(cfg, progress=False)
