@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridtrain.config import ConfigError
-from hybridtrain.monitoring.monitors import OURS, Event
+from hybridtrain.monitoring.monitors import OURS, Event, Outcome
 
 #: Where the run's id is kept, in ``train.output_dir``.
 RUN_FILE = "mlflow_run.json"
@@ -29,6 +29,8 @@ RUN_FILE = "mlflow_run.json"
 PARAMS_PER_BATCH, METRICS_PER_BATCH, PARAM_VALUE_CHARS = 100, 1000, 500
 #: Tag naming the training service's job.
 JOB_TAG = "hybridtrain.job"
+#: MLflow's run status for each way a run ends (an interrupted run is resumed into the same run).
+RUN_STATUS: dict[Outcome, str] = {"finished": "FINISHED", "interrupted": "KILLED", "failed": "FAILED"}
 
 
 def flat_params(config: Mapping[str, Any], prefix: str = "") -> list[tuple[str, str]]:
@@ -105,6 +107,7 @@ class MLflowMonitor:
 
         self.client = MlflowClient(tracking_uri or None)
         self.pending: list[tuple[str, float, int]] = []
+        self.outcome: Outcome = "finished"
         self.run_id = self._recorded_run(run_dir) if resume else None
         if self.run_id is not None:
             self.client.update_run(self.run_id, status="RUNNING")
@@ -149,7 +152,7 @@ class MLflowMonitor:
 
     def close(self) -> None:
         self.flush()
-        self.client.set_terminated(self.run_id, "FINISHED")
+        self.client.set_terminated(self.run_id, RUN_STATUS[self.outcome])
 
 
 def open_mlflow(section: Any, output_dir: str, config: Mapping[str, Any], resume: bool) -> MLflowMonitor:

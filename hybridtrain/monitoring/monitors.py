@@ -31,7 +31,7 @@ import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any, Literal, Protocol
 from urllib.parse import urlparse
 
 log = logging.getLogger("hybridtrain.monitoring")
@@ -55,8 +55,14 @@ def events_of(record: Mapping[str, Any], samples: int | None = None) -> list[Eve
     return events
 
 
+Outcome = Literal["finished", "interrupted", "failed"]
+"""How a run ended: all its steps, stopped early (SIGTERM, preemption: it resumes later), or an error."""
+
+
 class Monitor(Protocol):
-    """DeepSpeed's monitor interface (plus flush and close)."""
+    """DeepSpeed's monitor interface (plus flush and close). A monitor that records how the run
+    ended (an experiment tracker's run status) also has an ``outcome`` attribute, which
+    :meth:`MonitorSet.close` sets before it closes the monitor."""
 
     def write_events(self, events: list[Event]) -> None: ...
 
@@ -164,6 +170,7 @@ class WandbMonitor:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(project=project, group=group, entity=team, dir=str(run_dir),
                               config=dict(config or {}), name=name)
+        self.outcome: Outcome = "finished"
         if hasattr(wandb, "define_metric"):
             wandb.define_metric("samples")
             wandb.define_metric("Train/Samples/*", step_metric="samples")
@@ -184,7 +191,8 @@ class WandbMonitor:
         pass
 
     def close(self) -> None:
-        self.run.finish()
+        # W&B marks a run with a nonzero exit code failed (an interrupted run resumes in a new W&B run).
+        self.run.finish(exit_code=0 if self.outcome == "finished" else 1)
 
 
 def choose_wandb_mode(timeout: float = 1.0) -> str:
@@ -255,14 +263,17 @@ class MonitorSet:
         if self._thread is not None:
             self._queue.put(events)
 
-    def close(self) -> None:
-        """Write what is queued, flush and close every monitor (idempotent)."""
+    def close(self, outcome: Outcome = "finished") -> None:
+        """Write what is queued, tell the monitors that record it the run's ``outcome``, flush and
+        close every monitor (idempotent)."""
         if self._thread is None:
             return
         self._queue.put(None)
         self._thread.join()
         self._thread = None
         for monitor in list(self.monitors):
+            if hasattr(monitor, "outcome"):
+                monitor.outcome = outcome
             self._guard(monitor, "close")
 
     def _run(self) -> None:

@@ -22,6 +22,7 @@ from hybridtrain.monitoring.monitors import (
     CSVMonitor,
     Monitor,
     MonitorSet,
+    Outcome,
     TensorBoardMonitor,
     WandbMonitor,
     events_of,
@@ -140,9 +141,10 @@ class Telemetry:
             samples = int(record["step"]) * self.samples_per_step if "loss" in record else None
             self.monitors.write(events_of(record, samples))
 
-    def close(self, linger_s: float = 0.0) -> None:
-        """Flush and close the monitors; keep serving ``linger_s`` seconds, then stop."""
-        self.monitors.close()
+    def close(self, linger_s: float = 0.0, outcome: Outcome = "finished") -> None:
+        """Flush and close the monitors (telling them the run's ``outcome``); keep serving
+        ``linger_s`` seconds, then stop."""
+        self.monitors.close(outcome)
         if self.server is None:
             return
         if linger_s > 0:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from hybridtrain.config import ConfigError, load_config
+from hybridtrain.engine import NonFiniteLossError
 from hybridtrain.monitoring.mlflow_monitor import RUN_FILE, flat_params, metric_points
 from hybridtrain.trainer import run_training
 from tests.monitoring.conftest import free_port
@@ -89,6 +90,18 @@ def test_a_run_and_its_resume_reach_the_tracking_server(tracking_server: str, ti
     assert client.get_run(run_id).info.status == "FINISHED"
     steps = sorted(m.step for m in client.get_metric_history(run_id, "loss"))
     assert steps[-2:] == [7, 8] and set(steps) == set(range(1, 9))
+
+
+def test_a_failed_run_is_failed_in_mlflow(tracking_server: str, tiny: dict[str, Any]) -> None:
+    raw = {**tiny, "optimizer": {"type": "AdamW", "params": {"lr": 1e30}},  # the loss turns NaN in a few steps
+           "mlflow": {"enabled": True, "tracking_uri": tracking_server, "experiment": "exp-failed"}}
+    with pytest.raises(NonFiniteLossError, match=r"loss is nan at step \d+") as err:
+        run_training(load_config(raw), progress=False)
+    failed_at = int(str(err.value).split("at step ")[1].split(";")[0])
+    client = mlflow.tracking.MlflowClient(tracking_server)
+    [run] = client.search_runs([client.get_experiment_by_name("exp-failed").experiment_id])
+    assert run.info.status == "FAILED" and failed_at > 1
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, failed_at))
 
 
 def test_a_training_service_job_is_tracked(tracking_server: str, tmp_path: Path) -> None:
