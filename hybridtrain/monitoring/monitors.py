@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import logging
 import os
 import queue
@@ -158,18 +159,28 @@ def _index(line: str) -> float:
         return float("inf")
 
 
+#: Where a W&B run's id is kept, in ``train.output_dir``, for a resumed run to continue it.
+WANDB_RUN_FILE = "wandb_run.json"
+
+
 class WandbMonitor:
-    """Logs each step to Weights & Biases (rank 0)."""
+    """Logs each step to Weights & Biases (rank 0). A resumed run (``resume``) continues the W&B
+    run whose id is in ``run_dir/wandb_run.json`` (W&B drops steps it has seen: a restart's
+    retrained steps keep their first values)."""
 
     def __init__(self, project: str, group: str | None, team: str | None, run_dir: Path,
-                 config: Mapping[str, Any] | None = None, name: str | None = None) -> None:
+                 config: Mapping[str, Any] | None = None, name: str | None = None, resume: bool = False) -> None:
         import wandb
 
         self.mode = choose_wandb_mode()
         self.wandb = wandb
         run_dir.mkdir(parents=True, exist_ok=True)
+        recorded = _recorded_wandb_id(run_dir) if resume else None
         self.run = wandb.init(project=project, group=group, entity=team, dir=str(run_dir),
-                              config=dict(config or {}), name=name)
+                              config=dict(config or {}), name=name,
+                              **({"id": recorded, "resume": "allow"} if recorded else {}))
+        if getattr(self.run, "id", None):
+            (run_dir / WANDB_RUN_FILE).write_text(json.dumps({"id": self.run.id}))
         self.outcome: Outcome = "finished"
         if hasattr(wandb, "define_metric"):
             wandb.define_metric("samples")
@@ -193,6 +204,15 @@ class WandbMonitor:
     def close(self) -> None:
         # W&B marks a run with a nonzero exit code failed (an interrupted run resumes in a new W&B run).
         self.run.finish(exit_code=0 if self.outcome == "finished" else 1)
+
+
+def _recorded_wandb_id(run_dir: Path) -> str | None:
+    """The W&B run id kept in ``run_dir``; ``None`` without a readable one."""
+    try:
+        recorded = json.loads((run_dir / WANDB_RUN_FILE).read_text())["id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return recorded if isinstance(recorded, str) and recorded else None
 
 
 def choose_wandb_mode(timeout: float = 1.0) -> str:

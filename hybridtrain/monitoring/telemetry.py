@@ -109,7 +109,7 @@ class Telemetry:
             if cfg.wandb.enabled:
                 monitors.append(WandbMonitor(cfg.wandb.project, cfg.wandb.group, cfg.wandb.team,
                                              Path(cfg.train.output_dir), run_config,
-                                             run_name("", cfg.train.output_dir, os.environ)))
+                                             run_name("", cfg.train.output_dir, os.environ), resume=start_step > 0))
             if cfg.mlflow.enabled:
                 monitors.append(open_mlflow(cfg.mlflow, cfg.train.output_dir, run_config or cfg.model_dump(),
                                             resume=start_step > 0))

@@ -1,7 +1,7 @@
 """W&B with the real ``wandb`` package in offline mode: a ``hybridtrain train`` run's config,
 name (the training service's job name) and every step's metrics are in the run W&B wrote
-locally, read back from its ``run-*.wandb`` file (``wandb sync`` uploads that file later; the
-W&B API is not available offline)."""
+locally, and a resumed run continues the same W&B run; read back from its ``run-*.wandb`` files
+(``wandb sync`` uploads them later; the W&B API is not available offline)."""
 
 from __future__ import annotations
 
@@ -71,3 +71,11 @@ def test_a_run_is_logged_offline_with_its_config_and_metrics(tiny: dict[str, Any
                   if f"hybridtrain/{field}" in row]
         assert logged == expected and expected, field
     assert history[6]["Train/Samples/train_loss"] == history[6]["hybridtrain/loss"] and history[6]["samples"] == 24
+    # Resume to step 8: the same W&B run (its id), steps 7 and 8 logged into it.
+    cfg = load_config({**tiny, "train": {**tiny["train"], "steps": 8},
+                       "wandb": {"enabled": True, "project": "p", "group": "g"}})
+    run_training(cfg, resume=True, progress=False)
+    [resumed_file] = set(out.glob("wandb/offline-run-*/run-*.wandb")) - {run_file}
+    assert resumed_file.name == run_file.name  # run-<id>.wandb: the same run id
+    resumed = [r.history for r in wandb_records(resumed_file) if r.WhichOneof("record_type") == "history"]
+    assert [h.step.num for h in resumed] == [7, 8]
