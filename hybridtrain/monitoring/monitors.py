@@ -202,7 +202,7 @@ class WandbMonitor:
         pass
 
     def close(self) -> None:
-        # W&B marks a run with a nonzero exit code failed (an interrupted run resumes in a new W&B run).
+        # W&B marks a run with a nonzero exit code failed (an interrupted one is continued when it resumes).
         self.run.finish(exit_code=0 if self.outcome == "finished" else 1)
 
 

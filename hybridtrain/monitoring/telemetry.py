@@ -40,7 +40,9 @@ def check_monitoring(cfg: Config) -> None:
     """
     problems = missing_packages(cfg.tensorboard.enabled, cfg.wandb.enabled, cfg.train.metrics_port > 0,
                                 cfg.mlflow.enabled)
-    if cfg.mlflow.enabled and not problems:
+    # Only the writing rank (0) opens the MLflow run, so only it asks the store (several ranks
+    # creating one sqlite database at once would race).
+    if cfg.mlflow.enabled and not problems and global_rank() == 0:
         why = store_problem(cfg.mlflow.tracking_uri)
         if why is not None:
             problems.append(f"mlflow.tracking_uri = {cfg.mlflow.tracking_uri!r}: {why}")
