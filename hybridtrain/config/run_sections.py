@@ -106,7 +106,9 @@ class CSVMonitorConfig(Section):
 class WandbConfig(Section):
     """DeepSpeed's Weights & Biases monitor: each step's metrics under our and DeepSpeed's
     names. Rank 0 logs. Needs the ``wandb`` package (refused in one line when it is missing).
-    Without ``WANDB_MODE`` set, a run that cannot reach the W&B server logs offline."""
+    Without ``WANDB_MODE`` set, a run that cannot reach the W&B server logs offline. The run is
+    named after the training service's job (else ``train.output_dir``'s last part), and a
+    resumed run continues it (its id is kept in ``train.output_dir/wandb_run.json``)."""
 
     enabled: bool = False
     """Log to W&B (``hybridtrain train``)."""
