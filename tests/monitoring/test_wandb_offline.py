@@ -6,6 +6,7 @@ locally, and a resumed run continues the same W&B run; read back from its ``run-
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,18 @@ pytestmark = pytest.mark.timeout(120)
 HEADER, BLOCK, RECORD_HEADER, WHOLE, LAST = 7, 32 * 1024, 7, 1, 4
 
 
-def wandb_records(path: Path) -> list[Any]:
-    """The protobuf records of a ``run-*.wandb`` file."""
+def wandb_records(path: Path, timeout: float = 20.0) -> list[Any]:
+    """The protobuf records of a ``run-*.wandb`` file, once it holds the run's ``exit`` record (W&B
+    writes the file from a process of its own, which may still be flushing when ``finish`` returns)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = _read_records(path)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.1)
+
+
+def _read_records(path: Path) -> list[Any]:
     from wandb.proto import wandb_internal_pb2
 
     data = path.read_bytes()
@@ -74,6 +85,7 @@ def test_a_run_is_logged_offline_with_its_config_and_metrics(tiny: dict[str, Any
     # Resume to step 8: the same W&B run (its id), steps 7 and 8 logged into it.
     cfg = load_config({**tiny, "train": {**tiny["train"], "steps": 8},
                        "wandb": {"enabled": True, "project": "p", "group": "g"}})
+    time.sleep(1.1)  # W&B names an offline run's directory by the second it starts: not the first run's
     run_training(cfg, resume=True, progress=False)
     [resumed_file] = set(out.glob("wandb/offline-run-*/run-*.wandb")) - {run_file}
     assert resumed_file.name == run_file.name  # run-<id>.wandb: the same run id
