@@ -30,6 +30,7 @@ from hybridtrain.engine import Engine
 from hybridtrain.errors import peer_failure
 from hybridtrain.metrics import METRICS_ENV, MetricsLog
 from hybridtrain.models.gpt import causal_lm_loss
+from hybridtrain.monitoring.monitors import Outcome
 from hybridtrain.monitoring.readings import device_peak_tflops, flops_per_token, memory_readings
 from hybridtrain.monitoring.telemetry import Telemetry, check_monitoring
 from hybridtrain.outputs import check_metrics_file
@@ -170,8 +171,8 @@ def _run_training(cfg: Config, resume: bool | str = False, progress: bool = True
         if plan.sizes.world > 1:
             end_process_group()
     finally:
-        ok = summary is not None and not summary.interrupted
-        telemetry.close(cfg.train.metrics_linger_s if ok else 0.0)
+        outcome: Outcome = "failed" if summary is None else "interrupted" if summary.interrupted else "finished"
+        telemetry.close(cfg.train.metrics_linger_s if outcome == "finished" else 0.0, outcome)
     return summary
 
 

@@ -1,234 +1,29 @@
-"""Drive the jobs page in a real headless Chromium (issue #35): load the address ``serve``
-prints, follow the link to a running job's page, press cancel, accept the confirmation and see
-the job's state change to ``cancelled``; open a job whose output is hostile HTML and see that
-no script of it runs; report any Content-Security-Policy violation or script error.
+"""Drive the jobs page in a real headless Chromium (issue #35) and print each check: the checks
+of ``tests/service/browser.py`` (the test ``tests/service/test_page_browser.py`` runs the same).
 
 Needs ``chromium`` on ``PATH`` (Debian: ``apt-get install chromium``) and ``websocket-client``.
 Run from the repository root: ``python scripts/browser_check_page.py``; exit 0 when every check
-passed, 1 otherwise (each check is printed).
+passed, 1 otherwise.
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
-import json
-import os
-import re
-import shutil
-import subprocess
 import sys
 import tempfile
-import threading
-import time
-import urllib.request
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-TOKEN = "browser-check-token-0123456789"
-HOSTILE = "<img src=x onerror=alert(1)><script>alert(2)</script>"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-class DevTools:
-    """A minimal Chrome DevTools Protocol client over one page session."""
-
-    def __init__(self, browser_ws: str) -> None:
-        import websocket
-
-        self.ws = websocket.create_connection(browser_ws, timeout=30, suppress_origin=True)
-        self.ids = itertools.count(1)
-        self.events: list[dict[str, Any]] = []
-        target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
-        self.session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
-        for domain in ("Page", "Runtime", "Log"):
-            self.send(f"{domain}.enable", session=True)
-
-    def send(self, method: str, params: dict[str, Any] | None = None, session: bool = False) -> Any:
-        """Call ``method`` and return its result (events that arrive meanwhile are kept)."""
-        call_id = next(self.ids)
-        message: dict[str, Any] = {"id": call_id, "method": method, "params": params or {}}
-        if session:
-            message["sessionId"] = self.session
-        self.ws.send(json.dumps(message))
-        while True:
-            reply = json.loads(self.ws.recv())
-            if reply.get("id") == call_id:
-                if "error" in reply:
-                    raise RuntimeError(f"{method}: {reply['error']}")
-                return reply.get("result", {})
-            self._note(reply)
-
-    def _note(self, event: dict[str, Any]) -> None:
-        """Keep an event; accept a dialog at once (as a user confirming would), or the call
-        that opened it (a click calling ``confirm``) would never return."""
-        self.events.append(event)
-        if event.get("method") == "Page.javascriptDialogOpening":
-            self.ws.send(json.dumps({"id": next(self.ids), "sessionId": self.session,
-                                     "method": "Page.handleJavaScriptDialog", "params": {"accept": True}}))
-
-    def evaluate(self, expression: str) -> Any:
-        """The value of a JavaScript expression in the page (promises awaited)."""
-        result = self.send("Runtime.evaluate", {"expression": expression, "returnByValue": True,
-                                                "awaitPromise": True}, session=True)
-        return result.get("result", {}).get("value")
-
-    def pump(self, seconds: float) -> None:
-        """Collect events for ``seconds`` (accepting every dialog)."""
-        deadline = time.monotonic() + seconds
-        self.ws.settimeout(0.2)
-        try:
-            while time.monotonic() < deadline:
-                try:
-                    event = json.loads(self.ws.recv())
-                except Exception:  # noqa: BLE001 (websocket timeout: nothing arrived)
-                    continue
-                self._note(event)
-        finally:
-            self.ws.settimeout(30)
-
-    def wait(self, expression: str, seconds: float) -> Any:
-        """Poll ``expression`` until it is truthy; its value, or ``None`` after ``seconds``."""
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            value = self.evaluate(expression)
-            if value:
-                return value
-            self.pump(0.3)
-        return None
-
-    def dialogs(self) -> list[str]:
-        """Messages of every dialog the page opened (confirm, alert)."""
-        return [e["params"]["message"] for e in self.events if e.get("method") == "Page.javascriptDialogOpening"]
-
-    def problems(self) -> list[str]:
-        """Console errors, CSP violations and uncaught exceptions the page reported."""
-        out = []
-        for event in self.events:
-            if event.get("method") == "Log.entryAdded" and event["params"]["entry"]["level"] == "error":
-                out.append(event["params"]["entry"]["text"])
-            if event.get("method") == "Runtime.exceptionThrown":
-                out.append(event["params"]["exceptionDetails"].get("text", "exception"))
-        return out
-
-
-def rest(base: str, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-    """One REST call with the bearer token."""
-    request = urllib.request.Request(f"{base}{path}", method=method,
-                                     data=json.dumps(body).encode() if body is not None else None,
-                                     headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return json.loads(response.read())
-
-
-def until(predicate: Callable[[], bool], seconds: float) -> bool:
-    """Whether ``predicate`` became true within ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.3)
-    return False
-
-
-def start_serve(workdir: Path) -> tuple[subprocess.Popen[str], str]:
-    """``hybridtrain serve --port 0`` on one CPU slot; the process and its base address."""
-    env = os.environ | {"HYBRIDTRAIN_HPO_TOKEN": TOKEN, "PYTHONPATH": str(REPO),
-                        "HYBRIDTRAIN_SERVICE_DEVICES": "cpu:1"}
-    proc = subprocess.Popen([sys.executable, "-m", "hybridtrain", "serve", "--port", "0", "--storage",
-                             f"sqlite:///{workdir / 's.db'}", "--jobs-dir", str(workdir / "jobs")],
-                            env=env, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("jobs page:"):
-            return proc, line.split(":", 1)[1].strip().split("/jobs")[0]
-    raise RuntimeError(f"serve exited ({proc.wait()})")
-
-
-def start_browser(workdir: Path) -> tuple[subprocess.Popen[str], str]:
-    """Headless Chromium with remote debugging; the process and its browser websocket URL."""
-    binary = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-    if binary is None:
-        raise RuntimeError("no chromium on PATH (Debian: apt-get install chromium)")
-    proc = subprocess.Popen([binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                             "--remote-debugging-port=0", f"--user-data-dir={workdir / 'profile'}", "about:blank"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        found = re.search(r"DevTools listening on (ws://\S+)", line)
-        if found:  # keep draining its output, or a full pipe would stall it
-            threading.Thread(target=proc.stderr.read, daemon=True).start()
-            return proc, found.group(1)
-    raise RuntimeError(f"chromium exited ({proc.wait()})")
-
-
-def run_checks(base: str, tools: DevTools) -> list[tuple[str, bool]]:
-    """The checks, each as (what, passed)."""
-    results: list[tuple[str, bool]] = []
-    sleep = [sys.executable, "-c", "import time; time.sleep(600)"]
-    rest(base, "POST", "/v1/jobs", {"name": "sleeper", "command": sleep, "kill_grace": 5})
-    results.append(("the job runs", until(lambda: rest(base, "GET", "/v1/jobs/sleeper")["state"] == "running", 60)))
-    tools.send("Page.navigate", {"url": f"{base}/jobs?token={TOKEN}"}, session=True)
-    link = tools.wait("document.querySelector('#jobs a') && document.querySelector('#jobs a').textContent", 20)
-    results.append(("the list at the printed address shows the job, linked", link == "sleeper"))
-    tools.evaluate("document.querySelector('#jobs a').click()")
-    state = tools.wait("location.pathname.endsWith('/jobs/sleeper') && "
-                       "document.querySelector('#detail p') && document.querySelector('#detail p').textContent", 20)
-    results.append(("the job's own page at /jobs/sleeper shows it running", state == "running"))
-    attempt = tools.evaluate("document.querySelector('#detail ul').textContent")
-    results.append(("the running attempt is listed", bool(attempt) and "attempt 1: running" in attempt))
-    tools.evaluate("document.getElementById('cancel').click()")
-    tools.pump(1)
-    results.append(("cancel asks for confirmation", any("cancel job sleeper" in m for m in tools.dialogs())))
-    shown = tools.wait("document.querySelector('#detail p').textContent === 'cancelled' && "
-                       "document.getElementById('message').textContent", 30)
-    results.append(("after cancel the page shows the job cancelled", bool(shown)))
-    results.append(("the service has it cancelled", rest(base, "GET", "/v1/jobs/sleeper")["state"] == "cancelled"))
-    rest(base, "POST", "/v1/jobs", {"name": "hostile", "command": ["echo", HOSTILE], "devices": 0})
-    until(lambda: rest(base, "GET", "/v1/jobs/hostile")["state"] == "succeeded", 60)
-    before = len(tools.dialogs())
-    tools.send("Page.navigate", {"url": f"{base}/jobs/hostile"}, session=True)
-    log = tools.wait("document.querySelector('pre') && document.querySelector('pre').textContent", 20)
-    tools.pump(2)
-    results.append(("hostile output is shown as text", bool(log) and HOSTILE in log))
-    results.append(("no script of it ran (no alert)", len(tools.dialogs()) == before))
-    images = tools.evaluate("document.querySelectorAll('#detail img').length")
-    results.append(("no element of it was made", images == 0))
-    problems = tools.problems()
-    results.append((f"no CSP violation or script error ({problems[:3]})", not problems))
-    return results
+from tests.service.browser import check_page  # noqa: E402 - after the repository is on the path
 
 
 def main() -> int:
     """Run every check; print each; 0 when all passed."""
     with tempfile.TemporaryDirectory() as tmp:
-        workdir = Path(tmp)
-        serve, base = start_serve(workdir)
-        browser = None
-        try:
-            until(lambda: _answers(base), 60)
-            browser, ws_url = start_browser(workdir)
-            results = run_checks(base, DevTools(ws_url))
-        finally:
-            with contextlib.suppress(OSError):  # best effort: the job may not exist
-                rest(base, "POST", "/v1/jobs/sleeper/cancel")
-            if browser is not None:
-                browser.terminate()
-                browser.wait(30)
-            serve.terminate()
-            serve.wait(30)
+        results = check_page(Path(tmp))
     for what, passed in results:
         print(f"{'ok  ' if passed else 'FAIL'} {what}")
     return 0 if all(passed for _, passed in results) else 1
-
-
-def _answers(base: str) -> bool:
-    try:
-        rest(base, "GET", "/v1/service")
-        return True
-    except OSError:
-        return False
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The sections the CLI's run reads and the engine never does: which model and data ``hybridtrain train``
-builds, its loop, DeepSpeed's monitors (TensorBoard, CSV, W&B) and its flops profiler.
+builds, its loop, DeepSpeed's monitors (TensorBoard, CSV, W&B), MLflow tracking and its flops profiler.
 
 DeepSpeed leaves these to the user's script; the monitor and profiler sections keep DeepSpeed's key names
 so a ``ds_config.json`` that has them loads.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from hybridtrain.config.section import Section
 
@@ -106,7 +106,9 @@ class CSVMonitorConfig(Section):
 class WandbConfig(Section):
     """DeepSpeed's Weights & Biases monitor: each step's metrics under our and DeepSpeed's
     names. Rank 0 logs. Needs the ``wandb`` package (refused in one line when it is missing).
-    Without ``WANDB_MODE`` set, a run that cannot reach the W&B server logs offline."""
+    Without ``WANDB_MODE`` set, a run that cannot reach the W&B server logs offline. The run is
+    named after the training service's job (else ``train.output_dir``'s last part), and a
+    resumed run continues it (its id is kept in ``train.output_dir/wandb_run.json``)."""
 
     enabled: bool = False
     """Log to W&B (``hybridtrain train``)."""
@@ -116,6 +118,43 @@ class WandbConfig(Section):
     """W&B team (entity)."""
     project: str = "deepspeed"
     """W&B project (DeepSpeed's default name)."""
+
+
+#: Tracking-URI schemes MLflow's client stores runs under (a plain directory is taken too).
+MLFLOW_SCHEMES = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks")
+
+
+class MLflowConfig(Section):
+    """MLflow tracking of ``hybridtrain train`` runs (and so of the training service's jobs): the
+    config as parameters (flattened, ``optimizer.params.lr``…) and as the artifact ``config.json``,
+    and each metrics.jsonl field (``loss``, ``lr``, ``eval_loss``, ``tokens_per_s``…) as a metric
+    by step. Rank 0 logs; a resumed run logs into the same MLflow run. Needs the ``mlflow`` (or
+    ``mlflow-skinny``) package: ``pip install 'hybridtrain[tracking]'``."""
+
+    enabled: bool = False
+    """Log to MLflow (``hybridtrain train``)."""
+    tracking_uri: str = Field(default="", pattern=r"^[^\x00]*$")
+    """Where runs go: a tracking server (``http://HOST:5000``), a database (``sqlite:///mlflow.db``) or
+    a directory (MLflow 3 refuses directories unless ``MLFLOW_ALLOW_FILE_STORE=true``); empty =
+    ``$MLFLOW_TRACKING_URI``, else MLflow's default (MLflow 3: ``sqlite:///mlflow.db`` in the
+    working directory; before: ``./mlruns``). A store that cannot be used (a server that does not
+    answer) is refused in one line before training starts."""
+    experiment: str = Field(default="hybridtrain", min_length=1)
+    """MLflow experiment of the run (created when missing)."""
+    run_name: str = ""
+    """Name of the run; empty = the training service's job name (``$HYBRIDTRAIN_JOB_NAME``), else
+    the last part of ``train.output_dir``."""
+    tags: dict[str, str] = Field(default_factory=dict)
+    """Tags set on the run (the service's job name is added as ``hybridtrain.job``)."""
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _known_scheme(cls, value: str) -> str:
+        scheme = value.split(":", 1)[0].lower() if "://" in value or value == "databricks" else ""
+        if scheme and scheme.split("+", 1)[0] not in MLFLOW_SCHEMES:
+            raise ValueError(f"scheme {scheme!r} is not one MLflow tracks runs under; give a directory or a URI of "
+                             + ", ".join(MLFLOW_SCHEMES))
+        return value
 
 
 class FlopsProfilerConfig(Section):

@@ -18,6 +18,7 @@ from hybridtrain.config.run_sections import (
     CSVMonitorConfig,
     DataConfig,
     FlopsProfilerConfig,
+    MLflowConfig,
     ModelConfig,
     TensorBoardConfig,
     TrainConfig,
@@ -384,6 +385,8 @@ class Config(Section):
     """CSV files of the CLI's runs (DeepSpeed's monitor section)."""
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     """Weights & Biases logging of the CLI's runs (DeepSpeed's monitor section)."""
+    mlflow: MLflowConfig = Field(default_factory=MLflowConfig)
+    """MLflow tracking of the CLI's runs: the config as parameters and artifact, metrics by step."""
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     """Profile two training steps of the CLI's runs (DeepSpeed's flops profiler)."""
 

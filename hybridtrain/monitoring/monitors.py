@@ -1,5 +1,5 @@
 """DeepSpeed's monitor sections — ``tensorboard``, ``csv_monitor``, ``wandb`` — for
-``hybridtrain train``.
+``hybridtrain train`` (MLflow, the ``mlflow`` section, is in :mod:`.mlflow_monitor`).
 
 Each step is written twice: under our names (``hybridtrain/<metrics.jsonl field>``, indexed
 by optimizer step) and under DeepSpeed's (``Train/Samples/train_loss``, ``Train/Samples/lr``
@@ -12,7 +12,8 @@ the training loop only hands over a dict per step.
 - CSV: one file per metric in ``output_path/job_name``, as DeepSpeed's csv monitor writes
   them: the name with ``/`` and spaces turned into ``_`` plus ``.csv``, a header row
   ``step,<last part of the name>``, then ``index,value`` rows.
-- W&B: ``wandb.init(project, group, entity=team)`` and one ``wandb.log`` per step (the
+- W&B: ``wandb.init(project, group, entity=team, name)`` (``name``: the training service's job
+  name, else the output directory's) and one ``wandb.log`` per step (the
   ``Train/Samples/*`` series use ``samples`` as their x-axis). Without ``WANDB_MODE`` set,
   a run whose W&B server cannot be reached within a second logs offline (``wandb sync``
   uploads it later).
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import logging
 import os
 import queue
@@ -30,7 +32,7 @@ import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any, Literal, Protocol
 from urllib.parse import urlparse
 
 log = logging.getLogger("hybridtrain.monitoring")
@@ -54,8 +56,14 @@ def events_of(record: Mapping[str, Any], samples: int | None = None) -> list[Eve
     return events
 
 
+Outcome = Literal["finished", "interrupted", "failed"]
+"""How a run ended: all its steps, stopped early (SIGTERM, preemption: it resumes later), or an error."""
+
+
 class Monitor(Protocol):
-    """DeepSpeed's monitor interface (plus flush and close)."""
+    """DeepSpeed's monitor interface (plus flush and close). A monitor that records how the run
+    ended (an experiment tracker's run status) also has an ``outcome`` attribute, which
+    :meth:`MonitorSet.close` sets before it closes the monitor."""
 
     def write_events(self, events: list[Event]) -> None: ...
 
@@ -151,18 +159,29 @@ def _index(line: str) -> float:
         return float("inf")
 
 
+#: Where a W&B run's id is kept, in ``train.output_dir``, for a resumed run to continue it.
+WANDB_RUN_FILE = "wandb_run.json"
+
+
 class WandbMonitor:
-    """Logs each step to Weights & Biases (rank 0)."""
+    """Logs each step to Weights & Biases (rank 0). A resumed run (``resume``) continues the W&B
+    run whose id is in ``run_dir/wandb_run.json`` (W&B drops steps it has seen: a restart's
+    retrained steps keep their first values)."""
 
     def __init__(self, project: str, group: str | None, team: str | None, run_dir: Path,
-                 config: Mapping[str, Any] | None = None) -> None:
+                 config: Mapping[str, Any] | None = None, name: str | None = None, resume: bool = False) -> None:
         import wandb
 
         self.mode = choose_wandb_mode()
         self.wandb = wandb
         run_dir.mkdir(parents=True, exist_ok=True)
+        recorded = _recorded_wandb_id(run_dir) if resume else None
         self.run = wandb.init(project=project, group=group, entity=team, dir=str(run_dir),
-                              config=dict(config or {}))
+                              config=dict(config or {}), name=name,
+                              **({"id": recorded, "resume": "allow"} if recorded else {}))
+        if getattr(self.run, "id", None):
+            (run_dir / WANDB_RUN_FILE).write_text(json.dumps({"id": self.run.id}))
+        self.outcome: Outcome = "finished"
         if hasattr(wandb, "define_metric"):
             wandb.define_metric("samples")
             wandb.define_metric("Train/Samples/*", step_metric="samples")
@@ -183,7 +202,17 @@ class WandbMonitor:
         pass
 
     def close(self) -> None:
-        self.run.finish()
+        # W&B marks a run with a nonzero exit code failed (an interrupted one is continued when it resumes).
+        self.run.finish(exit_code=0 if self.outcome == "finished" else 1)
+
+
+def _recorded_wandb_id(run_dir: Path) -> str | None:
+    """The W&B run id kept in ``run_dir``; ``None`` without a readable one."""
+    try:
+        recorded = json.loads((run_dir / WANDB_RUN_FILE).read_text())["id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return recorded if isinstance(recorded, str) and recorded else None
 
 
 def choose_wandb_mode(timeout: float = 1.0) -> str:
@@ -204,7 +233,7 @@ def choose_wandb_mode(timeout: float = 1.0) -> str:
         return "offline"
 
 
-def missing_packages(tensorboard: bool, wandb: bool, prometheus: bool) -> list[str]:
+def missing_packages(tensorboard: bool, wandb: bool, prometheus: bool, mlflow: bool = False) -> list[str]:
     """One-line problems for enabled destinations whose package is not installed."""
     problems = []
     if prometheus and not _installed("prometheus_client"):
@@ -216,6 +245,9 @@ def missing_packages(tensorboard: bool, wandb: bool, prometheus: bool) -> list[s
     if wandb and not _installed("wandb"):
         problems.append("wandb.enabled is true but the wandb package is not installed "
                         "(pip install wandb, or set wandb.enabled: false)")
+    if mlflow and not _installed("mlflow"):
+        problems.append("mlflow.enabled is true but the mlflow package is not installed "
+                        "(pip install 'hybridtrain[tracking]', or set mlflow.enabled: false)")
     return problems
 
 
@@ -251,14 +283,17 @@ class MonitorSet:
         if self._thread is not None:
             self._queue.put(events)
 
-    def close(self) -> None:
-        """Write what is queued, flush and close every monitor (idempotent)."""
+    def close(self, outcome: Outcome = "finished") -> None:
+        """Write what is queued, tell the monitors that record it the run's ``outcome``, flush and
+        close every monitor (idempotent)."""
         if self._thread is None:
             return
         self._queue.put(None)
         self._thread.join()
         self._thread = None
         for monitor in list(self.monitors):
+            if hasattr(monitor, "outcome"):
+                monitor.outcome = outcome
             self._guard(monitor, "close")
 
     def _run(self) -> None:

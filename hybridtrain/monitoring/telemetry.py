@@ -1,5 +1,5 @@
 """What watches a ``hybridtrain train`` run besides ``metrics.jsonl``: the Prometheus
-endpoint (every rank) and the TensorBoard / CSV / W&B monitors (rank 0).
+endpoint (every rank) and the TensorBoard / CSV / W&B / MLflow monitors (rank 0).
 
 The training loop builds each step's record once (:func:`hybridtrain.trainer`), appends it
 to ``metrics.jsonl`` and hands the same dict here; every destination shows those numbers,
@@ -17,10 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from hybridtrain.config import Config, ConfigError
+from hybridtrain.monitoring.mlflow_monitor import open_mlflow, run_name, store_problem
 from hybridtrain.monitoring.monitors import (
     CSVMonitor,
     Monitor,
     MonitorSet,
+    Outcome,
     TensorBoardMonitor,
     WandbMonitor,
     events_of,
@@ -33,9 +35,17 @@ def check_monitoring(cfg: Config) -> None:
     """Refuse, in one line and before anything is built, destinations that cannot work.
 
     Raises:
-        ConfigError: an enabled destination's package is missing.
+        ConfigError: an enabled destination's package is missing, or its tracking store
+            cannot be used.
     """
-    problems = missing_packages(cfg.tensorboard.enabled, cfg.wandb.enabled, cfg.train.metrics_port > 0)
+    problems = missing_packages(cfg.tensorboard.enabled, cfg.wandb.enabled, cfg.train.metrics_port > 0,
+                                cfg.mlflow.enabled)
+    # Only the writing rank (0) opens the MLflow run, so only it asks the store (several ranks
+    # creating one sqlite database at once would race).
+    if cfg.mlflow.enabled and not problems and global_rank() == 0:
+        why = store_problem(cfg.mlflow.tracking_uri)
+        if why is not None:
+            problems.append(f"mlflow.tracking_uri = {cfg.mlflow.tracking_uri!r}: {why}")
     if problems:
         raise ConfigError("; ".join(problems))
 
@@ -100,7 +110,11 @@ class Telemetry:
                                                          cfg.csv_monitor.job_name), resumed))
             if cfg.wandb.enabled:
                 monitors.append(WandbMonitor(cfg.wandb.project, cfg.wandb.group, cfg.wandb.team,
-                                             Path(cfg.train.output_dir), run_config))
+                                             Path(cfg.train.output_dir), run_config,
+                                             run_name("", cfg.train.output_dir, os.environ), resume=start_step > 0))
+            if cfg.mlflow.enabled:
+                monitors.append(open_mlflow(cfg.mlflow, cfg.train.output_dir, run_config or cfg.model_dump(),
+                                            resume=start_step > 0))
         except BaseException:
             for monitor in monitors:
                 monitor.close()
@@ -129,9 +143,10 @@ class Telemetry:
             samples = int(record["step"]) * self.samples_per_step if "loss" in record else None
             self.monitors.write(events_of(record, samples))
 
-    def close(self, linger_s: float = 0.0) -> None:
-        """Flush and close the monitors; keep serving ``linger_s`` seconds, then stop."""
-        self.monitors.close()
+    def close(self, linger_s: float = 0.0, outcome: Outcome = "finished") -> None:
+        """Flush and close the monitors (telling them the run's ``outcome``); keep serving
+        ``linger_s`` seconds, then stop."""
+        self.monitors.close(outcome)
         if self.server is None:
             return
         if linger_s > 0:

@@ -17,6 +17,8 @@ td,th{border-bottom:1px solid #ddd;padding:.3em .6em;text-align:left;vertical-al
 .queued{color:#a60}.preempted{color:#a60;font-style:italic}.running{color:#06c}.succeeded{color:#080}
 .failed{color:#c00}.cancelled,.pruned{color:#777}pre{background:#f6f6f6;padding:.6em;max-height:24em;overflow:auto}
 #message{color:#c00}
+tbody.group th{background:#f3f3f3;font-weight:normal}.curves{display:flex;flex-wrap:wrap;gap:1.5em}
+.curves figure{margin:0}
 </style>"""
 
 #: Escapes text for HTML element content and quoted attribute values.
@@ -46,9 +48,8 @@ LIST_PAGE = f"""<!doctype html>
 <option>queued</option><option>running</option><option>preempted</option><option>succeeded</option>
 <option>failed</option><option>cancelled</option><option>pruned</option></select>
 experiment <select id="experiment" name="experiment"><option value="">all</option></select></form>
-<table><thead><tr><th>job</th><th>state</th><th>priority</th><th>progress</th><th>queue</th>
-<th>devices</th><th>restarts</th><th>experiment</th><th>program</th><th>reason</th></tr></thead>
-<tbody id="jobs"></tbody></table>
+<table id="jobs"><thead><tr><th>job</th><th>state</th><th>priority</th><th>progress</th><th>queue</th>
+<th>devices</th><th>restarts</th><th>program</th><th>reason</th></tr></thead></table>
 <script>
 {_ESCAPE}
 const params = new URLSearchParams(location.search);
@@ -75,12 +76,38 @@ async function refresh() {{
   const order = {{running: 0, queued: 1, preempted: 1}};
   d.jobs.sort((a, b) => (order[a.state] ?? 2) - (order[b.state] ?? 2) ||
     (a.queue_position ?? 0) - (b.queue_position ?? 0) || b.id - a.id);
-  document.getElementById("jobs").innerHTML = d.jobs.map(j => `<tr>
+  const table = document.getElementById("jobs");
+  table.querySelectorAll("tbody").forEach(b => b.remove());
+  table.insertAdjacentHTML("beforeend", groups(d.jobs).map(([experiment, jobs]) => groupHead(experiment, jobs) +
+    jobs.map(row).join("") + "</tbody>").join(""));
+}}
+// Jobs under their experiment (an HPO experiment's trials together): the jobs of no experiment
+// first, then each experiment by name; each group keeps the start order above.
+function groups(jobs) {{
+  const by = new Map();
+  for (const j of jobs) {{
+    const key = j.experiment ?? "";
+    if (!by.has(key)) by.set(key, []);
+    by.get(key).push(j);
+  }}
+  return [...by.entries()].sort(([a], [b]) => (a !== "") - (b !== "") || (a < b ? -1 : a > b ? 1 : 0));
+}}
+function groupHead(experiment, jobs) {{
+  const counts = {{}};
+  for (const j of jobs) counts[j.state] = (counts[j.state] ?? 0) + 1;
+  const title = experiment === "" ? "no experiment" :
+    `experiment <a href="?experiment=${{esc(encodeURIComponent(experiment))}}">${{esc(experiment)}}</a>`;
+  return `<tbody class="group" data-experiment="${{esc(experiment)}}"><tr><th colspan="9">${{title}}: ` +
+    `${{esc(jobs.length)}} job${{jobs.length === 1 ? "" : "s"}} (` +
+    Object.entries(counts).map(([k, v]) => `${{esc(k)}} ${{esc(v)}}`).join(", ") + ")</th></tr>";
+}}
+function row(j) {{
+  return `<tr>
     <td><a href="${{esc(encodeURIComponent(j.name))}}">${{esc(j.name)}}</a></td>
     <td class="${{esc(j.state)}}">${{esc(j.state)}}</td><td>${{esc(j.priority)}}</td>
     <td>${{progressText(j.progress)}}</td><td>${{queueText(j)}}</td><td>${{esc(JSON.stringify(j.devices))}}</td>
-    <td>${{esc(j.restarts)}}/${{esc(j.max_restarts)}}</td><td>${{esc(j.experiment)}}</td>
-    <td>${{esc(j.program)}}</td><td>${{esc(j.reason)}}</td></tr>`).join("");
+    <td>${{esc(j.restarts)}}/${{esc(j.max_restarts)}}</td>
+    <td>${{esc(j.program)}}</td><td>${{esc(j.reason)}}</td></tr>`;
 }}
 stateBox.onchange = refresh; experimentBox.onchange = refresh;
 refresh(); setInterval(refresh, 3000);
@@ -100,15 +127,15 @@ JOB_PAGE = f"""<!doctype html>
 const name = decodeURIComponent(location.pathname.split("/").pop());
 document.getElementById("title").textContent = name;
 document.title = "hybridtrain job " + name;
-function curve(c) {{
-  if (!c.steps.length) return "<p>no loss values yet</p>";
-  const W = 600, H = 200, xs = c.steps, ys = c.loss;
+function curve(xs, ys, what, colour) {{
+  if (!xs.length) return `<p>no ${{esc(what)}} values yet</p>`;
+  const W = 480, H = 200;
   const x0 = Math.min(...xs), x1 = Math.max(...xs), y0 = Math.min(...ys), y1 = Math.max(...ys);
   const px = x => 40 + (W - 50) * (x1 > x0 ? (x - x0) / (x1 - x0) : 0.5);
   const py = y => 10 + (H - 30) * (y1 > y0 ? (y1 - y) / (y1 - y0) : 0.5);
   const pts = xs.map((x, i) => px(x).toFixed(1) + "," + py(ys[i]).toFixed(1)).join(" ");
-  return `<svg width="${{W}}" height="${{H}}" role="img" aria-label="loss curve">
-    <polyline fill="none" stroke="#06c" stroke-width="1.5" points="${{pts}}"/>
+  return `<svg width="${{W}}" height="${{H}}" role="img" aria-label="${{esc(what)}} curve">
+    <polyline fill="none" stroke="${{colour}}" stroke-width="1.5" points="${{pts}}"/>
     <text x="2" y="14">${{esc(y1.toPrecision(4))}}</text><text x="2" y="${{H - 20}}">${{esc(y0.toPrecision(4))}}</text>
     <text x="40" y="${{H - 4}}">step ${{esc(x0)}}</text>
     <text x="${{W - 80}}" y="${{H - 4}}">step ${{esc(x1)}}</text></svg>`;
@@ -121,7 +148,7 @@ function attemptText(h) {{
 async function show() {{
   const r = await fetch("_data/" + encodeURIComponent(name));
   if (!r.ok) {{ document.getElementById("detail").textContent = "no such job"; return; }}
-  const d = await r.json(), j = d.job;
+  const d = await r.json(), j = d.job, evals = d.progress.eval_curve;
   const queue = j.queue_position === null ? "" :
     `<p>queue position ${{esc(j.queue_position)}}, waiting ${{esc(duration(d.queue_wait_s))}}</p>`;
   document.getElementById("detail").innerHTML = `<p class="${{esc(j.state)}}">${{esc(j.state)}}</p>
@@ -130,7 +157,9 @@ async function show() {{
     restarts ${{esc(j.restarts)}}/${{esc(j.max_restarts)}}, attempt ${{esc(j.attempt)}}, backend ${{esc(j.backend)}},
     ${{j.preemptible ? "preemptible" : "not preemptible"}}; experiment ${{esc(j.experiment)}}</p>
     <p>program <code>${{esc(j.program)}}</code></p>
-    <h3>loss</h3>${{curve(d.curve)}}<h3>attempts</h3><ul>${{d.attempts.map(attemptText).join("") ||
+    <div class="curves"><figure id="loss-curve"><h3>loss</h3>${{curve(d.curve.steps, d.curve.loss, "loss", "#06c")}}
+    </figure><figure id="eval-curve"><h3>eval loss</h3>${{curve(evals.steps, evals.eval_loss, "eval loss", "#c60")}}
+    </figure></div><h3>attempts</h3><ul>${{d.attempts.map(attemptText).join("") ||
     "<li>none yet</li>"}}</ul><h3>log (last 64 KiB)</h3><pre>${{esc(d.log)}}</pre>`;
 }}
 async function act(action) {{

@@ -1,13 +1,16 @@
 """What the jobs page shows of a job beyond its stored row: progress (step N of total,
-tokens/s, ETA, eval loss) read from the job's metrics file, queue position and wait, and the
-attempt running now (the stored history holds only the attempts that ended).
+tokens/s, ETA, eval loss, the eval-loss curve) read from the job's metrics file, queue position
+and wait, and the attempt running now (the stored history holds only the attempts that ended).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,10 @@ from hybridtrain.service.store import JobRecord
 METRICS_TAIL = 64 * 1024
 #: Newest step records averaged for the ETA.
 ETA_WINDOW = 20
+#: Points of the eval-loss curve the page draws (more evaluations are thinned evenly, the last kept).
+EVAL_CURVE_POINTS = 200
+#: Metrics files whose evaluations are remembered between refreshes (the least recent is dropped).
+EVAL_FILES_KEPT = 64
 
 
 def metrics_path(job: JobRecord) -> Path:
@@ -79,12 +86,72 @@ def _number(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
+class EvalPoints:
+    """The ``(step, eval_loss)`` of every evaluation record in metrics files, read incrementally:
+    a refresh parses only the complete lines appended since the last one (the page asks every
+    3 s, and a long run's file is far larger than its evaluations). A file replaced or shrunk
+    since (a resumed run rewrites it without the records it will redo) is read again from its
+    start. Thread-safe."""
+
+    def __init__(self, kept: int = EVAL_FILES_KEPT) -> None:
+        self.kept = kept
+        # path -> (inode, bytes parsed, points)
+        self._files: OrderedDict[Path, tuple[int, int, list[tuple[float, float]]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __call__(self, path: Path) -> list[tuple[float, float]]:
+        """The evaluations in ``path`` so far; ``[]`` when it cannot be read."""
+        with self._lock:
+            inode, offset, points = self._files.pop(path, (-1, 0, []))
+            try:
+                with path.open("rb") as f:
+                    now = os.fstat(f.fileno())
+                    if now.st_ino != inode or now.st_size < offset:
+                        offset, points = 0, []
+                    f.seek(offset)
+                    data = f.read()
+            except OSError:
+                return []
+            complete = data[:data.rfind(b"\n") + 1]  # a line still being written waits for the next call
+            points = points + [p for p in map(_eval_point, complete.splitlines()) if p is not None]
+            self._files[path] = (now.st_ino, offset + len(complete), points)
+            while len(self._files) > self.kept:
+                self._files.popitem(last=False)
+            return list(points)
+
+
+def _eval_point(line: bytes) -> tuple[float, float] | None:
+    """``(step, eval_loss)`` of an evaluation record; ``None`` for any other line."""
+    try:
+        value = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(value, dict):
+        return None
+    step, loss = _number(value.get("step")), _number(value.get("eval_loss"))
+    return None if step is None or loss is None else (step, loss)
+
+
+def thinned(points: list[tuple[float, float]], limit: int = EVAL_CURVE_POINTS) -> list[tuple[float, float]]:
+    """At most ``limit`` of ``points``, evenly spaced, the last one always kept."""
+    if len(points) <= limit:
+        return points
+    every = -(-len(points) // limit)
+    kept = points[::every]
+    return kept if kept[-1] == points[-1] else kept[:limit - 1] + [points[-1]]
+
+
+#: The evaluations of the jobs' metrics files (one reader for the whole page).
+eval_points = EvalPoints()
+
+
 def progress(job: JobRecord) -> dict[str, Any]:
     """``step``, ``total_steps``, ``loss``, ``tokens_per_s``, ``eval_loss``, ``eval_step``
-    and ``eta_s`` (seconds left at the recent step time); each ``None`` when unknown."""
+    and ``eta_s`` (seconds left at the recent step time), each ``None`` when unknown; and
+    ``eval_curve`` (``{"steps": [...], "eval_loss": [...]}``, at most
+    :data:`EVAL_CURVE_POINTS`, from every evaluation of the run)."""
     steps = [r for r in tail_records(metrics_path(job))
              if _number(r.get("step")) is not None and _number(r.get("loss")) is not None]
-    evals = [r for r in tail_records(metrics_path(job)) if _number(r.get("eval_loss")) is not None]
     last = steps[-1] if steps else {}
     step = int(last["step"]) if steps else None
     total = total_steps(job)
@@ -92,10 +159,12 @@ def progress(job: JobRecord) -> dict[str, Any]:
     eta = None
     if job.state == "running" and step is not None and total is not None and times:
         eta = max(0, total - step) * sum(times) / len(times)
+    evals = eval_points(metrics_path(job))
+    curve = thinned(evals)
     return {"step": step, "total_steps": total, "loss": _number(last.get("loss")),
             "tokens_per_s": _number(last.get("tokens_per_s")),
-            "eval_loss": _number(evals[-1]["eval_loss"]) if evals else None,
-            "eval_step": _number(evals[-1].get("step")) if evals else None, "eta_s": eta}
+            "eval_loss": evals[-1][1] if evals else None, "eval_step": evals[-1][0] if evals else None, "eta_s": eta,
+            "eval_curve": {"steps": [s for s, _ in curve], "eval_loss": [v for _, v in curve]}}
 
 
 def queue_wait_s(job: JobRecord, now: float | None = None) -> float | None:

@@ -131,8 +131,9 @@ class _FakeWandb(types.ModuleType):
         self.inits.append(kwargs)
         return types.SimpleNamespace(finish=self._finish)
 
-    def _finish(self) -> None:
+    def _finish(self, exit_code: int | None = None) -> None:
         self.finished = True
+        self.exit_code = exit_code
 
     def log(self, data: dict[str, float], step: int | None = None) -> None:
         self.logs.append((data, step))
@@ -154,7 +155,7 @@ def test_wandb_logs_both_names_offline_when_no_server(monkeypatch: pytest.Monkey
     import os
 
     assert os.environ["WANDB_MODE"] == "offline"
-    assert len(fake.inits) == 1 and fake.finished
+    assert len(fake.inits) == 1 and fake.finished and fake.exit_code == 0
     init = fake.inits[0]
     assert (init["project"], init["group"], init["entity"]) == ("p", "g", "t")
     assert init["config"]["train"]["steps"] == 2

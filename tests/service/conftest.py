@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,10 +17,7 @@ pytest.importorskip("fastapi")
 
 # The HPO tests' experiment spec and storage fixtures, for trials run as jobs.
 from tests.hpo.conftest import make_spec, sqlite_url  # noqa: E402, F401
-
-REPO = Path(__file__).resolve().parents[2]
-TOKEN = "service-test-token-0123456789"
-
+from tests.service.serving import REPO, TOKEN, serving  # noqa: E402, F401 - REPO and TOKEN for the tests
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -98,26 +93,5 @@ def kill_members(pgid: int) -> None:
 def served(tmp_path: Path) -> Iterator[dict[str, str]]:
     """A real ``hybridtrain serve --port 0`` on one CPU slot: what it printed, by label
     (``"jobs page"``: the page address...), once it answers."""
-    from hybridtrain.service.transport import healthy
-
-    env = os.environ | {"HYBRIDTRAIN_HPO_TOKEN": TOKEN, "PYTHONPATH": str(REPO),
-                        "HYBRIDTRAIN_SERVICE_DEVICES": "cpu:1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hybridtrain", "serve", "--port", "0", "--storage",
-         f"sqlite:///{tmp_path / 's.db'}", "--jobs-dir", str(tmp_path / "jobs")],
-        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        printed: dict[str, str] = {}
-        assert proc.stdout is not None
-        while "devices" not in printed:
-            line = proc.stdout.readline()
-            assert line, f"serve exited ({proc.poll()})"
-            label, sep, rest = line.partition(":")
-            if sep:
-                printed[label] = rest.strip()
-        printed["base"] = printed["jobs page"].split("/jobs")[0]
-        wait_for(lambda: healthy(printed["base"]), 60, "serve to answer")
+    with serving(tmp_path) as printed:
         yield printed
-    finally:
-        proc.terminate()
-        proc.wait(30)

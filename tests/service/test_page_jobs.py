@@ -1,5 +1,5 @@
 """The jobs page on a real ``hybridtrain serve`` (issue #35): a running training job's step N
-of total, ETA, eval loss and running attempt; a queued job's position and wait; per-job pages
+of total, ETA, eval loss, eval-loss curve and running attempt; a queued job's position and wait; per-job pages
 at ``/jobs/NAME`` linked from the list; filters; cancel and resubmit through the page; and
 user-controlled text (names, programs, logs) that stays inert."""
 
@@ -99,6 +99,14 @@ def check_progress_queue_job_pages_filters_and_buttons(base: str, tmp_path: Path
     assert progress["step"] >= 2 and progress["total_steps"] == 100000, progress
     assert progress["eta_s"] > 0 and progress["tokens_per_s"] > 0, progress
     assert detail["attempts"][-1]["outcome"] == "running" and detail["attempts"][-1]["attempt"] == 1
+    # the eval-loss curve: every evaluation of the metrics file so far, in order
+    records = [json.loads(line) for line in (tmp_path / "jobs" / "trainer" / "run" / "metrics.jsonl").read_bytes()
+               .splitlines() if line.strip()]
+    evaluations = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    curve = progress["eval_curve"]
+    assert curve["steps"] and list(zip(curve["steps"], curve["eval_loss"], strict=True)) == \
+        evaluations[:len(curve["steps"])], (curve, evaluations)
+    assert (progress["eval_step"], progress["eval_loss"]) == (curve["steps"][-1], curve["eval_loss"][-1])
     assert detail["job"]["priority"] == 0
     listed = {j["name"]: j for j in browser.json("/jobs/_data")["jobs"]}
     assert listed["trainer"]["progress"]["total_steps"] == 100000
