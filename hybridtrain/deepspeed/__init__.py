@@ -107,14 +107,18 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         return initialize_pipeline(model, raw, optimizer, params, training_data, lr_scheduler,
                                    dist_init_required, collate_fn, drop_last)
     init_step = takes_fp16_init_step(raw, client=optimizer is not None)
+    raw, consecutive_hysteresis = _without_consecutive_hysteresis(raw)
     cfg = load_config(raw)
+    half_weights = master_weights(raw, cfg)
+    if consecutive_hysteresis and not half_weights:
+        load_config({**raw, "fp16": {**raw["fp16"], "consecutive_hysteresis": True}})  # refused there, with why
     # As DeepSpeed's engine: join the group a launcher describes (one process too, as under
     # `deepspeed script.py` or `python -m hybridtrain.deepspeed`, so a framework's collectives run).
     if dist_init_required or (dist_init_required is None and (int(os.environ.get("WORLD_SIZE", "1")) > 1
                                                               or comm.launched())):
         init_distributed(dist_init_required=True)
-    engine = build_engine(model, cfg, init_step, optimizer, params, lr_scheduler,
-                          half_weights=master_weights(raw, cfg))
+    engine = build_engine(model, cfg, init_step, optimizer, params, lr_scheduler, half_weights=half_weights,
+                          consecutive_hysteresis=consecutive_hysteresis)
     loader = None
     if training_data is not None:
         loader = _data_loader(training_data, engine, collate_fn, drop_last)
@@ -122,6 +126,16 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if isinstance(optimizer, torch.optim.Optimizer) and optimizer is not engine.optimizer:
         wrapped.callers_optimizer = optimizer
     return wrapped, engine.optimizer, loader, engine.scheduler
+
+
+def _without_consecutive_hysteresis(raw: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """``raw`` without ``fp16.consecutive_hysteresis: true``, and whether it was there: DeepSpeed's
+    fp16 math (:mod:`hybridtrain.deepspeed.loss_scale`) keeps that rule; the engine's own loss
+    scaler, which the config describes, does not."""
+    fp16 = raw.get("fp16")
+    if not isinstance(fp16, Mapping) or fp16.get("consecutive_hysteresis") is not True:
+        return raw, False
+    return {**raw, "fp16": {k: v for k, v in fp16.items() if k != "consecutive_hysteresis"}}, True
 
 
 def _never_print(raw: dict[str, Any]) -> None:

@@ -64,6 +64,9 @@ def _load_weights(engine: Any, state: reader.DeepSpeedState) -> None:
         refresh()  # the optimizer's host masters start from the loaded weights
     if isinstance(engine.optimizer, MasterWeightsOptimizer):
         engine.optimizer.load_masters(_masters(engine.optimizer, runtime.model, state, saved))
+        scale = engine.optimizer.loss_scale
+        if scale is not None and state.scaler_state is not None and scale.dynamic:
+            scale.load_state_dict(state.scaler_state)  # fp16 resumes with the saved scale
 
 
 def _masters(optimizer: MasterWeightsOptimizer, model: torch.nn.Module, state: reader.DeepSpeedState,

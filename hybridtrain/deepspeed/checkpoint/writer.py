@@ -107,7 +107,8 @@ def save(engine: Any, config: Any, raw_config: dict[str, Any], tag_dir: Path,
         _save_zero3(snapshot, config, raw_config, tag_dir, client_state)
         return
     if stage > 0:
-        rank_state = {files.OPTIMIZER_STATE_DICT: _zero_state(snapshot, config, topology.dp, topology.dp_rank),
+        rank_state = {files.OPTIMIZER_STATE_DICT: {**_zero_state(snapshot, config, topology.dp, topology.dp_rank),
+                                                   **_zero_loss_scaler(engine.optimizer)},
                       "ds_config": raw_config, "ds_version": files.DS_VERSION_WRITTEN}
         files.write_atomically(rank_state, tag_dir / files.optim_states_name(topology.dp_rank, bf16))
     if topology.rank == 0:
@@ -201,10 +202,36 @@ def _stage0_optimizer_state(snapshot: EngineSnapshot, engine: Any) -> dict[str, 
         return inner
     masters = [[snapshot.fp32(name) for name, _ in group] for group in snapshot.groups]
     if optimizer.rule == "fused":
-        return {files.OPTIMIZER_STATE_DICT: _flat_groups_state(snapshot),
+        return {**_stage0_scale_state(optimizer, engine, fused=True),
+                files.OPTIMIZER_STATE_DICT: _flat_groups_state(snapshot),
                 "fp32_groups_flat": [flat.flatten(group) for group in masters], "clip_grad": float(optimizer.max_norm)}
-    return {"dynamic_loss_scale": False, "cur_scale": 1.0, "cur_iter": engine.global_step,
-            files.OPTIMIZER_STATE_DICT: inner, "fp32_groups": masters}
+    return {**_stage0_scale_state(optimizer, engine, fused=False), files.OPTIMIZER_STATE_DICT: inner,
+            "fp32_groups": masters}
+
+
+def _stage0_scale_state(optimizer: MasterWeightsOptimizer, engine: Any, fused: bool) -> dict[str, Any]:
+    """The loss-scale entries of a ZeRO-0 wrapper's state dict: fp16's scale as the wrapper
+    keeps it; bf16's none (``FP16_Optimizer``) or a fixed 1.0 (``FP16_UnfusedOptimizer``)."""
+    scale = optimizer.loss_scale
+    if scale is None:
+        return {} if fused else {"dynamic_loss_scale": False, "cur_scale": 1.0, "cur_iter": engine.global_step}
+    entries: dict[str, Any] = {"dynamic_loss_scale": scale.dynamic, "cur_scale": scale.scale,
+                               "cur_iter": scale.iteration}
+    if scale.dynamic:
+        entries.update({"last_overflow_iter": scale.last_overflow, "scale_factor": 2.0, "scale_window": scale.window})
+    return entries
+
+
+def _zero_loss_scaler(optimizer: Any) -> dict[str, Any]:
+    """ZeRO-1/2's loss scaler entry under fp16 with DeepSpeed's math (its ``DynamicLossScaler``,
+    or a static ``LossScaler``); nothing otherwise."""
+    scale = optimizer.loss_scale if isinstance(optimizer, MasterWeightsOptimizer) else None
+    if scale is None:
+        return {}
+    if not scale.dynamic:
+        return {"loss_scaler": files.StaticLossScaler(scale.scale)}
+    return {"loss_scaler": files.DynamicLossScalerState(scale.state_dict(), scale.window, scale.min_scale,
+                                                         scale.hysteresis, scale.consecutive_hysteresis)}
 
 
 def _flat_groups_state(snapshot: EngineSnapshot) -> dict[str, Any]:
