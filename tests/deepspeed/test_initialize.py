@@ -49,8 +49,9 @@ def test_a_callers_optimizer_is_stepped_once_with_zero_gradients_then_trains_as_
         engine.backward(F.cross_entropy(engine(x.to(engine.device)).float(), y.to(engine.device)))
         engine.step()
     if not offload:  # the reference: DeepSpeed's fp16 wrapper, its init step included, to the bit
+        # clip 1.0: DeepSpeed's default gradient_clipping
         deepspeed_fp16_loop(reference, lambda masters: torch.optim.AdamW(masters, lr=LR, weight_decay=DECAY),
-                            batches, F.cross_entropy, scale=2.0**16, init_step=True)
+                            batches, F.cross_entropy, scale=2.0**16, clip=1.0, init_step=True)
         for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
             assert torch.equal(mine, theirs)
         return
@@ -65,6 +66,8 @@ def test_a_callers_optimizer_is_stepped_once_with_zero_gradients_then_trains_as_
         with torch.autocast("cpu", dtype=torch.float16):
             loss = F.cross_entropy(reference(x), y)
         scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)  # DeepSpeed's default gradient_clipping
         scaler.step(opt)
         scaler.update()
     eps = torch.finfo(torch.float16).eps  # one fp16 rounding per step may differ
@@ -149,3 +152,25 @@ def test_a_scheduler_on_the_callers_optimizer_does_not_warn_under_offload() -> N
         engine.step()
         scheduler.step()
     assert engine.get_lr() == [0.05]
+
+
+def test_gradient_clipping_defaults_to_deepspeeds_one() -> None:
+    """A config without ``gradient_clipping`` clips at 1.0, as DeepSpeed 0.19.8 does: Adam's first
+    step hides it (scale-invariant), the second does not."""
+    model, reference = _model(), _model()
+    config = {"train_micro_batch_size_per_gpu": 4,
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": DECAY, "torch_adam": True}}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    assert engine.gradient_clipping() == 1.0
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=DECAY)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(4, 6, generator=gen) * 4, torch.randint(0, 3, (4,), generator=gen)
+        engine.backward(F.cross_entropy(engine(x), y))
+        engine.step()
+        F.cross_entropy(reference(x), y).backward()
+        assert float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)) > 1.0  # the clip acts
+        optimizer.step()
+        optimizer.zero_grad()
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine.detach(), theirs.detach(), rtol=1e-5, atol=1e-7)
