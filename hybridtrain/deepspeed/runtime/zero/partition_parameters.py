@@ -111,12 +111,14 @@ class Init:
 
 
 def _join_launched_group() -> None:
-    """Join the process group, as DeepSpeed's ``Init`` does before it partitions: the one a
-    launcher describes, else one process on this machine (code that reads the rank next, such as
-    transformers' ``from_pretrained``, needs the group)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        from hybridtrain.deepspeed.comm import init_distributed
+    """Join the process group a launcher describes (one process too: ``deepspeed script.py``,
+    ``python -m hybridtrain.deepspeed``, or the variables a notebook sets by hand), as
+    DeepSpeed's ``Init`` does before it partitions; code that reads the rank next, such as
+    transformers' ``from_pretrained``, needs the group. Without a launcher's variables it
+    partitions over this process alone and leaves the process group as it is."""
+    from hybridtrain.deepspeed.comm import init_distributed, launched
 
+    if not (dist.is_available() and dist.is_initialized()) and launched():
         init_distributed()
 
 
