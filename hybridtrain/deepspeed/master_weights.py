@@ -98,8 +98,8 @@ def combined_scale(rule: NormRule, norm: float, max_norm: float, scale: float = 
     if rule == "zero":
         if max_norm <= 0:
             return scale
-        clip = ((torch.tensor(norm, dtype=torch.float32) / scale) + 1e-6) / max_norm
-        return torch.clamp(clip, min=1.0) * scale
+        clip_tensor = ((torch.tensor(norm, dtype=torch.float32) / scale) + 1e-6) / max_norm
+        return torch.clamp(clip_tensor, min=1.0) * scale
     if max_norm > 0:
         clip = ((norm / scale) + 1e-6) / max_norm
         if clip > 1:

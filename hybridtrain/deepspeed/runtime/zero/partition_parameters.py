@@ -89,7 +89,7 @@ class Init:
             if param is not None:
                 created.append((module, name, param))
 
-        nn.Module.register_parameter = recording  # type: ignore[method-assign]
+        nn.Module.register_parameter = recording  # type: ignore[method-assign,assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -139,8 +139,9 @@ def _gathered(params: Iterable[torch.Tensor] | torch.Tensor | None, modifier_ran
         raise NotImplementedError("deepspeed.zero.GatheredParameters around parameters an engine has sharded "
                                   "(ZeRO-3 after deepspeed.initialize) is not supported by hybridtrain.deepspeed; "
                                   "read engine.module_state_dict() or save with engine.save_16bit_model()")
-    partitioned = [p for p in tensors if partitioning.is_partitioned(p)
-                   and p.ds_status is partitioning.ZeroParamStatus.NOT_AVAILABLE]  # type: ignore[attr-defined]
+    partitioned: list[nn.Parameter] = [
+        p for p in tensors if isinstance(p, nn.Parameter) and partitioning.is_partitioned(p)
+        and getattr(p, "ds_status", None) is partitioning.ZeroParamStatus.NOT_AVAILABLE]
     partitioning.gather(partitioned)
     try:
         yield
