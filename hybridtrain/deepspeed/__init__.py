@@ -34,6 +34,7 @@ from hybridtrain.deepspeed.dropin import VERSION
 from hybridtrain.deepspeed.engine import DeepSpeedEngine
 from hybridtrain.deepspeed.pipe import PipelineEngine, PipelineModule
 from hybridtrain.deepspeed.runtime import zero
+from hybridtrain.deepspeed.runtime.zero import partitioning
 
 __all__ = ["DeepSpeedEngine", "PipelineEngine", "PipelineModule", "add_config_arguments", "checkpointing", "comm",
            "init_distributed", "initialize", "ops", "pipe", "runtime", "utils", "zero"]
@@ -92,6 +93,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                                   "(tensor_parallel.size, pipeline.stages)")
     raw = _raw_config(args, config, config_params)
     raw_config = plain_copy(raw)
+    # DeepSpeed 0.19.8 clips at 1.0 when the config says nothing (GRADIENT_CLIPPING_DEFAULT);
+    # hybridtrain's own default is no clipping.
+    raw.setdefault("gradient_clipping", DEFAULT_GRADIENT_CLIPPING)
     _never_print(raw)
     # DeepSpeed's first engine log line; users and transformers' tests look for it.
     utils.log_dist(f"DeepSpeed info: version={VERSION}, git-hash=unknown, git-branch=unknown", ranks=[0])
@@ -107,14 +111,21 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         return initialize_pipeline(model, raw, optimizer, params, training_data, lr_scheduler,
                                    dist_init_required, collate_fn, drop_last)
     init_step = takes_fp16_init_step(raw, client=optimizer is not None)
+    raw, consecutive_hysteresis = _without_consecutive_hysteresis(raw)
     cfg = load_config(raw)
+    half_weights = master_weights(raw, cfg)
+    if consecutive_hysteresis and not half_weights:
+        load_config({**raw, "fp16": {**raw["fp16"], "consecutive_hysteresis": True}})  # refused there, with why
     # As DeepSpeed's engine: join the group a launcher describes (one process too, as under
     # `deepspeed script.py` or `python -m hybridtrain.deepspeed`, so a framework's collectives run).
     if dist_init_required or (dist_init_required is None and (int(os.environ.get("WORLD_SIZE", "1")) > 1
                                                               or comm.launched())):
         init_distributed(dist_init_required=True)
-    engine = build_engine(model, cfg, init_step, optimizer, params, lr_scheduler,
-                          half_weights=master_weights(raw, cfg))
+    # A model built under zero.Init (transformers' from_pretrained with a live ZeRO-3 config) holds
+    # DeepSpeed's partitions: gathered whole here, the engine then shards it its own way.
+    partitioning.make_whole(model)
+    engine = build_engine(model, cfg, init_step, optimizer, params, lr_scheduler, half_weights=half_weights,
+                          consecutive_hysteresis=consecutive_hysteresis)
     loader = None
     if training_data is not None:
         loader = _data_loader(training_data, engine, collate_fn, drop_last)
@@ -122,6 +133,20 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if isinstance(optimizer, torch.optim.Optimizer) and optimizer is not engine.optimizer:
         wrapped.callers_optimizer = optimizer
     return wrapped, engine.optimizer, loader, engine.scheduler
+
+
+DEFAULT_GRADIENT_CLIPPING = 1.0
+"""DeepSpeed 0.19.8's ``gradient_clipping`` when a config does not set it."""
+
+
+def _without_consecutive_hysteresis(raw: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """``raw`` without ``fp16.consecutive_hysteresis: true``, and whether it was there: DeepSpeed's
+    fp16 math (:mod:`hybridtrain.deepspeed.loss_scale`) keeps that rule; the engine's own loss
+    scaler, which the config describes, does not."""
+    fp16 = raw.get("fp16")
+    if not isinstance(fp16, Mapping) or fp16.get("consecutive_hysteresis") is not True:
+        return raw, False
+    return {**raw, "fp16": {k: v for k, v in fp16.items() if k != "consecutive_hysteresis"}}, True
 
 
 def _never_print(raw: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ from hybridtrain.compose import check_plain_initialize
 from hybridtrain.config import Config
 from hybridtrain.config.deepspeed_keys import deepspeed_takes_fp16_init_step
 from hybridtrain.deepspeed.client_optimizer import describe, lay_groups, with_optimizer
+from hybridtrain.deepspeed.loss_scale import DeepSpeedLossScale
 from hybridtrain.deepspeed.master_weights import MasterWeightsOptimizer, NormRule, cast_parameters
 from hybridtrain.engine import Engine
 from hybridtrain.optim import FP16_INIT_STEP
@@ -42,19 +43,27 @@ def takes_fp16_init_step(raw: Mapping[str, Any], client: bool) -> bool:
     return deepspeed_takes_fp16_init_step(dict(raw)) and (client or isinstance(raw.get("optimizer"), Mapping))
 
 
+_OWN_FP16_PATH = ("lamb", "onebitadam", "zerooneadam", "onebitlamb")
+"""Config optimizers DeepSpeed's fp16 wrapper steps through their own fused paths."""
+
+
 def master_weights(raw: Mapping[str, Any], cfg: Config) -> bool:
-    """Whether this run trains as DeepSpeed's bf16 does: bfloat16 weights, fp32 masters in the
+    """Whether this run trains as DeepSpeed's bf16/fp16 does: half weights, fp32 masters in the
     optimizer (:mod:`hybridtrain.deepspeed.master_weights`) instead of autocast over fp32 weights.
 
-    Decided for ``bf16.enabled`` with gradients accumulating in the model's dtype (no
+    Decided for ``bf16.enabled`` or ``fp16.enabled`` with gradients accumulating in the model's dtype (no
     ``data_types.grad_accum_dtype``) in one process without tensor/pipeline parallel, ZeRO
     stages 0-2 without offload or streaming (where DeepSpeed's wrappers are
-    ``FP16_Optimizer`` and ``DeepSpeedZeroOptimizer``). Elsewhere the engine keeps autocast.
+    ``FP16_Optimizer`` and ``DeepSpeedZeroOptimizer``), and for fp16 not over the config's LAMB or
+    1-bit optimizers (DeepSpeed's fp16 wrapper steps those through their own fused paths, which
+    take the loss scale themselves). Elsewhere the engine keeps autocast.
     """
     zero = cfg.zero_optimization
     data_types = raw.get("data_types")
     accumulation = data_types.get("grad_accum_dtype") if isinstance(data_types, Mapping) else None
-    return (cfg.bf16.enabled and not cfg.fp16.enabled and accumulation is None and _world_size() == 1
+    own_fp16_path = cfg.fp16.enabled and cfg.optimizer.type.lower() in _OWN_FP16_PATH
+    return ((cfg.bf16.enabled or cfg.fp16.enabled) and not own_fp16_path and accumulation is None
+            and _world_size() == 1
             and zero.stage <= 2 and zero.offload_optimizer.device == "none" and zero.offload_param.device == "none"
             and max(cfg.tensor_parallel.size, cfg.tensor_model_parallel_size or 1) == 1
             and cfg.pipeline.stages == 1 and not cfg.layer_streaming.enabled)
@@ -62,7 +71,7 @@ def master_weights(raw: Mapping[str, Any], cfg: Config) -> bool:
 
 def build_engine(model: nn.Module, cfg: Config, init_step: bool, optimizer: Any, params: list[Any] | None,
                  lr_scheduler: Any, loss_fn: LossFn | None = None, example_batch: Batch | None = None,
-                 half_weights: bool = False) -> Engine:
+                 half_weights: bool = False, consecutive_hysteresis: bool = False) -> Engine:
     """:func:`hybridtrain.initialize` with ``deepspeed.initialize``'s optimizer arguments.
 
     Args:
@@ -72,7 +81,8 @@ def build_engine(model: nn.Module, cfg: Config, init_step: bool, optimizer: Any,
         params: ``model_parameters`` (parameters or param-group dicts), or None.
         lr_scheduler: a scheduler, a callable taking the optimizer, or None (the config's).
         loss_fn / example_batch: as :func:`hybridtrain.initialize`.
-        half_weights: train with DeepSpeed's bf16 math (:func:`master_weights` decided it).
+        half_weights: train with DeepSpeed's bf16/fp16 math (:func:`master_weights` decided it).
+        consecutive_hysteresis: ``fp16.consecutive_hysteresis`` (read only with ``half_weights``).
     """
     from hybridtrain.optim import build_optimizer, build_scheduler
     from hybridtrain.plan.resolve import optimizer_settings
@@ -91,7 +101,7 @@ def build_engine(model: nn.Module, cfg: Config, init_step: bool, optimizer: Any,
         settings = optimizer_settings(cfg)
         optimizer = build_optimizer(params, settings.type, dict(settings.params))
     if half_weights:
-        optimizer, cfg = _with_master_weights(model, cfg, optimizer, params, init_step, rule)
+        optimizer, cfg = _with_master_weights(model, cfg, optimizer, params, init_step, rule, consecutive_hysteresis)
     spec = None
     if isinstance(optimizer, torch.optim.Optimizer) and _replaces_parameters(cfg):
         # The engine shards the parameters before it builds its optimizer: the caller's is
@@ -143,25 +153,35 @@ def without_unstreamable_param_offload(cfg: Config, model: nn.Module) -> Config:
 
 
 def _with_master_weights(model: nn.Module, cfg: Config, optimizer: torch.optim.Optimizer | None,
-                         params: list[Any] | None, init_step: bool,
-                         rule: NormRule) -> tuple[MasterWeightsOptimizer, Config]:
-    """The module cast to bfloat16 and DeepSpeed's bf16 wrapper over the basic optimizer (the
-    caller's, else the config's over ``params`` or the model's parameters); the config the
-    engine then runs: no autocast, no clipping of its own (the wrapper clips as DeepSpeed),
-    and no ZeRO (one process: ZeRO-1/2 shard nothing; the wrapper holds their arithmetic)."""
+                         params: list[Any] | None, init_step: bool, rule: NormRule,
+                         consecutive_hysteresis: bool) -> tuple[MasterWeightsOptimizer, Config]:
+    """The module cast to the half dtype and DeepSpeed's bf16/fp16 wrapper over the basic
+    optimizer (the caller's, else the config's over ``params`` or the model's parameters),
+    with fp16's loss scale kept by the wrapper's rule; the config the engine then runs: no
+    autocast and no loss scaling or clipping of its own (the wrapper does them as DeepSpeed),
+    a non-finite loss skipped (the wrapper then counts an overflow, as DeepSpeed's check of the
+    gradients would), and no ZeRO (one process: ZeRO-1/2 shard nothing; the wrapper holds
+    their arithmetic)."""
     from hybridtrain.optim import build_optimizer
     from hybridtrain.plan.resolve import optimizer_settings
 
-    cast_parameters(model, torch.bfloat16)
+    fp16 = cfg.fp16.enabled
+    cast_parameters(model, torch.float16 if fp16 else torch.bfloat16)
     if optimizer is None:
         settings = optimizer_settings(cfg)
         optimizer = build_optimizer(params if params is not None else model.parameters(), settings.type,
                                     dict(settings.params))
-    wrapped = MasterWeightsOptimizer(optimizer, cfg.gradient_clipping, rule,
-                                     fp16_init_step=init_step)
+    scale = None
+    if fp16:
+        scale = DeepSpeedLossScale.from_config("zero" if rule == "zero" else "stage0", cfg.fp16,
+                                               consecutive_hysteresis)
+    wrapped = MasterWeightsOptimizer(optimizer, cfg.gradient_clipping, rule, fp16_init_step=init_step,
+                                     loss_scale=scale)
     zero = cfg.zero_optimization.model_copy(update={"stage": 0})
     plain = cfg.model_copy(update={"bf16": cfg.bf16.model_copy(update={"enabled": False}),
-                                   "gradient_clipping": 0.0, "zero_optimization": zero})
+                                   "fp16": cfg.fp16.model_copy(update={"enabled": False}),
+                                   "gradient_clipping": 0.0, "zero_optimization": zero,
+                                   "nonfinite_loss": "skip"})
     return wrapped, plain
 
 

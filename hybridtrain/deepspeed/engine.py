@@ -24,6 +24,29 @@ from hybridtrain.engine import Engine
 LATEST = "latest"
 
 
+def cast_inputs_half(inputs: Any) -> Any:
+    """``inputs`` with every floating tensor cast to fp16, through lists, tuples and dicts
+    (DeepSpeed's ``_cast_inputs_half``)."""
+    if isinstance(inputs, list | tuple):
+        return inputs.__class__(cast_inputs_half(v) for v in inputs)
+    if isinstance(inputs, dict):
+        return {k: cast_inputs_half(v) for k, v in inputs.items()}
+    if torch.is_tensor(inputs) and inputs.is_floating_point():
+        return inputs.half()
+    return inputs
+
+
+def scaled_in_backward(loss: torch.Tensor, scale: float) -> torch.Tensor:
+    """``loss`` (a view of it) whose backward multiplies the gradient reaching it by ``scale``
+    in the loss's dtype, as DeepSpeed's ``loss * cur_scale`` does: the value reported and
+    checked stays the unscaled loss, and an fp16 loss sees the scale rounded to fp16 (2**16
+    overflows there, as in DeepSpeed)."""
+    view = loss.view_as(loss)
+    if view.requires_grad:
+        view.register_hook(lambda grad: grad * torch.tensor(scale, dtype=grad.dtype, device=grad.device))
+    return view
+
+
 class DeepSpeedEngine(nn.Module):
     """What ``deepspeed.initialize`` returns first, backed by a hybridtrain ``Engine``.
 
@@ -54,10 +77,21 @@ class DeepSpeedEngine(nn.Module):
 
     # ------------------------------------------------------------ forward / backward / step
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.engine(*args, **kwargs)
+        return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward; with DeepSpeed's fp16 math and ``fp16.auto_cast`` (off by
+        default, as in DeepSpeed) floating positional inputs are cast to fp16 first, as
+        DeepSpeed's ``_cast_inputs_half`` (keyword inputs are not)."""
+        if self._casts_inputs_half():
+            args = cast_inputs_half(args)
         return self.engine(*args, **kwargs)
+
+    def _casts_inputs_half(self) -> bool:
+        fp16 = self.config.get("fp16") if isinstance(self.config, dict) else None
+        wrapper = self._master_weights()
+        return isinstance(fp16, dict) and fp16.get("auto_cast") is True and wrapper is not None \
+            and wrapper.loss_scale is not None
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss / gradient_accumulation_steps`` (of ``loss`` with
@@ -69,33 +103,61 @@ class DeepSpeedEngine(nn.Module):
         if retain_graph:
             raise NotImplementedError("backward(retain_graph=True) is not supported by hybridtrain.deepspeed")
         accumulation = self.gradient_accumulation_steps()
+        wrapper = self._master_weights()
+        if wrapper is not None and wrapper.loss_scale is not None:
+            loss = scaled_in_backward(loss, wrapper.cur_scale)  # DeepSpeed's fp16 loss scale
         self.engine.backward(loss if scale_wrt_gas else loss * accumulation)
         return loss / accumulation if scale_wrt_gas else loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """End of a micro-batch: at the accumulation boundary, clip, update, schedule and
-        clear the gradients (a step skipped for fp16 overflow updates nothing)."""
+        clear the gradients. A step skipped for inf/NaN gradients updates nothing and, as in
+        DeepSpeed, does not advance the LR schedule (it still counts as a global step)."""
         if lr_kwargs:
             raise NotImplementedError("step(lr_kwargs=…) is not supported by hybridtrain.deepspeed")
         boundary = self.engine.is_gradient_accumulation_boundary()
         skipped = self.engine.skipped_steps
-        master = isinstance(self.engine.optimizer, MasterWeightsOptimizer)
-        if boundary and self._config.gradient_clipping <= 0 and not master:
+        wrapper = self._master_weights()
+        if boundary and self._config.gradient_clipping <= 0 and wrapper is None:
             # DeepSpeed reports the norm with clipping off too; the engine measures it only to clip.
             self._grad_norm = weights.grad_norm(self.engine)
-        self.engine.step()  # clears the gradients after the update, as DeepSpeed
+        if wrapper is None or not boundary:
+            self.engine.step()  # clears the gradients after the update, as DeepSpeed
+        else:
+            self._master_weights_step(wrapper)
         if boundary:
             self._step_applied = self.engine.skipped_steps == skipped
             if self.callers_optimizer is not None:
                 # DeepSpeed steps the caller's optimizer itself, so torch's schedulers built on it
                 # (Accelerate's) see it stepped; here another optimizer updated through its groups.
                 self.callers_optimizer._opt_called = True  # type: ignore[attr-defined]
-            wrapper = self.engine.optimizer
-            if isinstance(wrapper, MasterWeightsOptimizer):  # DeepSpeed's bf16 wrapper measured it
+            if wrapper is not None:  # DeepSpeed's bf16/fp16 wrapper measured it
                 self._grad_norm = wrapper.last_grad_norm
-                self._step_applied = self._step_applied and not wrapper.last_step_skipped
             elif self._config.gradient_clipping > 0 and self.engine.last_grad_norm is not None:
                 self._grad_norm = float(self.engine.last_grad_norm)
+
+    def _master_weights_step(self, wrapper: MasterWeightsOptimizer) -> None:
+        """The boundary step under DeepSpeed's bf16/fp16 wrapper: the engine's step with the LR
+        schedule held here, stepped only when the wrapper applied the update; a skip (the
+        wrapper's overflow, or the engine's for a non-finite loss, which the wrapper then
+        counts as an overflow) is counted in the engine's skipped steps."""
+        scheduler, self.engine.scheduler = self.engine.scheduler, None
+        skipped = self.engine.skipped_steps
+        wrapper.last_step_skipped = False
+        try:
+            self.engine.step()
+        finally:
+            self.engine.scheduler = scheduler
+        if self.engine.skipped_steps != skipped:  # the engine skipped a non-finite loss: the wrapper never ran
+            wrapper.skip()
+        elif wrapper.last_step_skipped:
+            self.engine.restore_progress(self.engine.global_step, skipped + 1)
+        elif scheduler is not None:
+            scheduler.step()
+
+    def _master_weights(self) -> MasterWeightsOptimizer | None:
+        wrapper = self.engine.optimizer
+        return wrapper if isinstance(wrapper, MasterWeightsOptimizer) else None
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch ends the accumulation window: as set by
@@ -235,7 +297,8 @@ class DeepSpeedEngine(nn.Module):
 
     @property
     def loss_scale(self) -> float:
-        return self.engine.loss_scale
+        wrapper = self._master_weights()
+        return wrapper.cur_scale if wrapper is not None else self.engine.loss_scale
 
     # ------------------------------------------------------------------ weights
     def zero_optimization_partition_weights(self) -> bool:

@@ -1,32 +1,47 @@
-"""DeepSpeed's bf16 math: bfloat16 module weights, fp32 master weights in the optimizer.
+"""DeepSpeed's bf16 and fp16 math: half module weights, fp32 master weights in the optimizer.
 
-With ``bf16.enabled`` DeepSpeed 0.19.8 does not autocast: it casts the module's parameters
-to bfloat16 (``engine._cast_module_mixed_precision``; buffers keep their dtype), lets autograd
-accumulate their gradients in bfloat16 (``data_types.grad_accum_dtype`` unset: the model's
-dtype), and its optimizer wrapper keeps fp32 masters of them. At the accumulation boundary it
-widens the gradients to fp32, measures their global norm, clips (``clip = (norm + 1e-6) /
-gradient_clipping``, gradients multiplied by ``1 / clip`` when it is above 1), steps the basic
-optimizer on the masters and copies them back into the bfloat16 weights.
+With ``bf16.enabled`` or ``fp16.enabled`` DeepSpeed 0.19.8 does not autocast: it casts the
+module's parameters to the half dtype (``engine._cast_module_mixed_precision``; buffers keep
+their dtype), lets autograd accumulate their gradients in it (``data_types.grad_accum_dtype``
+unset: the model's dtype), and its optimizer wrapper keeps fp32 masters of them. At the
+accumulation boundary it checks the half gradients for inf/NaN, widens them to fp32, measures
+their global norm, unscales and clips them in one multiplication (``combined = scale``, or
+``clip * scale`` with ``clip = (norm / scale + 1e-6) / gradient_clipping`` above 1), steps the
+basic optimizer on the masters and copies them back into the half weights. fp16 multiplies the
+loss by the loss scale before backward (:mod:`hybridtrain.deepspeed.loss_scale`; bf16's scale
+is 1), and the scale is updated before the gradients are unscaled, so a step at which the scale
+grows divides them by the grown scale, as DeepSpeed's wrappers do.
 
-A step whose norm is not finite (an inf/NaN gradient with a finite loss; a non-finite loss
-stops the engine before) is skipped here. DeepSpeed's stage-0 wrappers skip it too but also
-hold the LR schedule back a step, which the engine here does not; its ZeRO-1/2 bf16 path
-without ``bfloat16.check_grad_overflow`` applies it (NaN weights).
+A step whose gradients are not finite is skipped: the masters and weights stay, the gradients
+are dropped, the scale shrinks (fp16), and the caller (:class:`~hybridtrain.deepspeed.engine.
+DeepSpeedEngine`) holds the LR schedule back a step and counts it skipped, as DeepSpeed's
+engine does for every wrapper here (ZeRO-1/2 bf16 too: ``bf16.check_grad_overflow`` is on by
+default).
 
-The wrappers differ only in the norm's arithmetic (:data:`NormRule`) and one step:
+The wrappers differ in the norm's arithmetic (:data:`NormRule`), the loss scale's update rule
+(:data:`~hybridtrain.deepspeed.loss_scale.ScaleRule`) and one step:
 
 - ``fused``: ZeRO stage 0 over DeepSpeed's ``FusedAdam`` (``runtime/fp16/fused_optimizer.py``
   ``FP16_Optimizer``): each flat fp32 group gradient's fp32 norm, squares summed in Python floats
   (``get_flattened_grad_norm``).
 - ``unfused``: ZeRO stage 0 over any other optimizer (``unfused_optimizer.py``
-  ``FP16_UnfusedOptimizer``): each bfloat16 gradient's fp32 norm, squares summed in an fp32 tensor
+  ``FP16_UnfusedOptimizer``): each half gradient's fp32 norm, squares summed in an fp32 tensor
   (``get_weight_norm``). Both stage-0 wrappers step the basic optimizer once with zero gradients
   when built (``initialize_optimizer_states``, decided by
   :func:`hybridtrain.deepspeed.building.takes_fp16_init_step`).
 - ``zero``: ZeRO stages 1 and 2 (``runtime/zero/stage_1_and_2.py`` ``DeepSpeedZeroOptimizer``):
-  each bfloat16 gradient's norm in fp64, squares summed and rooted in fp32
+  each half gradient's norm in fp64, squares summed and rooted in fp32
   (``get_grad_norm_direct``), groups combined by an fp32 vector norm
-  (``combine_grad_norm_groups``); the clip factor an fp32 tensor (``torch.clamp(clip, min=1.0)``).
+  (``combine_grad_norm_groups``); the combined scale an fp32 tensor (``torch.clamp(clip, min=1.0)
+  * scale``).
+
+The reported gradient norm is the global norm divided by the scale the loss was multiplied by
+(ZeRO-1/2's ``scaled_global_grad_norm / prev_scale``). DeepSpeed 0.19.8's engine never calls
+the stage-0 fp16 wrappers' ``backward`` (only a ZeRO optimizer's ``scale_if_loss``), so on the
+real one their gradients are not scaled and are then divided by the scale anyway: clipping
+never acts and an SGD step is 2**16 times too small. The drop-in scales the loss as those
+wrappers' ``backward`` does (``loss.float() * cur_scale``) instead, and reports the norm of the
+unscaled gradients for them too.
 
 DeepSpeed's masters are flat per group (``fused`` and ``zero``) or one per parameter
 (``unfused``); they are one per parameter here, which is the same arithmetic for the
@@ -40,12 +55,14 @@ from typing import Any, Literal
 
 import torch
 
+from hybridtrain.deepspeed.loss_scale import DeepSpeedLossScale
+
 NormRule = Literal["fused", "unfused", "zero"]
 """Which DeepSpeed wrapper's norm and clip arithmetic (see the module)."""
 
 
 def global_norm(rule: NormRule, groups: list[list[torch.Tensor]]) -> float:
-    """The global norm of the bfloat16 gradients ``groups`` (one list per parameter group) as
+    """The global norm of the half gradients ``groups`` (one list per parameter group) as
     DeepSpeed's wrapper ``rule`` computes it (see the module)."""
     if rule == "fused":
         total = 0.0
@@ -73,39 +90,46 @@ def global_norm(rule: NormRule, groups: list[list[torch.Tensor]]) -> float:
     return float(torch.linalg.vector_norm(torch.stack(norms), ord=2))
 
 
-def clip_divisor(rule: NormRule, norm: float, max_norm: float) -> float:
-    """What DeepSpeed's wrapper ``rule`` divides the gradients by to clip them to ``max_norm``
-    (1.0: no clipping)."""
-    if max_norm <= 0:
-        return 1.0
+def combined_scale(rule: NormRule, norm: float, max_norm: float, scale: float = 1.0) -> float | torch.Tensor:
+    """What DeepSpeed's wrapper ``rule`` divides the gradients by to unscale them from the loss
+    scale ``scale`` and clip them to ``max_norm`` (0: no clipping) in one multiplication, given
+    their global norm ``norm`` (of the scaled gradients). ``zero``'s is an fp32 tensor when it
+    clips, as DeepSpeed's."""
     if rule == "zero":
-        clip = (torch.tensor(norm, dtype=torch.float32) + 1e-6) / max_norm
-        return float(torch.clamp(clip, min=1.0))
-    ratio = (norm + 1e-6) / max_norm
-    return ratio if ratio > 1 else 1.0
+        if max_norm <= 0:
+            return scale
+        clip_tensor = ((torch.tensor(norm, dtype=torch.float32) / scale) + 1e-6) / max_norm
+        return torch.clamp(clip_tensor, min=1.0) * scale
+    if max_norm > 0:
+        clip = ((norm / scale) + 1e-6) / max_norm
+        if clip > 1:
+            return clip * scale
+    return scale
 
 
 class MasterWeightsOptimizer(torch.optim.Optimizer):
-    """DeepSpeed's bf16 optimizer wrapper around a basic optimizer built over the module's
-    bfloat16 parameters: each trainable parameter gets an fp32 master, which takes its place in
-    the basic optimizer's groups; :meth:`step` widens the gradients, clips as DeepSpeed, steps
-    the masters and copies them back. ``param_groups`` and ``state`` are the basic optimizer's,
-    so schedulers and callers that set ``lr`` on the groups drive the update.
+    """DeepSpeed's bf16/fp16 optimizer wrapper around a basic optimizer built over the module's
+    half parameters: each trainable parameter gets an fp32 master, which takes its place in the
+    basic optimizer's groups; :meth:`step` checks, widens, unscales and clips the gradients as
+    DeepSpeed, steps the masters and copies them back. ``param_groups`` and ``state`` are the
+    basic optimizer's, so schedulers and callers that set ``lr`` on the groups drive the update.
 
     Args:
         inner: the basic optimizer (the config's or the caller's), over the half parameters.
         max_norm: ``gradient_clipping`` (0: none).
         rule: which DeepSpeed wrapper's norm and clip arithmetic (:data:`NormRule`).
         fp16_init_step: step the masters once with zero gradients now (the ZeRO-0 wrappers').
+        loss_scale: fp16's loss scale (None: bf16, not scaled).
     """
 
     def __init__(self, inner: torch.optim.Optimizer, max_norm: float, rule: NormRule,
-                 fp16_init_step: bool) -> None:
+                 fp16_init_step: bool, loss_scale: DeepSpeedLossScale | None = None) -> None:
         # The base class's constructor is not run: the groups and state are the inner optimizer's.
         self.inner = inner
         self.defaults = inner.defaults
         self.max_norm = max_norm
         self.rule: NormRule = rule
+        self.loss_scale = loss_scale
         self.half_groups: list[list[torch.nn.Parameter]] = []
         self.master_groups: list[list[torch.Tensor]] = []
         for group in inner.param_groups:
@@ -117,9 +141,10 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         self._optimizer_step_pre_hooks: dict[int, Any] = {}
         self._optimizer_step_post_hooks: dict[int, Any] = {}
         self.last_grad_norm: float | None = None
-        """The global gradient norm (before clipping) of the latest :meth:`step`."""
+        """The global gradient norm (before clipping, unscaled) of the latest :meth:`step`; inf
+        when it was skipped."""
         self.last_step_skipped = False
-        """Whether the latest :meth:`step` was skipped (a gradient norm not finite)."""
+        """Whether the latest :meth:`step` was skipped (gradients not finite)."""
         if fp16_init_step:
             for master in self._masters():
                 master.grad = torch.zeros_like(master)
@@ -142,33 +167,56 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
     def state(self, state: Any) -> None:
         self.inner.state = state
 
+    @property
+    def cur_scale(self) -> float:
+        """The loss scale the next backward multiplies by (1.0 for bf16), DeepSpeed's name."""
+        return self.loss_scale.scale if self.loss_scale is not None else 1.0
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the bfloat16 weights' gradients (always to None, as DeepSpeed)."""
+        """Clear the half weights' gradients (always to None, as DeepSpeed)."""
         for halves in self.half_groups:
             for p in halves:
                 p.grad = None
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        """Widen, measure, clip, update the masters, copy them into the bfloat16 weights."""
+        """Check, measure, unscale and clip, update the masters, copy them into the half weights
+        (see the module); a step with gradients not finite is skipped (:meth:`skip`)."""
         if closure is not None:
             raise NotImplementedError("MasterWeightsOptimizer.step(closure) is not supported, as in DeepSpeed")
-        norm = global_norm(self.rule, [[p.grad for p in halves if p.grad is not None] for halves in self.half_groups])
-        self.last_grad_norm = norm
-        self.last_step_skipped = not math.isfinite(norm)
-        if self.last_step_skipped:
-            return  # DeepSpeed's bf16 wrappers skip a step whose norm is not finite
-        scale = 1.0 / clip_divisor(self.rule, norm, self.max_norm)
+        grads = [[p.grad for p in halves if p.grad is not None] for halves in self.half_groups]
+        if any(not bool(torch.isfinite(g).all()) for group in grads for g in group):
+            self.skip()
+            return
+        norm = global_norm(self.rule, grads)
+        if not math.isfinite(norm):
+            self.skip()
+            return
+        used = self.cur_scale
+        if self.loss_scale is not None:
+            self.loss_scale.update(overflow=False)  # before unscaling, as DeepSpeed's wrappers
+        self.last_grad_norm = norm / used
+        self.last_step_skipped = False
+        divisor = combined_scale(self.rule, norm, self.max_norm, self.cur_scale)
         for halves, masters in zip(self.half_groups, self.master_groups, strict=True):
             for half, master in zip(halves, masters, strict=True):
                 master.grad = half.grad.float() if half.grad is not None else torch.zeros_like(master)
-                if scale != 1.0:
-                    master.grad.mul_(scale)
+                if isinstance(divisor, torch.Tensor) or divisor != 1.0:
+                    master.grad.mul_(1.0 / divisor)
         self.inner.step()
         self._drop_master_grads()
         for halves, masters in zip(self.half_groups, self.master_groups, strict=True):
             for half, master in zip(halves, masters, strict=True):
                 half.copy_(master)
+
+    def skip(self) -> None:
+        """Skip this step as DeepSpeed does on an overflow: the gradients are dropped, the loss
+        scale shrinks, the masters stay (the caller holds the LR schedule back)."""
+        if self.loss_scale is not None:
+            self.loss_scale.update(overflow=True)
+        self.last_grad_norm = float("inf")
+        self.last_step_skipped = True
+        self.zero_grad()
 
     def _masters(self) -> list[torch.Tensor]:
         return [m for masters in self.master_groups for m in masters]
@@ -189,7 +237,7 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def load_masters(self, values: list[torch.Tensor]) -> None:
-        """Set the fp32 masters (in the groups' order) and the bfloat16 weights from them, as
+        """Set the fp32 masters (in the groups' order) and the half weights from them, as
         DeepSpeed's wrappers restore a checkpoint's masters."""
         masters = self._masters()
         if len(values) != len(masters):

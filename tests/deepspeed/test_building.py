@@ -40,6 +40,7 @@ def test_zero3_parameter_offload_of_a_model_without_blocks_trains_as_a_plain_loo
         engine.backward(loss)
         engine.step()
         (reference(x) - 2 * x).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)  # DeepSpeed's default gradient_clipping
         optimizer.step()
         optimizer.zero_grad()
     engine.engine.wait_for_updates()

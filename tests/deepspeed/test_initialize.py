@@ -15,9 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import hybridtrain.deepspeed as deepspeed
+from tests.deepspeed.fp16_reference import deepspeed_fp16_loop
 
 LR, DECAY = 0.1, 0.1
-FP16 = {"train_micro_batch_size_per_gpu": 4, "fp16": {"enabled": True, "hysteresis": 1}}
+# auto_cast: the engine casts the fp32 inputs to the fp16 model's dtype, as DeepSpeed's does.
+FP16 = {"train_micro_batch_size_per_gpu": 4, "fp16": {"enabled": True, "hysteresis": 1, "auto_cast": True}}
 
 
 def _model() -> nn.Module:
@@ -36,25 +38,36 @@ def test_a_callers_optimizer_is_stepped_once_with_zero_gradients_then_trains_as_
     model, reference = _model(), _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
     engine, returned, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    assert (returned is optimizer) is not offload
+    # DeepSpeed's fp16 wrapper (fp32 masters) over the caller's optimizer; streaming: autocast.
+    assert (getattr(returned, "inner", None) is optimizer) is not offload
     assert all(s["step"] == 1 for s in returned.state.values())
 
-    # The reference: DeepSpeed's fp16 init step, then loss-scaled fp16 steps.
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 6, generator=gen), torch.randint(0, 3, (4,), generator=gen)) for _ in range(3)]
+    for x, y in batches:
+        # The loss in fp32, as autocast computes it in the reference.
+        engine.backward(F.cross_entropy(engine(x.to(engine.device)).float(), y.to(engine.device)))
+        engine.step()
+    if not offload:  # the reference: DeepSpeed's fp16 wrapper, its init step included, to the bit
+        # clip 1.0: DeepSpeed's default gradient_clipping
+        deepspeed_fp16_loop(reference, lambda masters: torch.optim.AdamW(masters, lr=LR, weight_decay=DECAY),
+                            batches, F.cross_entropy, scale=2.0**16, clip=1.0, init_step=True)
+        for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(mine, theirs)
+        return
+    # Layer streaming keeps autocast over fp32 weights: DeepSpeed's init step, then loss-scaled steps.
     opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=DECAY)
     for p in reference.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        x, y = torch.randn(4, 6, generator=gen), torch.randint(0, 3, (4,), generator=gen)
-        # The loss in fp32, as autocast computes it in the reference.
-        engine.backward(F.cross_entropy(engine(x.to(engine.device)).float(), y.to(engine.device)))
-        engine.step()
+    for x, y in batches:
         opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):
             loss = F.cross_entropy(reference(x), y)
         scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)  # DeepSpeed's default gradient_clipping
         scaler.step(opt)
         scaler.update()
     eps = torch.finfo(torch.float16).eps  # one fp16 rounding per step may differ
@@ -78,9 +91,12 @@ def test_the_fp16_init_step_uses_the_learning_rate_of_the_moment_deepspeed_takes
             "warmup_min_lr": 0.0, "warmup_max_lr": LR, "warmup_num_steps": 10}}}
         extra["config"] = warmup
         lr = LR
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, **{"config": FP16, **extra})
-    for p, p0 in zip(model.parameters(), start, strict=True):
-        torch.testing.assert_close(p.detach().cpu(), p0 * (1 - lr * DECAY), rtol=0, atol=0)
+    engine, returned, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, **{"config": FP16, **extra})
+    masters = [m for group in returned.param_groups for m in group["params"]]  # DeepSpeed's fp32 masters
+    for m, p, p0 in zip(masters, model.parameters(), start, strict=True):
+        # DeepSpeed casts the module first: the masters start from the fp16 weights
+        torch.testing.assert_close(m.detach(), p0.half().float() * (1 - lr * DECAY), rtol=0, atol=0)
+        assert torch.equal(p.detach(), p0.half())  # the init step moves the masters only, as DeepSpeed's
     # The schedule's own rate is back in place afterwards.
     unstepped = _model()
     plain = torch.optim.AdamW(unstepped.parameters(), lr=LR, weight_decay=DECAY)
@@ -106,8 +122,9 @@ def test_the_configs_own_optimizer_is_stepped_where_deepspeed_wraps_it(zero: dic
     start = _start(model)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, config=config)
     decayed = 1 - LR * DECAY if steps else 1.0
-    for p, p0 in zip(model.parameters(), start, strict=True):
-        torch.testing.assert_close(p.detach().cpu(), p0 * decayed, rtol=0, atol=0)
+    masters = [m for group in optimizer.param_groups for m in group["params"]]  # DeepSpeed's fp32 masters
+    for m, p0 in zip(masters, start, strict=True):
+        torch.testing.assert_close(m.detach(), p0.half().float() * decayed, rtol=0, atol=0)
     assert all(s["step"] == 1 for s in optimizer.state.values()) if steps else not optimizer.state
     assert "fp16_init_step" not in load_config(config).optimizer.params
     native = _model()
@@ -135,3 +152,25 @@ def test_a_scheduler_on_the_callers_optimizer_does_not_warn_under_offload() -> N
         engine.step()
         scheduler.step()
     assert engine.get_lr() == [0.05]
+
+
+def test_gradient_clipping_defaults_to_deepspeeds_one() -> None:
+    """A config without ``gradient_clipping`` clips at 1.0, as DeepSpeed 0.19.8 does: Adam's first
+    step hides it (scale-invariant), the second does not."""
+    model, reference = _model(), _model()
+    config = {"train_micro_batch_size_per_gpu": 4,
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": DECAY, "torch_adam": True}}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    assert engine.gradient_clipping() == 1.0
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=DECAY)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(4, 6, generator=gen) * 4, torch.randint(0, 3, (4,), generator=gen)
+        engine.backward(F.cross_entropy(engine(x), y))
+        engine.step()
+        F.cross_entropy(reference(x), y).backward()
+        assert float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)) > 1.0  # the clip acts
+        optimizer.step()
+        optimizer.zero_grad()
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine.detach(), theirs.detach(), rtol=1e-5, atol=1e-7)

@@ -1,11 +1,12 @@
-"""DeepSpeed's bf16 math under the drop-in (:mod:`hybridtrain.deepspeed.master_weights`):
-bfloat16 weights, fp32 masters, DeepSpeed's norm and clip arithmetic.
+"""DeepSpeed's bf16 and fp16 math under the drop-in (:mod:`hybridtrain.deepspeed.master_weights`):
+half weights, fp32 masters, DeepSpeed's loss scale, norm and clip arithmetic.
 
 Side by side with the real DeepSpeed 0.19.8 on this CPU (its bf16 runs on the CPU
-accelerator): every step's learning rate, loss and gradient norm, and the final weights, are
-the same bits for ZeRO-0 (both of its wrappers), ZeRO-1 and ZeRO-2, and bf16 checkpoints
-resume across the two systems both ways. In process: the same training against DeepSpeed's
-rules written out as a plain loop, and the pieces one by one.
+accelerator; fp16 once it is told the CPU supports it, see ``scripts/real_deepspeed.py``):
+every step's learning rate, loss, gradient norm, loss scale and skip, and the final weights,
+are the same bits for ZeRO-0 (both of its wrappers), ZeRO-1 and ZeRO-2, overflowing steps
+included, and bf16 checkpoints resume across the two systems both ways. In process: the same
+training against DeepSpeed's rules written out as a plain loop, and the pieces one by one.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import nn
 import hybridtrain.deepspeed as deepspeed
 from hybridtrain.config import load_config
 from hybridtrain.deepspeed.building import master_weights
-from hybridtrain.deepspeed.master_weights import MasterWeightsOptimizer, clip_divisor, global_norm
+from hybridtrain.deepspeed.master_weights import MasterWeightsOptimizer, combined_scale, global_norm
 from tests.deepspeed.frameworks import finish, record, start
 
 RUNS = ("stage0", "stage0_fused", "stage1", "stage2")
@@ -151,9 +152,13 @@ def test_every_rule_measures_the_global_norm_and_clips_to_max_norm(rule: Any) ->
     everything = torch.cat([g.float().reshape(-1) for group in groups for g in group])
     norm = global_norm(rule, groups)
     assert norm == pytest.approx(float(torch.linalg.vector_norm(everything.double())), rel=1e-6)
-    assert clip_divisor(rule, norm, max_norm=norm * 2) == 1.0
-    assert clip_divisor(rule, norm, max_norm=0.0) == 1.0  # no clipping configured
-    assert clip_divisor(rule, norm, max_norm=1.0) == pytest.approx(norm + 1e-6, rel=1e-6)
+    assert float(combined_scale(rule, norm, max_norm=norm * 2)) == 1.0
+    assert float(combined_scale(rule, norm, max_norm=0.0)) == 1.0  # no clipping configured
+    assert float(combined_scale(rule, norm, max_norm=1.0)) == pytest.approx(norm + 1e-6, rel=1e-6)
+    # fp16: the gradients (and their norm) are 2**10 times larger; one multiplication unscales and clips
+    assert float(combined_scale(rule, norm * 1024, max_norm=1.0, scale=1024.0)) == pytest.approx(
+        (norm + 1e-6) * 1024, rel=1e-6)
+    assert float(combined_scale(rule, norm * 1024, max_norm=norm * 2, scale=1024.0)) == 1024.0
 
 
 def test_a_step_with_an_infinite_gradient_is_skipped() -> None:
@@ -162,9 +167,92 @@ def test_a_step_with_an_infinite_gradient_is_skipped() -> None:
                                        fp16_init_step=False)
     weight.grad = torch.tensor([1.0, float("inf"), 0.0], dtype=torch.bfloat16)
     optimizer.step()
-    assert optimizer.last_grad_norm == float("inf")
+    assert optimizer.last_grad_norm == float("inf") and optimizer.last_step_skipped
+    assert weight.grad is None  # dropped, as DeepSpeed's wrappers drop an overflowed step's
     assert torch.equal(weight, torch.ones(3, dtype=torch.bfloat16))
     assert torch.equal(optimizer.param_groups[0]["params"][0], torch.ones(3))
+
+
+def test_fp16_side_by_side_with_the_real_deepspeed_overflows_and_resume_included(tmp_path: Path) -> None:
+    """fp16 (hysteresis without and with ``consecutive_hysteresis``) and bf16, every wrapper:
+    steps overflow at the start, where the scale grows back and at an infinite gradient; each
+    is skipped with the LR schedule held, as on the real DeepSpeed, to the bit; and fp16
+    checkpoints cross between the two systems both ways (:func:`_fp16_crossed`)."""
+    pytest.importorskip("deepspeed")  # the reference
+    variants = ["fp16", "fp16-consecutive", "bf16"]
+    runs = [(system, start("fp16_script.py", [*variants, str(tmp_path / system)], tmp_path, real=system == "real",
+                           env={"HYBRIDTRAIN_REFERENCE_FP16": "1"})) for system in ("real", "ours")]
+    for system, process in runs:
+        finish(process, f"{system} fp16_script")
+    for variant in variants:
+        for name in RUNS:
+            ours, our_params = record(tmp_path / f"ours.{variant}.{name}")
+            real, real_params = record(tmp_path / f"real.{variant}.{name}")
+            assert "+hybridtrain" in ours["deepspeed"] and "+hybridtrain" not in real["deepspeed"]
+            for key in ("steps", "lrs", "scales", "skipped", "applied", "dtypes"):
+                assert ours[key] == real[key], (variant, name, key, ours[key], real[key])
+            assert ours["dtypes"] == [f"torch.{'float16' if variant.startswith('fp16') else 'bfloat16'}"]
+            assert ours["applied"].count(False) == ours["skipped"][-1] > 0
+            if name == "stage0_fused":
+                _assert_within_one_half_step(ours, our_params, real, real_params, variant)
+                continue
+            assert ours["losses"] == real["losses"], (variant, name)
+            assert ours["grad_norms"] == _reported_unscaled(real, name), (variant, name)
+            for key, value in real_params.items():
+                assert torch.equal(our_params[key], value), (variant, name, key)
+    fp16 = record(tmp_path / "ours.fp16.stage2")[0]
+    assert fp16["lrs"][:5] == [0.0] * 5  # the warm-up held back through the four skipped steps
+    assert fp16["scales"] != record(tmp_path / "ours.fp16-consecutive.stage2")[0]["scales"]
+    _fp16_crossed(tmp_path)
+
+
+def _fp16_crossed(tmp_path: Path) -> None:
+    """Saved after 4 fp16 steps (the scale shrunk, ZeRO's hysteresis spent) on one system and
+    resumed on the other: the last 4 steps are the uninterrupted run's, scale and skips included."""
+    dirs = {"real": tmp_path / "real-ckpt", "ours": tmp_path / "our-ckpt"}
+    for mode, where in (("save", dirs), ("resume", {"real": dirs["ours"], "ours": dirs["real"]})):
+        runs = [start("fp16_script.py", [mode, str(where[system]), "fp16", str(tmp_path / f"{system}-{mode}")],
+                      tmp_path, real=system == "real", env={"HYBRIDTRAIN_REFERENCE_FP16": "1"})
+                for system in ("real", "ours")]
+        for process in runs:
+            finish(process, f"fp16_script {mode}")
+    for resumed, uninterrupted in (("ours", "real"), ("real", "ours")):  # theirs resumed here, ours there
+        for name in RUNS:
+            mine, my_params = record(tmp_path / f"{resumed}-resume.fp16.{name}")
+            whole, whole_params = record(tmp_path / f"{uninterrupted}.fp16.{name}")
+            for key in ("lrs", "scales", "skipped", "applied", "steps"):
+                tail = whole[key][-4:] if isinstance(whole[key], list) else whole[key]
+                assert mine[key] == tail, (resumed, name, key, mine[key], whole[key])
+            if name != "stage0_fused":  # FusedAdam's C++ kernel rounds apart (see below)
+                for key, value in whole_params.items():
+                    assert torch.equal(my_params[key], value), (resumed, name, key)
+
+
+def _assert_within_one_half_step(ours: dict[str, Any], our_params: dict[str, torch.Tensor], real: dict[str, Any],
+                                 real_params: dict[str, torch.Tensor], variant: str) -> None:
+    """ZeRO-0 over FusedAdam: the real DeepSpeed steps its masters with FusedAdam's C++ CPU
+    kernel, the drop-in with torch's foreach Adam; the two round one element in about twenty
+    differently by one fp32 ulp (as torch's own fused and default kernels do, #38), and such an
+    ulp can carry a half weight across a rounding boundary. So: weights within one step of the
+    half dtype (2**-10 relative for fp16, 2**-7 for bf16), losses and norms within a few of its
+    unit roundoffs."""
+    step = 2.0**-10 if variant.startswith("fp16") else 2.0**-7
+    losses, norms = torch.tensor(ours["losses"]), torch.tensor(ours["grad_norms"])
+    torch.testing.assert_close(losses, torch.tensor(real["losses"]), rtol=4 * step, atol=0)
+    torch.testing.assert_close(norms, torch.tensor(_reported_unscaled(real, "stage0_fused")), rtol=4 * step, atol=0)
+    for key, value in real_params.items():
+        torch.testing.assert_close(our_params[key], value, rtol=step, atol=step * 1e-2, msg=f"{variant} {key}")
+
+
+def _reported_unscaled(real: dict[str, Any], name: str) -> list[float]:
+    """The real DeepSpeed's reported gradient norms as the drop-in reports them: of the
+    unscaled gradients. ZeRO-1/2 report that; ``FP16_UnfusedOptimizer`` reports the scaled norm
+    and ``FP16_Optimizer`` divides it by the scale after its update (twice the one used where
+    the scale grew). Exact: the scales are powers of two."""
+    if name not in ("stage0", "stage0_fused"):
+        return list(real["grad_norms"])
+    return [norm / before if name == "stage0" else norm * after / before
+            for norm, (before, after) in zip(real["grad_norms"], real["scales"], strict=True)]
 
 
 @pytest.mark.parametrize(("extra", "expected"), [

@@ -89,8 +89,32 @@ class StaticLossScaler:
         self.dynamic = False
 
 
+class DynamicLossScalerState:
+    """What the drop-in writes where ZeRO-1/2 fp16 files hold DeepSpeed's ``DynamicLossScaler``
+    (its loader takes the object as its scaler, so an fp16 run resumes with its scale):
+    pickled under DeepSpeed's class name, with that class's attributes."""
+
+    def __init__(self, state: dict[str, Any], window: int, min_scale: float, hysteresis: int,
+                 consecutive_hysteresis: bool) -> None:
+        self.cur_scale = float(state["cur_scale"])
+        self.cur_iter = int(state["cur_iter"])
+        self.last_overflow_iter = int(state["last_overflow_iter"])
+        self.scale_factor = 2.0
+        self.scale_window = window
+        self.min_scale = min_scale
+        self.delayed_shift = hysteresis
+        self.cur_hysteresis = int(state["cur_hysteresis"])
+        self.consecutive_hysteresis = consecutive_hysteresis
+        self.raise_error_at_min_scale = True
+        self.dynamic = True
+        self.dtype = torch.float16
+
+
 # Classes written under DeepSpeed's own names (the reader maps those names to its stand-ins).
-_WRITTEN_AS: dict[type, tuple[str, str]] = {StaticLossScaler: ("deepspeed.runtime.fp16.loss_scaler", "LossScaler")}
+_WRITTEN_AS: dict[type, tuple[str, str]] = {
+    StaticLossScaler: ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    DynamicLossScalerState: ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+}
 
 
 # The pure-Python pickler: the C one offers no way to write a class under another name.

@@ -43,6 +43,7 @@ def load(engine: Any, tag_dir: Path, load_optimizer_states: bool = True, load_lr
             dropped.append("lr_scheduler")
             if engine.scheduler is not None and state.model_states.get("lr_scheduler") is not None:
                 engine.scheduler.load_state_dict(state.model_states["lr_scheduler"])
+        _load_loss_scale(engine, state, int(state.model_states["skipped_steps"]))
         engine.restore_progress(int(state.model_states["global_steps"]), int(state.model_states["skipped_steps"]))
     return {k: v for k, v in state.model_states.items() if k not in dropped}
 
@@ -64,6 +65,23 @@ def _load_weights(engine: Any, state: reader.DeepSpeedState) -> None:
         refresh()  # the optimizer's host masters start from the loaded weights
     if isinstance(engine.optimizer, MasterWeightsOptimizer):
         engine.optimizer.load_masters(_masters(engine.optimizer, runtime.model, state, saved))
+
+
+def _load_loss_scale(engine: Any, state: reader.DeepSpeedState, skipped: int) -> None:
+    """fp16 resumes with the saved dynamic loss scale: into DeepSpeed's math's scale
+    (:class:`MasterWeightsOptimizer`), or into the engine's own (autocast), whose skipped steps
+    are then the checkpoint's."""
+    saved = state.scaler_state
+    if saved is None:
+        return
+    scale = getattr(engine.optimizer, "loss_scale", None)
+    if isinstance(engine.optimizer, MasterWeightsOptimizer) and scale is not None and scale.dynamic:
+        scale.load_state_dict(saved)
+    elif engine.scaler is not None and engine.scaler.dynamic:
+        engine.scaler.load_state_dict({
+            "scale": saved["cur_scale"], "hysteresis_left": saved.get("cur_hysteresis", engine.scaler.hysteresis),
+            "step": saved.get("cur_iter", 0), "last_overflow_step": saved.get("last_overflow_iter", -1),
+            "skipped_steps": skipped})
 
 
 def _masters(optimizer: MasterWeightsOptimizer, model: torch.nn.Module, state: reader.DeepSpeedState,

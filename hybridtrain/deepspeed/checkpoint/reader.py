@@ -52,6 +52,7 @@ class DeepSpeedState:
     param_groups: list[dict[str, Any]] = field(default_factory=list)
     loss_scale: float | None = None
     wrapper_masters: list[Any] | None = None
+    scaler_state: dict[str, Any] | None = None
 
     @property
     def client_state(self) -> dict[str, Any]:
@@ -90,6 +91,7 @@ def read(tag_dir: Path, with_optimizer: bool = True) -> DeepSpeedState:
         if isinstance(torch_optimizer, dict) and files.OPTIMIZER_STATE_DICT in torch_optimizer:
             # DeepSpeed's fp16/bf16 wrapper: its basic optimizer's state dict and its fp32 masters.
             state.wrapper_masters = torch_optimizer.get("fp32_groups", torch_optimizer.get("fp32_groups_flat"))
+            state.scaler_state = _scale_entries(torch_optimizer)
             torch_optimizer = torch_optimizer[files.OPTIMIZER_STATE_DICT]
         if isinstance(torch_optimizer, dict) and "state" in torch_optimizer:
             state.torch_optimizer = torch_optimizer
@@ -98,6 +100,15 @@ def read(tag_dir: Path, with_optimizer: bool = True) -> DeepSpeedState:
         return state
     _read_zero(state, int(model_states["dp_world_size"]), with_optimizer)
     return state
+
+
+def _scale_entries(saved: dict[str, Any]) -> dict[str, Any] | None:
+    """A loss scale's entries (``cur_scale`` and, where kept, ``cur_iter``, ``last_overflow_iter``,
+    ``cur_hysteresis``) from a wrapper's state dict or a saved scaler's attributes."""
+    if "cur_scale" not in saved:
+        return None
+    names = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+    return {k: saved[k] for k in names if isinstance(saved.get(k), int | float)}
 
 
 def _read_zero3(tag_dir: Path, with_optimizer: bool) -> DeepSpeedState:
@@ -126,6 +137,7 @@ def _read_zero(state: DeepSpeedState, dp: int, with_optimizer: bool) -> None:
     state.stage = int(ranks[0].get("zero_stage", 2))
     scaler = ranks[0].get("loss_scaler")
     state.loss_scale = float(getattr(scaler, "cur_scale", 1.0)) if scaler is not None else None
+    state.scaler_state = _scale_entries(vars(scaler)) if scaler is not None else None
     param_shapes: list[dict[str, torch.Size]] = state.model_states["param_shapes"]
     gaps = ranks[0].get("param_alignment_paddings") or [None] * len(param_shapes)
     for index, shapes in enumerate(param_shapes):

@@ -40,6 +40,14 @@ def param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> lis
     return [names[id(half)] for halves in optimizer.half_groups for half in halves]
 
 
+def per_element(key: str, value: Any, param_shape: torch.Size) -> bool:
+    """Whether optimizer-state entry ``key`` of a parameter of ``param_shape`` holds one value per
+    element (Adam's moments), which DeepSpeed's flat optimizers keep flattened with the group's,
+    rather than one for the parameter (the step): by shape, and by name where a 0-dim parameter
+    gives both the shape ()."""
+    return torch.is_tensor(value) and value.shape == param_shape and (value.dim() > 0 or key != "step")
+
+
 class EngineSnapshot:
     """What a DeepSpeed checkpoint holds, gathered from a hybridtrain engine on every rank.
 
@@ -107,7 +115,8 @@ def save(engine: Any, config: Any, raw_config: dict[str, Any], tag_dir: Path,
         _save_zero3(snapshot, config, raw_config, tag_dir, client_state)
         return
     if stage > 0:
-        rank_state = {files.OPTIMIZER_STATE_DICT: _zero_state(snapshot, config, topology.dp, topology.dp_rank),
+        rank_state = {files.OPTIMIZER_STATE_DICT: {**_zero_state(snapshot, config, topology.dp, topology.dp_rank),
+                                                   **_zero_loss_scaler(engine)},
                       "ds_config": raw_config, "ds_version": files.DS_VERSION_WRITTEN}
         files.write_atomically(rank_state, tag_dir / files.optim_states_name(topology.dp_rank, bf16))
     if topology.rank == 0:
@@ -136,8 +145,9 @@ def _save_zero3(snapshot: EngineSnapshot, config: Any, raw_config: dict[str, Any
     for index, group in enumerate(snapshot.groups):
         entries = [entry for _, entry in group]
         if entries and all(entries):
+            shape = snapshot.fp32(group[0][0]).shape
             state[index] = {key: zero3.rank_flat([e[key] for e in entries], dp, rank)
-                            if torch.is_tensor(first) and first.dim() > 0 else first
+                            if per_element(key, first, shape) else first
                             for key, first in entries[0].items()}
     optimizer_file = {
         "zero_stage": 3, "loss_scaler": files.StaticLossScaler(1.0), "dynamic_loss_scale": False,
@@ -201,10 +211,47 @@ def _stage0_optimizer_state(snapshot: EngineSnapshot, engine: Any) -> dict[str, 
         return inner
     masters = [[snapshot.fp32(name) for name, _ in group] for group in snapshot.groups]
     if optimizer.rule == "fused":
-        return {files.OPTIMIZER_STATE_DICT: _flat_groups_state(snapshot),
+        return {**_stage0_scale_state(optimizer, engine, fused=True),
+                files.OPTIMIZER_STATE_DICT: _flat_groups_state(snapshot),
                 "fp32_groups_flat": [flat.flatten(group) for group in masters], "clip_grad": float(optimizer.max_norm)}
-    return {"dynamic_loss_scale": False, "cur_scale": 1.0, "cur_iter": engine.global_step,
-            files.OPTIMIZER_STATE_DICT: inner, "fp32_groups": masters}
+    return {**_stage0_scale_state(optimizer, engine, fused=False), files.OPTIMIZER_STATE_DICT: inner,
+            "fp32_groups": masters}
+
+
+def _stage0_scale_state(optimizer: MasterWeightsOptimizer, engine: Any, fused: bool) -> dict[str, Any]:
+    """The loss-scale entries of a ZeRO-0 wrapper's state dict: fp16's scale as the wrapper
+    keeps it; bf16's none (``FP16_Optimizer``) or a fixed 1.0 (``FP16_UnfusedOptimizer``)."""
+    scale = optimizer.loss_scale
+    if scale is None:
+        return {} if fused else {"dynamic_loss_scale": False, "cur_scale": 1.0, "cur_iter": engine.global_step}
+    entries: dict[str, Any] = {"dynamic_loss_scale": scale.dynamic, "cur_scale": scale.scale,
+                               "cur_iter": scale.iteration}
+    if scale.dynamic:
+        entries.update({"last_overflow_iter": scale.last_overflow, "scale_factor": 2.0, "scale_window": scale.window})
+    return entries
+
+
+def _zero_loss_scaler(engine: Any) -> dict[str, Any]:
+    """ZeRO-1/2's loss scaler entry under fp16 (DeepSpeed's ``DynamicLossScaler``, or a static
+    ``LossScaler``): the scale DeepSpeed's math keeps, or the engine's own (fp16 under autocast,
+    the same update rule); nothing without fp16."""
+    optimizer = engine.optimizer
+    scale = optimizer.loss_scale if isinstance(optimizer, MasterWeightsOptimizer) else None
+    if scale is not None:
+        if not scale.dynamic:
+            return {"loss_scaler": files.StaticLossScaler(scale.scale)}
+        return {"loss_scaler": files.DynamicLossScalerState(scale.state_dict(), scale.window, scale.min_scale,
+                                                             scale.hysteresis, scale.consecutive_hysteresis)}
+    scaler = engine.scaler
+    if scaler is None:
+        return {}
+    if not scaler.dynamic:
+        return {"loss_scaler": files.StaticLossScaler(scaler.scale)}
+    state = scaler.state_dict()
+    named = {"cur_scale": state["scale"], "cur_iter": state["step"], "last_overflow_iter": state["last_overflow_step"],
+             "cur_hysteresis": state["hysteresis_left"]}
+    return {"loss_scaler": files.DynamicLossScalerState(named, scaler.window, scaler.min_scale, scaler.hysteresis,
+                                                         False)}
 
 
 def _flat_groups_state(snapshot: EngineSnapshot) -> dict[str, Any]:
@@ -214,7 +261,8 @@ def _flat_groups_state(snapshot: EngineSnapshot) -> dict[str, Any]:
     for index, group in enumerate(snapshot.groups):
         entries = [entry for _, entry in group]
         if entries and all(entries):
-            state[index] = {key: flat.flatten([e[key] for e in entries]) if torch.is_tensor(first) and first.dim() > 0
+            shape = snapshot.fp32(group[0][0]).shape
+            state[index] = {key: flat.flatten([e[key] for e in entries]) if per_element(key, first, shape)
                             else _plain_number(first) for key, first in entries[0].items()}
     # DeepSpeed's FusedAdam reads bias_correction from each group (a torch Adam has none: always on).
     groups = [{"bias_correction": True, **hypers, "params": [i]} for i, hypers in enumerate(snapshot.hypers)]
@@ -257,7 +305,7 @@ def _zero_state(snapshot: EngineSnapshot, config: Any, dp: int, rank: int) -> di
         entries = [entry for _, entry in group]
         merged: dict[str, Any] = {}
         for key, first in (entries[0].items() if entries and all(entries) else ()):
-            if torch.is_tensor(first) and first.dim() > 0:
+            if per_element(key, first, snapshot.fp32(group[0][0]).shape):
                 merged[key] = flat.rank_slice(flat.flatten([e[key] for e in entries]), dp, rank, padded=True)
             else:
                 merged[key] = first

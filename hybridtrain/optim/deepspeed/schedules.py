@@ -77,7 +77,8 @@ def deepspeed_params(kind: str, params: dict[str, Any]) -> dict[str, Any]:
 def _warmup(p: dict[str, Any]) -> tuple[int, Callable[[int], float]]:
     steps = max(2, int(p["warmup_num_steps"]))
     if p["warmup_type"] == "log":
-        return steps, lambda i: math.log(i + 1) / math.log(steps)
+        inverse = 1.0 / math.log(steps)  # DeepSpeed's inverse_log_warm_up: the same bits as its rates
+        return steps, lambda i: inverse * math.log(i + 1)
     return steps, lambda i: i / steps
 
 

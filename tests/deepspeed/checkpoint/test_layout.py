@@ -186,3 +186,77 @@ def test_a_real_zero3_checkpoint_of_two_ranks_loads_here_in_one_process(script: 
     assert all(torch.equal(value, saved[name]) for name, value in _weights(engine).items())
     steps = {float(s["step"]) for s in engine.optimizer.state.values()}
     assert steps == {3.0} and len(engine.optimizer.state) == 4
+
+
+class _Scalars(torch.nn.Module):
+    """``y = a·x + b`` with 0-dim parameters, as transformers' ``RegressionPreTrainedModel``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Parameter(torch.tensor(0.0)), torch.nn.Parameter(torch.tensor(0.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.a + self.b
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_0_dim_parameters_resume_exactly(tmp_path: Path, stage: int) -> None:
+    """Each 0-dim parameter's Adam moments are written flat with the group's, as DeepSpeed's, not
+    the first parameter's for the whole group (which the Trainer's resume of transformers'
+    regression model met)."""
+    config = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "torch_adam": True}}}
+    generator = torch.Generator().manual_seed(0)
+    data = [torch.randn(8, generator=generator) for _ in range(6)]
+
+    def train(engine: Any, batches: list[torch.Tensor]) -> None:
+        for x in batches:
+            engine.backward(((engine(x) - (2 * x + 3)) ** 2).mean())
+            engine.step()
+
+    engine, *_ = deepspeed.initialize(model=_Scalars(), config=config)
+    train(engine, data[:3])
+    engine.save_checkpoint(tmp_path)
+    train(engine, data[3:])
+    resumed, *_ = deepspeed.initialize(model=_Scalars(), config=config)
+    resumed.load_checkpoint(tmp_path)
+    train(resumed, data[3:])
+    mine, theirs = _weights(resumed), _weights(engine)
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_an_autocast_fp16_run_resumes_with_its_loss_scale(tmp_path: Path) -> None:
+    """ZeRO-2 with the optimizer offloaded keeps the engine's autocast and loss scaler: the scale
+    (shrunk by the first steps' overflows, grown after a window) is written as DeepSpeed's
+    ``DynamicLossScaler`` and resumed, so the resumed run is the uninterrupted one."""
+    config = {"train_micro_batch_size_per_gpu": 8, "zero_force_ds_cpu_optimizer": False,
+              "fp16": {"enabled": True, "initial_scale_power": 24, "loss_scale_window": 2},
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "torch_adam": True}}}
+    generator = torch.Generator().manual_seed(0)
+    data = [torch.randn(8, 4, generator=generator) for _ in range(8)]
+
+    def linear() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Linear(4, 1)  # a matmul: autocast runs it, and its gradients, in fp16
+
+    def train(engine: Any, batches: list[torch.Tensor]) -> list[float]:
+        scales = []
+        for x in batches:
+            engine.backward((engine(x).float() - x.sum(1, keepdim=True)).pow(2).mean())
+            engine.step()
+            scales.append(engine.loss_scale)
+        return scales
+
+    engine, *_ = deepspeed.initialize(model=linear(), config=config)
+    train(engine, data[:4])
+    assert engine.skipped_steps > 0 and engine.loss_scale < 2.0**24
+    engine.save_checkpoint(tmp_path)
+    scales = train(engine, data[4:])
+    resumed, *_ = deepspeed.initialize(model=linear(), config=config)
+    resumed.load_checkpoint(tmp_path)
+    assert train(resumed, data[4:]) == scales and resumed.skipped_steps == engine.skipped_steps
+    resumed.engine.wait_for_updates()
+    engine.engine.wait_for_updates()
+    mine, theirs = _weights(resumed), _weights(engine)
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)

@@ -1,18 +1,21 @@
-"""ZeRO-3's construction-time API on hybridtrain.
+"""ZeRO-3's construction-time API on hybridtrain, with DeepSpeed's partitions.
 
-In DeepSpeed, ``zero.Init`` partitions each parameter as it is created, and
-``GatheredParameters`` gathers them back for code that reads or writes whole tensors.
-hybridtrain shards a model when the engine is built (``deepspeed.initialize``), not while
-it is constructed, so:
-
-- ``Init`` is a context in which the model is built whole (on the CPU unless the code says
-  otherwise) and sharded at ``initialize``; the result is the same model.
-- ``GatheredParameters`` around parameters that are whole (not yet sharded, or ZeRO-1/2)
-  lets the code read and write them; with ``modifier_rank`` set and several processes,
-  the modifier's values are broadcast to the others on exit, as DeepSpeed does. Around
-  parameters an engine has sharded (ZeRO-3 after ``initialize``) it refuses in one line.
-- ``register_external_parameter`` needs nothing: a block's parameters are gathered
-  together with the module that uses them.
+- ``Init``: every parameter created inside the block is partitioned when the block ends, as
+  DeepSpeed's ``zero.Init`` leaves it (:mod:`.partitioning`): an empty ``data``, this rank's part
+  in ``ds_tensor``, ``ds_numel``/``ds_shape``/``ds_id``/``ds_status``. (DeepSpeed partitions each
+  module's parameters as that module's constructor returns; the model's own constructor code
+  runs on whole parameters either way. Unlike DeepSpeed, floating parameters keep the dtype they
+  were built in: the engine decides the training precision.) ``Init(module=m)`` partitions an
+  existing ``m``. ``deepspeed.initialize`` gathers such a model whole and shards it its own way,
+  so training from it is training from the whole model.
+- ``GatheredParameters``: partitioned parameters are gathered whole inside the block (a
+  collective); on exit the ``modifier_rank``'s values are broadcast and partitioned again, or,
+  without a modifier, the gathered copies are dropped (in-block changes discarded, as in
+  DeepSpeed). Around parameters that are whole it lets the code read and write them, with the
+  modifier's values broadcast on exit. Around parameters an engine has sharded (ZeRO-3 after
+  ``initialize``) it refuses in one line.
+- ``register_external_parameter`` needs nothing: a block's parameters are gathered together with
+  the module that uses them.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from hybridtrain.deepspeed.runtime.zero import partitioning
 
 __all__ = ["GatheredParameters", "Init", "register_external_parameter", "unregister_external_parameter",
            "zero_wrapper_for_fp_tensor_constructor"]
@@ -50,9 +55,11 @@ def zero_wrapper_for_fp_tensor_constructor(fn: Any, target_fp_dtype: torch.dtype
 
 
 class Init:
-    """``with deepspeed.zero.Init(...)``: build the model whole; ``deepspeed.initialize``
-    shards it (ZeRO-3) as the config asks. Accepts DeepSpeed's arguments; ``enabled=False``
-    and every other value behave the same here. ``Init(module=m)`` leaves ``m`` as it is."""
+    """``with deepspeed.zero.Init(...)``: the parameters created in the block are partitioned
+    over the data-parallel ranks when it ends (see the module). Accepts DeepSpeed's arguments;
+    ``enabled=False`` builds the model whole. A nested ``Init`` leaves the work to the outer one."""
+
+    _depth = 0
 
     def __init__(self, module: nn.Module | None = None, data_parallel_group: Any = None,
                  mem_efficient_linear: bool = True, remote_device: Any = None, pin_memory: bool = False,
@@ -60,12 +67,59 @@ class Init:
                  dtype: torch.dtype | None = None, mpu: Any = None, **kwargs: Any) -> None:
         self.enabled = enabled
         self.dtype = dtype
+        self._created: list[tuple[nn.Module, str, nn.Parameter]] = []
+        self._register: Any = None
+        if enabled:
+            _join_launched_group()
+        if module is not None and enabled:
+            for param in module.parameters():
+                if not partitioning.is_partitioned(param):
+                    partitioning.partition(param)
 
     def __enter__(self) -> Init:
+        if not self.enabled or Init._depth > 0:
+            Init._depth += 1
+            return self
+        Init._depth += 1
+        created = self._created
+        register = self._register = nn.Module.register_parameter
+
+        def recording(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+            register(module, name, param)
+            if param is not None:
+                created.append((module, name, param))
+
+        nn.Module.register_parameter = recording  # type: ignore[method-assign,assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        return None
+        Init._depth -= 1
+        if self._register is None:
+            return
+        nn.Module.register_parameter = self._register  # type: ignore[method-assign]
+        self._register = None
+        if exc[0] is not None:
+            return
+        seen: set[int] = set()
+        for module, name, param in self._created:
+            # Only what the model still holds (a parameter replaced during construction is gone).
+            if module._parameters.get(name) is param and id(param) not in seen:
+                seen.add(id(param))
+                if not partitioning.is_partitioned(param):
+                    partitioning.partition(param)
+        self._created.clear()
+
+
+def _join_launched_group() -> None:
+    """Join the process group a launcher describes (one process too: ``deepspeed script.py``,
+    ``python -m hybridtrain.deepspeed``, or the variables a notebook sets by hand), as
+    DeepSpeed's ``Init`` does before it partitions; code that reads the rank next, such as
+    transformers' ``from_pretrained``, needs the group. Without a launcher's variables it
+    partitions over this process alone and leaves the process group as it is."""
+    from hybridtrain.deepspeed.comm import init_distributed, launched
+
+    if not (dist.is_available() and dist.is_initialized()) and launched():
+        init_distributed()
 
 
 def _sharded(param: torch.Tensor) -> bool:
@@ -85,11 +139,23 @@ def _gathered(params: Iterable[torch.Tensor] | torch.Tensor | None, modifier_ran
         raise NotImplementedError("deepspeed.zero.GatheredParameters around parameters an engine has sharded "
                                   "(ZeRO-3 after deepspeed.initialize) is not supported by hybridtrain.deepspeed; "
                                   "read engine.module_state_dict() or save with engine.save_16bit_model()")
-    yield
-    if modifier_rank is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        with torch.no_grad():
-            for tensor in tensors:
-                dist.broadcast(tensor.data, src=modifier_rank)
+    partitioned: list[nn.Parameter] = [
+        p for p in tensors if isinstance(p, nn.Parameter) and partitioning.is_partitioned(p)
+        and getattr(p, "ds_status", None) is partitioning.ZeroParamStatus.NOT_AVAILABLE]
+    partitioning.gather(partitioned)
+    try:
+        yield
+    finally:
+        if modifier_rank is not None and dist.is_available() and dist.is_initialized() and \
+                dist.get_world_size() > 1:
+            with torch.no_grad():
+                for tensor in tensors:
+                    dist.broadcast(tensor.data, src=modifier_rank)
+        for param in partitioned:
+            if modifier_rank is not None:
+                partitioning.partition(param)  # the modifier's values, cut again
+            else:
+                partitioning.release(param)
 
 
 class GatheredParameters:

@@ -1,0 +1,119 @@
+"""A DeepSpeed script with ``fp16.enabled`` (or ``bf16.enabled``), run unchanged on the real
+DeepSpeed and on the drop-in: for ZeRO stage 0 (over torch's AdamW and over DeepSpeed's
+FusedAdam), 1 and 2 in turn (:data:`bf16_script.RUNS`), 8 optimizer steps (accumulation 2,
+clipping, a warm-up schedule) of a tiny model, with a gradient made infinite at one
+micro-batch, so that steps overflow: at the start (fp16's initial scale is too large), where the
+scale grows again (a window of 2), and at the infinite gradient.
+
+Usage: fp16_script.py [MODE CHECKPOINT_DIR] VARIANT… RECORD
+  VARIANT fp16 (``consecutive_hysteresis`` off), fp16-consecutive or bf16. MODE save: 4 steps,
+  then save_checkpoint(CHECKPOINT_DIR/VARIANT/NAME); resume: load_checkpoint from there, then the
+  steps up to 8. Without MODE: 8 steps.
+RECORD.VARIANT.NAME (rank 0) gets each step's learning rate, loss, gradient norm, the loss scale before
+and after it, the skipped-step count and whether the step applied; RECORD.NAME.pt the final
+parameters (the fp32 masters are not among them: the module's half weights are).
+"""
+
+import os
+import sys
+from typing import Any
+
+import torch
+from bf16_script import RUNS
+from common import out_path, write_record
+
+STEPS, SAVE_AT, MICRO, ACCUMULATION, INFINITE_AT = 8, 4, 4, 2, 9  # micro-batch 9: step 5's second
+
+
+class _Infinite(torch.autograd.Function):
+    """Identity whose backward makes the gradient infinite when ``armed``."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("inf") if _Infinite.armed else grad
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.norm, self.second = torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.norm(_Infinite.apply(self.first(x)))))
+
+
+def build(deepspeed: Any, precision: str, consecutive: bool, stage: int, torch_adam: bool) -> Any:
+    torch.manual_seed(0)
+    model = Model()
+    half = {"enabled": True}
+    if precision == "fp16":
+        half.update({"initial_scale_power": 19, "loss_scale_window": 2, "hysteresis": 2,
+                     "consecutive_hysteresis": consecutive, "min_loss_scale": 1})
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUMULATION,
+              "gradient_clipping": 0.5, "steps_per_print": float("inf"), precision: half,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": torch_adam}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 8, "warmup_max_lr": 1e-2}},
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def scale(engine: Any) -> float:
+    """The loss scale DeepSpeed's wrapper keeps (stage 0's in its ``loss_scale_config``)."""
+    optimizer = engine.optimizer
+    config = getattr(optimizer, "loss_scale_config", None)
+    return float(config.cur_scale if config is not None else optimizer.cur_scale)
+
+
+def train(engine: Any, dtype: torch.dtype, stop: int = STEPS) -> dict[str, Any]:
+    """Optimizer steps from the engine's step count up to ``stop``, each one's record."""
+    record: dict[str, Any] = {k: [] for k in ("lrs", "losses", "grad_norms", "scales", "skipped", "applied")}
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(MICRO, 8, generator=generator), torch.randn(MICRO, 4, generator=generator))
+            for _ in range(STEPS * ACCUMULATION)]
+    for micro in range(engine.global_steps * ACCUMULATION, stop * ACCUMULATION):
+        inputs, targets = data[micro]
+        _Infinite.armed = micro == INFINITE_AT
+        loss = torch.nn.functional.mse_loss(engine(inputs.to(dtype)).float(), targets)
+        before = scale(engine)
+        engine.backward(loss)
+        engine.step()
+        if (micro + 1) % ACCUMULATION == 0:
+            record["lrs"].append(engine.get_lr()[0])
+            record["losses"].append(loss.item())
+            record["grad_norms"].append(float(engine.get_global_grad_norm()))
+            record["scales"].append([before, scale(engine)])
+            record["skipped"].append(engine.skipped_steps)
+            record["applied"].append(engine.was_step_applied())
+    record["steps"] = engine.global_steps
+    record["dtypes"] = sorted({str(p.dtype) for p in engine.module.parameters()})
+    return record
+
+
+def main() -> None:
+    import deepspeed
+
+    args = sys.argv[1:-1]
+    mode, checkpoints = (args.pop(0), args.pop(0)) if args[0] in ("save", "resume") else ("full", "")
+    for variant in args:
+        precision = variant.split("-")[0]
+        dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+        for name, (stage, torch_adam) in RUNS.items():
+            engine = build(deepspeed, precision, variant.endswith("-consecutive"), stage, torch_adam)
+            directory = os.path.join(checkpoints, variant, name)
+            if mode == "resume":
+                engine.load_checkpoint(directory)
+            record = train(engine, dtype, SAVE_AT if mode == "save" else STEPS)
+            if mode == "save":
+                engine.save_checkpoint(directory)
+            write_record(f"{out_path()}.{variant}.{name}", record, engine.module)
+
+
+if __name__ == "__main__":
+    main()
