@@ -219,3 +219,25 @@ def setup_lock(url: str) -> Iterator[None]:
                              {"key": _PG_LOCK})
     finally:
         engine.dispose()
+
+
+def open_with_tables(url: str, metadata: sqlalchemy.MetaData, what: str,
+                     upgrade: Callable[[sqlalchemy.engine.Engine], None] | None = None
+                     ) -> sqlalchemy.engine.Engine:
+    """An engine on ``url`` with ``metadata``'s tables created (several processes may race to
+    create them), then ``upgrade`` run on it, under the storage's set-up lock.
+
+    Raises:
+        StorageError: one line naming ``what`` (e.g. "the job tables") and the storage.
+    """
+    import sqlalchemy as sa
+
+    engine = open_engine(url)
+    try:
+        with setup_lock(url):
+            create_tables_racing(lambda: metadata.create_all(engine, checkfirst=True))
+            if upgrade is not None:
+                upgrade(engine)
+    except (sa.exc.SQLAlchemyError, OSError) as exc:
+        raise StorageError(f"cannot create {what} in {safe_url(url)!r}: {first_line(exc)}") from None
+    return engine

@@ -32,15 +32,11 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from hybridtrain.server.errors import StorageError, first_line
 from hybridtrain.server.storage import (
     HPO_STORAGE_ENV,
     SERVICE_STORAGE_ENV,
-    create_tables_racing,
-    open_engine,
+    open_with_tables,
     resolve_url,
-    safe_url,
-    setup_lock,
 )
 from hybridtrain.service.errors import JobConflictError, JobNotFoundError
 from hybridtrain.service.spec import JobSpec
@@ -189,14 +185,7 @@ class JobStore:
 
     def __init__(self, storage: str | None = None) -> None:
         self.url = resolve_url(storage, STORAGE_ENVS)
-        self.engine = open_engine(self.url)
-        try:
-            with setup_lock(self.url):
-                create_tables_racing(lambda: METADATA.create_all(self.engine, checkfirst=True))
-                _add_missing_columns(self.engine)
-        except (sa.exc.SQLAlchemyError, OSError) as exc:
-            raise StorageError(f"cannot create the job tables in {safe_url(self.url)!r}: "
-                               f"{first_line(exc)}") from None
+        self.engine = open_with_tables(self.url, METADATA, "the job tables", _add_missing_columns)
 
     # -- users' side --------------------------------------------------------------------
     def submit(self, spec: JobSpec, job_dir: str, kind: str = "job",

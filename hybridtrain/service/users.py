@@ -22,8 +22,7 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 
-from hybridtrain.server.errors import StorageError, first_line
-from hybridtrain.server.storage import create_tables_racing, open_engine, resolve_url, safe_url, setup_lock
+from hybridtrain.server.storage import open_with_tables, resolve_url
 from hybridtrain.service.errors import JobNotFoundError, JobSpecError
 from hybridtrain.service.store import STORAGE_ENVS
 
@@ -99,13 +98,7 @@ class UserStore:
 
     def __init__(self, storage: str | None = None) -> None:
         self.url = resolve_url(storage, STORAGE_ENVS)
-        self.engine = open_engine(self.url)
-        try:
-            with setup_lock(self.url):
-                create_tables_racing(lambda: METADATA.create_all(self.engine, checkfirst=True))
-        except (sa.exc.SQLAlchemyError, OSError) as exc:
-            raise StorageError(f"cannot create the users table in {safe_url(self.url)!r}: "
-                               f"{first_line(exc)}") from None
+        self.engine = open_with_tables(self.url, METADATA, "the users table")
 
     def issue(self, name: str, *, admin: bool = False, devices: int | None = None) -> str:
         """A new token for ``name`` (a new user, or a new token replacing the old one, whose

@@ -86,8 +86,8 @@ def copy_grads_to_host(optimizer: OffloadingOptimizer, index: int, then: Callabl
                 grad = p.grad if grads is None else grads[j]
                 if grad is None:
                     continue
-                narrow = None if optimizer.manual_landing or grads is not None else optimizer._narrow.get(id(p))
-                if narrow is not None and grad.dtype != narrow and id(p) in optimizer._cast_once:
+                narrow = held_grads.landing_dtype(optimizer, p, grad, given=grads is not None)
+                if narrow is not None:
                     optimizer._d2h.keep_alive(grad)  # read by the cast on this stream
                     grad = grad.to(narrow)  # exact: see ``_narrow``
                 first = not bucket.has_grad[j]

@@ -41,6 +41,16 @@ from hybridtrain.runtime.step_parts import PartClock, step_part
 OffloadingOptimizer = Any
 
 
+def landing_dtype(optimizer: OffloadingOptimizer, p: torch.Tensor, grad: torch.Tensor, given: bool
+                  ) -> torch.dtype | None:
+    """The half dtype ``p``'s landing gradient narrows to exactly (a widened half gradient
+    that lands once), or ``None`` to keep it as it is (gradients handed in, manual landing)."""
+    if optimizer.manual_landing or given:
+        return None
+    narrow = optimizer._narrow.get(id(p))
+    return narrow if narrow is not None and grad.dtype != narrow and id(p) in optimizer._cast_once else None
+
+
 def hold(optimizer: OffloadingOptimizer, bucket: Bucket, grads: Sequence[torch.Tensor | None] | None,
          then: Callable[[], None] | None) -> None:
     """Keep a landing of ``bucket``'s gradients on the device (``grads``, else the
@@ -51,8 +61,8 @@ def hold(optimizer: OffloadingOptimizer, bucket: Bucket, grads: Sequence[torch.T
         grad = p.grad if grads is None else grads[j]
         if grad is None:
             continue
-        narrow = None if optimizer.manual_landing or grads is not None else optimizer._narrow.get(id(p))
-        if narrow is not None and grad.dtype != narrow and id(p) in optimizer._cast_once:
+        narrow = landing_dtype(optimizer, p, grad, given=grads is not None)
+        if narrow is not None:
             grad = grad.to(narrow)  # exact: one widened half gradient (see OffloadOptimizer._narrow)
         held = bucket.held[j]
         if held is None:
