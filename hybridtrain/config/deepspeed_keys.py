@@ -120,7 +120,8 @@ TREATMENTS: dict[str, Treatment] = {
     "graph_harvesting": _no("CUDA graph capture; same math"),
     "hybrid_engine": _no("DeepSpeed-Chat's generation engine; does not change training"),
     "bf16.immediate_grad_update": _no(_MEMORY),
-    "bf16.check_grad_overflow": _no("bf16 steps are not skipped for overflow here either"),
+    "bf16.check_grad_overflow": _no("the drop-in's bf16 always skips a step whose gradients overflow, as "
+                                    "DeepSpeed does by default (true); false is not taken over"),
     "bf16.loss_scale": _no("bf16 is not loss-scaled"),
     "bf16.initial_scale_power": _no("bf16 is not loss-scaled"),
     "bf16.loss_scale_window": _no("bf16 is not loss-scaled"),
