@@ -35,7 +35,7 @@ class ImagePool:
         self.device = device
         self.image_nbytes = 0
         """Bytes of the largest image (set once the blocks are laid out)."""
-        self._buffers: list[torch.Tensor | None] = [None] * count
+        self._pooled: list[torch.Tensor | None] = [None] * count
         self._uploads: list[torch.cuda.Event | None] = [None] * count
         self._turn = 0
 
@@ -44,9 +44,9 @@ class ImagePool:
         (to wait for before writing it). Called from one thread (the caster) only."""
         slot = self._turn
         self._turn = (slot + 1) % self.count
-        buffer = self._buffers[slot]
+        buffer = self._pooled[slot]
         if buffer is None:
-            buffer = self._buffers[slot] = transfer.host_buffer(self.image_nbytes, torch.uint8, self.pin, self.device)
+            buffer = self._pooled[slot] = transfer.host_buffer(self.image_nbytes, torch.uint8, self.pin, self.device)
         return slot, buffer[:nbytes], self._uploads[slot]
 
     def uploaded(self, slot: int, event: torch.cuda.Event | None) -> None:
@@ -56,7 +56,7 @@ class ImagePool:
     @property
     def nbytes(self) -> int:
         """Host bytes of the buffers allocated so far."""
-        return sum(b.nbytes for b in self._buffers if b is not None)
+        return sum(b.nbytes for b in self._pooled if b is not None)
 
 
 class StreamedBlock:

@@ -103,7 +103,7 @@ class Init:
         seen: set[int] = set()
         for module, name, param in self._created:
             # Only what the model still holds (a parameter replaced during construction is gone).
-            if module._parameters.get(name) is param and id(param) not in seen:
+            if dict(module.named_parameters(recurse=False)).get(name) is param and id(param) not in seen:
                 seen.add(id(param))
                 if not partitioning.is_partitioned(param):
                     partitioning.partition(param)
