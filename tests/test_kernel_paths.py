@@ -5,6 +5,11 @@ The engine and the plain loop must run the same ops on the same kernels (see
 ``plain_optimizers`` and ``reduced_precision_tolerance`` in tests/equivalence.py). On a CPU
 with AVX-512, torch and oneDNN pick AVX-512 kernels by default; forcing AVX2 (the same
 variables a user would set) picks other ones, with other roundings. Both runs must pass.
+
+The AVX2 run takes the half-precision cells (bf16, fp16, half-width transfers): there one
+ulp of a different kernel crosses a rounding boundary and shows (issue #38's cells were all
+of them). An fp32 cell compares at rtol 1e-5, far above any kernel's rounding, and runs on
+the default kernels in the main suite.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SUITES = ["tests/test_equivalence.py", "tests/models/test_hf_families.py"]
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+#: The cells in half precision (module docstring).
+HALF_CELLS = "bf16 or fp16 or half"
 
 
 def _capability(env: dict[str, str]) -> str:
@@ -36,6 +43,7 @@ def _capability(env: dict[str, str]) -> str:
 def test_equivalence_suites_pass_on_avx2_kernels() -> None:
     env = {**os.environ, **AVX2}
     assert _capability(env) == "AVX2"  # the variables took effect: the run below is another kernel path
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SUITES], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", HALF_CELLS, *SUITES],
+                          cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=1700)
     assert done.returncode == 0, f"on AVX2 kernels:\n{done.stdout[-6000:]}{done.stderr[-2000:]}"
