@@ -241,8 +241,8 @@ class Scheduler:
         """Devices of this machine each user's running jobs hold, and the quotas."""
         held: dict[str, int] = {}
         for job in running:
-            if job.devices:
-                held[job.submitter or ""] = held.get(job.submitter or "", 0) + len(job.devices)
+            user = job.submitter or ""  # as want_of names it
+            held[user] = held.get(user, 0) + len(job.devices)
         return Shares(held, self.quotas())
 
     def _preempt(self, wants: list[Want], running: list[JobRecord], free: int,
