@@ -22,6 +22,7 @@ from hybridtrain.config.deepspeed_keys import deepspeed_takes_fp16_init_step
 from hybridtrain.deepspeed.client_optimizer import describe, lay_groups, with_optimizer
 from hybridtrain.deepspeed.loss_scale import DeepSpeedLossScale
 from hybridtrain.deepspeed.master_weights import MasterWeightsOptimizer, NormRule, cast_parameters
+from hybridtrain.deepspeed.runtime.zero import stage3_masters
 from hybridtrain.engine import Engine
 from hybridtrain.optim import FP16_INIT_STEP
 from hybridtrain.prepare import prepare
@@ -62,6 +63,8 @@ def master_weights(raw: Mapping[str, Any], cfg: Config) -> bool:
     data_types = raw.get("data_types")
     accumulation = data_types.get("grad_accum_dtype") if isinstance(data_types, Mapping) else None
     own_fp16_path = cfg.fp16.enabled and cfg.optimizer.type.lower() in _OWN_FP16_PATH
+    if zero.stage == 3:  # ZeRO-3's own wrapper, on any number of processes
+        return stage3_masters.takes_stage3_masters(raw, cfg)
     return ((cfg.bf16.enabled or cfg.fp16.enabled) and not own_fp16_path and accumulation is None
             and _world_size() == 1
             and zero.stage <= 2 and zero.offload_optimizer.device == "none" and zero.offload_param.device == "none"
@@ -89,6 +92,10 @@ def build_engine(model: nn.Module, cfg: Config, init_step: bool, optimizer: Any,
 
     rule = _norm_rule(cfg, optimizer)
     cfg = without_unstreamable_param_offload(cfg, model)
+    stage3 = None
+    if half_weights and cfg.zero_optimization.stage == 3:
+        # The engine shards the half parameters (ZeRO-3); the wrapper goes over its optimizer after.
+        stage3, cfg, half_weights = cfg, stage3_masters.engine_config(model, cfg), False
     if half_weights:
         # DeepSpeed's bf16 wrapper takes the init step over its fp32 masters; the engine takes none.
         init_step = bool(cfg.optimizer.params.get(FP16_INIT_STEP, init_step))
@@ -113,6 +120,8 @@ def build_engine(model: nn.Module, cfg: Config, init_step: bool, optimizer: Any,
     # The one road; the config states DeepSpeed's fp16 init step (the plan carries it, build
     # takes it before the LR schedule, as DeepSpeed does).
     engine = prepare(cfg, model, loss_fn, None if spec else optimizer, example_batch).engine
+    if stage3 is not None:
+        stage3_masters.wrap_optimizer(engine, stage3, consecutive_hysteresis)
     if spec is not None and lay_groups(engine.optimizer, engine.module, spec) and cfg.scheduler is not None:
         # The config's schedule was built over the one group; it drives the caller's groups.
         engine.scheduler = build_scheduler(engine.optimizer, cfg.scheduler.type, cfg.scheduler.params)

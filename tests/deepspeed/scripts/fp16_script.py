@@ -71,10 +71,11 @@ def scale(engine: Any) -> float:
     return float(config.cur_scale if config is not None else optimizer.cur_scale)
 
 
-def train(engine: Any, dtype: torch.dtype, stop: int = STEPS) -> dict[str, Any]:
-    """Optimizer steps from the engine's step count up to ``stop``, each one's record."""
+def train(engine: Any, dtype: torch.dtype, stop: int = STEPS, seed: int = 1) -> dict[str, Any]:
+    """Optimizer steps from the engine's step count up to ``stop``, each one's record; ``seed``
+    draws the data (each rank its own, across processes)."""
     record: dict[str, Any] = {k: [] for k in ("lrs", "losses", "grad_norms", "scales", "skipped", "applied")}
-    generator = torch.Generator().manual_seed(1)
+    generator = torch.Generator().manual_seed(seed)
     data = [(torch.randn(MICRO, 8, generator=generator), torch.randn(MICRO, 4, generator=generator))
             for _ in range(STEPS * ACCUMULATION)]
     for micro in range(engine.global_steps * ACCUMULATION, stop * ACCUMULATION):
