@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hybridtrain.config import Config
 from hybridtrain.deepspeed.loss_scale import DeepSpeedLossScale
@@ -87,6 +87,14 @@ def wrap_optimizer(engine: Engine, cfg: Config, consecutive_hysteresis: bool) ->
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor`` (a DTensor shard's local tensor, else the tensor itself)."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``full`` cut as ``like`` is sharded (this rank's shard), or ``full`` itself."""
+    if isinstance(like, DTensor):
+        return distribute_tensor(full.to(like.to_local().device), like.device_mesh, like.placements,
+                                 src_data_rank=None)
+    return full
 
 
 def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
@@ -168,6 +176,20 @@ class Stage3MasterWeights(MasterWeightsOptimizer):
         self._drop_master_grads()
         for halves, masters in zip(self.half_groups, self.master_groups, strict=True):
             for half, master in zip(halves, masters, strict=True):
+                _local(half).copy_(_local(master))
+
+    @torch.no_grad()
+    def load_masters(self, values: list[torch.Tensor]) -> None:
+        """Set the fp32 master shards from whole values (in the groups' order; every rank holds
+        them all and cuts its own shards, nothing is communicated) and the half shards from them,
+        as DeepSpeed ZeRO-3 restores its fp32 partitions and then its half ones."""
+        masters = self._masters()
+        if len(values) != len(masters):
+            raise ValueError(f"load_masters: got {len(values)} masters for {len(masters)} parameters")
+        for master, value in zip(masters, values, strict=True):
+            _local(master).copy_(_local(_shard_like(value.reshape(master.shape), master)))
+        for halves, group in zip(self.half_groups, self.master_groups, strict=True):
+            for half, master in zip(halves, group, strict=True):
                 _local(half).copy_(_local(master))
 
     def __repr__(self) -> str:
