@@ -3,16 +3,19 @@ real DeepSpeed and on the drop-in, on one process or several: :mod:`fp16_script`
 8 optimizer steps (accumulation 2, clipping, a warm-up, overflows at the start, where the fp16
 scale grows and at an infinite gradient), each rank on its own data.
 
-Usage: zero3_half_script.py [MODE CHECKPOINT_DIR] RECORD
-  MODE save: 4 steps, then save_checkpoint(CHECKPOINT_DIR/PRECISION); resume: load_checkpoint from
-  there, then the steps up to 8. Without MODE: 8 steps.
-RECORD.PRECISION (rank 0) gets each step's learning rate, loss (rank 0's), gradient norm, loss
-scale before and after, skip count and applied flag; RECORD.PRECISION.pt the final half weights
-(gathered); a resume also the weights as loaded (RECORD.PRECISION.loaded.pt).
+Usage: zero3_half_script.py SAVE_DIR RESUME_DIR RECORD (``-`` for a directory: not done)
+  SAVE_DIR: 8 steps, with save_checkpoint(SAVE_DIR/PRECISION) after the 4th; RECORD.PRECISION
+  (rank 0) gets each step's learning rate, loss (rank 0's), gradient norm, loss scale before and
+  after, skip count and applied flag, RECORD.PRECISION.pt the final half weights (gathered),
+  RECORD.PRECISION.at_save.pt the weights saved.
+  RESUME_DIR: then load_checkpoint(RESUME_DIR/PRECISION) into a new engine and the steps up to 8,
+  recorded as RECORD.PRECISION.resumed (the weights as loaded in RECORD.PRECISION.resumed.loaded.pt).
+Tests call :func:`run` in-process too.
 """
 
 import os
 import sys
+from typing import Any
 
 import torch
 from common import out_path, write_record
@@ -21,24 +24,27 @@ from fp16_script import SAVE_AT, STEPS, build, train
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def main() -> None:
-    import deepspeed
-
-    args = sys.argv[1:-1]
-    mode, checkpoints = (args[0], args[1]) if args else ("full", "")
-    rank = int(os.environ.get("RANK", "0"))
+def run(deepspeed: Any, save_dir: str, resume_dir: str, record_path: str) -> None:
+    """What the command line says (see the module), with ``deepspeed`` the package to run."""
+    seed = 1 + int(os.environ.get("RANK", "0"))
     for precision, dtype in PRECISIONS.items():
-        engine = build(deepspeed, precision, False, 3, True)
-        directory = os.path.join(checkpoints, precision)
-        record_path = f"{out_path()}.{precision}"
-        if mode == "resume":
-            engine.load_checkpoint(directory)
-            write_record(record_path + ".loaded", {}, engine.module)
-        record = train(engine, dtype, SAVE_AT if mode == "save" else STEPS, seed=1 + rank)
-        if mode == "save":
-            engine.save_checkpoint(directory)
-        write_record(record_path, record, engine.module)
+        path = f"{record_path}.{precision}"
+        if save_dir != "-":
+            engine = build(deepspeed, precision, False, 3, True)
+            record = train(engine, dtype, SAVE_AT, seed)
+            engine.save_checkpoint(os.path.join(save_dir, precision))
+            write_record(f"{path}.at_save", {}, engine.module)
+            rest = train(engine, dtype, STEPS, seed)
+            write_record(path, {k: v + rest[k] if isinstance(v, list) and k != "dtypes" else rest[k]
+                                for k, v in record.items()}, engine.module)
+        if resume_dir != "-":
+            engine = build(deepspeed, precision, False, 3, True)
+            engine.load_checkpoint(os.path.join(resume_dir, precision))
+            write_record(f"{path}.resumed.loaded", {}, engine.module)
+            write_record(f"{path}.resumed", train(engine, dtype, STEPS, seed), engine.module)
 
 
 if __name__ == "__main__":
-    main()
+    import deepspeed
+
+    run(deepspeed, sys.argv[1], sys.argv[2], out_path())
