@@ -10,7 +10,7 @@ Usage: zero3_half_script.py SAVE_DIR RESUME_DIR RECORD (``-`` for a directory: n
   RECORD.PRECISION.at_save.pt the weights saved.
   RESUME_DIR: then load_checkpoint(RESUME_DIR/PRECISION) into a new engine and the steps up to 8,
   recorded as RECORD.PRECISION.resumed (the weights as loaded in RECORD.PRECISION.resumed.loaded.pt).
-Tests call :func:`run` in-process too.
+Tests call :func:`run` in process too (:func:`tests.deepspeed.frameworks.run_dropin`).
 """
 
 import os
@@ -18,14 +18,15 @@ import sys
 from typing import Any
 
 import torch
-from common import out_path, write_record
+from common import write_record
 from fp16_script import SAVE_AT, STEPS, build, train
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def run(deepspeed: Any, save_dir: str, resume_dir: str, record_path: str) -> None:
-    """What the command line says (see the module), with ``deepspeed`` the package to run."""
+def run(deepspeed: Any, args: list[str]) -> None:
+    """What the command line ``args`` say (see the module), with ``deepspeed`` the package to run."""
+    save_dir, resume_dir, record_path = args
     seed = 1 + int(os.environ.get("RANK", "0"))
     for precision, dtype in PRECISIONS.items():
         path = f"{record_path}.{precision}"
@@ -47,4 +48,4 @@ def run(deepspeed: Any, save_dir: str, resume_dir: str, record_path: str) -> Non
 if __name__ == "__main__":
     import deepspeed
 
-    run(deepspeed, sys.argv[1], sys.argv[2], out_path())
+    run(deepspeed, sys.argv[1:])
