@@ -20,7 +20,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import json
+import os
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -66,7 +68,7 @@ class Init:
                  config_dict_or_path: Any = None, config: Any = None, enabled: bool = True,
                  dtype: torch.dtype | None = None, mpu: Any = None, **kwargs: Any) -> None:
         self.enabled = enabled
-        self.dtype = dtype
+        self.dtype = dtype if dtype is not None else half_dtype(config_dict_or_path if config is None else config)
         self._created: list[tuple[nn.Module, str, nn.Parameter]] = []
         self._register: Any = None
         if enabled:
@@ -74,7 +76,7 @@ class Init:
         if module is not None and enabled:
             for param in module.parameters():
                 if not partitioning.is_partitioned(param):
-                    partitioning.partition(param)
+                    partitioning.partition(param, self.dtype)
 
     def __enter__(self) -> Init:
         if not self.enabled or Init._depth > 0:
@@ -106,8 +108,25 @@ class Init:
             if dict(module.named_parameters(recurse=False)).get(name) is param and id(param) not in seen:
                 seen.add(id(param))
                 if not partitioning.is_partitioned(param):
-                    partitioning.partition(param)
+                    partitioning.partition(param, self.dtype)
         self._created.clear()
+
+
+def half_dtype(config: Any) -> torch.dtype | None:
+    """The half dtype DeepSpeed's ``zero.Init`` casts floating parameters to for ``config`` (a
+    DeepSpeed config dict or a path to its JSON): ``bf16``/``fp16`` enabled (``true``, not
+    ``"auto"``), else None (they keep their dtype: with no config DeepSpeed would pick one by the
+    accelerator, which the drop-in does not)."""
+    if isinstance(config, str | os.PathLike):
+        with open(config) as file:
+            config = json.load(file)
+    if not isinstance(config, Mapping):
+        return None
+    enabled = {key: isinstance(config.get(key), Mapping) and config[key].get("enabled") is True
+               for key in ("bf16", "bfloat16", "fp16")}
+    if enabled["bf16"] or enabled["bfloat16"]:
+        return torch.bfloat16
+    return torch.float16 if enabled["fp16"] else None
 
 
 def _join_launched_group() -> None:

@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from hybridtrain.config import Config
 from hybridtrain.deepspeed.loss_scale import DeepSpeedLossScale
 from hybridtrain.deepspeed.master_weights import MasterWeightsOptimizer, cast_parameters
+from hybridtrain.deepspeed.runtime.zero import partitioning
 from hybridtrain.engine import Engine
 from hybridtrain.optim import FP16_INIT_STEP
 
@@ -77,11 +78,33 @@ def engine_config(model: torch.nn.Module, cfg: Config) -> Config:
                                   "optimizer": cfg.optimizer.model_copy(update={"params": params})})
 
 
-def wrap_optimizer(engine: Engine, cfg: Config, consecutive_hysteresis: bool) -> None:
+def set_aside_partitions(model: torch.nn.Module, cfg: Config) -> partitioning.Partitions | None:
+    """A model built under ``zero.Init`` keeps its partitions through ``initialize`` on several
+    processes: set aside here (:func:`.partitioning.hold_partitions`, the parameters left as
+    placeholders of ``cfg``'s half dtype), the engine shards the placeholders, and
+    :func:`wrap_optimizer` fills the shards, so the model is never whole on a rank. On one process
+    (the engine shards nothing) or partly partitioned, it is gathered whole (None)."""
+    half = torch.float16 if cfg.fp16.enabled else torch.bfloat16
+    held = partitioning.hold_partitions(model, half) if _world() > 1 else None
+    if held is None:
+        partitioning.make_whole(model)
+        cast_parameters(model, half)
+    return held
+
+
+def wrap_optimizer(engine: Engine, cfg: Config, consecutive_hysteresis: bool,
+                   held: partitioning.Partitions | None = None) -> None:
     """Put :class:`Stage3MasterWeights` over ``engine``'s optimizer (built over the half shards),
-    with ``cfg``'s clipping and, for fp16, its loss scale kept by ZeRO's rule."""
+    with ``cfg``'s clipping and, for fp16, its loss scale kept by ZeRO's rule; ``held``: the
+    partitions :func:`set_aside_partitions` kept, loaded into the shards first."""
+    if held is not None:
+        partitioning.load_partitions(engine.module, held)
     scale = DeepSpeedLossScale.from_config("zero", cfg.fp16, consecutive_hysteresis) if cfg.fp16.enabled else None
     engine.optimizer = Stage3MasterWeights(engine.optimizer, cfg.gradient_clipping, scale)
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
