@@ -4,10 +4,13 @@
   DeepSpeed's ``zero.Init`` leaves it (:mod:`.partitioning`): an empty ``data``, this rank's part
   in ``ds_tensor``, ``ds_numel``/``ds_shape``/``ds_id``/``ds_status``. (DeepSpeed partitions each
   module's parameters as that module's constructor returns; the model's own constructor code
-  runs on whole parameters either way. Unlike DeepSpeed, floating parameters keep the dtype they
-  were built in: the engine decides the training precision.) ``Init(module=m)`` partitions an
-  existing ``m``. ``deepspeed.initialize`` gathers such a model whole and shards it its own way,
-  so training from it is training from the whole model.
+  runs on whole parameters either way. Under a config with ``bf16``/``fp16`` enabled floating
+  partitions are cast to that dtype, as DeepSpeed's; else they keep their dtype.) ``Init(module=m)``
+  partitions an existing ``m``. ``deepspeed.initialize`` puts the partitions straight into the
+  engine's shards under ZeRO-3's bf16/fp16 math on several processes
+  (:func:`~hybridtrain.deepspeed.runtime.zero.stage3_masters.set_aside_partitions`), else gathers the
+  model whole (in its build dtype) and shards it its own way: training from it is training from
+  the whole model.
 - ``GatheredParameters``: partitioned parameters are gathered whole inside the block (a
   collective); on exit the ``modifier_rank``'s values are broadcast and partitioned again, or,
   without a modifier, the gathered copies are dropped (in-block changes discarded, as in
