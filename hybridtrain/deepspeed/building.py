@@ -53,9 +53,10 @@ def master_weights(raw: Mapping[str, Any], cfg: Config) -> bool:
     optimizer (:mod:`hybridtrain.deepspeed.master_weights`) instead of autocast over fp32 weights.
 
     Decided for ``bf16.enabled`` or ``fp16.enabled`` with gradients accumulating in the model's dtype (no
-    ``data_types.grad_accum_dtype``) in one process without tensor/pipeline parallel, ZeRO
-    stages 0-2 without offload or streaming (where DeepSpeed's wrappers are
-    ``FP16_Optimizer`` and ``DeepSpeedZeroOptimizer``), and for fp16 not over the config's LAMB or
+    ``data_types.grad_accum_dtype``) without tensor/pipeline parallel, offload or streaming, in one
+    process under ZeRO stages 0-2 (where DeepSpeed's wrappers are ``FP16_Optimizer`` and
+    ``DeepSpeedZeroOptimizer``) or in any number under ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``:
+    :mod:`hybridtrain.deepspeed.runtime.zero.stage3_masters`), and for fp16 not over the config's LAMB or
     1-bit optimizers (DeepSpeed's fp16 wrapper steps those through their own fused paths, which
     take the loss scale themselves). Elsewhere the engine keeps autocast.
     """
@@ -63,11 +64,10 @@ def master_weights(raw: Mapping[str, Any], cfg: Config) -> bool:
     data_types = raw.get("data_types")
     accumulation = data_types.get("grad_accum_dtype") if isinstance(data_types, Mapping) else None
     own_fp16_path = cfg.fp16.enabled and cfg.optimizer.type.lower() in _OWN_FP16_PATH
-    if zero.stage == 3:  # ZeRO-3's own wrapper, on any number of processes
-        return stage3_masters.takes_stage3_masters(raw, cfg)
+    # ZeRO-3's own wrapper (runtime/zero/stage3_masters.py) on any number of processes.
     return ((cfg.bf16.enabled or cfg.fp16.enabled) and not own_fp16_path and accumulation is None
-            and _world_size() == 1
-            and zero.stage <= 2 and zero.offload_optimizer.device == "none" and zero.offload_param.device == "none"
+            and (zero.stage == 3 or (_world_size() == 1 and zero.stage <= 2))
+            and zero.offload_optimizer.device == "none" and zero.offload_param.device == "none"
             and max(cfg.tensor_parallel.size, cfg.tensor_model_parallel_size or 1) == 1
             and cfg.pipeline.stages == 1 and not cfg.layer_streaming.enabled)
 

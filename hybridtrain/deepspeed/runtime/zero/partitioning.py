@@ -150,7 +150,7 @@ def load_partitions(model: nn.Module, held: Partitions) -> None:
     laid them out (a DTensor's shard, else the whole tensor), one parameter at a time, so at most
     one is whole at once (a collective per parameter, in the model's order on every rank), and
     its buffers back."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     _, world = _rank_and_world()
     for name, buffer in model.named_buffers():
@@ -164,11 +164,19 @@ def load_partitions(model: nn.Module, held: Partitions) -> None:
             whole = torch.cat(parts)[:numel].view(shape)
         else:
             whole = part[:numel].view(shape)
-        if isinstance(param, DTensor):
-            local = param.to_local()
-            shard = distribute_tensor(whole.to(local.device, local.dtype), param.device_mesh, param.placements,
-                                      src_data_rank=None)
-            local.copy_(shard.to_local())
-        else:
-            param.copy_(whole)
-        del whole
+        shard = shard_like(whole, param)
+        (param.to_local() if isinstance(param, DTensor) else param).copy_(
+            shard.to_local() if isinstance(shard, DTensor) else shard)
+        del whole, shard
+
+
+def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``full`` laid out as ``like``: this rank's shard of it (a DTensor cut locally, nothing
+    communicated: every rank holds ``full``) when ``like`` is a DTensor, else ``full``."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(like, DTensor):
+        return full
+    local = like.to_local()
+    return distribute_tensor(full.to(local.device, local.dtype), like.device_mesh, like.placements,
+                             src_data_rank=None)

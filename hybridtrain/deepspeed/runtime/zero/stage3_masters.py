@@ -32,12 +32,11 @@ summed in another grouping (fp64, far below fp32's resolution).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from hybridtrain.config import Config
 from hybridtrain.deepspeed.loss_scale import DeepSpeedLossScale
@@ -45,24 +44,6 @@ from hybridtrain.deepspeed.master_weights import MasterWeightsOptimizer, cast_pa
 from hybridtrain.deepspeed.runtime.zero import partitioning
 from hybridtrain.engine import Engine
 from hybridtrain.optim import FP16_INIT_STEP
-
-
-def takes_stage3_masters(raw: Mapping[str, Any], cfg: Config) -> bool:
-    """Whether this run trains with DeepSpeed ZeRO-3's bf16/fp16 math (:class:`Stage3MasterWeights`):
-    ZeRO stage 3 with ``bf16.enabled`` or ``fp16.enabled``, gradients accumulating in the model's dtype
-    (no ``data_types.grad_accum_dtype``), no offload, no tensor/pipeline parallel nor layer streaming;
-    for fp16 not over the config's LAMB or 1-bit optimizers (DeepSpeed refuses 1-bit ones under
-    ZeRO-3, and LAMB takes the loss scale in its own kernel). Any number of processes."""
-    zero = cfg.zero_optimization
-    data_types = raw.get("data_types")
-    accumulation = data_types.get("grad_accum_dtype") if isinstance(data_types, Mapping) else None
-    own_fp16_path = cfg.fp16.enabled and cfg.optimizer.type.lower() in ("lamb", "onebitadam", "zerooneadam",
-                                                                        "onebitlamb")
-    return ((cfg.bf16.enabled or cfg.fp16.enabled) and zero.stage == 3 and not own_fp16_path
-            and accumulation is None
-            and zero.offload_optimizer.device == "none" and zero.offload_param.device == "none"
-            and max(cfg.tensor_parallel.size, cfg.tensor_model_parallel_size or 1) == 1
-            and cfg.pipeline.stages == 1 and not cfg.layer_streaming.enabled)
 
 
 def engine_config(model: torch.nn.Module, cfg: Config) -> Config:
@@ -110,14 +91,6 @@ def _world() -> int:
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor`` (a DTensor shard's local tensor, else the tensor itself)."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``full`` cut as ``like`` is sharded (this rank's shard), or ``full`` itself."""
-    if isinstance(like, DTensor):
-        return distribute_tensor(full.to(like.to_local().device), like.device_mesh, like.placements,
-                                 src_data_rank=None)
-    return full
 
 
 def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
@@ -210,7 +183,7 @@ class Stage3MasterWeights(MasterWeightsOptimizer):
         if len(values) != len(masters):
             raise ValueError(f"load_masters: got {len(values)} masters for {len(masters)} parameters")
         for master, value in zip(masters, values, strict=True):
-            _local(master).copy_(_local(_shard_like(value.reshape(master.shape), master)))
+            _local(master).copy_(_local(partitioning.shard_like(value.reshape(master.shape), master)))
         for halves, group in zip(self.half_groups, self.master_groups, strict=True):
             for half, master in zip(halves, group, strict=True):
                 _local(half).copy_(_local(master))
