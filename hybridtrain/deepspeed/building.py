@@ -122,11 +122,11 @@ def build_engine(model: nn.Module, cfg: Config, init_step: bool, optimizer: Any,
     # zero.Init's partitions go straight into the engine's shards (named above, where a caller's optimizer was).
     held = stage3_masters.set_aside_partitions(model, stage3) if stage3 is not None else None
     engine = prepare(cfg, model, loss_fn, None if spec else optimizer, example_batch).engine
-    if stage3 is not None:
-        stage3_masters.wrap_optimizer(engine, stage3, consecutive_hysteresis, held)
     if spec is not None and lay_groups(engine.optimizer, engine.module, spec) and cfg.scheduler is not None:
         # The config's schedule was built over the one group; it drives the caller's groups.
         engine.scheduler = build_scheduler(engine.optimizer, cfg.scheduler.type, cfg.scheduler.params)
+    if stage3 is not None:  # over the caller's groups, laid over the half shards just above
+        stage3_masters.wrap_optimizer(engine, stage3, consecutive_hysteresis, held)
     if isinstance(optimizer, torch.optim.Optimizer) and optimizer is not engine.optimizer:
         # DeepSpeed's ZeRO optimizer updates through the caller's own param_groups, so a
         # scheduler built on the caller's optimizer before initialize (Accelerate's, a

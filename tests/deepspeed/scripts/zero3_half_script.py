@@ -1,7 +1,8 @@
 """A DeepSpeed ZeRO-3 script with ``bf16.enabled`` and then ``fp16.enabled``, run unchanged on the
 real DeepSpeed and on the drop-in, on one process or several: :mod:`fp16_script`'s model and
 8 optimizer steps (accumulation 2, clipping, a warm-up, overflows at the start, where the fp16
-scale grows and at an infinite gradient), each rank on its own data.
+scale grows and at an infinite gradient) of the script's own AdamW with two parameter groups (as
+the HF Trainer passes it), each rank on its own data.
 
 Usage: zero3_half_script.py SAVE_DIR RESUME_DIR RECORD (``-`` for a directory: not done)
   SAVE_DIR: 8 steps, with save_checkpoint(SAVE_DIR/PRECISION) after the 4th; RECORD.PRECISION
@@ -31,7 +32,7 @@ def run(deepspeed: Any, args: list[str]) -> None:
     for precision, dtype in PRECISIONS.items():
         path = f"{record_path}.{precision}"
         if save_dir != "-":
-            engine = build(deepspeed, precision, False, 3, True)
+            engine = build(deepspeed, precision, False, 3, True, two_groups=True)
             record = train(engine, dtype, SAVE_AT, seed)
             engine.save_checkpoint(os.path.join(save_dir, precision))
             write_record(f"{path}.at_save", {}, engine.module)
@@ -39,7 +40,7 @@ def run(deepspeed: Any, args: list[str]) -> None:
             write_record(path, {k: v + rest[k] if isinstance(v, list) and k != "dtypes" else rest[k]
                                 for k, v in record.items()}, engine.module)
         if resume_dir != "-":
-            engine = build(deepspeed, precision, False, 3, True)
+            engine = build(deepspeed, precision, False, 3, True, two_groups=True)
             engine.load_checkpoint(os.path.join(resume_dir, precision))
             write_record(f"{path}.resumed.loaded", {}, engine.module)
             write_record(f"{path}.resumed", train(engine, dtype, STEPS, seed), engine.module)
