@@ -117,10 +117,10 @@ def build_engine(model: nn.Module, cfg: Config, init_step: bool, optimizer: Any,
         asked_step = {k: v for k, v in cfg.optimizer.params.items() if k == FP16_INIT_STEP}
         cfg = with_optimizer(cfg, spec, asked_step)
     check_plain_initialize(cfg)
+    # zero.Init's partitions go straight into the engine's shards (after a caller's optimizer was named above).
+    held = stage3_masters.set_aside_partitions(model, stage3) if stage3 is not None else None
     # The one road; the config states DeepSpeed's fp16 init step (the plan carries it, build
     # takes it before the LR schedule, as DeepSpeed does).
-    # zero.Init's partitions go straight into the engine's shards (named above, where a caller's optimizer was).
-    held = stage3_masters.set_aside_partitions(model, stage3) if stage3 is not None else None
     engine = prepare(cfg, model, loss_fn, None if spec else optimizer, example_batch).engine
     if spec is not None and lay_groups(engine.optimizer, engine.module, spec) and cfg.scheduler is not None:
         # The config's schedule was built over the one group; it drives the caller's groups.
