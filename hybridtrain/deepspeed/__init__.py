@@ -122,8 +122,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                                                               or comm.launched())):
         init_distributed(dist_init_required=True)
     # A model built under zero.Init (transformers' from_pretrained with a live ZeRO-3 config) holds
-    # DeepSpeed's partitions: gathered whole here, the engine then shards it its own way.
-    partitioning.make_whole(model)
+    # DeepSpeed's partitions: gathered whole here, the engine then shards it its own way; under
+    # ZeRO-3's own bf16/fp16 math the partitions go straight into the engine's shards (building).
+    if not (half_weights and cfg.zero_optimization.stage == 3):
+        partitioning.make_whole(model)
     engine = build_engine(model, cfg, init_step, optimizer, params, lr_scheduler, half_weights=half_weights,
                           consecutive_hysteresis=consecutive_hysteresis)
     loader = None

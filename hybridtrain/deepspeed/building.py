@@ -22,6 +22,7 @@ from hybridtrain.config.deepspeed_keys import deepspeed_takes_fp16_init_step
 from hybridtrain.deepspeed.client_optimizer import describe, lay_groups, with_optimizer
 from hybridtrain.deepspeed.loss_scale import DeepSpeedLossScale
 from hybridtrain.deepspeed.master_weights import MasterWeightsOptimizer, NormRule, cast_parameters
+from hybridtrain.deepspeed.runtime.zero import stage3_masters
 from hybridtrain.engine import Engine
 from hybridtrain.optim import FP16_INIT_STEP
 from hybridtrain.prepare import prepare
@@ -52,9 +53,10 @@ def master_weights(raw: Mapping[str, Any], cfg: Config) -> bool:
     optimizer (:mod:`hybridtrain.deepspeed.master_weights`) instead of autocast over fp32 weights.
 
     Decided for ``bf16.enabled`` or ``fp16.enabled`` with gradients accumulating in the model's dtype (no
-    ``data_types.grad_accum_dtype``) in one process without tensor/pipeline parallel, ZeRO
-    stages 0-2 without offload or streaming (where DeepSpeed's wrappers are
-    ``FP16_Optimizer`` and ``DeepSpeedZeroOptimizer``), and for fp16 not over the config's LAMB or
+    ``data_types.grad_accum_dtype``) without tensor/pipeline parallel, offload or streaming, in one
+    process under ZeRO stages 0-2 (where DeepSpeed's wrappers are ``FP16_Optimizer`` and
+    ``DeepSpeedZeroOptimizer``) or in any number under ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``:
+    :mod:`hybridtrain.deepspeed.runtime.zero.stage3_masters`), and for fp16 not over the config's LAMB or
     1-bit optimizers (DeepSpeed's fp16 wrapper steps those through their own fused paths, which
     take the loss scale themselves). Elsewhere the engine keeps autocast.
     """
@@ -62,9 +64,10 @@ def master_weights(raw: Mapping[str, Any], cfg: Config) -> bool:
     data_types = raw.get("data_types")
     accumulation = data_types.get("grad_accum_dtype") if isinstance(data_types, Mapping) else None
     own_fp16_path = cfg.fp16.enabled and cfg.optimizer.type.lower() in _OWN_FP16_PATH
+    # ZeRO-3's own wrapper (runtime/zero/stage3_masters.py) on any number of processes.
     return ((cfg.bf16.enabled or cfg.fp16.enabled) and not own_fp16_path and accumulation is None
-            and _world_size() == 1
-            and zero.stage <= 2 and zero.offload_optimizer.device == "none" and zero.offload_param.device == "none"
+            and (zero.stage == 3 or (_world_size() == 1 and zero.stage <= 2))
+            and zero.offload_optimizer.device == "none" and zero.offload_param.device == "none"
             and max(cfg.tensor_parallel.size, cfg.tensor_model_parallel_size or 1) == 1
             and cfg.pipeline.stages == 1 and not cfg.layer_streaming.enabled)
 
@@ -89,6 +92,10 @@ def build_engine(model: nn.Module, cfg: Config, init_step: bool, optimizer: Any,
 
     rule = _norm_rule(cfg, optimizer)
     cfg = without_unstreamable_param_offload(cfg, model)
+    stage3 = None
+    if half_weights and cfg.zero_optimization.stage == 3:
+        # The engine shards the half parameters (ZeRO-3); the wrapper goes over its optimizer after.
+        stage3, cfg, half_weights = cfg, stage3_masters.engine_config(model, cfg), False
     if half_weights:
         # DeepSpeed's bf16 wrapper takes the init step over its fp32 masters; the engine takes none.
         init_step = bool(cfg.optimizer.params.get(FP16_INIT_STEP, init_step))
@@ -110,12 +117,16 @@ def build_engine(model: nn.Module, cfg: Config, init_step: bool, optimizer: Any,
         asked_step = {k: v for k, v in cfg.optimizer.params.items() if k == FP16_INIT_STEP}
         cfg = with_optimizer(cfg, spec, asked_step)
     check_plain_initialize(cfg)
+    # zero.Init's partitions go straight into the engine's shards (after a caller's optimizer was named above).
+    held = stage3_masters.set_aside_partitions(model, stage3) if stage3 is not None else None
     # The one road; the config states DeepSpeed's fp16 init step (the plan carries it, build
     # takes it before the LR schedule, as DeepSpeed does).
     engine = prepare(cfg, model, loss_fn, None if spec else optimizer, example_batch).engine
     if spec is not None and lay_groups(engine.optimizer, engine.module, spec) and cfg.scheduler is not None:
         # The config's schedule was built over the one group; it drives the caller's groups.
         engine.scheduler = build_scheduler(engine.optimizer, cfg.scheduler.type, cfg.scheduler.params)
+    if stage3 is not None:  # over the caller's groups, laid over the half shards just above
+        stage3_masters.wrap_optimizer(engine, stage3, consecutive_hysteresis, held)
     if isinstance(optimizer, torch.optim.Optimizer) and optimizer is not engine.optimizer:
         # DeepSpeed's ZeRO optimizer updates through the caller's own param_groups, so a
         # scheduler built on the caller's optimizer before initialize (Accelerate's, a

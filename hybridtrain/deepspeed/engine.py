@@ -340,9 +340,9 @@ class DeepSpeedEngine(nn.Module):
         Without ZeRO (fp32) and under ZeRO-1/2 the files are DeepSpeed's own
         (:mod:`hybridtrain.deepspeed.checkpoint.writer`): the real DeepSpeed resumes them and
         its ``zero_to_fp32`` reads them; so are bf16 runs with DeepSpeed's math
-        (:mod:`hybridtrain.deepspeed.master_weights`) and fp32 ZeRO-3 runs (a model-states and an
-        optimizer file per data-parallel rank). Tensor/pipeline parallel and other 16-bit runs
-        write hybridtrain's sharded checkpoint in the tag directory instead."""
+        (:mod:`hybridtrain.deepspeed.master_weights`) and ZeRO-3 runs in fp32 or with DeepSpeed's
+        bf16/fp16 math (a model-states and an optimizer file per data-parallel rank). Tensor/pipeline
+        parallel and other 16-bit runs write hybridtrain's sharded checkpoint in the tag directory instead."""
         if not save_dir:
             raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
         if exclude_frozen_parameters:
@@ -366,7 +366,7 @@ class DeepSpeedEngine(nn.Module):
         half = self._config.bf16.enabled or self._config.fp16.enabled
         master = isinstance(self.engine.optimizer, MasterWeightsOptimizer)
         return topology.tp == 1 and topology.pp == 1 and (stage in (1, 2) or (stage == 0 and (master or not half))
-                                                          or (stage == 3 and not half))
+                                                          or (stage == 3 and (master or not half)))
 
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,

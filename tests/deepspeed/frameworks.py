@@ -86,6 +86,31 @@ def start(script: str, args: list[str], tmp: Path, real: bool, env: dict[str, st
     return subprocess.Popen(command, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp)
 
 
+def run_dropin(script: str, args: list[str], tmp: Path, nproc: int = 1, env: dict[str, str] | None = None) -> None:
+    """``script ARGS…`` on hybridtrain's drop-in: on one rank in this process, through the script's
+    ``run(deepspeed, args)`` with ``hybridtrain.deepspeed`` (no launch: a second of the test's time
+    instead of several), on one thread as a launched run (``OMP_NUM_THREADS=1``), so its kernels sum
+    in the same order; on several ranks under ``hybridtrain launch`` (:func:`start`)."""
+    if nproc > 1:
+        finish(start(script, args, tmp, real=False, env=env, nproc=nproc), f"hybridtrain's run of {script}")
+        return
+    import importlib
+
+    import hybridtrain.deepspeed
+
+    saved_env, threads = dict(os.environ), torch.get_num_threads()
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        os.environ.update(env or {})
+        torch.set_num_threads(1)
+        importlib.import_module(Path(script).stem).run(hybridtrain.deepspeed, args)
+    finally:
+        sys.path.remove(str(SCRIPTS))
+        torch.set_num_threads(threads)
+        os.environ.clear()
+        os.environ.update(saved_env)
+
+
 def finish(process: subprocess.Popen[str], what: str, timeout: float = 240) -> str:
     """Wait for a run; its output, or an AssertionError with its end."""
     try:

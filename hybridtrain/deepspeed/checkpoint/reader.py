@@ -122,6 +122,7 @@ def _read_zero3(tag_dir: Path, with_optimizer: bool) -> DeepSpeedState:
     state.param_groups = hypers if len(hypers) == len(param_shapes) else []
     scaler = ranks[0].get("loss_scaler")
     state.loss_scale = float(getattr(scaler, "cur_scale", 1.0)) if scaler is not None else None
+    state.scaler_state = _scale_entries(vars(scaler)) if scaler is not None else None
     return state
 
 

@@ -149,8 +149,10 @@ def _save_zero3(snapshot: EngineSnapshot, config: Any, raw_config: dict[str, Any
             state[index] = {key: zero3.rank_flat([e[key] for e in entries], dp, rank)
                             if per_element(key, first, shape) else first
                             for key, first in entries[0].items()}
+    # fp16's loss scale as DeepSpeed's ZeRO optimizers keep it; bf16 and fp32 a static 1.0.
+    scaler = _zero_loss_scaler(engine).get("loss_scaler", files.StaticLossScaler(1.0))
     optimizer_file = {
-        "zero_stage": 3, "loss_scaler": files.StaticLossScaler(1.0), "dynamic_loss_scale": False,
+        "zero_stage": 3, "loss_scaler": scaler, "dynamic_loss_scale": isinstance(scaler, files.DynamicLossScalerState),
         "overflow": False, "partition_count": dp,
         files.OPTIMIZER_STATE_DICT: {"state": state, "param_groups": [
             {**hypers, "params": [i]} for i, hypers in enumerate(snapshot.hypers)]},

@@ -1,13 +1,14 @@
 """A DeepSpeed script that saves and resumes with ``engine.save_checkpoint``/``load_checkpoint``,
 run unchanged on the real DeepSpeed and on hybridtrain's drop-in (one or several processes).
 
-Usage: checkpoint_script.py STAGE MODE CHECKPOINT_DIR RECORD
-  MODE full: 6 optimizer steps; save: 3 steps, then save_checkpoint(CHECKPOINT_DIR, client_state);
-  resume: load_checkpoint(CHECKPOINT_DIR), then the steps up to 6.
-With CHECKPOINT_OFFLOAD=1 the optimizer is offloaded to the host.
-RECORD (rank 0) gets the steps, learning rates and losses of the steps run, the client state
-read back, and the final parameters (RECORD.pt); a resume also the weights as loaded
-(RECORD.loaded.pt). Tests import :func:`build` and :func:`train` to run it in-process.
+Usage: checkpoint_script.py STAGE SAVE_DIR RESUME_DIR RECORD (``-`` for a directory: not done)
+  SAVE_DIR: 6 optimizer steps, with save_checkpoint(SAVE_DIR, client_state) after the 3rd; RECORD
+  (rank 0) gets the steps, learning rates and losses, RECORD.pt the final parameters,
+  RECORD.at_save.pt the parameters saved.
+  RESUME_DIR: then load_checkpoint(RESUME_DIR) into a new engine and the steps up to 6, recorded as
+  RECORD.resumed, with the client state read back; RECORD.resumed.loaded.pt the weights as loaded.
+With CHECKPOINT_OFFLOAD=1 the optimizer is offloaded to the host. Tests import :func:`build` and
+:func:`train` to run it in process, and :func:`run` (:func:`tests.deepspeed.frameworks.run_dropin`).
 """
 
 import os
@@ -48,22 +49,29 @@ def train(engine: Any, stop: int, record: dict[str, list[Any]], world: int = 1) 
         record["losses"].append(loss.item())
 
 
-def main() -> None:
-    import deepspeed
-
-    stage, mode, checkpoint_dir, record_path = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+def run(deepspeed: Any, args: list[str]) -> None:
+    """What the command line ``args`` say (see the module), with ``deepspeed`` the package to run."""
+    stage, save_dir, resume_dir, record_path = int(args[0]), args[1], args[2], args[3]
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    engine = build(deepspeed, stage, world)
-    record: dict[str, Any] = {"steps": [], "lrs": [], "losses": []}
-    if mode == "resume":
-        path, client_state = engine.load_checkpoint(checkpoint_dir)
-        record["client_state"] = {"epoch": client_state.get("epoch"), "file": os.path.relpath(path, checkpoint_dir)}
-        write_record(record_path + ".loaded", {}, engine.module)  # the weights as loaded
-    train(engine, SAVE_AT if mode == "save" else STEPS, record, world)
-    if mode == "save":
-        engine.save_checkpoint(checkpoint_dir, client_state={"epoch": 7})
-    write_record(record_path, record, engine.module)
+    if save_dir != "-":
+        engine = build(deepspeed, stage, world)
+        record: dict[str, Any] = {"steps": [], "lrs": [], "losses": []}
+        train(engine, SAVE_AT, record, world)
+        engine.save_checkpoint(save_dir, client_state={"epoch": 7})
+        write_record(record_path + ".at_save", {}, engine.module)
+        train(engine, STEPS, record, world)
+        write_record(record_path, record, engine.module)
+    if resume_dir != "-":
+        engine = build(deepspeed, stage, world)
+        path, client_state = engine.load_checkpoint(resume_dir)
+        resumed: dict[str, Any] = {"steps": [], "lrs": [], "losses": [], "client_state": {
+            "epoch": client_state.get("epoch"), "file": os.path.relpath(path, resume_dir)}}
+        write_record(record_path + ".resumed.loaded", {}, engine.module)  # the weights as loaded
+        train(engine, STEPS, resumed, world)
+        write_record(record_path + ".resumed", resumed, engine.module)
 
 
 if __name__ == "__main__":
-    main()
+    import deepspeed
+
+    run(deepspeed, sys.argv[1:])

@@ -48,7 +48,11 @@ class Model(torch.nn.Module):
         return self.second(torch.tanh(self.norm(_Infinite.apply(self.first(x)))))
 
 
-def build(deepspeed: Any, precision: str, consecutive: bool, stage: int, torch_adam: bool) -> Any:
+def build(deepspeed: Any, precision: str, consecutive: bool, stage: int, torch_adam: bool,
+          two_groups: bool = False) -> Any:
+    """The seeded model under ``deepspeed.initialize``; with ``two_groups`` the script's own torch
+    AdamW with the weights and the rest in two groups (decay and none), as the HF Trainer gives it,
+    instead of the config's optimizer."""
     torch.manual_seed(0)
     model = Model()
     half = {"enabled": True}
@@ -60,7 +64,15 @@ def build(deepspeed: Any, precision: str, consecutive: bool, stage: int, torch_a
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": torch_adam}},
               "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 8, "warmup_max_lr": 1e-2}},
               "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    optimizer = None
+    if two_groups:
+        config.pop("optimizer")
+        matrices = [p for p in model.parameters() if p.dim() > 1]
+        rest = [p for p in model.parameters() if p.dim() <= 1]
+        groups = [{"params": matrices, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW(groups, lr=1e-2)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=optimizer,
+                                           config=config)
     return engine
 
 
@@ -71,10 +83,11 @@ def scale(engine: Any) -> float:
     return float(config.cur_scale if config is not None else optimizer.cur_scale)
 
 
-def train(engine: Any, dtype: torch.dtype, stop: int = STEPS) -> dict[str, Any]:
-    """Optimizer steps from the engine's step count up to ``stop``, each one's record."""
+def train(engine: Any, dtype: torch.dtype, stop: int = STEPS, seed: int = 1) -> dict[str, Any]:
+    """Optimizer steps from the engine's step count up to ``stop``, each one's record; ``seed``
+    draws the data (each rank its own, across processes)."""
     record: dict[str, Any] = {k: [] for k in ("lrs", "losses", "grad_norms", "scales", "skipped", "applied")}
-    generator = torch.Generator().manual_seed(1)
+    generator = torch.Generator().manual_seed(seed)
     data = [(torch.randn(MICRO, 8, generator=generator), torch.randn(MICRO, 4, generator=generator))
             for _ in range(STEPS * ACCUMULATION)]
     for micro in range(engine.global_steps * ACCUMULATION, stop * ACCUMULATION):

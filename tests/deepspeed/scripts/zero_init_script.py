@@ -7,7 +7,9 @@ RECORD.init and RECORD.hf (rank 0) get, per parameter, what each rank holds afte
 (``numel()``, ``ds_numel``, ``ds_shape``, the partition's size and status) and whether the gathered
 values are the ones built whole; then the losses of 3 ZeRO-3 steps from the partitioned model and
 from the same model built whole. RECORD.init also has a parameter changed under
-``GatheredParameters(modifier_rank=0)`` and read back on every rank.
+``GatheredParameters(modifier_rank=0)`` and read back on every rank. RECORD.bf16 gets the
+parameters' and partitions' dtypes under a bf16 config and the losses of 3 ZeRO-3 bf16 steps from
+the partitioned and the whole model.
 """
 
 import os
@@ -45,8 +47,9 @@ def partitions(model: torch.nn.Module, whole: dict[str, torch.Tensor], deepspeed
     return {"held": held, "gathered_equal": same, "after_gather": [p.numel() for p in model.parameters()]}
 
 
-def losses(deepspeed: Any, model: torch.nn.Module, batches: list[Any], loss: Any) -> list[float]:
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=CONFIG)
+def losses(deepspeed: Any, model: torch.nn.Module, batches: list[Any], loss: Any,
+           config: dict[str, Any] = CONFIG) -> list[float]:
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     out = []
     for batch in batches:
         value = loss(engine, batch)
@@ -81,6 +84,25 @@ def plain_part(deepspeed: Any) -> dict[str, Any]:
     record["whole_losses"] = losses(deepspeed, reference, batches, mse)
     write_record(f"{out_path()}.init", record, torch.nn.Module())  # the losses are compared
     return record
+
+
+def bf16_part(deepspeed: Any) -> None:
+    """``zero.Init`` under a bf16 config: the partitions in bfloat16, as DeepSpeed casts them, and
+    3 ZeRO-3 steps with DeepSpeed's bf16 math from them and from the model built whole."""
+    config = {**CONFIG, "bf16": {"enabled": True}}
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = tiny()
+    record: dict[str, Any] = {"dtypes": sorted({f"{p.dtype} {p.ds_tensor.dtype}" for p in model.parameters()})}
+    generator = torch.Generator().manual_seed(1 + dist.get_rank())
+    batches = [(torch.randn(2, 7, generator=generator).bfloat16(), torch.randn(2, 3, generator=generator))
+               for _ in range(3)]
+
+    def mse(engine: Any, batch: Any) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(engine(batch[0]).float(), batch[1])
+
+    record["losses"] = losses(deepspeed, model, batches, mse, config)
+    record["whole_losses"] = losses(deepspeed, tiny(), batches, mse, config)
+    write_record(f"{out_path()}.bf16", record, torch.nn.Module())
 
 
 def hf_part(deepspeed: Any, model_dir: str) -> None:
@@ -119,6 +141,7 @@ def main() -> None:
     deepspeed.init_distributed()
     model_dir = sys.argv[1]
     plain_part(deepspeed)
+    bf16_part(deepspeed)
     hf_part(deepspeed, model_dir)
 
 

@@ -4,10 +4,13 @@
   DeepSpeed's ``zero.Init`` leaves it (:mod:`.partitioning`): an empty ``data``, this rank's part
   in ``ds_tensor``, ``ds_numel``/``ds_shape``/``ds_id``/``ds_status``. (DeepSpeed partitions each
   module's parameters as that module's constructor returns; the model's own constructor code
-  runs on whole parameters either way. Unlike DeepSpeed, floating parameters keep the dtype they
-  were built in: the engine decides the training precision.) ``Init(module=m)`` partitions an
-  existing ``m``. ``deepspeed.initialize`` gathers such a model whole and shards it its own way,
-  so training from it is training from the whole model.
+  runs on whole parameters either way. Under a config with ``bf16``/``fp16`` enabled floating
+  partitions are cast to that dtype, as DeepSpeed's; else they keep their dtype.) ``Init(module=m)``
+  partitions an existing ``m``. ``deepspeed.initialize`` puts the partitions straight into the
+  engine's shards under ZeRO-3's bf16/fp16 math on several processes
+  (:func:`~hybridtrain.deepspeed.runtime.zero.stage3_masters.set_aside_partitions`), else gathers the
+  model whole (in its build dtype) and shards it its own way: training from it is training from
+  the whole model.
 - ``GatheredParameters``: partitioned parameters are gathered whole inside the block (a
   collective); on exit the ``modifier_rank``'s values are broadcast and partitioned again, or,
   without a modifier, the gathered copies are dropped (in-block changes discarded, as in
@@ -20,7 +23,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import json
+import os
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -66,7 +71,7 @@ class Init:
                  config_dict_or_path: Any = None, config: Any = None, enabled: bool = True,
                  dtype: torch.dtype | None = None, mpu: Any = None, **kwargs: Any) -> None:
         self.enabled = enabled
-        self.dtype = dtype
+        self.dtype = dtype if dtype is not None else half_dtype(config_dict_or_path if config is None else config)
         self._created: list[tuple[nn.Module, str, nn.Parameter]] = []
         self._register: Any = None
         if enabled:
@@ -74,7 +79,7 @@ class Init:
         if module is not None and enabled:
             for param in module.parameters():
                 if not partitioning.is_partitioned(param):
-                    partitioning.partition(param)
+                    partitioning.partition(param, self.dtype)
 
     def __enter__(self) -> Init:
         if not self.enabled or Init._depth > 0:
@@ -106,8 +111,25 @@ class Init:
             if dict(module.named_parameters(recurse=False)).get(name) is param and id(param) not in seen:
                 seen.add(id(param))
                 if not partitioning.is_partitioned(param):
-                    partitioning.partition(param)
+                    partitioning.partition(param, self.dtype)
         self._created.clear()
+
+
+def half_dtype(config: Any) -> torch.dtype | None:
+    """The half dtype DeepSpeed's ``zero.Init`` casts floating parameters to for ``config`` (a
+    DeepSpeed config dict or a path to its JSON): ``bf16``/``fp16`` enabled (``true``, not
+    ``"auto"``), else None (they keep their dtype: with no config DeepSpeed would pick one by the
+    accelerator, which the drop-in does not)."""
+    if isinstance(config, str | os.PathLike):
+        with open(config) as file:
+            config = json.load(file)
+    if not isinstance(config, Mapping):
+        return None
+    enabled = {key: isinstance(config.get(key), Mapping) and config[key].get("enabled") is True
+               for key in ("bf16", "bfloat16", "fp16")}
+    if enabled["bf16"] or enabled["bfloat16"]:
+        return torch.bfloat16
+    return torch.float16 if enabled["fp16"] else None
 
 
 def _join_launched_group() -> None:

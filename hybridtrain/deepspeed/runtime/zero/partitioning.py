@@ -49,22 +49,25 @@ def partition_size(numel: int, world: int) -> int:
 
 
 @torch.no_grad()
-def partition(param: nn.Parameter) -> None:
-    """Keep only this rank's part of ``param`` (see the module); its data must be whole and the
-    same on every rank (built from the same seed, or broadcast)."""
+def partition(param: nn.Parameter, dtype: torch.dtype | None = None) -> None:
+    """Keep only this rank's part of ``param`` (see the module), cast to ``dtype`` when given and
+    ``param`` is floating (DeepSpeed's ``zero.Init`` casts to the config's half dtype); its data
+    must be whole and the same on every rank (built from the same seed, or broadcast)."""
     rank, world = _rank_and_world()
     numel = param.data.numel()
     share = partition_size(numel, world)
-    flat = torch.zeros(share * world, dtype=param.dtype, device=param.device)
-    flat[:numel] = param.data.reshape(-1)
     if not is_partitioned(param):
         param.ds_numel = numel  # type: ignore[attr-defined]
         param.ds_shape = param.shape  # type: ignore[attr-defined]
         param.ds_id = next(_ids)  # type: ignore[attr-defined]
+        param.ds_build_dtype = param.dtype  # type: ignore[attr-defined]
+    dtype = dtype if dtype is not None and param.is_floating_point() else param.dtype
+    flat = torch.zeros(share * world, dtype=dtype, device=param.device)
+    flat[:numel] = param.data.reshape(-1)
     param.ds_tensor = flat[rank * share:(rank + 1) * share].clone()  # type: ignore[attr-defined]
     param.ds_tensor.ds_numel = share  # type: ignore[attr-defined]
     param.ds_status = ZeroParamStatus.NOT_AVAILABLE  # type: ignore[attr-defined]
-    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+    param.data = torch.empty(0, dtype=dtype, device=param.device)
 
 
 @torch.no_grad()
@@ -94,10 +97,86 @@ def release(param: nn.Parameter) -> None:
 
 def make_whole(model: nn.Module) -> bool:
     """Gather every partitioned parameter of ``model`` for good and forget its partition (a
-    collective), so that an engine takes the model as built whole; True if any was partitioned."""
+    collective), in the dtype it was built in (values a half partition rounded are widened
+    exactly), so that an engine takes the model as built whole; True if any was partitioned."""
     params = [p for p in model.parameters() if is_partitioned(p)]
     gather(params)
     for param in params:
-        for name in ("ds_tensor", "ds_numel", "ds_shape", "ds_id", "ds_status"):
-            delattr(param, name)
+        if param.dtype != param.ds_build_dtype:  # type: ignore[attr-defined]
+            param.data = param.data.to(param.ds_build_dtype)  # type: ignore[attr-defined]
+        _forget(param)
     return bool(params)
+
+
+def _forget(param: nn.Parameter) -> None:
+    for name in ("ds_tensor", "ds_numel", "ds_shape", "ds_id", "ds_status", "ds_build_dtype"):
+        delattr(param, name)
+
+
+Partitions = dict[str, tuple[torch.Tensor, int, torch.Size]]
+"""Values set aside by :func:`hold_partitions`: parameter name → (this rank's part, numel, shape); a
+buffer's name → (its value, numel, shape)."""
+
+
+@torch.no_grad()
+def hold_partitions(model: nn.Module, dtype: torch.dtype) -> Partitions | None:
+    """When every parameter of ``model`` is partitioned: take each one's part out and put a
+    whole-shaped parameter of ``dtype`` on the meta device in its place (tied ones stay tied; the
+    buffers, never partitioned, are set aside too), so that an engine shards the model as it
+    shards a model built on the meta device and :func:`load_partitions` then fills the shards:
+    the model is never whole on a rank. Whoever holds the old parameter objects (an optimizer)
+    must have named them first. None (nothing changed) when some parameter is not partitioned.
+    Nothing is communicated."""
+    params = dict(model.named_parameters())
+    if not params or not all(is_partitioned(p) for p in params.values()):
+        return None
+    held: Partitions = {name: (b.detach().clone(), b.numel(), b.shape) for name, b in model.named_buffers()}
+    for name, param in params.items():
+        held[name] = (param.ds_tensor, int(param.ds_numel), torch.Size(param.ds_shape))  # type: ignore[attr-defined]
+    placeholders: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if id(param) not in placeholders:
+                placeholders[id(param)] = nn.Parameter(
+                    torch.empty(param.ds_shape, dtype=dtype, device="meta"),  # type: ignore[attr-defined]
+                    requires_grad=param.requires_grad)
+            setattr(module, name, placeholders[id(param)])
+    return held
+
+
+@torch.no_grad()
+def load_partitions(model: nn.Module, held: Partitions) -> None:
+    """Copy the values :func:`hold_partitions` set aside into ``model``'s parameters as the engine
+    laid them out (a DTensor's shard, else the whole tensor), one parameter at a time, so at most
+    one is whole at once (a collective per parameter, in the model's order on every rank), and
+    its buffers back."""
+    from torch.distributed.tensor import DTensor
+
+    _, world = _rank_and_world()
+    for name, buffer in model.named_buffers():
+        if name in held:
+            buffer.copy_(held.pop(name)[0])
+    for name, param in model.named_parameters():
+        part, numel, shape = held.pop(name)
+        if world > 1:
+            parts = [torch.empty_like(part) for _ in range(world)]
+            dist.all_gather(parts, part.contiguous())
+            whole = torch.cat(parts)[:numel].view(shape)
+        else:
+            whole = part[:numel].view(shape)
+        shard = shard_like(whole, param)
+        (param.to_local() if isinstance(param, DTensor) else param).copy_(
+            shard.to_local() if isinstance(shard, DTensor) else shard)
+        del whole, shard
+
+
+def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``full`` laid out as ``like``: this rank's shard of it (a DTensor cut locally, nothing
+    communicated: every rank holds ``full``) when ``like`` is a DTensor, else ``full``."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(like, DTensor):
+        return full
+    local = like.to_local()
+    return distribute_tensor(full.to(local.device, local.dtype), like.device_mesh, like.placements,
+                             src_data_rank=None)

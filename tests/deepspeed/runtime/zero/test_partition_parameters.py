@@ -82,3 +82,8 @@ def test_two_ranks_partition_and_train_as_the_real_deepspeed(tmp_path: Path) -> 
         assert ours["losses"] == ours["whole_losses"], part  # partitioned first or not: the same training
         torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(real["losses"]), rtol=1e-4, atol=0)
     assert record(tmp_path / "ours.init")[0]["modified"] and record(tmp_path / "real.init")[0]["modified"]
+    ours, real = record(tmp_path / "ours.bf16")[0], record(tmp_path / "real.bf16")[0]
+    assert ours["dtypes"] == real["dtypes"] == ["torch.bfloat16 torch.bfloat16"]  # cast as DeepSpeed's Init casts
+    # Kept partitioned through initialize (stage3_masters.set_aside_partitions): the same training as from the
+    # whole model, and as the real DeepSpeed's, bit for bit (ZeRO-3's bf16 math on both).
+    assert ours["losses"] == ours["whole_losses"] == real["losses"] == real["whole_losses"]
