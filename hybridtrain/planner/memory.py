@@ -338,6 +338,9 @@ def _backward_phase(replay: _Replay, p: PhaseProfile, where: str, first: bool, t
     grads = _FP32 * p.param_numel // tp - narrower
     if first:  # this phase's parameters now have gradients
         replay.grads += grads
+        # The trace widens them to fp32 (autocast's cast backward); held at half width, they take
+        # ``narrower`` bytes fewer once the phase ends (a streamed block's half weights get half gradients).
+        replay.current -= narrower
     if lands:
         replay.current -= grads
         replay.grads -= grads
