@@ -172,6 +172,7 @@ def test_resume_is_exact_with_gradients_waiting_on_the_device(mode: str, tmp_pat
 @pytest.mark.parametrize("mode", ["offload_opt_bf16_accum2_clip_grads_on_device",
                                   "offload_opt_twinflow_fp16_grads_on_device",
                                   "stream_layer_major_fp16_overflow_accum2_clip_grads_on_device",
+                                  "stream_host_accum2_clip_grads_on_device",
                                   "stream_twinflow_bf16_accum2_clip_grads_on_device",
                                   "stream_bf16_accum2_clip_images_per_upload"])
 def test_the_new_modes_train_on_cuda_as_the_plain_loop_there(mode: str) -> None:
