@@ -531,6 +531,24 @@ TWIN_FLOW_STREAMING_MODES: dict[str, Mode] = {
             "zero_optimization": {"offload_optimizer": {"ratio": 0.5}}},
         autocast_dtype=torch.float16, clip=0.05,
         extra={"grad_scaler": True, "init_scale": 2.0**20, "plain_micro_batches": 2}),
+    # The composition the planner picks for GPT-13B on one H100 (docs/planning.md): micro-batch-
+    # major streaming of one micro-batch per step, block inputs in host memory, a kept block,
+    # gradients held on the device at half width, images cast per upload, Twin-Flow; in bf16 with
+    # clipping that clips, and in fp16 with an overflow that skips.
+    "stream_host_twinflow_keep1_bf16_clip_held_per_upload": Mode(
+        "stream_host_twinflow_keep1_bf16_clip_held_per_upload", {
+            "bf16": {"enabled": True}, "gradient_clipping": 0.05, "layer_streaming": {
+                "enabled": True, "boundary_activations": "host", "keep_blocks_for_backward": 1,
+                "half_images": "per_upload"},
+            "zero_optimization": {"offload_optimizer": {"ratio": 0.7, "gradients_wait": "device"}}},
+        autocast_dtype=torch.bfloat16, clip=0.05, extra={"overlap_updates": True}),
+    "stream_host_twinflow_keep1_fp16_overflow_held_per_upload": Mode(
+        "stream_host_twinflow_keep1_fp16_overflow_held_per_upload", {
+            "fp16": {"enabled": True, "hysteresis": 1, "initial_scale_power": 20}, "layer_streaming": {
+                "enabled": True, "boundary_activations": "host", "keep_blocks_for_backward": 1,
+                "half_images": "per_upload"},
+            "zero_optimization": {"offload_optimizer": {"ratio": 0.7, "gradients_wait": "device"}}},
+        autocast_dtype=torch.float16, extra={"grad_scaler": True, "init_scale": 2.0**20, "overlap_updates": True}),
     "stream_layer_major_twinflow": Mode("stream_layer_major_twinflow", {
         "layer_streaming": {"enabled": True, "layer_major": True},
         "zero_optimization": {"offload_optimizer": {"ratio": 0.7}}}),

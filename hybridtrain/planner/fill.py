@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hybridtrain.config import Config
+from hybridtrain.config import Config, ConfigError
 from hybridtrain.planner.estimate import Estimate, ModelSource, Target, estimate
 
 RATIO_STEP = 0.05
@@ -89,14 +89,20 @@ def _grown(best: Variant, values: Sequence[Any], change: Callable[[Config, Any],
 
 def _largest_fitting(values: Sequence[Any], make: Callable[[Any], Config], target: Target, world: int,
                      margin: float, model: ModelSource | None) -> tuple[Any, Config, Estimate] | None:
-    """The last of ``values`` (device memory grows along them) whose variant fits, by bisection."""
+    """The last of ``values`` (device memory grows along them) whose variant fits, by bisection.
+    A value the engine refuses beside the variant's other settings fits nowhere: a lower
+    Twin-Flow ratio leaves fewer blocks streamed than the variant keeps for backward, and
+    fewer still further along."""
     low, high = 0, len(values) - 1
     found = None
     while low <= high:
         mid = (low + high) // 2
         config = make(values[mid])
-        est = estimate(config, target, world, all_passes=True, model=model)
-        if est.problems(margin):
+        try:
+            est: Estimate | None = estimate(config, target, world, all_passes=True, model=model)
+        except ConfigError:
+            est = None
+        if est is None or est.problems(margin):
             high = mid - 1
         else:
             found = (values[mid], config, est)

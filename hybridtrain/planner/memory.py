@@ -263,6 +263,13 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
         replay.grads = grads_kept
     # Optimizer step: torch's single-tensor Adam (CPU) makes two temporaries the size of a
     # parameter; the foreach path (CUDA) one the size of all device-updated parameters.
+    if held and lands_later(plan) and stage_blocks:
+        # The next forward starts with every held gradient still on the device (each block's
+        # own lands before it runs again): its first block finds them all.
+        first = trace.block(stage_blocks[0], treatments[stage_blocks[0]])
+        replay.touch(trace.pre.forward_peak, "next forward of pre")
+        replay.touch(trace.pre.kept_bytes + _split(first.forward_peak, first.output_bytes, tp),
+                     f"next forward of {first.name}")
     if held:
         # OffloadOptimizer.step sends the held gradients down bucket by bucket before the
         # device share steps; at most the pool's buckets are still in flight then.
@@ -286,6 +293,14 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
     host = MemoryBreakdown(parameters=host_params, gradients=host_grads, optimizer_state=host_state,
                            activations=host_acts, transfer_buffers=host_buffers)
     return MemoryEstimate(device_peak=replay.peak, device=device, host=host, peak_at=replay.peak_at)
+
+
+def lands_later(plan: TrainingPlan) -> bool:
+    """Whether held gradients land after ``step()`` returned, behind the next forward
+    (:func:`hybridtrain.runtime.offload.held_grads.land_held_later`, as ``hybridtrain train``
+    runs the step): held on the device with no device share (Twin-Flow ratio 1)."""
+    opt = plan.optimizer
+    return opt.grads_wait_on_device and opt.placement in ("host", "host_streamed") and opt.host_ratio >= 1.0
 
 
 def treatment(plan: TrainingPlan, name: str) -> str:
@@ -338,6 +353,9 @@ def _backward_phase(replay: _Replay, p: PhaseProfile, where: str, first: bool, t
     grads = _FP32 * p.param_numel // tp - narrower
     if first:  # this phase's parameters now have gradients
         replay.grads += grads
+        # The trace widens them to fp32 (autocast's cast backward); held at half width, they take
+        # ``narrower`` bytes fewer once the phase ends (a streamed block's half weights get half gradients).
+        replay.current -= narrower
     if lands:
         replay.current -= grads
         replay.grads -= grads

@@ -36,7 +36,7 @@ from dataclasses import dataclass, fields
 
 from hybridtrain.hardware.links import Links
 from hybridtrain.plan.types import TrainingPlan
-from hybridtrain.planner.memory import kept_blocks, uploaded_bytes
+from hybridtrain.planner.memory import kept_blocks, lands_later, uploaded_bytes
 from hybridtrain.planner.trace import ModelTrace
 from hybridtrain.runtime.offload.layout import POOLED_BUFFERS
 
@@ -201,7 +201,7 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
             forward_time = (k if whole else 1) * fwd / hw.flops
             first = min(host_update, first_update / hw.host_update_rate)
             behind = host_update - first
-            if opt.grads_wait_on_device:
+            if opt.grads_wait_on_device and not lands_later(plan):
                 # Held gradients go down through the pool before step() returns: only the
                 # pool's last buckets are still updating when the next forward starts.
                 behind = min(behind, (POOLED_BUFFERS - 1) * first_update / hw.host_update_rate)
@@ -229,3 +229,4 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
                     host_step_exposed=host_step - hidden_host,
                     communication=comm, bubble=bubble, total=total, transfers_exposed=transfers - hidden_transfers,
                     communication_exposed=comm - hidden_comm)
+

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hybridtrain.config import load_config
+import pytest
+
+from hybridtrain.config import ConfigError, load_config
 from hybridtrain.planner import plan
 from hybridtrain.planner.estimate import Estimate, Target, estimate
 from hybridtrain.planner.fill import RATIO_STEP, fill_device
@@ -125,3 +127,20 @@ def _unfilled(candidate: Any) -> str:
     offload.pop("gpu_ratio")
     dump["activation_checkpointing"].pop("every_n_blocks")
     return json.dumps(dump, sort_keys=True)
+
+
+
+def test_a_ratio_that_leaves_fewer_streamed_blocks_than_are_kept_is_not_taken() -> None:
+    # gpt-tiny's two blocks stream, one kept for backward. Low ratios stream neither (both
+    # updated on the device), and the engine refuses keeping one of none: those ratios fit
+    # nowhere, so the fill stops at the lowest ratio that still streams a block.
+    streamed = {**OFFLOAD, "zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 1.0}},
+                "layer_streaming": {"enabled": True, "keep_blocks_for_backward": 1}}
+    start = estimate(streamed, _target(2**40), all_passes=True)
+    assert [b.stream for b in start.plan.blocks] == [True, True]
+    config, changes, filled = fill_device(load_config(streamed), (), start, _target(2**40), 1, MARGIN, None)
+    ratio = config.zero_optimization.offload_optimizer.ratio
+    assert ratio < 1.0 and changes == (f"optimizer offload ratio {ratio} (Twin-Flow: the rest on the device)",)
+    assert [b.stream for b in filled.plan.blocks] == [True, False]
+    with pytest.raises(ConfigError, match="keep_blocks_for_backward = 1 but 0 blocks are streamed"):
+        estimate(_with(streamed, "zero_optimization", ratio=round(ratio - RATIO_STEP, 4)), _target(2**40))

@@ -5,8 +5,8 @@ Twin-Flow ratio whose host state fits, when the device then holds it
 from __future__ import annotations
 
 from hybridtrain.planner import plan
-from hybridtrain.planner.estimate import Target, estimate
-from hybridtrain.planner.fill import FIT_RATIO_STEP, fit_host
+from hybridtrain.planner.estimate import Target, estimate, meta_model
+from hybridtrain.planner.fill import FIT_RATIO_STEP, fit_host, keep_most
 from hybridtrain.planner.search import MARGIN
 
 STREAM = {"model": {"name": "gpt-tiny"}, "data": {"seq_len": 64}, "train_batch_size": 8,
@@ -63,3 +63,28 @@ def test_when_the_device_cannot_hold_the_fitting_ratio_the_attempt_says_by_how_m
     assert attempt.host_bytes <= tight.host_memory_bytes
     assert [p.split(":")[0] for p in attempt.problems(MARGIN)] == ["device memory"]
     assert "Twin-Flow" in changes[-1]
+
+
+def test_gpt_13b_fits_one_h100_with_the_host_at_12_bytes_per_parameter() -> None:
+    """Issue #39's target: GPT-13B, 16k tokens per step with clipping (bf16, AdamW), on the
+    H100 machine's figures. The search (``hybridtrain plan``, docs/planning.md) ranks first this
+    variant after its per-variant steps: over host memory as configured, it casts images per
+    upload and takes the largest Twin-Flow ratio the host holds (:func:`fit_host`), then keeps
+    as many streamed blocks for backward as the device holds (:func:`keep_most`)."""
+    h100 = Target("cuda", "H100 SXM", 80 * 2**30, 125 * 2**30, host_bandwidth=152e9)
+    config = {"model": {"name": "gpt-13b"}, "data": {"seq_len": 1024}, "bf16": {"enabled": True},
+              "train_batch_size": 16, "train_micro_batch_size_per_gpu": 16, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+              "layer_streaming": {"enabled": True, "boundary_activations": "host"},
+              "zero_optimization": {"offload_optimizer": {"device": "cpu", "gradients_wait": "device"}}}
+    est = estimate(config, h100, all_passes=True)
+    assert [p.split(":")[0] for p in est.problems(MARGIN)] == ["host memory"]
+    fitted = fit_host(est.config, (), est, h100, 1, MARGIN, None)
+    assert fitted is not None and not fitted[2].problems(MARGIN)
+    variant, changes, grown = keep_most(*fitted, h100, 1, MARGIN, None)
+    assert not grown.problems(MARGIN) and changes[0] == "half-width images cast per upload"
+    assert 0 < variant.layer_streaming.keep_blocks_for_backward < sum(b.stream for b in grown.plan.blocks)
+    # The host holds 12 bytes per host-updated parameter (fp32 master, two moments), no gradient.
+    host, total = grown.memory.host, sum(p.numel() for p in meta_model(grown.config).parameters())
+    assert host.gradients == 0
+    assert abs((host.parameters + host.optimizer_state) / (grown.plan.optimizer.host_ratio * total) - 12) < 0.05

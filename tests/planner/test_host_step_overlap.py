@@ -25,6 +25,7 @@ from hybridtrain.planner.estimate import (
 from hybridtrain.planner.fill import keep_most
 from hybridtrain.planner.search import MARGIN
 from hybridtrain.planner.timing import Hardware, StepTime, estimate_time
+from hybridtrain.runtime.offload.layout import POOLED_BUFFERS
 
 H100 = Target("cuda", "H100 SXM", 80 * 2**30, 128 * 2**30, host_bandwidth=152e9)
 LAYER_MAJOR = {"model": {"name": "gpt-tiny"}, "data": {"seq_len": 64}, "train_micro_batch_size_per_gpu": 4,
@@ -145,3 +146,25 @@ def test_micro_batch_major_keeps_blocks_per_micro_batch_and_the_search_keeps_the
     _, changes, kept = keep_most(cfg, (), est, H100, 1, MARGIN, None)
     assert kept.config.layer_streaming.keep_blocks_for_backward == -1
     assert kept.device_peak_bytes - est.device_peak_bytes == upload
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.5])
+def test_held_gradients_land_behind_the_next_forward_unless_a_device_share_updates_after_them(ratio: float) -> None:
+    """Gradients held on the device (``gradients_wait: device``) with no device share land
+    from a landing thread after the step returned: like gradients waiting in host memory,
+    only the first block's update is waited for. With a Twin-Flow share they land in the step
+    before its update, and only the pool's last buckets update behind the next forward."""
+    plan, trace, _, half = _setup(clip=1.0, model={"name": "gpt-tiny", "overrides": {"n_layer": 6}},
+                                  zero_optimization={"offload_optimizer": {"gradients_wait": "device", "ratio": ratio}})
+    assert plan.optimizer.grads_wait_on_device and plan.optimizer.host_ratio == ratio
+    hw = hardware(H100, plan.compute_dtype)
+    forward = _forward_seconds(trace, hw, k=2)
+    host_numel = trace.param_numel * ratio
+    # The host step fits behind the forward; a link fast enough that the copies never set its pace.
+    hw = replace(hw, host_update_rate=host_numel / (0.9 * forward), links=replace(hw.links, host_to_device=1e18))
+    held = _time(plan, trace, hw, half)
+    first = trace.blocks[0].param_numel / hw.host_update_rate
+    pool = (POOLED_BUFFERS - 1) * first
+    assert held.host_step - first > pool  # the pool's bound would bind
+    expected = first if ratio == 1.0 else held.host_step - pool
+    assert held.host_step_exposed == pytest.approx(expected, rel=1e-6)

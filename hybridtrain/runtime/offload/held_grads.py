@@ -18,14 +18,24 @@ fp32 (unscaled) gradient, and the host multiplies by the clip factor before step
 nothing defers the step (accumulation alone), the step's last landing adds to the held sum
 and steps at once from the pool, as the eager path does.
 
+With background updates (``engine.overlap_updates``) and no device share (Twin-Flow), the
+streamed blocks' buckets land from a landing thread in the order the next forward reads them
+(:func:`land_held_later`): the step returns at once, and each block's next upload waits for
+its own update only.
+
 The price is device memory: every offloaded gradient of the step waits there until the
-step streams it down (the planner's ``gradients_wait: device`` mode counts it).
+step streams it down (the planner's ``gradients_wait: device`` mode counts it), with
+background updates into the next forward's first block.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -130,20 +140,24 @@ def clip_grad_norm(optimizer: OffloadingOptimizer, max_norm: float) -> tuple[tor
 
 
 def land_held(optimizer: OffloadingOptimizer, bucket: Bucket, coef: torch.Tensor | None,
-              background: bool = False, clocks: list[PartClock] | None = None) -> None:
+              background: bool = False, clocks: list[PartClock] | None = None,
+              later: _Later | None = None) -> Future[None]:
     """Stream ``bucket``'s held gradients to the host through one pooled buffer and queue its
-    update on the host worker (unscaled with the step's inverse scale, × ``coef``). The
-    device gradients are released once copied; the pool bounds what is in flight."""
+    update on the host worker (unscaled with the step's inverse scale, × ``coef``); returns
+    that update. The device gradients are released once copied; the pool bounds what is in
+    flight. ``later``: landed after the step returned (:func:`land_held_later`)."""
     through = optimizer._pool.acquire(bucket.flat_master.nbytes)
     try:
         dtypes = [bucket.flat_master.dtype] * len(bucket.params)
-        with step_part("transfer"), optimizer._d2h.after_compute():
+        copies = optimizer._d2h.after(later.ready) if later is not None else optimizer._d2h.after_compute()
+        with step_part("transfer"), copies:
             for j, held in enumerate(bucket.held):
                 if held is None:
                     continue
                 dtypes[j] = held.dtype
                 bucket.slot(through, j, held.dtype).copy_(held, non_blocking=True)
-                transfer.count_bytes("gradients_down", held.numel() * held.element_size())
+                if later is None:  # else counted by the step that asked for it
+                    transfer.count_bytes("gradients_down", held.numel() * held.element_size())
                 optimizer._d2h.keep_alive(held)
                 bucket.has_grad[j] = True
                 bucket.held[j] = None
@@ -153,11 +167,86 @@ def land_held(optimizer: OffloadingOptimizer, bucket: Bucket, coef: torch.Tensor
         transfer.host_waits(optimizer._d2h.record())
         optimizer._pool.release(through)
         raise
+    inv_scale = later.inv_scale if later is not None else optimizer._held_inv_scale
     job = optimizer._worker.submit(_step_landed, optimizer, bucket, through, dtypes, copied, coef,
-                                   optimizer._held_inv_scale, background, clocks)
+                                   inv_scale, background, clocks)
     optimizer._jobs.append(job)
-    if background:
+    if background and later is None:
         bucket.update = job
+    return job
+
+
+@dataclass(frozen=True)
+class _Later:
+    """What a landing after the step returned takes from the step: the event after which its
+    gradients are final on the compute stream, and the step's inverse loss scale (fp16)."""
+
+    ready: torch.cuda.Event | None
+    inv_scale: torch.Tensor | None
+
+
+def land_held_later(optimizer: OffloadingOptimizer, buckets: Sequence[Bucket], coef: torch.Tensor | None,
+                    clocks: list[PartClock]) -> None:
+    """Background updates of held gradients (``OffloadOptimizer.background``): ``buckets`` go
+    down through the pool and update on the host worker in this order (the next forward's),
+    :func:`land_held` by :func:`land_held` from a landing thread, so the step returns at once
+    instead of after all but the pool's last buckets. Each bucket's ``update`` is set before
+    this returns and finishes with its update: the next forward's upload of a block, and every
+    reader of its weights, waits for its own. The same copies, kernels and order as landing
+    them in the step: only when the calling thread waits changes.
+
+    With a device share (Twin-Flow) they land here, before its update: that update's
+    temporaries (one per device parameter in torch's foreach kernels) would otherwise meet
+    every held gradient on the device."""
+    if optimizer._device_optimizer is not None:
+        for bucket in buckets:
+            land_held(optimizer, bucket, coef, background=True, clocks=clocks)
+        return
+    if not buckets:
+        return
+    later = _Later(transfer.compute_event(optimizer.device), optimizer._held_inv_scale)
+    for bucket in buckets:
+        bucket.update = Future()
+        transfer.count_bytes("gradients_down", sum(h.numel() * h.element_size() for h in bucket.held if h is not None))
+    landed: Future[None] = Future()
+    optimizer._jobs.append(landed)  # waited for (and its error raised) by the optimizer's _wait
+    threading.Thread(target=_land_in_order, args=(optimizer, list(buckets), coef, clocks, later, landed),
+                     name="hybridtrain-held-landing", daemon=True).start()
+
+
+def _land_in_order(optimizer: OffloadingOptimizer, buckets: list[Bucket], coef: torch.Tensor | None,
+                   clocks: list[PartClock], later: _Later, landed: Future[None]) -> None:
+    """On the landing thread: each bucket landed in turn; ``landed`` finishes with the last
+    update (with the first error: a bucket after a failed one is not updated)."""
+    updates: list[Future[None]] = []
+    error: BaseException | None = None
+    for bucket in buckets:
+        placeholder = bucket.update
+        assert placeholder is not None
+        try:
+            if error is not None:
+                raise error
+            update = land_held(optimizer, bucket, coef, background=True, clocks=clocks, later=later)
+        except BaseException as exc:
+            error = error or exc
+            placeholder.set_exception(error)
+            continue
+        update.add_done_callback(functools.partial(_settle, placeholder))
+        updates.append(update)
+    for update in updates:
+        error = error or update.exception()
+    if error is not None:
+        landed.set_exception(error)
+    else:
+        landed.set_result(None)
+
+
+def _settle(placeholder: Future[None], update: Future[None]) -> None:
+    error = update.exception()
+    if error is not None:
+        placeholder.set_exception(error)
+    else:
+        placeholder.set_result(None)
 
 
 def _step_landed(optimizer: OffloadingOptimizer, bucket: Bucket, through: torch.Tensor,

@@ -360,17 +360,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if self.grads_wait_on_device:
                 self._wait()
             clocks = running_clocks()
-            for bucket in sorted(later, key=lambda b: self._first_use[b.index]):
+            ordered = sorted(later, key=lambda b: self._first_use[b.index])
+            for bucket in ordered:
                 assert bucket.optimizer is not None
                 sync_hyperparams(bucket.optimizer, self)  # the scheduler moves on before it runs
-                if bucket.has_held:
-                    held_grads.land_held(self, bucket, coef, background=True, clocks=clocks)
-                else:
+                if not bucket.has_held:
                     bucket.update = self._worker.submit(self._update_in_background, bucket, coef, clocks)
                     self._jobs.append(bucket.update)
                 if not bucket.streamed:
                     transfer.count_bytes("weights_up", self.half_uploads.bytes_up(bucket))
                     self._pending.watch(bucket)
+            held_grads.land_held_later(self, [b for b in ordered if b.has_held], coef, clocks)
         if self._device_optimizer is not None:
             sync_hyperparams(self._device_optimizer, self)
             self._device_optimizer.step()

@@ -5,10 +5,14 @@ and the host then holds 12 bytes per AdamW parameter (no gradient buffer) plus t
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import pytest
 import torch
 
 import hybridtrain as ht
+from hybridtrain.models.gpt import GPT, GPTConfig, causal_lm_loss
 from hybridtrain.runtime.offload.layout import POOLED_BUFFERS
 from hybridtrain.runtime.offload.optimizer import OffloadOptimizer
 from hybridtrain.runtime.streaming.streamer import LayerStreamer
@@ -101,13 +105,65 @@ def test_waiting_on_the_device_gives_the_bits_of_waiting_in_host_memory(mode: st
     assert_same_training(engine_run(CASES["gpt_tied"], in_host), engine_run(CASES["gpt_tied"], on_device), 0, 0)
 
 
-def test_resume_is_exact_with_gradients_waiting_on_the_device(tmp_path) -> None:
-    case = CASES["gpt_tied"]
-    mode = GRADS_ON_DEVICE_MODES["stream_layer_major_fp16_overflow_accum2_clip_grads_on_device"]
+
+def test_the_step_returns_before_the_first_block_updates_and_its_next_forward_waits_for_it() -> None:
+    """``overlap_updates`` with held gradients: the step lands them from a landing thread and
+    returns at once (it used to return only once all but the pool's last buckets had updated:
+    here, after the first block's update); block 0's next forward waits for its own update, and
+    the result is the same bits as waiting for every update in the step."""
+    config = {"device": "cpu", "model": {"blocks": "blocks"}, "bf16": {"enabled": True}, "gradient_clipping": 0.05,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "layer_streaming": {"enabled": True},
+              "zero_optimization": {"offload_optimizer": {"gradients_wait": "device"}}}
+    tokens = torch.randint(0, 256, (2, 3, 17), generator=torch.Generator().manual_seed(SEED))
+    batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+    def train(overlap: bool) -> tuple[list[float], dict[str, torch.Tensor], list[float], list[float], list[float]]:
+        torch.manual_seed(SEED)
+        engine = ht.initialize(GPT(GPTConfig(n_layer=2 * POOLED_BUFFERS, d_model=32, seq_len=16)), config,
+                               loss_fn=causal_lm_loss)
+        engine.overlap_updates = overlap
+        optimizer = engine.optimizer
+        assert isinstance(optimizer, OffloadOptimizer) and sum(b.streamed for b in optimizer.buckets) > POOLED_BUFFERS
+        first = optimizer.buckets[0]  # blocks.0's: the first the next forward reads, the first updated
+        assert first.streamed and first.optimizer is not None
+        inner, ends, starts, returns = first.optimizer.step, [], [], []
+
+        def slow_step(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(0.2)
+            out = inner(*args, **kwargs)
+            ends.append(time.perf_counter())
+            return out
+
+        first.optimizer.step = slow_step  # type: ignore[method-assign]
+        engine.module.get_submodule("blocks.0").register_forward_pre_hook(
+            lambda *_: starts.append(time.perf_counter()))
+        losses = []
+        for batch in batches:
+            losses.append(engine.train_batch(batch))
+            returns.append(time.perf_counter())
+        engine.wait_for_updates()
+        return losses, engine.model_state_dict(), ends, starts, returns
+
+    losses, state, ends, starts, returns = train(overlap=True)
+    assert returns[0] < ends[0]  # step 1 returned before blocks.0 had updated
+    assert min(t for t in starts if t > returns[0]) > ends[0]  # step 2's forward entered it after
+    waited_losses, waited_state, *_ = train(overlap=False)
+    assert losses == waited_losses
+    assert all(torch.equal(value, state[name]) for name, value in waited_state.items())
+
+
+@pytest.mark.parametrize("mode", ["stream_layer_major_fp16_overflow_accum2_clip_grads_on_device",
+                                  "stream_host_accum2_clip_grads_on_device"])
+def test_resume_is_exact_with_gradients_waiting_on_the_device(mode: str, tmp_path) -> None:
+    """The second mode lands its held gradients after each step returned (``overlap_updates``):
+    the checkpoint waits for them."""
+    case, m = CASES["gpt_tied"], GRADS_ON_DEVICE_MODES[mode]
 
     def make() -> ht.Engine:
         torch.manual_seed(SEED)
-        return ht.initialize(case.build(), engine_config(mode), loss_fn=case.loss_fn)
+        engine = ht.initialize(case.build(), engine_config(m), loss_fn=case.loss_fn)
+        engine.overlap_updates = bool(m.extra.get("overlap_updates"))
+        return engine
 
     assert_resume_exact(make, case.batches(STEPS), tmp_path / "ckpt")
 
@@ -116,6 +172,7 @@ def test_resume_is_exact_with_gradients_waiting_on_the_device(tmp_path) -> None:
 @pytest.mark.parametrize("mode", ["offload_opt_bf16_accum2_clip_grads_on_device",
                                   "offload_opt_twinflow_fp16_grads_on_device",
                                   "stream_layer_major_fp16_overflow_accum2_clip_grads_on_device",
+                                  "stream_host_accum2_clip_grads_on_device",
                                   "stream_twinflow_bf16_accum2_clip_grads_on_device",
                                   "stream_bf16_accum2_clip_images_per_upload"])
 def test_the_new_modes_train_on_cuda_as_the_plain_loop_there(mode: str) -> None:
