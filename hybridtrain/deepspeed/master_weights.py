@@ -56,6 +56,7 @@ from typing import Any, Literal
 import torch
 
 from hybridtrain.deepspeed.loss_scale import DeepSpeedLossScale
+from hybridtrain.deepspeed.zero_gradients import Averaging, ZeroGradients, zero_global_norm
 
 NormRule = Literal["fused", "unfused", "zero"]
 """Which DeepSpeed wrapper's norm and clip arithmetic (see the module)."""
@@ -120,10 +121,14 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         rule: which DeepSpeed wrapper's norm and clip arithmetic (:data:`NormRule`).
         fp16_init_step: step the masters once with zero gradients now (the ZeRO-0 wrappers').
         loss_scale: fp16's loss scale (None: bf16, not scaled).
+        averaging: several data-parallel ranks under ZeRO-1/2: how the gradients are averaged
+            (:class:`~hybridtrain.deepspeed.zero_gradients.Averaging`; None: one process). The
+            caller then runs :meth:`after_backward` after every backward.
     """
 
     def __init__(self, inner: torch.optim.Optimizer, max_norm: float, rule: NormRule,
-                 fp16_init_step: bool, loss_scale: DeepSpeedLossScale | None = None) -> None:
+                 fp16_init_step: bool, loss_scale: DeepSpeedLossScale | None = None,
+                 averaging: Averaging | None = None) -> None:
         # The base class's constructor is not run: the groups and state are the inner optimizer's.
         self.inner = inner
         self.defaults = inner.defaults
@@ -138,6 +143,12 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
             self.half_groups.append(halves)
             self.master_groups.append(masters)
             group["params"] = masters
+        self.ranks: ZeroGradients | None = None
+        """The gradients averaged over the data-parallel ranks (ZeRO-1/2 on several processes)."""
+        if averaging is not None:
+            import torch.distributed as dist
+
+            self.ranks = ZeroGradients(self.half_groups, averaging, dist.get_world_size())
         self._optimizer_step_pre_hooks: dict[int, Any] = {}
         self._optimizer_step_post_hooks: dict[int, Any] = {}
         self.last_grad_norm: float | None = None
@@ -178,17 +189,32 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
             for p in halves:
                 p.grad = None
 
+    def after_backward(self, boundary: bool) -> None:
+        """After every backward on several ranks: average the gradients as DeepSpeed's ZeRO-1/2
+        does (:meth:`ZeroGradients.after_backward`; ``boundary``: the backward ends the
+        accumulation window); nothing on one process."""
+        if self.ranks is not None:
+            self.ranks.after_backward(boundary)
+
+    def _gradients(self) -> list[list[torch.Tensor]]:
+        """The half gradients the step reads: the averaged ones on several ranks, else each
+        weight's own."""
+        if self.ranks is not None:
+            return self.ranks.averaged()
+        return [[p.grad for p in halves if p.grad is not None] for halves in self.half_groups]
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         """Check, measure, unscale and clip, update the masters, copy them into the half weights
         (see the module); a step with gradients not finite is skipped (:meth:`skip`)."""
         if closure is not None:
             raise NotImplementedError("MasterWeightsOptimizer.step(closure) is not supported, as in DeepSpeed")
-        grads = [[p.grad for p in halves if p.grad is not None] for halves in self.half_groups]
+        grads = self._gradients()
         if any(not bool(torch.isfinite(g).all()) for group in grads for g in group):
             self.skip()
             return
-        norm = global_norm(self.rule, grads)
+        norm = global_norm(self.rule, grads) if self.ranks is None else \
+            zero_global_norm(grads, self.ranks.world, self.ranks.rank)
         if not math.isfinite(norm):
             self.skip()
             return
@@ -198,13 +224,15 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         self.last_grad_norm = norm / used
         self.last_step_skipped = False
         divisor = combined_scale(self.rule, norm, self.max_norm, self.cur_scale)
-        for halves, masters in zip(self.half_groups, self.master_groups, strict=True):
-            for half, master in zip(halves, masters, strict=True):
-                master.grad = half.grad.float() if half.grad is not None else torch.zeros_like(master)
+        for masters, group in zip(self.master_groups, self._by_parameter(grads), strict=True):
+            for master, grad in zip(masters, group, strict=True):
+                master.grad = grad.float() if grad is not None else torch.zeros_like(master)
                 if isinstance(divisor, torch.Tensor) or divisor != 1.0:
                     master.grad.mul_(1.0 / divisor)
         self.inner.step()
         self._drop_master_grads()
+        if self.ranks is not None:
+            self.ranks.clear()
         for halves, masters in zip(self.half_groups, self.master_groups, strict=True):
             for half, master in zip(halves, masters, strict=True):
                 half.copy_(master)
@@ -217,6 +245,14 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         self.last_grad_norm = float("inf")
         self.last_step_skipped = True
         self.zero_grad()
+        if self.ranks is not None:
+            self.ranks.clear()
+
+    def _by_parameter(self, grads: list[list[torch.Tensor]]) -> list[list[torch.Tensor | None]]:
+        """``grads`` (as :meth:`_gradients` gives them) beside each half weight of its group."""
+        if self.ranks is not None:
+            return list(grads)  # one per parameter already
+        return [[p.grad for p in halves] for halves in self.half_groups]
 
     def _masters(self) -> list[torch.Tensor]:
         return [m for masters in self.master_groups for m in masters]

@@ -5,10 +5,14 @@ clipping, a warm-up schedule) of a tiny model, with a gradient made infinite at 
 micro-batch, so that steps overflow: at the start (fp16's initial scale is too large), where the
 scale grows again (a window of 2), and at the infinite gradient.
 
+On several processes (each rank its own data) the runs are ZeRO stages 1 and 2 only.
+
 Usage: fp16_script.py [MODE CHECKPOINT_DIR] VARIANT… RECORD
-  VARIANT fp16 (``consecutive_hysteresis`` off), fp16-consecutive or bf16. MODE save: 4 steps,
+  VARIANT fp16 (``consecutive_hysteresis`` off), fp16-consecutive or bf16; ``-comm32`` added:
+  gradients averaged in fp32 (``communication_data_type``); ``-predivide``: averaged without
+  ``reduce_scatter``, divided by a ``gradient_predivide_factor`` of 2 first. MODE save: 4 steps,
   then save_checkpoint(CHECKPOINT_DIR/VARIANT/NAME); resume: load_checkpoint from there, then the
-  steps up to 8. Without MODE: 8 steps.
+  steps up to 8; through: 8 steps, saving there after the 4th. Without MODE: 8 steps.
 RECORD.VARIANT.NAME (rank 0) gets each step's learning rate, loss, gradient norm, the loss scale before
 and after it, the skipped-step count and whether the step applied; RECORD.NAME.pt the final
 parameters (the fp32 masters are not among them: the module's half weights are).
@@ -23,6 +27,10 @@ from bf16_script import RUNS
 from common import out_path, write_record
 
 STEPS, SAVE_AT, MICRO, ACCUMULATION, INFINITE_AT = 8, 4, 4, 2, 9  # micro-batch 9: step 5's second
+MODES = ("save", "resume", "through")
+RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+# Several processes: the ZeRO stages whose averaging over the ranks DeepSpeed's wrapper does.
+NAMES = {name: run for name, run in RUNS.items() if WORLD == 1 or run[0] > 0}
 
 
 class _Infinite(torch.autograd.Function):
@@ -48,18 +56,23 @@ class Model(torch.nn.Module):
         return self.second(torch.tanh(self.norm(_Infinite.apply(self.first(x)))))
 
 
-def build(deepspeed: Any, precision: str, consecutive: bool, stage: int, torch_adam: bool) -> Any:
+def build(deepspeed: Any, variant: str, stage: int, torch_adam: bool) -> Any:
     torch.manual_seed(0)
     model = Model()
+    precision, *options = variant.split("-")
     half = {"enabled": True}
     if precision == "fp16":
         half.update({"initial_scale_power": 19, "loss_scale_window": 2, "hysteresis": 2,
-                     "consecutive_hysteresis": consecutive, "min_loss_scale": 1})
+                     "consecutive_hysteresis": "consecutive" in options, "min_loss_scale": 1})
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUMULATION,
               "gradient_clipping": 0.5, "steps_per_print": float("inf"), precision: half,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": torch_adam}},
               "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 8, "warmup_max_lr": 1e-2}},
               "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
+    if "comm32" in options:
+        config["communication_data_type"] = "fp32"
+    if "predivide" in options:
+        config.update(gradient_predivide_factor=2.0, zero_optimization={"stage": stage, "reduce_scatter": False})
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
@@ -74,12 +87,12 @@ def scale(engine: Any) -> float:
 def train(engine: Any, dtype: torch.dtype, stop: int = STEPS) -> dict[str, Any]:
     """Optimizer steps from the engine's step count up to ``stop``, each one's record."""
     record: dict[str, Any] = {k: [] for k in ("lrs", "losses", "grad_norms", "scales", "skipped", "applied")}
-    generator = torch.Generator().manual_seed(1)
+    generator = torch.Generator().manual_seed(1 + RANK)  # each rank its own data
     data = [(torch.randn(MICRO, 8, generator=generator), torch.randn(MICRO, 4, generator=generator))
             for _ in range(STEPS * ACCUMULATION)]
     for micro in range(engine.global_steps * ACCUMULATION, stop * ACCUMULATION):
         inputs, targets = data[micro]
-        _Infinite.armed = micro == INFINITE_AT
+        _Infinite.armed = micro == INFINITE_AT and RANK == 0  # one rank's overflow skips every rank
         loss = torch.nn.functional.mse_loss(engine(inputs.to(dtype)).float(), targets)
         before = scale(engine)
         engine.backward(loss)
@@ -100,18 +113,20 @@ def main() -> None:
     import deepspeed
 
     args = sys.argv[1:-1]
-    mode, checkpoints = (args.pop(0), args.pop(0)) if args[0] in ("save", "resume") else ("full", "")
+    mode, checkpoints = (args.pop(0), args.pop(0)) if args[0] in MODES else ("full", "")
     for variant in args:
-        precision = variant.split("-")[0]
-        dtype = torch.float16 if precision == "fp16" else torch.bfloat16
-        for name, (stage, torch_adam) in RUNS.items():
-            engine = build(deepspeed, precision, variant.endswith("-consecutive"), stage, torch_adam)
+        dtype = torch.float16 if variant.startswith("fp16") else torch.bfloat16
+        for name, (stage, torch_adam) in NAMES.items():
+            engine = build(deepspeed, variant, stage, torch_adam)
             directory = os.path.join(checkpoints, variant, name)
             if mode == "resume":
                 engine.load_checkpoint(directory)
-            record = train(engine, dtype, SAVE_AT if mode == "save" else STEPS)
-            if mode == "save":
+            record = train(engine, dtype, STEPS if mode in ("full", "resume") else SAVE_AT)
+            if mode in ("save", "through"):
                 engine.save_checkpoint(directory)
+            if mode == "through":
+                rest = train(engine, dtype)
+                record = {k: record[k] + v if isinstance(v, list) and k != "dtypes" else v for k, v in rest.items()}
             write_record(f"{out_path()}.{variant}.{name}", record, engine.module)
 
 

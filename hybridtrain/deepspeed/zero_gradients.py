@@ -1,0 +1,199 @@
+"""DeepSpeed ZeRO-1/2's gradient averaging and global norm over several data-parallel ranks,
+for DeepSpeed's bf16/fp16 math (:mod:`hybridtrain.deepspeed.master_weights`).
+
+DeepSpeed 0.19.8's ``DeepSpeedZeroOptimizer`` (``runtime/zero/stage_1_and_2.py``) averages the
+half gradients in this order, which decides their bits:
+
+- ZeRO-2 (``partition_grads``) reduces every backward: its hooks copy the micro-batch's half
+  gradients into a bucket, ``average_tensor`` divides the bucket by the world size in the half
+  dtype, all-reduces it in ``communication_data_type`` (default: the half dtype) and copies it
+  back; the averaged micro-batch gradients then add up in the half dtype
+  (``independent_gradient_partition_epilogue``: ``accumulated_grad.add_(new_avg_grad)``).
+- ZeRO-1 reduces once, at the accumulation boundary (``engine.allreduce_gradients`` →
+  ``reduce_gradients``), the gradients autograd summed locally in the half dtype.
+- With ``zero_optimization.reduce_scatter: false`` the reduction is
+  ``gradient_reduction_w_predivide``: multiplied by ``1/gradient_predivide_factor``, summed,
+  multiplied by ``gradient_predivide_factor / world`` (``prescale_gradients: true``: divided
+  by the world size, then summed). DeepSpeed refuses a ``gradient_predivide_factor`` other than
+  1 with ``reduce_scatter`` on; so does :func:`averaging_from_config`.
+
+Every rank here reduces the whole gradient (DeepSpeed scatters each partition's part to its
+owner; the sum of the same two half values is the same bits either way), so every rank holds
+the same averaged gradients and updates the same fp32 masters to the same bits: no all-gather
+of the half weights is needed after the step. The global norm is DeepSpeed's: each rank
+measures its own partition of the flat gradient (:func:`partition_slices`, each slice's norm in
+fp64, squares summed and cast to fp32), the partial sums are all-reduced in fp32 and rooted
+(``get_grad_norm_direct``), so it is the same bits as DeepSpeed's on any number of ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+NCCL_START_ALIGNMENT_FACTOR = 2
+"""DeepSpeed pads each flat group to a multiple of this times the world size."""
+
+
+@dataclass(frozen=True)
+class Averaging:
+    """How DeepSpeed's ZeRO-1/2 optimizer averages the half gradients over the ranks (see the module)."""
+
+    partition_gradients: bool
+    """ZeRO-2: reduce every backward and add the averaged gradients up; ZeRO-1: reduce once."""
+    communication_dtype: torch.dtype
+    reduce_scatter: bool = True
+    predivide_factor: float = 1.0
+    postscale: bool = True
+
+
+def averaging_from_config(raw: Mapping[str, Any], stage: int, half: torch.dtype) -> Averaging:
+    """The averaging a DeepSpeed config asks for (keys as DeepSpeed 0.19.8 reads them).
+
+    Raises:
+        ValueError: an unknown ``communication_data_type``, or ``gradient_predivide_factor``
+            other than 1 with ``zero_optimization.reduce_scatter`` on (DeepSpeed refuses it too).
+    """
+    name = raw.get("communication_data_type")
+    if name is not None and str(name).lower() not in _DTYPES:
+        raise ValueError(f"communication_data_type: {name!r} is not one of {sorted(_DTYPES)}")
+    zero = raw.get("zero_optimization")
+    reduce_scatter = bool(zero.get("reduce_scatter", True)) if isinstance(zero, Mapping) else True
+    predivide = float(raw.get("gradient_predivide_factor", 1.0))
+    if reduce_scatter and predivide != 1.0:
+        raise ValueError(f"gradient_predivide_factor: {predivide} needs zero_optimization.reduce_scatter: false "
+                         "(DeepSpeed's ZeRO-1/2 allow only 1.0 with reduce_scatter)")
+    return Averaging(partition_gradients=stage == 2,
+                     communication_dtype=_DTYPES[str(name).lower()] if name is not None else half,
+                     reduce_scatter=reduce_scatter, predivide_factor=predivide,
+                     postscale=not bool(raw.get("prescale_gradients", False)))
+
+
+def average(flat: torch.Tensor, rule: Averaging, world: int) -> torch.Tensor:
+    """``flat`` (this rank's half gradients, flattened) averaged over the ``world`` ranks in
+    DeepSpeed's order and dtypes (a collective); returned in ``flat``'s dtype."""
+    if rule.reduce_scatter:
+        flat = flat.div(world)  # average_tensor: divided in the half dtype before the reduction
+        wire = flat.to(rule.communication_dtype)
+        dist.all_reduce(wire)
+        return wire.to(flat.dtype)
+    wire = flat.to(rule.communication_dtype, copy=True)
+    if not rule.postscale:
+        wire.div_(world)
+        dist.all_reduce(wire)
+        return wire.to(flat.dtype)
+    if rule.predivide_factor != 1.0:
+        wire.mul_(1.0 / rule.predivide_factor)
+    dist.all_reduce(wire)
+    if rule.predivide_factor != world:
+        wire.mul_(rule.predivide_factor / world)
+    return wire.to(flat.dtype)
+
+
+def partition_slices(numels: list[int], world: int, rank: int) -> list[tuple[int, int, int]]:
+    """The slices of a flat group of tensors with ``numels`` elements that DeepSpeed's ZeRO-1/2
+    gives partition ``rank`` of ``world``: ``(tensor index, first element, length)`` in order.
+
+    The flat group is padded to a multiple of ``2 * world`` and cut into ``world`` equal
+    partitions (``get_data_parallel_partitions``, ``get_partition_info``; parameters are not
+    padded apart without ``zero_optimization.parameter_alignment``)."""
+    total = sum(numels)
+    alignment = NCCL_START_ALIGNMENT_FACTOR * world
+    size = -(-total // alignment) * alignment // world
+    start, end = rank * size, (rank + 1) * size
+    slices, offset = [], 0
+    for index, numel in enumerate(numels):
+        first, last = max(start, offset), min(end, offset + numel)
+        if first < last:
+            slices.append((index, first - offset, last - first))
+        offset += numel
+    return slices
+
+
+def zero_global_norm(groups: list[list[torch.Tensor]], world: int, rank: int) -> float:
+    """The global norm DeepSpeed's ZeRO-1/2 measures over the averaged gradients ``groups`` (the
+    whole of every trained parameter's, in each group's order; every rank holds them all): this
+    rank's partition slices' fp64 norms, squared, summed and cast to fp32, all-reduced over the
+    ranks and rooted per group (``get_grad_norm_direct``), the groups combined by an fp32 vector
+    norm (``combine_grad_norm_groups``); inf when not finite. A collective."""
+    partials = []
+    for grads in groups:
+        slices = partition_slices([g.numel() for g in grads], world, rank)
+        if slices:
+            each = [torch.linalg.vector_norm(grads[i].detach().reshape(-1).narrow(0, first, length).double(), ord=2)
+                    for i, first, length in slices]
+            partials.append(torch.stack(each).pow(2).sum().float())
+        else:
+            partials.append(torch.zeros((), dtype=torch.float32))
+    summed = torch.stack(partials)
+    dist.all_reduce(summed)  # one collective for every group's partial sum: the same fp32 sums
+    norms = summed.pow(0.5)
+    if not bool(torch.isfinite(norms).all()):
+        return float("inf")
+    return float(torch.linalg.vector_norm(norms, ord=2))
+
+
+class ZeroGradients:
+    """The averaged half gradients of DeepSpeed's ZeRO-1/2 over the data-parallel ranks (see
+    the module): :meth:`after_backward` after every backward, :meth:`averaged` at the step,
+    :meth:`clear` after it.
+
+    Args:
+        half_groups: the trained half parameters, per optimizer group.
+        rule: how they are averaged (:func:`averaging_from_config`).
+        world: the data-parallel world size (the default process group's).
+    """
+
+    def __init__(self, half_groups: list[list[torch.nn.Parameter]], rule: Averaging, world: int) -> None:
+        self.half_groups = half_groups
+        self.rule = rule
+        self.world = world
+        self.rank = dist.get_rank()
+        self._sums: list[torch.Tensor] | None = None
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for halves in self.half_groups for p in halves]
+
+    def _reduce_grads(self) -> list[torch.Tensor]:
+        """Every parameter's gradient (zeros where it has none, as DeepSpeed's buffers) averaged;
+        the parameters' own gradients are dropped."""
+        params = self._params()
+        local = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = average(torch.cat([g.detach().reshape(-1) for g in local]), self.rule, self.world)
+        for p in params:
+            p.grad = None
+        return [part.view_as(p) for part, p in zip(flat.split([p.numel() for p in params]), params, strict=True)]
+
+    @torch.no_grad()
+    def after_backward(self, boundary: bool) -> None:
+        """ZeRO-2: average this backward's gradients and add them to the window's; ZeRO-1: at
+        the ``boundary``, average the gradients autograd summed over the window."""
+        if not self.rule.partition_gradients and not boundary:
+            return
+        reduced = self._reduce_grads()
+        if self._sums is None:
+            self._sums = list(reduced)
+            return
+        for total, new in zip(self._sums, reduced, strict=True):
+            total.add_(new)  # in the half dtype, as DeepSpeed's accumulated partition
+
+    def averaged(self) -> list[list[torch.Tensor]]:
+        """The window's averaged gradients, one per parameter of each group (zeros before any
+        backward)."""
+        sums = self._sums if self._sums is not None else [torch.zeros_like(p) for p in self._params()]
+        groups, index = [], 0
+        for halves in self.half_groups:
+            groups.append(sums[index:index + len(halves)])
+            index += len(halves)
+        return groups
+
+    def clear(self) -> None:
+        """Drop the window's gradients (after a step or a skip)."""
+        self._sums = None
+        for p in self._params():
+            p.grad = None
