@@ -54,9 +54,10 @@ def master_weights(raw: Mapping[str, Any], cfg: Config) -> bool:
 
     Decided for ``bf16.enabled`` or ``fp16.enabled`` with gradients accumulating in the model's dtype (no
     ``data_types.grad_accum_dtype``) without tensor/pipeline parallel, ZeRO stages 0-2 without
-    offload or streaming (where DeepSpeed's wrappers are ``FP16_Optimizer`` and
-    ``DeepSpeedZeroOptimizer``), stage 0 in one process only (several processes: stages 1 and 2,
-    whose gradient averaging :mod:`hybridtrain.deepspeed.zero_gradients` holds), and for fp16 not
+    streaming (where DeepSpeed's wrappers are ``FP16_Optimizer`` and ``DeepSpeedZeroOptimizer``),
+    stage 0 in one process only and without offload (several processes: stages 1 and 2, whose
+    gradient averaging :mod:`hybridtrain.deepspeed.zero_gradients` holds; ZeRO-Offload to the
+    CPU under stages 1 and 2: the masters and optimizer in host memory), and for fp16 not
     over the config's LAMB or 1-bit optimizers (DeepSpeed's fp16 wrapper steps those through their
     own fused paths, which take the loss scale themselves). Elsewhere the engine keeps autocast.
     """
@@ -65,8 +66,9 @@ def master_weights(raw: Mapping[str, Any], cfg: Config) -> bool:
     accumulation = data_types.get("grad_accum_dtype") if isinstance(data_types, Mapping) else None
     own_fp16_path = cfg.fp16.enabled and cfg.optimizer.type.lower() in _OWN_FP16_PATH
     return ((cfg.bf16.enabled or cfg.fp16.enabled) and not own_fp16_path and accumulation is None
-            and (_world_size() == 1 or zero.stage in (1, 2))
-            and zero.stage <= 2 and zero.offload_optimizer.device == "none" and zero.offload_param.device == "none"
+            and (_world_size() == 1 or zero.stage in (1, 2)) and zero.stage <= 2
+            and (zero.offload_optimizer.device == "none" or (zero.offload_optimizer.device == "cpu" and zero.stage > 0))
+            and zero.offload_param.device == "none"
             and max(cfg.tensor_parallel.size, cfg.tensor_model_parallel_size or 1) == 1
             and cfg.pipeline.stages == 1 and not cfg.layer_streaming.enabled)
 
@@ -172,8 +174,8 @@ def _with_master_weights(model: nn.Module, cfg: Config, optimizer: torch.optim.O
     with fp16's loss scale kept by the wrapper's rule; the config the engine then runs: no
     autocast and no loss scaling or clipping of its own (the wrapper does them as DeepSpeed),
     a non-finite loss skipped (the wrapper then counts an overflow, as DeepSpeed's check of the
-    gradients would), and no ZeRO (the wrapper holds ZeRO-1/2's arithmetic, their averaging over
-    several processes included)."""
+    gradients would), and no ZeRO nor offload (the wrapper holds ZeRO-1/2's arithmetic, their
+    averaging over several processes and ZeRO-Offload's host masters included)."""
     from hybridtrain.optim import build_optimizer
     from hybridtrain.plan.resolve import optimizer_settings
 
@@ -190,9 +192,12 @@ def _with_master_weights(model: nn.Module, cfg: Config, optimizer: torch.optim.O
     if fp16:
         scale = DeepSpeedLossScale.from_config("zero" if rule == "zero" else "stage0", cfg.fp16,
                                                consecutive_hysteresis)
+    offload = cfg.zero_optimization.offload_optimizer
     wrapped = MasterWeightsOptimizer(optimizer, cfg.gradient_clipping, rule, fp16_init_step=init_step,
-                                     loss_scale=scale, averaging=averaging)
-    zero = cfg.zero_optimization.model_copy(update={"stage": 0})
+                                     loss_scale=scale, averaging=averaging, offload=offload.device == "cpu")
+    # The wrapper holds ZeRO's arithmetic and ZeRO-Offload's host masters: the engine runs neither.
+    zero = cfg.zero_optimization.model_copy(update={"stage": 0,
+                                                    "offload_optimizer": offload.model_copy(update={"device": "none"})})
     plain = cfg.model_copy(update={"bf16": cfg.bf16.model_copy(update={"enabled": False}),
                                    "fp16": cfg.fp16.model_copy(update={"enabled": False}),
                                    "gradient_clipping": 0.0, "zero_optimization": zero,

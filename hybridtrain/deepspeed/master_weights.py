@@ -81,14 +81,7 @@ def global_norm(rule: NormRule, groups: list[list[torch.Tensor]]) -> float:
             group_norm = float(torch.tensor([float(group)], dtype=torch.float32)[0]) ** 0.5
             total_sq += group_norm**2.0
         return math.sqrt(total_sq)
-    norms = []
-    for grads in groups:
-        if grads:
-            each = torch.stack([torch.linalg.vector_norm(g.detach().double(), ord=2) for g in grads])
-            norms.append(each.pow(2).sum().float().pow(0.5))
-        else:
-            norms.append(torch.zeros((), dtype=torch.float32))
-    return float(torch.linalg.vector_norm(torch.stack(norms), ord=2))
+    return zero_global_norm(groups)
 
 
 def combined_scale(rule: NormRule, norm: float, max_norm: float, scale: float = 1.0) -> float | torch.Tensor:
@@ -124,22 +117,27 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         averaging: several data-parallel ranks under ZeRO-1/2: how the gradients are averaged
             (:class:`~hybridtrain.deepspeed.zero_gradients.Averaging`; None: one process). The
             caller then runs :meth:`after_backward` after every backward.
+        offload: ZeRO-Offload (``offload_optimizer.device: cpu``, ZeRO-1/2): the masters and the
+            basic optimizer's state live in host memory, the norm is summed as DeepSpeed's
+            offload path sums it (:func:`~hybridtrain.deepspeed.zero_gradients.zero_global_norm`).
     """
 
     def __init__(self, inner: torch.optim.Optimizer, max_norm: float, rule: NormRule,
                  fp16_init_step: bool, loss_scale: DeepSpeedLossScale | None = None,
-                 averaging: Averaging | None = None) -> None:
+                 averaging: Averaging | None = None, offload: bool = False) -> None:
         # The base class's constructor is not run: the groups and state are the inner optimizer's.
         self.inner = inner
         self.defaults = inner.defaults
         self.max_norm = max_norm
         self.rule: NormRule = rule
         self.loss_scale = loss_scale
+        self.offload = offload
         self.half_groups: list[list[torch.nn.Parameter]] = []
         self.master_groups: list[list[torch.Tensor]] = []
         for group in inner.param_groups:
             halves = [p for p in group["params"] if p.requires_grad]
-            masters = [p.detach().float().clone().requires_grad_(True) for p in halves]
+            masters = [p.detach().to("cpu" if offload else p.device, torch.float32, copy=True).requires_grad_(True)
+                       for p in halves]
             self.half_groups.append(halves)
             self.master_groups.append(masters)
             group["params"] = masters
@@ -213,8 +211,11 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         if any(not bool(torch.isfinite(g).all()) for group in grads for g in group):
             self.skip()
             return
-        norm = global_norm(self.rule, grads) if self.ranks is None else \
-            zero_global_norm(grads, self.ranks.world, self.ranks.rank)
+        if self.rule == "zero":
+            world, rank = (self.ranks.world, self.ranks.rank) if self.ranks is not None else (1, 0)
+            norm = zero_global_norm(grads, world, rank, self.offload)
+        else:
+            norm = global_norm(self.rule, grads)
         if not math.isfinite(norm):
             self.skip()
             return
@@ -226,7 +227,7 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         divisor = combined_scale(self.rule, norm, self.max_norm, self.cur_scale)
         for masters, group in zip(self.master_groups, self._by_parameter(grads), strict=True):
             for master, grad in zip(masters, group, strict=True):
-                master.grad = grad.float() if grad is not None else torch.zeros_like(master)
+                master.grad = grad.to(master.device, torch.float32) if grad is not None else torch.zeros_like(master)
                 if isinstance(divisor, torch.Tensor) or divisor != 1.0:
                     master.grad.mul_(1.0 / divisor)
         self.inner.step()

@@ -115,24 +115,33 @@ def partition_slices(numels: list[int], world: int, rank: int) -> list[tuple[int
     return slices
 
 
-def zero_global_norm(groups: list[list[torch.Tensor]], world: int, rank: int) -> float:
+def zero_global_norm(groups: list[list[torch.Tensor]], world: int = 1, rank: int = 0, offload: bool = False) -> float:
     """The global norm DeepSpeed's ZeRO-1/2 measures over the averaged gradients ``groups`` (the
     whole of every trained parameter's, in each group's order; every rank holds them all): this
-    rank's partition slices' fp64 norms, squared, summed and cast to fp32, all-reduced over the
-    ranks and rooted per group (``get_grad_norm_direct``), the groups combined by an fp32 vector
-    norm (``combine_grad_norm_groups``); inf when not finite. A collective."""
+    rank's partition slices' fp64 norms, squared and summed (``offload``: in a Python float, as
+    ``complete_grad_norm_calculation_for_cpu_offload``; else in fp64, ``get_grad_norm_direct``),
+    cast to fp32, all-reduced over the ``world`` ranks and rooted per group, the groups combined
+    by an fp32 vector norm (``combine_grad_norm_groups``); inf when not finite. A collective on
+    several ranks."""
     partials = []
     for grads in groups:
         slices = partition_slices([g.numel() for g in grads], world, rank)
-        if slices:
-            each = [torch.linalg.vector_norm(grads[i].detach().reshape(-1).narrow(0, first, length).double(), ord=2)
-                    for i, first, length in slices]
-            partials.append(torch.stack(each).pow(2).sum().float())
+        each = [torch.linalg.vector_norm(grads[i].detach().reshape(-1).narrow(0, first, length).double(), ord=2)
+                for i, first, length in slices]
+        if offload:
+            total = 0.0
+            for norm in each:
+                total += norm.item() ** 2
+            partials.append(torch.tensor(total, dtype=torch.float32))
         else:
-            partials.append(torch.zeros((), dtype=torch.float32))
-    summed = torch.stack(partials)
-    dist.all_reduce(summed)  # one collective for every group's partial sum: the same fp32 sums
-    norms = summed.pow(0.5)
+            partials.append(torch.stack(each).pow(2).sum().float() if each else torch.zeros((), dtype=torch.float32))
+    summed = torch.stack(partials).cpu()
+    if world > 1:
+        dist.all_reduce(summed)  # one collective for every group's partial sum: the same fp32 sums
+    if offload:  # rooted in a Python float (correctly rounded), where torch's fp32 pow(0.5) may be an ulp off
+        norms = torch.tensor([float(total) ** 0.5 for total in summed.tolist()], dtype=torch.float32)
+    else:
+        norms = summed.pow(0.5)
     if not bool(torch.isfinite(norms).all()):
         return float("inf")
     return float(torch.linalg.vector_norm(norms, ord=2))

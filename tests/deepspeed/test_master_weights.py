@@ -259,7 +259,7 @@ def _reported_unscaled(real: dict[str, Any], name: str) -> list[float]:
     ({}, True),
     ({"zero_optimization": {"stage": 2}}, True),
     ({"zero_optimization": {"stage": 3}}, False),
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, False),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, True),  # ZeRO-Offload
     ({"data_types": {"grad_accum_dtype": "fp32"}}, False),
     ({"bf16": {"enabled": False}}, False),
 ])

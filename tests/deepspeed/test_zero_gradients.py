@@ -16,8 +16,8 @@ from hybridtrain.deepspeed.zero_gradients import averaging_from_config, partitio
 from tests.deepspeed.frameworks import finish, record, start
 
 # fp16 averaged in fp16 (reduce_scatter's order), bf16 averaged in fp32 (communication_data_type),
-# fp16 without reduce_scatter over a gradient_predivide_factor of 2.
-VARIANTS = ("fp16", "bf16-comm32", "fp16-predivide")
+# fp16 without reduce_scatter over a gradient_predivide_factor of 2, fp16 under ZeRO-Offload.
+VARIANTS = ("fp16", "bf16-comm32", "fp16-predivide", "fp16-offload")
 NAMES = ("stage1", "stage2")
 KEYS = ("lrs", "losses", "grad_norms", "scales", "skipped", "applied")
 
@@ -93,7 +93,7 @@ def test_the_averaging_keys_read_as_deepspeed_reads_them() -> None:
     ({"zero_optimization": {"stage": 1}}, True),
     ({"zero_optimization": {"stage": 2}}, True),
     ({}, False),  # ZeRO-0 on several processes: autocast
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, False),
+    ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, True),  # ZeRO-Offload
 ])
 def test_several_processes_take_deepspeeds_math_under_zero_1_and_2(monkeypatch: pytest.MonkeyPatch,
                                                                   extra: dict[str, Any], expected: bool) -> None:

@@ -10,7 +10,9 @@ On several processes (each rank its own data) the runs are ZeRO stages 1 and 2 o
 Usage: fp16_script.py [MODE CHECKPOINT_DIR] VARIANT… RECORD
   VARIANT fp16 (``consecutive_hysteresis`` off), fp16-consecutive or bf16; ``-comm32`` added:
   gradients averaged in fp32 (``communication_data_type``); ``-predivide``: averaged without
-  ``reduce_scatter``, divided by a ``gradient_predivide_factor`` of 2 first. MODE save: 4 steps,
+  ``reduce_scatter``, divided by a ``gradient_predivide_factor`` of 2 first; ``-offload``:
+  ZeRO-Offload (``offload_optimizer.device: cpu``) over torch's AdamW; ``-cpuadam``: ZeRO-Offload
+  over the config's AdamW, which DeepSpeed steps with its DeepSpeedCPUAdam. MODE save: 4 steps,
   then save_checkpoint(CHECKPOINT_DIR/VARIANT/NAME); resume: load_checkpoint from there, then the
   steps up to 8; through: 8 steps, saving there after the 4th. Without MODE: 8 steps.
 RECORD.VARIANT.NAME (rank 0) gets each step's learning rate, loss, gradient norm, the loss scale before
@@ -73,6 +75,9 @@ def build(deepspeed: Any, variant: str, stage: int, torch_adam: bool) -> Any:
         config["communication_data_type"] = "fp32"
     if "predivide" in options:
         config.update(gradient_predivide_factor=2.0, zero_optimization={"stage": stage, "reduce_scatter": False})
+    if "offload" in options or "cpuadam" in options:  # cpuadam: DeepSpeed steps its DeepSpeedCPUAdam
+        config["zero_optimization"] = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
+        config["optimizer"]["params"]["torch_adam"] = "cpuadam" not in options
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
