@@ -180,8 +180,10 @@ def test_fp16_side_by_side_with_the_real_deepspeed_overflows_and_resume_included
     checkpoints cross between the two systems both ways (:func:`_fp16_crossed`)."""
     pytest.importorskip("deepspeed")  # the reference
     variants = ["fp16", "fp16-consecutive", "bf16"]
-    runs = [(system, start("fp16_script.py", [*variants, str(tmp_path / system)], tmp_path, real=system == "real",
-                           env={"HYBRIDTRAIN_REFERENCE_FP16": "1"})) for system in ("real", "ours")]
+    dirs = {"real": tmp_path / "real-ckpt", "ours": tmp_path / "our-ckpt"}  # saved after 4 steps, for _fp16_crossed
+    runs = [(system, start("fp16_script.py", ["through", str(dirs[system]), *variants, str(tmp_path / system)],
+                           tmp_path, real=system == "real", env={"HYBRIDTRAIN_REFERENCE_FP16": "1"}))
+            for system in ("real", "ours")]
     for system, process in runs:
         finish(process, f"{system} fp16_script")
     for variant in variants:
@@ -203,19 +205,19 @@ def test_fp16_side_by_side_with_the_real_deepspeed_overflows_and_resume_included
     fp16 = record(tmp_path / "ours.fp16.stage2")[0]
     assert fp16["lrs"][:5] == [0.0] * 5  # the warm-up held back through the four skipped steps
     assert fp16["scales"] != record(tmp_path / "ours.fp16-consecutive.stage2")[0]["scales"]
-    _fp16_crossed(tmp_path)
+    _fp16_crossed(tmp_path, dirs)
 
 
-def _fp16_crossed(tmp_path: Path) -> None:
-    """Saved after 4 fp16 steps (the scale shrunk, ZeRO's hysteresis spent) on one system and
-    resumed on the other: the last 4 steps are the uninterrupted run's, scale and skips included."""
-    dirs = {"real": tmp_path / "real-ckpt", "ours": tmp_path / "our-ckpt"}
-    for mode, where in (("save", dirs), ("resume", {"real": dirs["ours"], "ours": dirs["real"]})):
-        runs = [start("fp16_script.py", [mode, str(where[system]), "fp16", str(tmp_path / f"{system}-{mode}")],
-                      tmp_path, real=system == "real", env={"HYBRIDTRAIN_REFERENCE_FP16": "1"})
-                for system in ("real", "ours")]
-        for process in runs:
-            finish(process, f"fp16_script {mode}")
+def _fp16_crossed(tmp_path: Path, dirs: dict[str, Path]) -> None:
+    """Saved after 4 fp16 steps (the scale shrunk, ZeRO's hysteresis spent) on one system (in
+    ``dirs``) and resumed on the other: the last 4 steps are the uninterrupted run's, scale and
+    skips included."""
+    mode, where = "resume", {"real": dirs["ours"], "ours": dirs["real"]}
+    runs = [start("fp16_script.py", [mode, str(where[system]), "fp16", str(tmp_path / f"{system}-{mode}")],
+                  tmp_path, real=system == "real", env={"HYBRIDTRAIN_REFERENCE_FP16": "1"})
+            for system in ("real", "ours")]
+    for process in runs:
+        finish(process, f"fp16_script {mode}")
     for resumed, uninterrupted in (("ours", "real"), ("real", "ours")):  # theirs resumed here, ours there
         for name in RUNS:
             mine, my_params = record(tmp_path / f"{resumed}-resume.fp16.{name}")
