@@ -1,9 +1,9 @@
 """A DeepSpeed script with ``fp16.enabled`` (or ``bf16.enabled``), run unchanged on the real
 DeepSpeed and on the drop-in: for ZeRO stage 0 (over torch's AdamW and over DeepSpeed's
-FusedAdam), 1 and 2 in turn (:data:`bf16_script.RUNS`), 8 optimizer steps (accumulation 2,
-clipping, a warm-up schedule) of a tiny model, with a gradient made infinite at one
+FusedAdam), 1 and 2 in turn (:data:`RUNS`), 8 optimizer steps (accumulation 2, clipping, a
+warm-up schedule) of a tiny model fed half inputs, with a gradient made infinite at one
 micro-batch, so that steps overflow: at the start (fp16's initial scale is too large), where the
-scale grows again (a window of 2), and at the infinite gradient.
+scale grows again (a window of 2), and at the infinite gradient; then ``save_16bit_model``.
 
 On several processes (each rank its own data) the runs are ZeRO stages 1 and 2 only.
 
@@ -16,8 +16,9 @@ Usage: fp16_script.py [MODE CHECKPOINT_DIR] VARIANT… RECORD
   then save_checkpoint(CHECKPOINT_DIR/VARIANT/NAME); resume: load_checkpoint from there, then the
   steps up to 8; through: 8 steps, saving there after the 4th. Without MODE: 8 steps.
 RECORD.VARIANT.NAME (rank 0) gets each step's learning rate, loss, gradient norm, the loss scale before
-and after it, the skipped-step count and whether the step applied; RECORD.NAME.pt the final
-parameters (the fp32 masters are not among them: the module's half weights are).
+and after it, the skipped-step count, whether the step applied, the module's parameter dtypes
+and ``save_16bit_model``'s; RECORD.NAME.pt the final parameters (the fp32 masters are not among
+them: the module's half weights are).
 """
 
 import os
@@ -25,11 +26,12 @@ import sys
 from typing import Any
 
 import torch
-from bf16_script import RUNS
 from common import out_path, write_record
 
 STEPS, SAVE_AT, MICRO, ACCUMULATION, INFINITE_AT = 8, 4, 4, 2, 9  # micro-batch 9: step 5's second
 MODES = ("save", "resume", "through")
+# name: (ZeRO stage, torch_adam); DeepSpeed wraps its FusedAdam and other optimizers differently.
+RUNS = {"stage0": (0, True), "stage0_fused": (0, False), "stage1": (1, True), "stage2": (2, True)}
 RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 # Several processes: the ZeRO stages whose averaging over the ranks DeepSpeed's wrapper does.
 NAMES = {name: run for name, run in RUNS.items() if WORLD == 1 or run[0] > 0}
@@ -132,6 +134,11 @@ def main() -> None:
             if mode == "through":
                 rest = train(engine, dtype)
                 record = {k: record[k] + v if isinstance(v, list) and k != "dtypes" else v for k, v in rest.items()}
+            saved = os.path.join(os.path.dirname(out_path()), f"{os.path.basename(out_path())}-{variant}-{name}")
+            engine.save_16bit_model(saved)
+            if RANK == 0:
+                weights = torch.load(os.path.join(saved, "pytorch_model.bin"), weights_only=True)
+                record["saved_dtypes"] = sorted({str(v.dtype) for v in weights.values()})
             write_record(f"{out_path()}.{variant}.{name}", record, engine.module)
 
 
