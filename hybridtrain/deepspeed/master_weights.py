@@ -56,7 +56,7 @@ from typing import Any, Literal
 import torch
 
 from hybridtrain.deepspeed.loss_scale import DeepSpeedLossScale
-from hybridtrain.deepspeed.zero_gradients import Averaging, ZeroGradients, zero_global_norm
+from hybridtrain.deepspeed.zero_gradients import Averaging, MasterShards, ZeroGradients, zero_global_norm
 
 NormRule = Literal["fused", "unfused", "zero"]
 """Which DeepSpeed wrapper's norm and clip arithmetic (see the module)."""
@@ -134,9 +134,14 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         self.offload = offload
         self.half_groups: list[list[torch.nn.Parameter]] = []
         self.master_groups: list[list[torch.Tensor]] = []
+        self.shards: MasterShards | None = None
+        """The masters' partition over the ranks (ZeRO-1/2 on several processes; None: whole)."""
         for group in inner.param_groups:
             halves = [p for p in group["params"] if p.requires_grad]
-            masters = [p.detach().to("cpu" if offload else p.device, torch.float32, copy=True).requires_grad_(True)
+            device = torch.device("cpu") if offload else halves[0].device if halves else torch.device("cpu")
+            if averaging is not None and self.shards is None:
+                self.shards = MasterShards(device)
+            masters = [self._sharded(p.detach().to(device, torch.float32, copy=True)).requires_grad_(True)
                        for p in halves]
             self.half_groups.append(halves)
             self.master_groups.append(masters)
@@ -227,16 +232,18 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         divisor = combined_scale(self.rule, norm, self.max_norm, self.cur_scale)
         for masters, group in zip(self.master_groups, self._by_parameter(grads), strict=True):
             for master, grad in zip(masters, group, strict=True):
-                master.grad = grad.to(master.device, torch.float32) if grad is not None else torch.zeros_like(master)
+                if grad is None:
+                    master.grad = torch.zeros_like(master)
+                    continue
+                widened = grad.to(master.device, torch.float32)
                 if isinstance(divisor, torch.Tensor) or divisor != 1.0:
-                    master.grad.mul_(1.0 / divisor)
+                    widened.mul_(1.0 / divisor)  # whole, then cut: the same element-wise bits
+                master.grad = self._sharded(widened)
         self.inner.step()
         self._drop_master_grads()
         if self.ranks is not None:
             self.ranks.clear()
-        for halves, masters in zip(self.half_groups, self.master_groups, strict=True):
-            for half, master in zip(halves, masters, strict=True):
-                half.copy_(master)
+        self._copy_into_halves()
 
     def skip(self) -> None:
         """Skip this step as DeepSpeed does on an overflow: the gradients are dropped, the loss
@@ -280,10 +287,19 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         if len(values) != len(masters):
             raise ValueError(f"load_masters: got {len(values)} masters for {len(masters)} parameters")
         for master, value in zip(masters, values, strict=True):
-            master.copy_(value.reshape(master.shape))
-        for halves, group in zip(self.half_groups, self.master_groups, strict=True):
-            for half, master in zip(halves, group, strict=True):
-                half.copy_(master)
+            master.copy_(self._sharded(value.reshape(master.shape).to(master.device, torch.float32)))
+        self._copy_into_halves()
+
+    def _sharded(self, whole: torch.Tensor) -> torch.Tensor:
+        """``whole`` as the masters hold it: this rank's shard on several ranks, else itself."""
+        return self.shards.shard(whole) if self.shards is not None else whole
+
+    @torch.no_grad()
+    def _copy_into_halves(self) -> None:
+        """Each half weight from its master (gathered whole on several ranks)."""
+        for halves, masters in zip(self.half_groups, self.master_groups, strict=True):
+            for half, master in zip(halves, masters, strict=True):
+                half.copy_(MasterShards.whole(master, half.dtype) if self.shards is not None else master)
 
     def __repr__(self) -> str:
         return f"MasterWeightsOptimizer({self.inner!r})"

@@ -206,3 +206,40 @@ class ZeroGradients:
         self._sums = None
         for p in self._params():
             p.grad = None
+
+
+class MasterShards:
+    """ZeRO-1/2's partitioned fp32 masters: each rank holds 1/world of every master, a ``DTensor``
+    sharded along its first dimension over the data-parallel ranks (a 0-dim master is
+    replicated). DeepSpeed cuts one flat buffer per group instead; the masters' optimizer (Adam
+    and the like) updates element by element, so the cut changes no bits, and the checkpoint
+    code reads whole masters and optimizer state through ``full_tensor`` as it does ZeRO's
+    sharded parameters. The half weights are gathered whole after each step (:meth:`whole`,
+    DeepSpeed's all-gather of the half weights).
+
+    Args:
+        device: where the masters live (the host under ZeRO-Offload; collectives there over gloo).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+        world = dist.get_world_size()
+        if device.type == "cpu" and "gloo" not in str(dist.get_backend()):
+            # Host masters beside device collectives (ZeRO-Offload on accelerators): a gloo group.
+            self.mesh = DeviceMesh.from_group(dist.new_group(backend="gloo"), "cpu")
+        else:
+            self.mesh = init_device_mesh(device.type, (world,))
+
+    def shard(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``whole`` (every rank holds the same ``whole``; no communication)."""
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        placements = [Replicate()] if whole.dim() == 0 else [Shard(0)]
+        return distribute_tensor(whole, self.mesh, placements, src_data_rank=None)
+
+    @staticmethod
+    def whole(master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``master`` whole on every rank in ``dtype`` (cast before the all-gather, as DeepSpeed
+        gathers the half weights)."""
+        return master.to(dtype).full_tensor()  # type: ignore[attr-defined]

@@ -38,7 +38,8 @@ def test_two_ranks_train_and_resume_as_the_real_deepspeed_bit_for_bit(tmp_path: 
     loss scale, skip and final weight is the real DeepSpeed's to the bit: the arithmetic is the
     same (half gradients divided and summed in the same dtypes, the same fp32 masters and Adam,
     the norm over the same partitions summed by the same collective). Saved after step 4 on
-    each system and resumed on the other, the last 4 steps are the uninterrupted run's."""
+    each system and resumed on the other, the last 4 steps are the uninterrupted run's. Each rank
+    holds only its part of the fp32 masters, as DeepSpeed's."""
     pytest.importorskip("deepspeed")  # the reference
     saved = {"real": tmp_path / "real-ckpt", "ours": tmp_path / "our-ckpt"}
     _both(tmp_path, "through", saved, "")
@@ -51,6 +52,8 @@ def test_two_ranks_train_and_resume_as_the_real_deepspeed_bit_for_bit(tmp_path: 
             for key in (*KEYS, "steps", "dtypes"):
                 assert ours[key] == real[key], (variant, name, key, ours[key], real[key])
             assert ours["dtypes"] == [f"torch.{'float16' if variant.startswith('fp16') else 'bfloat16'}"]
+            # Each rank holds its part of the fp32 masters (1/2 here), no more than DeepSpeed's rank 0.
+            assert ours["master_elements"] <= real["master_elements"] < sum(v.numel() for v in real_params.values())
             if variant.startswith("fp16"):
                 assert ours["applied"].count(False) == ours["skipped"][-1] >= 3, (variant, name)
             for key, value in real_params.items():

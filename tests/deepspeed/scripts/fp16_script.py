@@ -17,8 +17,8 @@ Usage: fp16_script.py [MODE CHECKPOINT_DIR] VARIANT… RECORD
   steps up to 8; through: 8 steps, saving there after the 4th. Without MODE: 8 steps.
 RECORD.VARIANT.NAME (rank 0) gets each step's learning rate, loss, gradient norm, the loss scale before
 and after it, the skipped-step count, whether the step applied, the module's parameter dtypes
-and ``save_16bit_model``'s; RECORD.NAME.pt the final parameters (the fp32 masters are not among
-them: the module's half weights are).
+and ``save_16bit_model``'s, the fp32 master elements rank 0 holds; RECORD.NAME.pt the final
+parameters (the fp32 masters are not among them: the module's half weights are).
 """
 
 import os
@@ -113,6 +113,9 @@ def train(engine: Any, dtype: torch.dtype, stop: int = STEPS) -> dict[str, Any]:
             record["applied"].append(engine.was_step_applied())
     record["steps"] = engine.global_steps
     record["dtypes"] = sorted({str(p.dtype) for p in engine.module.parameters()})
+    # The fp32 master elements this rank holds (ZeRO-1/2 on several ranks: its partition).
+    record["master_elements"] = sum((p.to_local() if hasattr(p, "to_local") else p).numel()
+                                    for group in engine.optimizer.param_groups for p in group["params"])
     return record
 
 
