@@ -18,9 +18,9 @@ half gradients in this order, which decides their bits:
   1 with ``reduce_scatter`` on; so does :func:`averaging_from_config`.
 
 Every rank here reduces the whole gradient (DeepSpeed scatters each partition's part to its
-owner; the sum of the same two half values is the same bits either way), so every rank holds
-the same averaged gradients and updates the same fp32 masters to the same bits: no all-gather
-of the half weights is needed after the step. The global norm is DeepSpeed's: each rank
+owner; each element is the same sum of the same half values either way), so every rank holds
+the same averaged gradients; each updates its shard of the fp32 masters (:class:`MasterShards`)
+and the half weights are all-gathered after the step. The global norm is DeepSpeed's: each rank
 measures its own partition of the flat gradient (:func:`partition_slices`, each slice's norm in
 fp64, squares summed and cast to fp32), the partial sums are all-reduced in fp32 and rooted
 (``get_grad_norm_direct``), so it is the same bits as DeepSpeed's on any number of ranks.
