@@ -123,6 +123,7 @@ def zero_global_norm(groups: list[list[torch.Tensor]], world: int = 1, rank: int
     cast to fp32, all-reduced over the ``world`` ranks and rooted per group, the groups combined
     by an fp32 vector norm (``combine_grad_norm_groups``); inf when not finite. A collective on
     several ranks."""
+    device = next((g.device for grads in groups for g in grads), torch.device("cpu"))
     partials = []
     for grads in groups:
         slices = partition_slices([g.numel() for g in grads], world, rank)
@@ -132,12 +133,14 @@ def zero_global_norm(groups: list[list[torch.Tensor]], world: int = 1, rank: int
             total = 0.0
             for norm in each:
                 total += norm.item() ** 2
-            partials.append(torch.tensor(total, dtype=torch.float32))
+            partials.append(torch.tensor(total, dtype=torch.float32, device=device))
         else:
-            partials.append(torch.stack(each).pow(2).sum().float() if each else torch.zeros((), dtype=torch.float32))
-    summed = torch.stack(partials).cpu()
+            partials.append(torch.stack(each).pow(2).sum().float() if each else
+                            torch.zeros((), dtype=torch.float32, device=device))
+    summed = torch.stack(partials)
     if world > 1:
-        dist.all_reduce(summed)  # one collective for every group's partial sum: the same fp32 sums
+        dist.all_reduce(summed)  # on the gradients' device, as DeepSpeed's: the same fp32 sums
+    summed = summed.cpu()
     if offload:  # rooted in a Python float (correctly rounded), where torch's fp32 pow(0.5) may be an ulp off
         norms = torch.tensor([float(total) ** 0.5 for total in summed.tolist()], dtype=torch.float32)
     else:
