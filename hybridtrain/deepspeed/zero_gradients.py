@@ -50,6 +50,9 @@ class Averaging:
     reduce_scatter: bool = True
     predivide_factor: float = 1.0
     postscale: bool = True
+    bucket_elements: int = 500_000_000
+    """At most this many gradient elements cross in one collective (``reduce_bucket_size``); each
+    element's sum is the same however they are bucketed."""
 
 
 def averaging_from_config(raw: Mapping[str, Any], stage: int, half: torch.dtype) -> Averaging:
@@ -63,7 +66,9 @@ def averaging_from_config(raw: Mapping[str, Any], stage: int, half: torch.dtype)
     if name is not None and str(name).lower() not in _DTYPES:
         raise ValueError(f"communication_data_type: {name!r} is not one of {sorted(_DTYPES)}")
     zero = raw.get("zero_optimization")
-    reduce_scatter = bool(zero.get("reduce_scatter", True)) if isinstance(zero, Mapping) else True
+    zero = zero if isinstance(zero, Mapping) else {}
+    reduce_scatter = bool(zero.get("reduce_scatter", True))
+    bucket = zero.get("reduce_bucket_size", 500_000_000)
     predivide = float(raw.get("gradient_predivide_factor", 1.0))
     if reduce_scatter and predivide != 1.0:
         raise ValueError(f"gradient_predivide_factor: {predivide} needs zero_optimization.reduce_scatter: false "
@@ -71,7 +76,8 @@ def averaging_from_config(raw: Mapping[str, Any], stage: int, half: torch.dtype)
     return Averaging(partition_gradients=stage == 2,
                      communication_dtype=_DTYPES[str(name).lower()] if name is not None else half,
                      reduce_scatter=reduce_scatter, predivide_factor=predivide,
-                     postscale=not bool(raw.get("prescale_gradients", False)))
+                     postscale=not bool(raw.get("prescale_gradients", False)),
+                     bucket_elements=int(bucket) if isinstance(bucket, int | float) else 500_000_000)
 
 
 def average(flat: torch.Tensor, rule: Averaging, world: int) -> torch.Tensor:
@@ -93,6 +99,19 @@ def average(flat: torch.Tensor, rule: Averaging, world: int) -> torch.Tensor:
     if rule.predivide_factor != world:
         wire.mul_(rule.predivide_factor / world)
     return wire.to(flat.dtype)
+
+
+def reduction_buckets(numels: list[int], limit: int) -> list[list[int]]:
+    """Consecutive tensor indices in buckets of at most ``limit`` elements (a bigger tensor alone)."""
+    buckets: list[list[int]] = [[]]
+    size = 0
+    for index, numel in enumerate(numels):
+        if buckets[-1] and size + numel > limit:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(index)
+        size += numel
+    return [b for b in buckets if b]
 
 
 def partition_slices(numels: list[int], world: int, rank: int) -> list[tuple[int, int, int]]:
@@ -175,11 +194,15 @@ class ZeroGradients:
         """Every parameter's gradient (zeros where it has none, as DeepSpeed's buffers) averaged;
         the parameters' own gradients are dropped."""
         params = self._params()
-        local = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = average(torch.cat([g.detach().reshape(-1) for g in local]), self.rule, self.world)
+        reduced: list[torch.Tensor] = []
+        for bucket in reduction_buckets([p.numel() for p in params], self.rule.bucket_elements):
+            local = [params[i].grad if params[i].grad is not None else torch.zeros_like(params[i]) for i in bucket]
+            flat = average(torch.cat([g.detach().reshape(-1) for g in local]), self.rule, self.world)
+            reduced += [part.view_as(params[i]) for part, i in zip(flat.split([params[i].numel() for i in bucket]),
+                                                                    bucket, strict=True)]
         for p in params:
             p.grad = None
-        return [part.view_as(p) for part, p in zip(flat.split([p.numel() for p in params]), params, strict=True)]
+        return reduced
 
     @torch.no_grad()
     def after_backward(self, boundary: bool) -> None:

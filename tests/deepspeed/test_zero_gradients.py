@@ -12,7 +12,7 @@ import torch
 
 from hybridtrain.config import load_config
 from hybridtrain.deepspeed.building import master_weights
-from hybridtrain.deepspeed.zero_gradients import averaging_from_config, partition_slices
+from hybridtrain.deepspeed.zero_gradients import averaging_from_config, partition_slices, reduction_buckets
 from tests.deepspeed.frameworks import finish, record, start
 
 # fp16 averaged in fp16 (reduce_scatter's order), bf16 averaged in fp32 (communication_data_type),
@@ -78,6 +78,13 @@ def test_deepspeeds_partitions_cut_the_flat_group_padded_to_twice_the_world() ->
     assert [partition_slices([1, 12], world=4, rank=r) for r in range(4)] == [
         [(0, 0, 1), (1, 0, 3)], [(1, 3, 4)], [(1, 7, 4)], [(1, 11, 1)]]
     assert partition_slices([2], world=4, rank=3) == []  # all padding
+
+
+def test_gradients_cross_in_buckets_of_reduce_bucket_size() -> None:
+    assert reduction_buckets([3, 4, 6, 2], limit=7) == [[0, 1], [2], [3]]
+    assert reduction_buckets([9, 1], limit=4) == [[0], [1]]  # a tensor bigger than a bucket goes alone
+    assert averaging_from_config({"zero_optimization": {"reduce_bucket_size": 2e5}}, 2, torch.float16
+                                 ).bucket_elements == 200_000
 
 
 def test_the_averaging_keys_read_as_deepspeed_reads_them() -> None:

@@ -10,7 +10,8 @@ On several processes (each rank its own data) the runs are ZeRO stages 1 and 2 o
 Usage: fp16_script.py [MODE CHECKPOINT_DIR] VARIANT… RECORD
   VARIANT fp16 (``consecutive_hysteresis`` off), fp16-consecutive or bf16; ``-comm32`` added:
   gradients averaged in fp32 (``communication_data_type``); ``-predivide``: averaged without
-  ``reduce_scatter``, divided by a ``gradient_predivide_factor`` of 2 first; ``-offload``:
+  ``reduce_scatter`` in buckets of 100 elements, divided by a ``gradient_predivide_factor`` of 2
+  first; ``-offload``:
   ZeRO-Offload (``offload_optimizer.device: cpu``) over torch's AdamW; ``-cpuadam``: ZeRO-Offload
   over the config's AdamW, which DeepSpeed steps with its DeepSpeedCPUAdam. MODE save: 4 steps,
   then save_checkpoint(CHECKPOINT_DIR/VARIANT/NAME); resume: load_checkpoint from there, then the
@@ -76,7 +77,8 @@ def build(deepspeed: Any, variant: str, stage: int, torch_adam: bool) -> Any:
     if "comm32" in options:
         config["communication_data_type"] = "fp32"
     if "predivide" in options:
-        config.update(gradient_predivide_factor=2.0, zero_optimization={"stage": stage, "reduce_scatter": False})
+        config.update(gradient_predivide_factor=2.0,
+                      zero_optimization={"stage": stage, "reduce_scatter": False, "reduce_bucket_size": 100})
     if "offload" in options or "cpuadam" in options:  # cpuadam: DeepSpeed steps its DeepSpeedCPUAdam
         config["zero_optimization"] = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
         config["optimizer"]["params"]["torch_adam"] = "cpuadam" not in options
