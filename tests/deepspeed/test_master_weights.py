@@ -129,13 +129,14 @@ def test_a_step_with_an_infinite_gradient_is_skipped() -> None:
 
 
 def test_fp16_side_by_side_with_the_real_deepspeed_overflows_and_resume_included(tmp_path: Path) -> None:
-    """fp16 (hysteresis without and with ``consecutive_hysteresis``) and bf16, every wrapper:
+    """fp16 (hysteresis without and with ``consecutive_hysteresis``) and bf16, every wrapper (and
+    bf16 under ZeRO-Offload, ZeRO-1/2):
     steps overflow at the start, where the scale grows back and at an infinite gradient; each
     is skipped with the LR schedule held, as on the real DeepSpeed, to the bit; and fp16
     checkpoints cross between the two systems both ways (:func:`_crossed`); ``save_16bit_model``
     writes the half dtype, as DeepSpeed's."""
     pytest.importorskip("deepspeed")  # the reference
-    variants = ["fp16", "fp16-consecutive", "bf16"]
+    variants = ["fp16", "fp16-consecutive", "bf16", "bf16-offload"]
     dirs = {"real": tmp_path / "real-ckpt", "ours": tmp_path / "our-ckpt"}  # saved after 4 steps, for _fp16_crossed
     runs = [(system, start("fp16_script.py", ["through", str(dirs[system]), *variants, str(tmp_path / system)],
                            tmp_path, real=system == "real", env={"HYBRIDTRAIN_REFERENCE_FP16": "1"}))
@@ -143,7 +144,7 @@ def test_fp16_side_by_side_with_the_real_deepspeed_overflows_and_resume_included
     for system, process in runs:
         finish(process, f"{system} fp16_script")
     for variant in variants:
-        for name in RUNS:
+        for name in RUNS if variant != "bf16-offload" else ("stage1", "stage2"):  # ZeRO-Offload: ZeRO-1/2
             ours, our_params = record(tmp_path / f"ours.{variant}.{name}")
             real, real_params = record(tmp_path / f"real.{variant}.{name}")
             assert "+hybridtrain" in ours["deepspeed"] and "+hybridtrain" not in real["deepspeed"]

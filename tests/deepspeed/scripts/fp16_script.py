@@ -5,7 +5,7 @@ warm-up schedule) of a tiny model fed half inputs, with a gradient made infinite
 micro-batch, so that steps overflow: at the start (fp16's initial scale is too large), where the
 scale grows again (a window of 2), and at the infinite gradient; then ``save_16bit_model``.
 
-On several processes (each rank its own data) the runs are ZeRO stages 1 and 2 only.
+On several processes (each rank its own data), and with ZeRO-Offload, the runs are ZeRO stages 1 and 2 only.
 
 Usage: fp16_script.py [MODE CHECKPOINT_DIR] VARIANT… RECORD
   VARIANT fp16 (``consecutive_hysteresis`` off), fp16-consecutive or bf16; ``-comm32`` added:
@@ -34,8 +34,13 @@ MODES = ("save", "resume", "through")
 # name: (ZeRO stage, torch_adam); DeepSpeed wraps its FusedAdam and other optimizers differently.
 RUNS = {"stage0": (0, True), "stage0_fused": (0, False), "stage1": (1, True), "stage2": (2, True)}
 RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-# Several processes: the ZeRO stages whose averaging over the ranks DeepSpeed's wrapper does.
-NAMES = {name: run for name, run in RUNS.items() if WORLD == 1 or run[0] > 0}
+
+
+def names(variant: str) -> dict[str, tuple[int, bool]]:
+    """The runs of ``variant``: on several processes, or with ZeRO-Offload, the ZeRO stages 1 and 2
+    (whose averaging over the ranks, and offload, DeepSpeed's ZeRO wrapper does)."""
+    zero_only = WORLD > 1 or "offload" in variant or "cpuadam" in variant
+    return {name: run for name, run in RUNS.items() if not zero_only or run[0] > 0}
 
 
 class _Infinite(torch.autograd.Function):
@@ -128,7 +133,7 @@ def main() -> None:
     mode, checkpoints = (args.pop(0), args.pop(0)) if args[0] in MODES else ("full", "")
     for variant in args:
         dtype = torch.float16 if variant.startswith("fp16") else torch.bfloat16
-        for name, (stage, torch_adam) in NAMES.items():
+        for name, (stage, torch_adam) in names(variant).items():
             engine = build(deepspeed, variant, stage, torch_adam)
             directory = os.path.join(checkpoints, variant, name)
             if mode == "resume":
