@@ -56,7 +56,8 @@ from typing import Any, Literal
 import torch
 
 from hybridtrain.deepspeed.loss_scale import DeepSpeedLossScale
-from hybridtrain.deepspeed.zero_gradients import Averaging, MasterShards, ZeroGradients, zero_global_norm
+from hybridtrain.deepspeed.master_shards import MasterShards
+from hybridtrain.deepspeed.zero_gradients import Averaging, ZeroGradients, zero_global_norm
 
 NormRule = Literal["fused", "unfused", "zero"]
 """Which DeepSpeed wrapper's norm and clip arithmetic (see the module)."""
@@ -199,12 +200,35 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         if self.ranks is not None:
             self.ranks.after_backward(boundary)
 
-    def _gradients(self) -> list[list[torch.Tensor]]:
-        """The half gradients the step reads: the averaged ones on several ranks, else each
-        weight's own."""
+    def _checked_norm(self) -> float | None:
+        """The global norm of the half gradients (of the averaged ones on several ranks) as the
+        wrapper measures it; None when they are not finite (the step is then skipped)."""
         if self.ranks is not None:
-            return self.ranks.averaged()
-        return [[p.grad for p in halves if p.grad is not None] for halves in self.half_groups]
+            if self.ranks.nonfinite():
+                return None
+            norm = self.ranks.norm(self.offload)
+        else:
+            grads = [[p.grad for p in halves if p.grad is not None] for halves in self.half_groups]
+            if any(not bool(torch.isfinite(g).all()) for group in grads for g in group):
+                return None
+            norm = zero_global_norm(grads, offload=self.offload) if self.rule == "zero" else \
+                global_norm(self.rule, grads)
+        return norm if math.isfinite(norm) else None
+
+    def _master_grad(self, index: int, master: torch.Tensor, divisor: float | torch.Tensor) -> torch.Tensor:
+        """Master ``index``'s gradient: its half gradient (on several ranks: the averaged one's
+        shard) widened to fp32 and multiplied by ``1 / divisor`` (unscaled and clipped)."""
+        if self.ranks is not None:
+            local = master.to_local()  # type: ignore[attr-defined]
+            widened = self.ranks.shard_grad(index).to(master.device, torch.float32).reshape(local.shape)
+        else:
+            half = self._halves()[index]
+            if half.grad is None:
+                return torch.zeros_like(master)
+            widened = half.grad.to(master.device, torch.float32)
+        if isinstance(divisor, torch.Tensor) or divisor != 1.0:
+            widened.mul_(1.0 / divisor)
+        return MasterShards.from_local(widened, master) if self.ranks is not None else widened
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
@@ -212,16 +236,8 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         (see the module); a step with gradients not finite is skipped (:meth:`skip`)."""
         if closure is not None:
             raise NotImplementedError("MasterWeightsOptimizer.step(closure) is not supported, as in DeepSpeed")
-        grads = self._gradients()
-        if any(not bool(torch.isfinite(g).all()) for group in grads for g in group):
-            self.skip()
-            return
-        if self.rule == "zero":
-            world, rank = (self.ranks.world, self.ranks.rank) if self.ranks is not None else (1, 0)
-            norm = zero_global_norm(grads, world, rank, self.offload)
-        else:
-            norm = global_norm(self.rule, grads)
-        if not math.isfinite(norm):
+        norm = self._checked_norm()
+        if norm is None:
             self.skip()
             return
         used = self.cur_scale
@@ -230,15 +246,8 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         self.last_grad_norm = norm / used
         self.last_step_skipped = False
         divisor = combined_scale(self.rule, norm, self.max_norm, self.cur_scale)
-        for masters, group in zip(self.master_groups, self._by_parameter(grads), strict=True):
-            for master, grad in zip(masters, group, strict=True):
-                if grad is None:
-                    master.grad = torch.zeros_like(master)
-                    continue
-                widened = grad.to(master.device, torch.float32)
-                if isinstance(divisor, torch.Tensor) or divisor != 1.0:
-                    widened.mul_(1.0 / divisor)  # whole, then cut: the same element-wise bits
-                master.grad = self._sharded(widened)
+        for index, master in enumerate(self._masters()):
+            master.grad = self._master_grad(index, master, divisor)
         self.inner.step()
         self._drop_master_grads()
         if self.ranks is not None:
@@ -256,14 +265,11 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         if self.ranks is not None:
             self.ranks.clear()
 
-    def _by_parameter(self, grads: list[list[torch.Tensor]]) -> list[list[torch.Tensor | None]]:
-        """``grads`` (as :meth:`_gradients` gives them) beside each half weight of its group."""
-        if self.ranks is not None:
-            return list(grads)  # one per parameter already
-        return [[p.grad for p in halves] for halves in self.half_groups]
-
     def _masters(self) -> list[torch.Tensor]:
         return [m for masters in self.master_groups for m in masters]
+
+    def _halves(self) -> list[torch.nn.Parameter]:
+        return [h for halves in self.half_groups for h in halves]
 
     def _drop_master_grads(self) -> None:
         for master in self._masters():

@@ -17,13 +17,15 @@ half gradients in this order, which decides their bits:
   by the world size, then summed). DeepSpeed refuses a ``gradient_predivide_factor`` other than
   1 with ``reduce_scatter`` on; so does :func:`averaging_from_config`.
 
-Every rank here reduces the whole gradient (DeepSpeed scatters each partition's part to its
-owner; each element is the same sum of the same half values either way), so every rank holds
-the same averaged gradients; each updates its shard of the fp32 masters (:class:`MasterShards`)
-and the half weights are all-gathered after the step. The global norm is DeepSpeed's: each rank
+Every rank here all-reduces the whole gradient, bucket by bucket (DeepSpeed scatters each
+partition's part to its owner; each element is the same sum of the same half values either
+way), and keeps of it only what it reads (:class:`ZeroGradients`); each updates its shard of
+the fp32 masters (:mod:`hybridtrain.deepspeed.master_shards`) and the half weights are
+all-gathered after the step. The global norm is DeepSpeed's: each rank
 measures its own partition of the flat gradient (:func:`partition_slices`, each slice's norm in
 fp64, squares summed and cast to fp32), the partial sums are all-reduced in fp32 and rooted
-(``get_grad_norm_direct``), so it is the same bits as DeepSpeed's on any number of ranks.
+(``get_grad_norm_direct``), so it is the same bits as DeepSpeed's on any number of ranks; so is
+the overflow check (each rank checks what it keeps, the flags all-reduced by MAX).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from hybridtrain.deepspeed.master_shards import shard_elements
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 NCCL_START_ALIGNMENT_FACTOR = 2
@@ -136,18 +140,25 @@ def partition_slices(numels: list[int], world: int, rank: int) -> list[tuple[int
 
 def zero_global_norm(groups: list[list[torch.Tensor]], world: int = 1, rank: int = 0, offload: bool = False) -> float:
     """The global norm DeepSpeed's ZeRO-1/2 measures over the averaged gradients ``groups`` (the
-    whole of every trained parameter's, in each group's order; every rank holds them all): this
-    rank's partition slices' fp64 norms, squared and summed (``offload``: in a Python float, as
-    ``complete_grad_norm_calculation_for_cpu_offload``; else in fp64, ``get_grad_norm_direct``),
-    cast to fp32, all-reduced over the ``world`` ranks and rooted per group, the groups combined
-    by an fp32 vector norm (``combine_grad_norm_groups``); inf when not finite. A collective on
-    several ranks."""
-    device = next((g.device for grads in groups for g in grads), torch.device("cpu"))
-    partials = []
+    whole of every trained parameter's, in each group's order): this rank's partition slices
+    (:func:`partition_slices`) measured by :func:`partition_norm`. A collective on several ranks."""
+    parts = []
     for grads in groups:
         slices = partition_slices([g.numel() for g in grads], world, rank)
-        each = [torch.linalg.vector_norm(grads[i].detach().reshape(-1).narrow(0, first, length).double(), ord=2)
-                for i, first, length in slices]
+        parts.append([grads[i].detach().reshape(-1).narrow(0, first, length) for i, first, length in slices])
+    device = next((g.device for grads in groups for g in grads), torch.device("cpu"))
+    return partition_norm(parts, world, offload, device)
+
+
+def partition_norm(parts: list[list[torch.Tensor]], world: int, offload: bool, device: torch.device) -> float:
+    """The global norm from this rank's slices ``parts`` of each group's flat partition: each
+    slice's fp64 norm, squared and summed (``offload``: in a Python float, as
+    ``complete_grad_norm_calculation_for_cpu_offload``; else in fp64, ``get_grad_norm_direct``),
+    cast to fp32, all-reduced over the ``world`` ranks on ``device`` and rooted per group, the
+    groups combined by an fp32 vector norm (``combine_grad_norm_groups``); inf when not finite."""
+    partials = []
+    for group in parts:
+        each = [torch.linalg.vector_norm(t.detach().double(), ord=2) for t in group]
         if offload:
             total = 0.0
             for norm in each:
@@ -171,8 +182,13 @@ def zero_global_norm(groups: list[list[torch.Tensor]], world: int = 1, rank: int
 
 class ZeroGradients:
     """The averaged half gradients of DeepSpeed's ZeRO-1/2 over the data-parallel ranks (see
-    the module): :meth:`after_backward` after every backward, :meth:`averaged` at the step,
-    :meth:`clear` after it.
+    the module): :meth:`after_backward` after every backward; at the step :meth:`nonfinite`,
+    :meth:`norm` and each master's :meth:`shard_grad`; :meth:`clear` after it.
+
+    A rank keeps, of each parameter's averaged gradient, only the elements it reads: its slice
+    of DeepSpeed's flat partition (the norm, the overflow check) and its master's shard
+    (:func:`~hybridtrain.deepspeed.master_shards.shard_elements`), one contiguous range covering
+    both; the whole gradient crosses the wire bucket by bucket.
 
     Args:
         half_groups: the trained half parameters, per optimizer group.
@@ -185,24 +201,34 @@ class ZeroGradients:
         self.rule = rule
         self.world = world
         self.rank = dist.get_rank()
+        self._partition: dict[int, tuple[int, int]] = {}
+        """Parameter index → (first element, length) of its slice of this rank's DeepSpeed partition."""
+        first = 0
+        for halves in half_groups:
+            for index, start, length in partition_slices([p.numel() for p in halves], world, self.rank):
+                self._partition[first + index] = (start, length)
+            first += len(halves)
+        self._kept = [kept_range(p.shape, self._partition.get(i), world, self.rank)
+                      for i, p in enumerate(self._params())]
         self._sums: list[torch.Tensor] | None = None
 
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for halves in self.half_groups for p in halves]
 
     def _reduce_grads(self) -> list[torch.Tensor]:
-        """Every parameter's gradient (zeros where it has none, as DeepSpeed's buffers) averaged;
-        the parameters' own gradients are dropped."""
+        """Every parameter's gradient (zeros where it has none, as DeepSpeed's buffers) averaged,
+        each kept range copied out of its bucket; the parameters' own gradients are dropped."""
         params = self._params()
-        reduced: list[torch.Tensor] = []
+        kept: list[torch.Tensor] = []
         for bucket in reduction_buckets([p.numel() for p in params], self.rule.bucket_elements):
             local = [params[i].grad if params[i].grad is not None else torch.zeros_like(params[i]) for i in bucket]
             flat = average(torch.cat([g.detach().reshape(-1) for g in local]), self.rule, self.world)
-            reduced += [part.view_as(params[i]) for part, i in zip(flat.split([params[i].numel() for i in bucket]),
-                                                                    bucket, strict=True)]
+            for part, i in zip(flat.split([params[i].numel() for i in bucket]), bucket, strict=True):
+                start, stop = self._kept[i]
+                kept.append(part[start:stop].clone())
         for p in params:
             p.grad = None
-        return reduced
+        return kept
 
     @torch.no_grad()
     def after_backward(self, boundary: bool) -> None:
@@ -212,20 +238,49 @@ class ZeroGradients:
             return
         reduced = self._reduce_grads()
         if self._sums is None:
-            self._sums = list(reduced)
+            self._sums = reduced
             return
         for total, new in zip(self._sums, reduced, strict=True):
             total.add_(new)  # in the half dtype, as DeepSpeed's accumulated partition
 
-    def averaged(self) -> list[list[torch.Tensor]]:
-        """The window's averaged gradients, one per parameter of each group (zeros before any
-        backward)."""
-        sums = self._sums if self._sums is not None else [torch.zeros_like(p) for p in self._params()]
-        groups, index = [], 0
+    def _window(self) -> list[torch.Tensor]:
+        """The kept ranges of the window's averaged gradients (zeros before any backward)."""
+        if self._sums is not None:
+            return self._sums
+        return [torch.zeros(stop - start, dtype=p.dtype, device=p.device)
+                for p, (start, stop) in zip(self._params(), self._kept, strict=True)]
+
+    def _device(self) -> torch.device:
+        params = self._params()
+        return params[0].device if params else torch.device("cpu")
+
+    def nonfinite(self) -> bool:
+        """Whether any rank's averaged gradients hold inf/NaN (DeepSpeed's ``has_overflow``: each
+        rank checks its part, the flags are all-reduced by MAX; a collective)."""
+        local = any(not bool(torch.isfinite(t).all()) for t in self._window())
+        flag = torch.tensor([1.0 if local else 0.0], device=self._device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item() > 0)
+
+    def norm(self, offload: bool) -> float:
+        """The global norm over DeepSpeed's partitions (:func:`partition_norm`; a collective)."""
+        sums, parts, first = self._window(), [], 0
         for halves in self.half_groups:
-            groups.append(sums[index:index + len(halves)])
-            index += len(halves)
-        return groups
+            group = []
+            for i in range(first, first + len(halves)):
+                if i in self._partition:
+                    start, length = self._partition[i]
+                    offset = start - self._kept[i][0]
+                    group.append(sums[i][offset:offset + length])
+            parts.append(group)
+            first += len(halves)
+        return partition_norm(parts, self.world, offload, self._device())
+
+    def shard_grad(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s averaged gradient on this rank's shard of its master, flat."""
+        start, stop = shard_elements(self._params()[index].shape, self.world, self.rank)
+        offset = start - self._kept[index][0]
+        return self._window()[index][offset:offset + stop - start]
 
     def clear(self) -> None:
         """Drop the window's gradients (after a step or a skip)."""
@@ -234,38 +289,14 @@ class ZeroGradients:
             p.grad = None
 
 
-class MasterShards:
-    """ZeRO-1/2's partitioned fp32 masters: each rank holds 1/world of every master, a ``DTensor``
-    sharded along its first dimension over the data-parallel ranks (a 0-dim master is
-    replicated). DeepSpeed cuts one flat buffer per group instead; the masters' optimizer (Adam
-    and the like) updates element by element, so the cut changes no bits, and the checkpoint
-    code reads whole masters and optimizer state through ``full_tensor`` as it does ZeRO's
-    sharded parameters. The half weights are gathered whole after each step (:meth:`whole`,
-    DeepSpeed's all-gather of the half weights).
-
-    Args:
-        device: where the masters live (the host under ZeRO-Offload; collectives there over gloo).
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-        world = dist.get_world_size()
-        if device.type == "cpu" and "gloo" not in str(dist.get_backend()):
-            # Host masters beside device collectives (ZeRO-Offload on accelerators): a gloo group.
-            self.mesh = DeviceMesh.from_group(dist.new_group(backend="gloo"), "cpu")
-        else:
-            self.mesh = init_device_mesh(device.type, (world,))
-
-    def shard(self, whole: torch.Tensor) -> torch.Tensor:
-        """This rank's part of ``whole`` (every rank holds the same ``whole``; no communication)."""
-        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-        placements = [Replicate()] if whole.dim() == 0 else [Shard(0)]
-        return distribute_tensor(whole, self.mesh, placements, src_data_rank=None)
-
-    @staticmethod
-    def whole(master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``master`` whole on every rank in ``dtype`` (cast before the all-gather, as DeepSpeed
-        gathers the half weights)."""
-        return master.to(dtype).full_tensor()  # type: ignore[attr-defined]
+def kept_range(shape: torch.Size, partition: tuple[int, int] | None, world: int, rank: int) -> tuple[int, int]:
+    """The elements ``[start, stop)`` of a parameter of ``shape`` whose averaged gradient a rank
+    keeps: one range covering its slice of DeepSpeed's partition (``(first, length)`` or None) and
+    its master's shard."""
+    ranges = [(partition[0], partition[0] + partition[1])] if partition else []
+    shard = shard_elements(shape, world, rank)
+    if shard[1] > shard[0]:
+        ranges.append(shard)
+    if not ranges:
+        return 0, 0
+    return min(r[0] for r in ranges), max(r[1] for r in ranges)
