@@ -221,7 +221,7 @@ class ZeroGradients:
         params = self._params()
         kept: list[torch.Tensor] = []
         for bucket in reduction_buckets([p.numel() for p in params], self.rule.bucket_elements):
-            local = [params[i].grad if params[i].grad is not None else torch.zeros_like(params[i]) for i in bucket]
+            local = [_grad_or_zeros(params[i]) for i in bucket]
             flat = average(torch.cat([g.detach().reshape(-1) for g in local]), self.rule, self.world)
             for part, i in zip(flat.split([params[i].numel() for i in bucket]), bucket, strict=True):
                 start, stop = self._kept[i]
@@ -287,6 +287,11 @@ class ZeroGradients:
         self._sums = None
         for p in self._params():
             p.grad = None
+
+
+def _grad_or_zeros(param: torch.nn.Parameter) -> torch.Tensor:
+    grad = param.grad
+    return grad if grad is not None else torch.zeros_like(param)
 
 
 def kept_range(shape: torch.Size, partition: tuple[int, int] | None, world: int, rank: int) -> tuple[int, int]:
