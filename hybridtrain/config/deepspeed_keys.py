@@ -74,6 +74,8 @@ def _enables(value: Any) -> bool:
 _COMM = "communication or bucketing only; gradients and updates are the same"
 _MEMORY = "memory layout or prefetching only; the math is the same"
 _LOGGING = "a logging destination; hybridtrain writes metrics.jsonl and prints steps"
+_HALF_AVERAGING = ("; except under hybridtrain.deepspeed's bf16/fp16 math on several processes (ZeRO-1/2), "
+                   "which averages the half gradients as DeepSpeed does (docs/deepspeed.md)")
 
 TREATMENTS: dict[str, Treatment] = {
     # ---------------------------------------------------------------- legacy names
@@ -94,9 +96,11 @@ TREATMENTS: dict[str, Treatment] = {
     "comms_config": _no(_COMM),
     "monitor_config": _no(_LOGGING),
     "zero_optimization.model_persistence_threshold": _no(_MEMORY),
-    "prescale_gradients": _no("divides gradients before the all-reduce instead of after: " + _COMM),
-    "gradient_predivide_factor": _no("splits the gradient averaging around the all-reduce: " + _COMM),
-    "communication_data_type": _no("dtype of gradient communication; gradients are reduced in fp32 here"),
+    "prescale_gradients": _no("divides gradients before the all-reduce instead of after: " + _COMM + _HALF_AVERAGING),
+    "gradient_predivide_factor": _no("splits the gradient averaging around the all-reduce: " + _COMM
+                                     + _HALF_AVERAGING),
+    "communication_data_type": _no("dtype of gradient communication; gradients are reduced in fp32 here"
+                                   + _HALF_AVERAGING),
     "seq_parallel_communication_data_type": _no("dtype of sequence-parallel communication: " + _COMM),
     "sparse_gradients": _no("communicates embedding gradients sparsely: " + _COMM),
     "disable_allgather": _no(_COMM),
@@ -136,7 +140,7 @@ TREATMENTS: dict[str, Treatment] = {
     "activation_checkpointing.number_checkpoints": _no("sizes the contiguous checkpoint buffer: " + _MEMORY),
     "activation_checkpointing.synchronize_checkpoint_boundary": _no("a device synchronisation; same math"),
     "activation_checkpointing.profile": _no(_LOGGING),
-    "zero_optimization.reduce_scatter": _no(_COMM),
+    "zero_optimization.reduce_scatter": _no(_COMM + _HALF_AVERAGING),
     "zero_optimization.allgather_partitions": _no(_COMM),
     "zero_optimization.use_multi_rank_bucket_allreduce": _no(_COMM),
     "zero_optimization.compute_grad_norm": _no("the gradient norm is computed when clipping needs it"),

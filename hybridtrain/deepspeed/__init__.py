@@ -127,7 +127,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if not (half_weights and cfg.zero_optimization.stage == 3):
         partitioning.make_whole(model)
     engine = build_engine(model, cfg, init_step, optimizer, params, lr_scheduler, half_weights=half_weights,
-                          consecutive_hysteresis=consecutive_hysteresis)
+                          consecutive_hysteresis=consecutive_hysteresis, raw=raw)
     loader = None
     if training_data is not None:
         loader = _data_loader(training_data, engine, collate_fn, drop_last)

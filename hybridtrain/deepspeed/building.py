@@ -23,6 +23,7 @@ from hybridtrain.deepspeed.client_optimizer import describe, lay_groups, with_op
 from hybridtrain.deepspeed.loss_scale import DeepSpeedLossScale
 from hybridtrain.deepspeed.master_weights import MasterWeightsOptimizer, NormRule, cast_parameters
 from hybridtrain.deepspeed.runtime.zero import stage3_masters
+from hybridtrain.deepspeed.zero_gradients import averaging_from_config
 from hybridtrain.engine import Engine
 from hybridtrain.optim import FP16_INIT_STEP
 from hybridtrain.prepare import prepare
@@ -53,28 +54,32 @@ def master_weights(raw: Mapping[str, Any], cfg: Config) -> bool:
     optimizer (:mod:`hybridtrain.deepspeed.master_weights`) instead of autocast over fp32 weights.
 
     Decided for ``bf16.enabled`` or ``fp16.enabled`` with gradients accumulating in the model's dtype (no
-    ``data_types.grad_accum_dtype``) without tensor/pipeline parallel, offload or streaming, in one
-    process under ZeRO stages 0-2 (where DeepSpeed's wrappers are ``FP16_Optimizer`` and
-    ``DeepSpeedZeroOptimizer``) or in any number under ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``:
-    :mod:`hybridtrain.deepspeed.runtime.zero.stage3_masters`), and for fp16 not over the config's LAMB or
-    1-bit optimizers (DeepSpeed's fp16 wrapper steps those through their own fused paths, which
-    take the loss scale themselves). Elsewhere the engine keeps autocast.
+    ``data_types.grad_accum_dtype``) without tensor/pipeline parallel, parameter offload or streaming:
+    ZeRO stage 0 in one process without offload (DeepSpeed's ``FP16_Optimizer``); stages 1 and 2 on any
+    number of processes, with or without ZeRO-Offload to the CPU (``DeepSpeedZeroOptimizer``, whose
+    gradient averaging :mod:`hybridtrain.deepspeed.zero_gradients` holds; offloaded, the masters and
+    optimizer live in host memory); stage 3 on any number of processes without offload
+    (``DeepSpeedZeroOptimizer_Stage3``: :mod:`hybridtrain.deepspeed.runtime.zero.stage3_masters`); and for
+    fp16 not over the config's LAMB or 1-bit optimizers (DeepSpeed's fp16 wrapper steps those through
+    their own fused paths, which take the loss scale themselves). Elsewhere the engine keeps autocast.
     """
     zero = cfg.zero_optimization
     data_types = raw.get("data_types")
     accumulation = data_types.get("grad_accum_dtype") if isinstance(data_types, Mapping) else None
     own_fp16_path = cfg.fp16.enabled and cfg.optimizer.type.lower() in _OWN_FP16_PATH
-    # ZeRO-3's own wrapper (runtime/zero/stage3_masters.py) on any number of processes.
+    offload = zero.offload_optimizer.device
     return ((cfg.bf16.enabled or cfg.fp16.enabled) and not own_fp16_path and accumulation is None
-            and (zero.stage == 3 or (_world_size() == 1 and zero.stage <= 2))
-            and zero.offload_optimizer.device == "none" and zero.offload_param.device == "none"
+            and ((zero.stage == 3 and offload == "none") or (zero.stage in (1, 2) and offload in ("none", "cpu"))
+                 or (zero.stage == 0 and offload == "none" and _world_size() == 1))
+            and zero.offload_param.device == "none"
             and max(cfg.tensor_parallel.size, cfg.tensor_model_parallel_size or 1) == 1
             and cfg.pipeline.stages == 1 and not cfg.layer_streaming.enabled)
 
 
 def build_engine(model: nn.Module, cfg: Config, init_step: bool, optimizer: Any, params: list[Any] | None,
                  lr_scheduler: Any, loss_fn: LossFn | None = None, example_batch: Batch | None = None,
-                 half_weights: bool = False, consecutive_hysteresis: bool = False) -> Engine:
+                 half_weights: bool = False, consecutive_hysteresis: bool = False,
+                 raw: Mapping[str, Any] | None = None) -> Engine:
     """:func:`hybridtrain.initialize` with ``deepspeed.initialize``'s optimizer arguments.
 
     Args:
@@ -86,6 +91,9 @@ def build_engine(model: nn.Module, cfg: Config, init_step: bool, optimizer: Any,
         loss_fn / example_batch: as :func:`hybridtrain.initialize`.
         half_weights: train with DeepSpeed's bf16/fp16 math (:func:`master_weights` decided it).
         consecutive_hysteresis: ``fp16.consecutive_hysteresis`` (read only with ``half_weights``).
+        raw: the DeepSpeed config as written (its gradient-averaging keys are read with
+            ``half_weights`` on several processes; :func:`~hybridtrain.deepspeed.zero_gradients.
+            averaging_from_config`).
     """
     from hybridtrain.optim import build_optimizer, build_scheduler
     from hybridtrain.plan.resolve import optimizer_settings
@@ -108,7 +116,8 @@ def build_engine(model: nn.Module, cfg: Config, init_step: bool, optimizer: Any,
         settings = optimizer_settings(cfg)
         optimizer = build_optimizer(params, settings.type, dict(settings.params))
     if half_weights:
-        optimizer, cfg = _with_master_weights(model, cfg, optimizer, params, init_step, rule, consecutive_hysteresis)
+        optimizer, cfg = _with_master_weights(model, cfg, optimizer, params, init_step, rule, consecutive_hysteresis,
+                                              raw)
     spec = None
     if isinstance(optimizer, torch.optim.Optimizer) and _replaces_parameters(cfg):
         # The engine shards the parameters before it builds its optimizer: the caller's is
@@ -122,6 +131,10 @@ def build_engine(model: nn.Module, cfg: Config, init_step: bool, optimizer: Any,
     # The one road; the config states DeepSpeed's fp16 init step (the plan carries it, build
     # takes it before the LR schedule, as DeepSpeed does).
     engine = prepare(cfg, model, loss_fn, None if spec else optimizer, example_batch).engine
+    if isinstance(optimizer, MasterWeightsOptimizer) and optimizer.ranks is not None:
+        # DeepSpeed's ZeRO-1/2 wrapper averages the gradients itself (after_backward); the
+        # forward runs the bare model, so the replicas' DDP never reduces them a second time.
+        engine.parallel.module = engine.parallel.model
     if spec is not None and lay_groups(engine.optimizer, engine.module, spec) and cfg.scheduler is not None:
         # The config's schedule was built over the one group; it drives the caller's groups.
         engine.scheduler = build_scheduler(engine.optimizer, cfg.scheduler.type, cfg.scheduler.params)
@@ -165,19 +178,23 @@ def without_unstreamable_param_offload(cfg: Config, model: nn.Module) -> Config:
 
 def _with_master_weights(model: nn.Module, cfg: Config, optimizer: torch.optim.Optimizer | None,
                          params: list[Any] | None, init_step: bool, rule: NormRule,
-                         consecutive_hysteresis: bool) -> tuple[MasterWeightsOptimizer, Config]:
+                         consecutive_hysteresis: bool, raw: Mapping[str, Any] | None
+                         ) -> tuple[MasterWeightsOptimizer, Config]:
     """The module cast to the half dtype and DeepSpeed's bf16/fp16 wrapper over the basic
     optimizer (the caller's, else the config's over ``params`` or the model's parameters),
     with fp16's loss scale kept by the wrapper's rule; the config the engine then runs: no
     autocast and no loss scaling or clipping of its own (the wrapper does them as DeepSpeed),
     a non-finite loss skipped (the wrapper then counts an overflow, as DeepSpeed's check of the
-    gradients would), and no ZeRO (one process: ZeRO-1/2 shard nothing; the wrapper holds
-    their arithmetic)."""
+    gradients would), and no ZeRO nor offload (the wrapper holds ZeRO-1/2's arithmetic, their
+    averaging over several processes and ZeRO-Offload's host masters included)."""
     from hybridtrain.optim import build_optimizer
     from hybridtrain.plan.resolve import optimizer_settings
 
     fp16 = cfg.fp16.enabled
-    cast_parameters(model, torch.float16 if fp16 else torch.bfloat16)
+    half = torch.float16 if fp16 else torch.bfloat16
+    # Read (and refused) before anything changes.
+    averaging = averaging_from_config(raw or {}, cfg.zero_optimization.stage, half) if _world_size() > 1 else None
+    cast_parameters(model, half)
     if optimizer is None:
         settings = optimizer_settings(cfg)
         optimizer = build_optimizer(params if params is not None else model.parameters(), settings.type,
@@ -186,9 +203,12 @@ def _with_master_weights(model: nn.Module, cfg: Config, optimizer: torch.optim.O
     if fp16:
         scale = DeepSpeedLossScale.from_config("zero" if rule == "zero" else "stage0", cfg.fp16,
                                                consecutive_hysteresis)
+    offload = cfg.zero_optimization.offload_optimizer
     wrapped = MasterWeightsOptimizer(optimizer, cfg.gradient_clipping, rule, fp16_init_step=init_step,
-                                     loss_scale=scale)
-    zero = cfg.zero_optimization.model_copy(update={"stage": 0})
+                                     loss_scale=scale, averaging=averaging, offload=offload.device == "cpu")
+    # The wrapper holds ZeRO's arithmetic and ZeRO-Offload's host masters: the engine runs neither.
+    zero = cfg.zero_optimization.model_copy(update={"stage": 0,
+                                                    "offload_optimizer": offload.model_copy(update={"device": "none"})})
     plain = cfg.model_copy(update={"bf16": cfg.bf16.model_copy(update={"enabled": False}),
                                    "fp16": cfg.fp16.model_copy(update={"enabled": False}),
                                    "gradient_clipping": 0.0, "zero_optimization": zero,

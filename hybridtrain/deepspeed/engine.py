@@ -106,7 +106,10 @@ class DeepSpeedEngine(nn.Module):
         wrapper = self._master_weights()
         if wrapper is not None and wrapper.loss_scale is not None:
             loss = scaled_in_backward(loss, wrapper.cur_scale)  # DeepSpeed's fp16 loss scale
+        boundary = self.engine.is_gradient_accumulation_boundary()
         self.engine.backward(loss if scale_wrt_gas else loss * accumulation)
+        if wrapper is not None:
+            wrapper.after_backward(boundary)  # ZeRO-1/2's averaging over several ranks
         return loss / accumulation if scale_wrt_gas else loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:

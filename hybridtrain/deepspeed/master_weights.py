@@ -56,6 +56,8 @@ from typing import Any, Literal
 import torch
 
 from hybridtrain.deepspeed.loss_scale import DeepSpeedLossScale
+from hybridtrain.deepspeed.master_shards import MasterShards
+from hybridtrain.deepspeed.zero_gradients import Averaging, ZeroGradients, zero_global_norm
 
 NormRule = Literal["fused", "unfused", "zero"]
 """Which DeepSpeed wrapper's norm and clip arithmetic (see the module)."""
@@ -80,14 +82,7 @@ def global_norm(rule: NormRule, groups: list[list[torch.Tensor]]) -> float:
             group_norm = float(torch.tensor([float(group)], dtype=torch.float32)[0]) ** 0.5
             total_sq += group_norm**2.0
         return math.sqrt(total_sq)
-    norms = []
-    for grads in groups:
-        if grads:
-            each = torch.stack([torch.linalg.vector_norm(g.detach().double(), ord=2) for g in grads])
-            norms.append(each.pow(2).sum().float().pow(0.5))
-        else:
-            norms.append(torch.zeros((), dtype=torch.float32))
-    return float(torch.linalg.vector_norm(torch.stack(norms), ord=2))
+    return zero_global_norm(groups)
 
 
 def combined_scale(rule: NormRule, norm: float, max_norm: float, scale: float = 1.0) -> float | torch.Tensor:
@@ -120,24 +115,44 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         rule: which DeepSpeed wrapper's norm and clip arithmetic (:data:`NormRule`).
         fp16_init_step: step the masters once with zero gradients now (the ZeRO-0 wrappers').
         loss_scale: fp16's loss scale (None: bf16, not scaled).
+        averaging: several data-parallel ranks under ZeRO-1/2: how the gradients are averaged
+            (:class:`~hybridtrain.deepspeed.zero_gradients.Averaging`; None: one process). The
+            caller then runs :meth:`after_backward` after every backward.
+        offload: ZeRO-Offload (``offload_optimizer.device: cpu``, ZeRO-1/2): the masters and the
+            basic optimizer's state live in host memory, the norm is summed as DeepSpeed's
+            offload path sums it (:func:`~hybridtrain.deepspeed.zero_gradients.zero_global_norm`).
     """
 
     def __init__(self, inner: torch.optim.Optimizer, max_norm: float, rule: NormRule,
-                 fp16_init_step: bool, loss_scale: DeepSpeedLossScale | None = None) -> None:
+                 fp16_init_step: bool, loss_scale: DeepSpeedLossScale | None = None,
+                 averaging: Averaging | None = None, offload: bool = False) -> None:
         # The base class's constructor is not run: the groups and state are the inner optimizer's.
         self.inner = inner
         self.defaults = inner.defaults
         self.max_norm = max_norm
         self.rule: NormRule = rule
         self.loss_scale = loss_scale
+        self.offload = offload
         self.half_groups: list[list[torch.nn.Parameter]] = []
         self.master_groups: list[list[torch.Tensor]] = []
+        self.shards: MasterShards | None = None
+        """The masters' partition over the ranks (ZeRO-1/2 on several processes; None: whole)."""
         for group in inner.param_groups:
             halves = [p for p in group["params"] if p.requires_grad]
-            masters = [p.detach().float().clone().requires_grad_(True) for p in halves]
+            device = torch.device("cpu") if offload else halves[0].device if halves else torch.device("cpu")
+            if averaging is not None and self.shards is None:
+                self.shards = MasterShards(device)
+            masters = [self._sharded(p.detach().to(device, torch.float32, copy=True)).requires_grad_(True)
+                       for p in halves]
             self.half_groups.append(halves)
             self.master_groups.append(masters)
             group["params"] = masters
+        self.ranks: ZeroGradients | None = None
+        """The gradients averaged over the data-parallel ranks (ZeRO-1/2 on several processes)."""
+        if averaging is not None:
+            import torch.distributed as dist
+
+            self.ranks = ZeroGradients(self.half_groups, averaging, dist.get_world_size())
         self._optimizer_step_pre_hooks: dict[int, Any] = {}
         self._optimizer_step_post_hooks: dict[int, Any] = {}
         self.last_grad_norm: float | None = None
@@ -178,18 +193,51 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
             for p in halves:
                 p.grad = None
 
+    def after_backward(self, boundary: bool) -> None:
+        """After every backward on several ranks: average the gradients as DeepSpeed's ZeRO-1/2
+        does (:meth:`ZeroGradients.after_backward`; ``boundary``: the backward ends the
+        accumulation window); nothing on one process."""
+        if self.ranks is not None:
+            self.ranks.after_backward(boundary)
+
+    def _checked_norm(self) -> float | None:
+        """The global norm of the half gradients (of the averaged ones on several ranks) as the
+        wrapper measures it; None when they are not finite (the step is then skipped)."""
+        if self.ranks is not None:
+            if self.ranks.nonfinite():
+                return None
+            norm = self.ranks.norm(self.offload)
+        else:
+            grads = [[p.grad for p in halves if p.grad is not None] for halves in self.half_groups]
+            if any(not bool(torch.isfinite(g).all()) for group in grads for g in group):
+                return None
+            norm = zero_global_norm(grads, offload=self.offload) if self.rule == "zero" else \
+                global_norm(self.rule, grads)
+        return norm if math.isfinite(norm) else None
+
+    def _master_grad(self, index: int, master: torch.Tensor, divisor: float | torch.Tensor) -> torch.Tensor:
+        """Master ``index``'s gradient: its half gradient (on several ranks: the averaged one's
+        shard) widened to fp32 and multiplied by ``1 / divisor`` (unscaled and clipped)."""
+        if self.ranks is not None:
+            local = master.to_local()  # type: ignore[attr-defined]
+            widened = self.ranks.shard_grad(index).to(master.device, torch.float32).reshape(local.shape)
+        else:
+            half = self._halves()[index]
+            if half.grad is None:
+                return torch.zeros_like(master)
+            widened = half.grad.to(master.device, torch.float32)
+        if isinstance(divisor, torch.Tensor) or divisor != 1.0:
+            widened.mul_(1.0 / divisor)
+        return MasterShards.from_local(widened, master) if self.ranks is not None else widened
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         """Check, measure, unscale and clip, update the masters, copy them into the half weights
         (see the module); a step with gradients not finite is skipped (:meth:`skip`)."""
         if closure is not None:
             raise NotImplementedError("MasterWeightsOptimizer.step(closure) is not supported, as in DeepSpeed")
-        grads = [[p.grad for p in halves if p.grad is not None] for halves in self.half_groups]
-        if any(not bool(torch.isfinite(g).all()) for group in grads for g in group):
-            self.skip()
-            return
-        norm = global_norm(self.rule, grads)
-        if not math.isfinite(norm):
+        norm = self._checked_norm()
+        if norm is None:
             self.skip()
             return
         used = self.cur_scale
@@ -198,16 +246,13 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         self.last_grad_norm = norm / used
         self.last_step_skipped = False
         divisor = combined_scale(self.rule, norm, self.max_norm, self.cur_scale)
-        for halves, masters in zip(self.half_groups, self.master_groups, strict=True):
-            for half, master in zip(halves, masters, strict=True):
-                master.grad = half.grad.float() if half.grad is not None else torch.zeros_like(master)
-                if isinstance(divisor, torch.Tensor) or divisor != 1.0:
-                    master.grad.mul_(1.0 / divisor)
+        for index, master in enumerate(self._masters()):
+            master.grad = self._master_grad(index, master, divisor)
         self.inner.step()
         self._drop_master_grads()
-        for halves, masters in zip(self.half_groups, self.master_groups, strict=True):
-            for half, master in zip(halves, masters, strict=True):
-                half.copy_(master)
+        if self.ranks is not None:
+            self.ranks.clear()
+        self._copy_into_halves()
 
     def skip(self) -> None:
         """Skip this step as DeepSpeed does on an overflow: the gradients are dropped, the loss
@@ -217,9 +262,14 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         self.last_grad_norm = float("inf")
         self.last_step_skipped = True
         self.zero_grad()
+        if self.ranks is not None:
+            self.ranks.clear()
 
     def _masters(self) -> list[torch.Tensor]:
         return [m for masters in self.master_groups for m in masters]
+
+    def _halves(self) -> list[torch.nn.Parameter]:
+        return [h for halves in self.half_groups for h in halves]
 
     def _drop_master_grads(self) -> None:
         for master in self._masters():
@@ -243,10 +293,19 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         if len(values) != len(masters):
             raise ValueError(f"load_masters: got {len(values)} masters for {len(masters)} parameters")
         for master, value in zip(masters, values, strict=True):
-            master.copy_(value.reshape(master.shape))
-        for halves, group in zip(self.half_groups, self.master_groups, strict=True):
-            for half, master in zip(halves, group, strict=True):
-                half.copy_(master)
+            master.copy_(self._sharded(value.reshape(master.shape).to(master.device, torch.float32)))
+        self._copy_into_halves()
+
+    def _sharded(self, whole: torch.Tensor) -> torch.Tensor:
+        """``whole`` as the masters hold it: this rank's shard on several ranks, else itself."""
+        return self.shards.shard(whole) if self.shards is not None else whole
+
+    @torch.no_grad()
+    def _copy_into_halves(self) -> None:
+        """Each half weight from its master (gathered whole on several ranks)."""
+        for halves, masters in zip(self.half_groups, self.master_groups, strict=True):
+            for half, master in zip(halves, masters, strict=True):
+                half.copy_(MasterShards.whole(master, half.dtype) if self.shards is not None else master)
 
     def __repr__(self) -> str:
         return f"MasterWeightsOptimizer({self.inner!r})"

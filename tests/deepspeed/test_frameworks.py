@@ -108,6 +108,18 @@ def test_hf_trainer_bf16_same_as_deepspeed_bit_for_bit(tmp_path: Path) -> None:
     assert {v.dtype for v in saved.values()} == {torch.bfloat16}
 
 
+@pytest.mark.timeout(300)
+def test_hf_trainer_bf16_on_two_ranks_with_offload_same_as_deepspeed_bit_for_bit(tmp_path: Path) -> None:
+    """``TrainingArguments(bf16=True)`` on 2 processes (``hybridtrain launch`` against ``torchrun``
+    on the real DeepSpeed), ZeRO-2 with the optimizer offloaded to the CPU, the Trainer's own AdamW:
+    DeepSpeed's bf16 math over several ranks (:mod:`hybridtrain.deepspeed.zero_gradients`), the
+    same bits as the real DeepSpeed's through the Trainer's checkpoint-3 resume."""
+    config = _config(tmp_path, "trainer")
+    theirs, ours = run_both("trainer_script.py", [config, "{work}"], tmp_path, {"TRAINER_BF16": "1"}, nproc=2)
+    _assert_both_runs(theirs, ours)
+    _assert_same_bits(theirs, ours)
+
+
 def test_accelerate_bf16_same_as_deepspeed_bit_for_bit(tmp_path: Path) -> None:
     """The Accelerate loop over a Llama with ``bf16.enabled`` and ZeRO-2 (no offload): DeepSpeed's
     bf16 math (bfloat16 weights, fp32 masters; :mod:`hybridtrain.deepspeed.master_weights`), so

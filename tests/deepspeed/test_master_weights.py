@@ -5,13 +5,12 @@ Side by side with the real DeepSpeed 0.19.8 on this CPU (its bf16 runs on the CP
 accelerator; fp16 once it is told the CPU supports it, see ``scripts/real_deepspeed.py``):
 every step's learning rate, loss, gradient norm, loss scale and skip, and the final weights,
 are the same bits for ZeRO-0 (both of its wrappers), ZeRO-1 and ZeRO-2, overflowing steps
-included, and bf16 checkpoints resume across the two systems both ways. In process: the same
-training against DeepSpeed's rules written out as a plain loop, and the pieces one by one.
+included, and fp16 and bf16 checkpoints resume across the two systems both ways. In process:
+the same training against DeepSpeed's rules written out as a plain loop, and the pieces one by one.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -28,52 +27,8 @@ from hybridtrain.deepspeed.master_weights import MasterWeightsOptimizer, combine
 from tests.deepspeed.frameworks import finish, record, start
 
 RUNS = ("stage0", "stage0_fused", "stage1", "stage2")
-SCRIPT = "bf16_script.py"
-
-
-def _pair(tmp: Path, mode: str, checkpoints: dict[str, Path] | None = None) -> dict[str, Path]:
-    """``bf16_script.py`` in ``mode`` on both systems at once; ``checkpoints`` maps each system
-    to the directory it saves to or resumes from. Returns each system's record prefix."""
-    out, runs = {}, []
-    for system in ("real", "ours"):
-        out[system] = tmp / f"{system}-{mode}"
-        args = [mode, str(checkpoints[system])] if checkpoints else []
-        runs.append((system, start(SCRIPT, [*args, str(out[system])], tmp, real=system == "real")))
-    for system, process in runs:
-        finish(process, f"{system} bf16 {mode}")
-    return out
-
-
-def _assert_same(mine: Path, theirs: Path, tail: int = 0) -> None:
-    """Run records ``mine`` and ``theirs`` (the last ``len(mine)`` steps of it with ``tail``)
-    agree bit for bit: steps, learning rates, losses, gradient norms, dtypes, final weights."""
-    for name in RUNS:
-        ours, our_params = record(Path(f"{mine}.{name}"))
-        real, real_params = record(Path(f"{theirs}.{name}"))
-        for key in ("steps", "lrs", "losses", "grad_norms"):
-            assert ours[key] == real[key][tail:], (name, key, ours[key], real[key])
-        assert ours["dtypes"] == real["dtypes"] == ["torch.bfloat16"], name
-        assert ours["saved_dtypes"] == real["saved_dtypes"] == ["torch.bfloat16"], name  # save_16bit_model
-        assert our_params.keys() == real_params.keys()
-        for key, value in real_params.items():
-            assert torch.equal(our_params[key], value), (name, key)
-
-
-def test_bf16_trains_and_resumes_as_the_real_deepspeed_bit_for_bit(tmp_path: Path) -> None:
-    pytest.importorskip("deepspeed")  # the reference
-    full = _pair(tmp_path, "full")
-    assert "+hybridtrain" in json.loads(Path(f"{full['ours']}.stage0").read_text())["deepspeed"]
-    _assert_same(full["ours"], full["real"])
-
-    dirs = {"real": tmp_path / "real-ckpt", "ours": tmp_path / "our-ckpt"}
-    _pair(tmp_path, "save", dirs)
-    for system, directory in dirs.items():  # DeepSpeed's bf16 file names, as the real one writes them
-        assert {p.name for p in (directory / "stage0" / "global_step3").iterdir()} == {"mp_rank_00_model_states.pt"}
-        assert {p.name for p in (directory / "stage2" / "global_step3").iterdir()} == {
-            "mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"}, system
-    crossed = _pair(tmp_path, "resume", {"real": dirs["ours"], "ours": dirs["real"]})
-    _assert_same(crossed["ours"], full["real"], tail=3)  # the real DeepSpeed's run, resumed here
-    _assert_same(crossed["real"], full["ours"], tail=3)  # ours, resumed on the real DeepSpeed
+CROSSED = ("fp16", "bf16")
+"""The variants whose checkpoints cross between the two systems."""
 
 
 class _Scaled(nn.Module):
@@ -174,24 +129,29 @@ def test_a_step_with_an_infinite_gradient_is_skipped() -> None:
 
 
 def test_fp16_side_by_side_with_the_real_deepspeed_overflows_and_resume_included(tmp_path: Path) -> None:
-    """fp16 (hysteresis without and with ``consecutive_hysteresis``) and bf16, every wrapper:
+    """fp16 (hysteresis without and with ``consecutive_hysteresis``) and bf16, every wrapper (and
+    bf16 under ZeRO-Offload, ZeRO-1/2):
     steps overflow at the start, where the scale grows back and at an infinite gradient; each
     is skipped with the LR schedule held, as on the real DeepSpeed, to the bit; and fp16
-    checkpoints cross between the two systems both ways (:func:`_fp16_crossed`)."""
+    checkpoints cross between the two systems both ways (:func:`_crossed`); ``save_16bit_model``
+    writes the half dtype, as DeepSpeed's."""
     pytest.importorskip("deepspeed")  # the reference
-    variants = ["fp16", "fp16-consecutive", "bf16"]
-    runs = [(system, start("fp16_script.py", [*variants, str(tmp_path / system)], tmp_path, real=system == "real",
-                           env={"HYBRIDTRAIN_REFERENCE_FP16": "1"})) for system in ("real", "ours")]
+    variants = ["fp16", "fp16-consecutive", "bf16", "bf16-offload"]
+    dirs = {"real": tmp_path / "real-ckpt", "ours": tmp_path / "our-ckpt"}  # saved after 4 steps, for _fp16_crossed
+    runs = [(system, start("fp16_script.py", ["through", str(dirs[system]), *variants, str(tmp_path / system)],
+                           tmp_path, real=system == "real", env={"HYBRIDTRAIN_REFERENCE_FP16": "1"}))
+            for system in ("real", "ours")]
     for system, process in runs:
         finish(process, f"{system} fp16_script")
     for variant in variants:
-        for name in RUNS:
+        for name in RUNS if variant != "bf16-offload" else ("stage1", "stage2"):  # ZeRO-Offload: ZeRO-1/2
             ours, our_params = record(tmp_path / f"ours.{variant}.{name}")
             real, real_params = record(tmp_path / f"real.{variant}.{name}")
             assert "+hybridtrain" in ours["deepspeed"] and "+hybridtrain" not in real["deepspeed"]
             for key in ("steps", "lrs", "scales", "skipped", "applied", "dtypes"):
                 assert ours[key] == real[key], (variant, name, key, ours[key], real[key])
-            assert ours["dtypes"] == [f"torch.{'float16' if variant.startswith('fp16') else 'bfloat16'}"]
+            assert ours["dtypes"] == ours["saved_dtypes"] == real["saved_dtypes"] == [
+                f"torch.{'float16' if variant.startswith('fp16') else 'bfloat16'}"]
             assert ours["applied"].count(False) == ours["skipped"][-1] > 0
             if name == "stage0_fused":
                 _assert_within_one_half_step(ours, our_params, real, real_params, variant)
@@ -203,29 +163,35 @@ def test_fp16_side_by_side_with_the_real_deepspeed_overflows_and_resume_included
     fp16 = record(tmp_path / "ours.fp16.stage2")[0]
     assert fp16["lrs"][:5] == [0.0] * 5  # the warm-up held back through the four skipped steps
     assert fp16["scales"] != record(tmp_path / "ours.fp16-consecutive.stage2")[0]["scales"]
-    _fp16_crossed(tmp_path)
+    for system, directory in dirs.items():  # DeepSpeed's file names, as the real one writes them
+        assert {p.name for p in (directory / "bf16" / "stage0" / "global_step4").iterdir()} == {
+            "mp_rank_00_model_states.pt"}, system
+        assert {p.name for p in (directory / "bf16" / "stage2" / "global_step4").iterdir()} == {
+            "mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"}, system
+    _crossed(tmp_path, dirs)
 
 
-def _fp16_crossed(tmp_path: Path) -> None:
-    """Saved after 4 fp16 steps (the scale shrunk, ZeRO's hysteresis spent) on one system and
-    resumed on the other: the last 4 steps are the uninterrupted run's, scale and skips included."""
-    dirs = {"real": tmp_path / "real-ckpt", "ours": tmp_path / "our-ckpt"}
-    for mode, where in (("save", dirs), ("resume", {"real": dirs["ours"], "ours": dirs["real"]})):
-        runs = [start("fp16_script.py", [mode, str(where[system]), "fp16", str(tmp_path / f"{system}-{mode}")],
-                      tmp_path, real=system == "real", env={"HYBRIDTRAIN_REFERENCE_FP16": "1"})
-                for system in ("real", "ours")]
-        for process in runs:
-            finish(process, f"fp16_script {mode}")
+def _crossed(tmp_path: Path, dirs: dict[str, Path]) -> None:
+    """Saved after 4 steps (fp16: the scale shrunk, ZeRO's hysteresis spent) on one system (in
+    ``dirs``) and resumed on the other: the last 4 steps are the uninterrupted run's, scale and
+    skips included."""
+    mode, where = "resume", {"real": dirs["ours"], "ours": dirs["real"]}
+    runs = [start("fp16_script.py", [mode, str(where[system]), *CROSSED, str(tmp_path / f"{system}-{mode}")],
+                  tmp_path, real=system == "real", env={"HYBRIDTRAIN_REFERENCE_FP16": "1"})
+            for system in ("real", "ours")]
+    for process in runs:
+        finish(process, f"fp16_script {mode}")
     for resumed, uninterrupted in (("ours", "real"), ("real", "ours")):  # theirs resumed here, ours there
-        for name in RUNS:
-            mine, my_params = record(tmp_path / f"{resumed}-resume.fp16.{name}")
-            whole, whole_params = record(tmp_path / f"{uninterrupted}.fp16.{name}")
-            for key in ("lrs", "scales", "skipped", "applied", "steps"):
-                tail = whole[key][-4:] if isinstance(whole[key], list) else whole[key]
-                assert mine[key] == tail, (resumed, name, key, mine[key], whole[key])
-            if name != "stage0_fused":  # FusedAdam's C++ kernel rounds apart (see below)
-                for key, value in whole_params.items():
-                    assert torch.equal(my_params[key], value), (resumed, name, key)
+        for variant in CROSSED:
+            for name in RUNS:
+                mine, my_params = record(tmp_path / f"{resumed}-resume.{variant}.{name}")
+                whole, whole_params = record(tmp_path / f"{uninterrupted}.{variant}.{name}")
+                for key in ("lrs", "scales", "skipped", "applied", "steps"):
+                    tail = whole[key][-4:] if isinstance(whole[key], list) else whole[key]
+                    assert mine[key] == tail, (resumed, variant, name, key, mine[key], whole[key])
+                if name != "stage0_fused":  # FusedAdam's C++ kernel rounds apart (see below)
+                    for key, value in whole_params.items():
+                        assert torch.equal(my_params[key], value), (resumed, variant, name, key)
 
 
 def _assert_within_one_half_step(ours: dict[str, Any], our_params: dict[str, torch.Tensor], real: dict[str, Any],
@@ -259,7 +225,9 @@ def _reported_unscaled(real: dict[str, Any], name: str) -> list[float]:
     ({}, True),
     ({"zero_optimization": {"stage": 2}}, True),
     ({"zero_optimization": {"stage": 3}}, True),  # ZeRO-3's own wrapper: runtime/zero/stage3_masters.py
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, False),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, True),  # ZeRO-Offload
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, False),
+    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, False),
     ({"data_types": {"grad_accum_dtype": "fp32"}}, False),
     ({"bf16": {"enabled": False}}, False),
 ])

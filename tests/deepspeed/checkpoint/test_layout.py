@@ -226,10 +226,12 @@ def test_0_dim_parameters_resume_exactly(tmp_path: Path, stage: int) -> None:
 
 
 def test_an_autocast_fp16_run_resumes_with_its_loss_scale(tmp_path: Path) -> None:
-    """ZeRO-2 with the optimizer offloaded keeps the engine's autocast and loss scaler: the scale
-    (shrunk by the first steps' overflows, grown after a window) is written as DeepSpeed's
-    ``DynamicLossScaler`` and resumed, so the resumed run is the uninterrupted one."""
+    """ZeRO-2 with the optimizer offloaded and fp32 gradient accumulation keeps the engine's
+    autocast and loss scaler: the scale (shrunk by the first steps' overflows, grown after a
+    window) is written as DeepSpeed's ``DynamicLossScaler`` and resumed, so the resumed run is
+    the uninterrupted one."""
     config = {"train_micro_batch_size_per_gpu": 8, "zero_force_ds_cpu_optimizer": False,
+              "data_types": {"grad_accum_dtype": "fp32"},  # not DeepSpeed's fp16 wrapper's math: autocast
               "fp16": {"enabled": True, "initial_scale_power": 24, "loss_scale_window": 2},
               "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
               "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "torch_adam": True}}}

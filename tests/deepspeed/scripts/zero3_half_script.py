@@ -28,22 +28,21 @@ PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def run(deepspeed: Any, args: list[str]) -> None:
     """What the command line ``args`` say (see the module), with ``deepspeed`` the package to run."""
     save_dir, resume_dir, record_path = args
-    seed = 1 + int(os.environ.get("RANK", "0"))
     for precision, dtype in PRECISIONS.items():
         path = f"{record_path}.{precision}"
         if save_dir != "-":
-            engine = build(deepspeed, precision, False, 3, True, two_groups=True)
-            record = train(engine, dtype, SAVE_AT, seed)
+            engine = build(deepspeed, precision, 3, True, two_groups=True)
+            record = train(engine, dtype, SAVE_AT)
             engine.save_checkpoint(os.path.join(save_dir, precision))
             write_record(f"{path}.at_save", {}, engine.module)
-            rest = train(engine, dtype, STEPS, seed)
+            rest = train(engine, dtype, STEPS)
             write_record(path, {k: v + rest[k] if isinstance(v, list) and k != "dtypes" else rest[k]
                                 for k, v in record.items()}, engine.module)
         if resume_dir != "-":
-            engine = build(deepspeed, precision, False, 3, True, two_groups=True)
+            engine = build(deepspeed, precision, 3, True, two_groups=True)
             engine.load_checkpoint(os.path.join(resume_dir, precision))
             write_record(f"{path}.resumed.loaded", {}, engine.module)
-            write_record(f"{path}.resumed", train(engine, dtype, STEPS, seed), engine.module)
+            write_record(f"{path}.resumed", train(engine, dtype, STEPS), engine.module)
 
 
 if __name__ == "__main__":
