@@ -14,17 +14,23 @@ from hybridtrain.config import load_config
 from hybridtrain.deepspeed.building import master_weights
 from hybridtrain.deepspeed.zero_gradients import averaging_from_config, partition_slices, reduction_buckets
 from tests.deepspeed.frameworks import finish, record, start
+from tests.deepspeed.test_master_weights import _reported_unscaled
 
 # fp16 averaged in fp16 (reduce_scatter's order), bf16 averaged in fp32 (communication_data_type),
 # fp16 without reduce_scatter over a gradient_predivide_factor of 2, fp16 under ZeRO-Offload.
 VARIANTS = ("fp16", "bf16-comm32", "fp16-predivide", "fp16-offload")
-# ZeRO-0 over torch's AdamW (FP16_UnfusedOptimizer) and over FusedAdam (FP16_Optimizer); not offloaded.
-ZERO0 = ("stage0", "stage0_fused")
 
 
 def names(variant: str) -> tuple[str, ...]:
-    """The runs fp16_script.py makes of ``variant`` on 2 processes (its ``names``)."""
-    return ("stage1", "stage2") if "offload" in variant else (*ZERO0, "stage1", "stage2")
+    """The runs fp16_script.py makes of ``variant`` on 2 processes (its ``names``): ZeRO-0 over
+    torch's AdamW (``FP16_UnfusedOptimizer``, the engine averaging) unless offloaded, ZeRO-1/2."""
+    return ("stage1", "stage2") if "offload" in variant else ("stage0", "stage1", "stage2")
+
+
+def _as_reported_here(record: dict[str, Any], name: str) -> dict[str, Any]:
+    """A real DeepSpeed ``record`` with its gradient norms as the drop-in reports them (of the
+    unscaled gradients; ZeRO-0's wrapper reports the scaled ones)."""
+    return {**record, "grad_norms": _reported_unscaled(record, name)}
 KEYS = ("lrs", "losses", "grad_norms", "scales", "skipped", "applied")
 
 
@@ -56,13 +62,14 @@ def test_two_ranks_train_and_resume_as_the_real_deepspeed_bit_for_bit(tmp_path: 
             ours, our_params = record(tmp_path / f"ours.{variant}.{name}")
             real, real_params = record(tmp_path / f"real.{variant}.{name}")
             assert "+hybridtrain" in ours["deepspeed"] and "+hybridtrain" not in real["deepspeed"]
+            real = _as_reported_here(real, name)
             for key in (*KEYS, "steps", "dtypes"):
                 assert ours[key] == real[key], (variant, name, key, ours[key], real[key])
             assert ours["dtypes"] == [f"torch.{'float16' if variant.startswith('fp16') else 'bfloat16'}"]
             # ZeRO-1/2: each rank holds its part of the fp32 masters (1/2 here), no more than DeepSpeed's
             # rank 0; ZeRO-0: the whole of them, as DeepSpeed's.
             elements = sum(v.numel() for v in real_params.values())
-            if name in ZERO0:
+            if name == "stage0":
                 assert ours["master_elements"] == real["master_elements"] == elements
             else:
                 assert ours["master_elements"] <= real["master_elements"] < elements
@@ -72,6 +79,7 @@ def test_two_ranks_train_and_resume_as_the_real_deepspeed_bit_for_bit(tmp_path: 
                 assert torch.equal(our_params[key], value), (variant, name, key)
             for resumed, whole in (("ours", real), ("real", ours)):  # theirs resumed here, ours there
                 mine, my_params = record(tmp_path / f"resumed-{resumed}.{variant}.{name}")
+                mine = _as_reported_here(mine, name) if resumed == "real" else mine
                 for key in KEYS:
                     assert mine[key] == whole[key][-4:], (resumed, variant, name, key, mine[key], whole[key])
                 assert mine["steps"] == whole["steps"]
@@ -80,6 +88,9 @@ def test_two_ranks_train_and_resume_as_the_real_deepspeed_bit_for_bit(tmp_path: 
     assert {p.name for p in (saved["ours"] / "fp16" / "stage2" / "global_step4").iterdir()} == {
         "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
         "zero_pp_rank_1_mp_rank_00_optim_states.pt"}
+    for directory in saved.values():  # ZeRO-0: rank 0 writes the one file, the optimizer inside, as DeepSpeed's
+        assert {p.name for p in (directory / "fp16" / "stage0" / "global_step4").iterdir()} == {
+            "mp_rank_00_model_states.pt"}
 
 
 def test_deepspeeds_partitions_cut_the_flat_group_padded_to_twice_the_world() -> None:

@@ -6,7 +6,8 @@ micro-batch, so that steps overflow: at the start (fp16's initial scale is too l
 scale grows again (a window of 2), and at the infinite gradient; then ``save_16bit_model``.
 
 With ZeRO-Offload the runs are ZeRO stages 1 and 2 only; on several processes (each rank its own
-data) every stage runs (ZeRO-0's averaging is the engine's, ZeRO-1/2's their wrapper's).
+data) ZeRO stage 0 over torch's AdamW, 1 and 2 (ZeRO-0's averaging is the engine's, ZeRO-1/2's
+their wrapper's).
 
 Usage: fp16_script.py [MODE CHECKPOINT_DIR] VARIANT… RECORD
   VARIANT fp16 (``consecutive_hysteresis`` off), fp16-consecutive or bf16; ``-comm32`` added:
@@ -39,9 +40,12 @@ RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE",
 
 def names(variant: str) -> dict[str, tuple[int, bool]]:
     """The runs of ``variant``: with ZeRO-Offload the ZeRO stages 1 and 2 (whose offload DeepSpeed's
-    ZeRO wrapper does), else all of them."""
+    ZeRO wrapper does); on several processes not ZeRO-0 over FusedAdam (whose C++ kernel rounds
+    apart from torch's Adam, so that one process compares it within a half step; its averaging
+    is stage0's); else all of them."""
     zero_only = "offload" in variant or "cpuadam" in variant
-    return {name: run for name, run in RUNS.items() if not zero_only or run[0] > 0}
+    return {name: run for name, run in RUNS.items()
+            if (not zero_only or run[0] > 0) and (WORLD == 1 or name != "stage0_fused")}
 
 
 class _Infinite(torch.autograd.Function):
