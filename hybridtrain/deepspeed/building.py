@@ -55,9 +55,10 @@ def master_weights(raw: Mapping[str, Any], cfg: Config) -> bool:
 
     Decided for ``bf16.enabled`` or ``fp16.enabled`` with gradients accumulating in the model's dtype (no
     ``data_types.grad_accum_dtype``) without tensor/pipeline parallel, parameter offload or streaming:
-    ZeRO stage 0 in one process without offload (DeepSpeed's ``FP16_Optimizer``); stages 1 and 2 on any
-    number of processes, with or without ZeRO-Offload to the CPU (``DeepSpeedZeroOptimizer``, whose
-    gradient averaging :mod:`hybridtrain.deepspeed.zero_gradients` holds; offloaded, the masters and
+    ZeRO stage 0 on any number of processes without offload (DeepSpeed's ``FP16_Optimizer``, its engine
+    averaging the gradients over the processes); stages 1 and 2 on any number of processes, with or
+    without ZeRO-Offload to the CPU (``DeepSpeedZeroOptimizer``; both averagings
+    :mod:`hybridtrain.deepspeed.zero_gradients` holds; offloaded, the masters and
     optimizer live in host memory); stage 3 on any number of processes without offload
     (``DeepSpeedZeroOptimizer_Stage3``: :mod:`hybridtrain.deepspeed.runtime.zero.stage3_masters`); and for
     fp16 not over the config's LAMB or 1-bit optimizers (DeepSpeed's fp16 wrapper steps those through
@@ -70,7 +71,7 @@ def master_weights(raw: Mapping[str, Any], cfg: Config) -> bool:
     offload = zero.offload_optimizer.device
     return ((cfg.bf16.enabled or cfg.fp16.enabled) and not own_fp16_path and accumulation is None
             and ((zero.stage == 3 and offload == "none") or (zero.stage in (1, 2) and offload in ("none", "cpu"))
-                 or (zero.stage == 0 and offload == "none" and _world_size() == 1))
+                 or (zero.stage == 0 and offload == "none"))
             and zero.offload_param.device == "none"
             and max(cfg.tensor_parallel.size, cfg.tensor_model_parallel_size or 1) == 1
             and cfg.pipeline.stages == 1 and not cfg.layer_streaming.enabled)
@@ -131,8 +132,8 @@ def build_engine(model: nn.Module, cfg: Config, init_step: bool, optimizer: Any,
     # The one road; the config states DeepSpeed's fp16 init step (the plan carries it, build
     # takes it before the LR schedule, as DeepSpeed does).
     engine = prepare(cfg, model, loss_fn, None if spec else optimizer, example_batch).engine
-    if isinstance(optimizer, MasterWeightsOptimizer) and optimizer.ranks is not None:
-        # DeepSpeed's ZeRO-1/2 wrapper averages the gradients itself (after_backward); the
+    if isinstance(optimizer, MasterWeightsOptimizer) and optimizer.averages_gradients:
+        # DeepSpeed's ZeRO-1/2 wrapper (ZeRO-0: its engine) averages the gradients itself (after_backward); the
         # forward runs the bare model, so the replicas' DDP never reduces them a second time.
         engine.parallel.module = engine.parallel.model
     if spec is not None and lay_groups(engine.optimizer, engine.module, spec) and cfg.scheduler is not None:

@@ -109,7 +109,7 @@ class DeepSpeedEngine(nn.Module):
         boundary = self.engine.is_gradient_accumulation_boundary()
         self.engine.backward(loss if scale_wrt_gas else loss * accumulation)
         if wrapper is not None:
-            wrapper.after_backward(boundary)  # ZeRO-1/2's averaging over several ranks
+            wrapper.after_backward(boundary)  # the averaging over several ranks (ZeRO-0: the engine's)
         return loss / accumulation if scale_wrt_gas else loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:

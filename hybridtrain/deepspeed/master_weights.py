@@ -54,10 +54,11 @@ import math
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 
 from hybridtrain.deepspeed.loss_scale import DeepSpeedLossScale
 from hybridtrain.deepspeed.master_shards import MasterShards
-from hybridtrain.deepspeed.zero_gradients import Averaging, ZeroGradients, zero_global_norm
+from hybridtrain.deepspeed.zero_gradients import Averaging, ZeroGradients, average_in_place, zero_global_norm
 
 NormRule = Literal["fused", "unfused", "zero"]
 """Which DeepSpeed wrapper's norm and clip arithmetic (see the module)."""
@@ -115,9 +116,12 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         rule: which DeepSpeed wrapper's norm and clip arithmetic (:data:`NormRule`).
         fp16_init_step: step the masters once with zero gradients now (the ZeRO-0 wrappers').
         loss_scale: fp16's loss scale (None: bf16, not scaled).
-        averaging: several data-parallel ranks under ZeRO-1/2: how the gradients are averaged
+        averaging: several data-parallel ranks: how the gradients are averaged
             (:class:`~hybridtrain.deepspeed.zero_gradients.Averaging`; None: one process). The
-            caller then runs :meth:`after_backward` after every backward.
+            caller then runs :meth:`after_backward` after every backward. Under ZeRO-1/2
+            (``rule`` ``zero``) each rank keeps its partition of the masters; under ZeRO-0 the
+            whole gradients are averaged at the boundary, as DeepSpeed's engine does, and every
+            rank keeps whole masters.
         offload: ZeRO-Offload (``offload_optimizer.device: cpu``, ZeRO-1/2): the masters and the
             basic optimizer's state live in host memory, the norm is summed as DeepSpeed's
             offload path sums it (:func:`~hybridtrain.deepspeed.zero_gradients.zero_global_norm`).
@@ -140,7 +144,7 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         for group in inner.param_groups:
             halves = [p for p in group["params"] if p.requires_grad]
             device = torch.device("cpu") if offload else halves[0].device if halves else torch.device("cpu")
-            if averaging is not None and self.shards is None:
+            if averaging is not None and rule == "zero" and self.shards is None:
                 self.shards = MasterShards(device)
             masters = [self._sharded(p.detach().to(device, torch.float32, copy=True)).requires_grad_(True)
                        for p in halves]
@@ -149,10 +153,12 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
             group["params"] = masters
         self.ranks: ZeroGradients | None = None
         """The gradients averaged over the data-parallel ranks (ZeRO-1/2 on several processes)."""
-        if averaging is not None:
-            import torch.distributed as dist
-
+        self.whole_averaging: Averaging | None = None
+        """How the engine averages the whole gradients at the boundary (ZeRO-0 on several processes)."""
+        if averaging is not None and rule == "zero":
             self.ranks = ZeroGradients(self.half_groups, averaging, dist.get_world_size())
+        elif averaging is not None:
+            self.whole_averaging = averaging
         self._optimizer_step_pre_hooks: dict[int, Any] = {}
         self._optimizer_step_post_hooks: dict[int, Any] = {}
         self.last_grad_norm: float | None = None
@@ -193,12 +199,20 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
             for p in halves:
                 p.grad = None
 
+    @property
+    def averages_gradients(self) -> bool:
+        """Whether this wrapper averages the gradients over the ranks itself (several processes)."""
+        return self.ranks is not None or self.whole_averaging is not None
+
     def after_backward(self, boundary: bool) -> None:
         """After every backward on several ranks: average the gradients as DeepSpeed's ZeRO-1/2
         does (:meth:`ZeroGradients.after_backward`; ``boundary``: the backward ends the
-        accumulation window); nothing on one process."""
+        accumulation window), or under ZeRO-0 as its engine does at the ``boundary``
+        (:func:`~hybridtrain.deepspeed.zero_gradients.average_in_place`); nothing on one process."""
         if self.ranks is not None:
             self.ranks.after_backward(boundary)
+        elif self.whole_averaging is not None and boundary:
+            average_in_place(self._halves(), self.whole_averaging, dist.get_world_size())
 
     def _checked_norm(self) -> float | None:
         """The global norm of the half gradients (of the averaged ones on several ranks) as the

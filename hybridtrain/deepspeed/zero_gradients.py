@@ -1,5 +1,6 @@
-"""DeepSpeed ZeRO-1/2's gradient averaging and global norm over several data-parallel ranks,
-for DeepSpeed's bf16/fp16 math (:mod:`hybridtrain.deepspeed.master_weights`).
+"""DeepSpeed ZeRO-1/2's gradient averaging and global norm over several data-parallel ranks, and
+the engine's own averaging under ZeRO stage 0, for DeepSpeed's bf16/fp16 math
+(:mod:`hybridtrain.deepspeed.master_weights`).
 
 DeepSpeed 0.19.8's ``DeepSpeedZeroOptimizer`` (``runtime/zero/stage_1_and_2.py``) averages the
 half gradients in this order, which decides their bits:
@@ -16,6 +17,13 @@ half gradients in this order, which decides their bits:
   multiplied by ``gradient_predivide_factor / world`` (``prescale_gradients: true``: divided
   by the world size, then summed). DeepSpeed refuses a ``gradient_predivide_factor`` other than
   1 with ``reduce_scatter`` on; so does :func:`averaging_from_config`.
+- ZeRO-0 (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``; the engine reduces for them):
+  ``engine.allreduce_gradients`` at the accumulation boundary only, ``buffered_allreduce_fallback``
+  → ``allreduce_bucket`` over the whole gradients autograd summed locally, in the same order as
+  ``gradient_reduction_w_predivide`` except that ``prescale_gradients: true`` multiplies by
+  ``1 / world`` where ZeRO-1/2 divide; ``reduce_scatter`` is not read and any
+  ``gradient_predivide_factor`` is allowed. Every rank then holds the whole averaged gradients
+  and whole fp32 masters (:func:`average_in_place`).
 
 Every rank here all-reduces the whole gradient, bucket by bucket (DeepSpeed scatters each
 partition's part to its owner; each element is the same sum of the same half values either
@@ -30,7 +38,7 @@ the overflow check (each rank checks what it keeps, the flags all-reduced by MAX
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,10 +65,14 @@ class Averaging:
     bucket_elements: int = 500_000_000
     """At most this many gradient elements cross in one collective (``reduce_bucket_size``); each
     element's sum is the same however they are bucketed."""
+    prescale_multiplies: bool = False
+    """``prescale_gradients``: multiply by ``1 / world`` (ZeRO-0's engine) instead of dividing by
+    it (ZeRO-1/2); the two round differently when the world size is not a power of two."""
 
 
 def averaging_from_config(raw: Mapping[str, Any], stage: int, half: torch.dtype) -> Averaging:
-    """The averaging a DeepSpeed config asks for (keys as DeepSpeed 0.19.8 reads them).
+    """The averaging a DeepSpeed config asks for under ZeRO ``stage`` (keys as DeepSpeed 0.19.8
+    reads them; stage 0: the engine's ``allreduce_bucket``, see the module).
 
     Raises:
         ValueError: an unknown ``communication_data_type``, or ``gradient_predivide_factor``
@@ -74,13 +86,16 @@ def averaging_from_config(raw: Mapping[str, Any], stage: int, half: torch.dtype)
     reduce_scatter = bool(zero.get("reduce_scatter", True))
     bucket = zero.get("reduce_bucket_size", 500_000_000)
     predivide = float(raw.get("gradient_predivide_factor", 1.0))
+    communication = _DTYPES[str(name).lower()] if name is not None else half
+    postscale = not bool(raw.get("prescale_gradients", False))
+    if stage == 0:  # the engine's buffers (MEMORY_OPT_ALLREDUCE_SIZE), no reduce-scatter
+        return Averaging(partition_gradients=False, communication_dtype=communication, reduce_scatter=False,
+                         predivide_factor=predivide, postscale=postscale, prescale_multiplies=True)
     if reduce_scatter and predivide != 1.0:
         raise ValueError(f"gradient_predivide_factor: {predivide} needs zero_optimization.reduce_scatter: false "
                          "(DeepSpeed's ZeRO-1/2 allow only 1.0 with reduce_scatter)")
-    return Averaging(partition_gradients=stage == 2,
-                     communication_dtype=_DTYPES[str(name).lower()] if name is not None else half,
-                     reduce_scatter=reduce_scatter, predivide_factor=predivide,
-                     postscale=not bool(raw.get("prescale_gradients", False)),
+    return Averaging(partition_gradients=stage == 2, communication_dtype=communication,
+                     reduce_scatter=reduce_scatter, predivide_factor=predivide, postscale=postscale,
                      bucket_elements=int(bucket) if isinstance(bucket, int | float) else 500_000_000)
 
 
@@ -94,7 +109,10 @@ def average(flat: torch.Tensor, rule: Averaging, world: int) -> torch.Tensor:
         return wire.to(flat.dtype)
     wire = flat.to(rule.communication_dtype, copy=True)
     if not rule.postscale:
-        wire.div_(world)
+        if rule.prescale_multiplies:
+            wire.mul_(1.0 / world)
+        else:
+            wire.div_(world)
         dist.all_reduce(wire)
         return wire.to(flat.dtype)
     if rule.predivide_factor != 1.0:
@@ -103,6 +121,26 @@ def average(flat: torch.Tensor, rule: Averaging, world: int) -> torch.Tensor:
     if rule.predivide_factor != world:
         wire.mul_(rule.predivide_factor / world)
     return wire.to(flat.dtype)
+
+
+def averaged_buckets(params: list[torch.nn.Parameter], rule: Averaging, world: int
+                     ) -> Iterator[tuple[list[int], list[torch.Tensor]]]:
+    """Every parameter's gradient (zeros where it has none, as DeepSpeed's buffers) averaged
+    (:func:`average`) bucket by bucket: each bucket's parameter indices and their averaged
+    gradients, flat, in the gradients' dtype (collectives, one per bucket)."""
+    for bucket in reduction_buckets([p.numel() for p in params], rule.bucket_elements):
+        local = [_grad_or_zeros(params[i]) for i in bucket]
+        flat = average(torch.cat([g.detach().reshape(-1) for g in local]), rule, world)
+        yield bucket, list(flat.split([params[i].numel() for i in bucket]))
+
+
+@torch.no_grad()
+def average_in_place(params: list[torch.nn.Parameter], rule: Averaging, world: int) -> None:
+    """ZeRO-0: each parameter's gradient replaced by its whole average over the ``world`` ranks,
+    as DeepSpeed's engine copies the reduced buckets back into ``param.grad`` (a collective)."""
+    for bucket, parts in averaged_buckets(params, rule, world):
+        for i, part in zip(bucket, parts, strict=True):
+            params[i].grad = part.reshape(params[i].shape).clone()
 
 
 def reduction_buckets(numels: list[int], limit: int) -> list[list[int]]:
@@ -220,10 +258,8 @@ class ZeroGradients:
         each kept range copied out of its bucket; the parameters' own gradients are dropped."""
         params = self._params()
         kept: list[torch.Tensor] = []
-        for bucket in reduction_buckets([p.numel() for p in params], self.rule.bucket_elements):
-            local = [_grad_or_zeros(params[i]) for i in bucket]
-            flat = average(torch.cat([g.detach().reshape(-1) for g in local]), self.rule, self.world)
-            for part, i in zip(flat.split([params[i].numel() for i in bucket]), bucket, strict=True):
+        for bucket, parts in averaged_buckets(params, self.rule, self.world):
+            for part, i in zip(parts, bucket, strict=True):
                 start, stop = self._kept[i]
                 kept.append(part[start:stop].clone())
         for p in params:

@@ -5,7 +5,9 @@ warm-up schedule) of a tiny model fed half inputs, with a gradient made infinite
 micro-batch, so that steps overflow: at the start (fp16's initial scale is too large), where the
 scale grows again (a window of 2), and at the infinite gradient; then ``save_16bit_model``.
 
-On several processes (each rank its own data), and with ZeRO-Offload, the runs are ZeRO stages 1 and 2 only.
+With ZeRO-Offload the runs are ZeRO stages 1 and 2 only; on several processes (each rank its own
+data) ZeRO stage 0 over torch's AdamW, 1 and 2 (ZeRO-0's averaging is the engine's, ZeRO-1/2's
+their wrapper's).
 
 Usage: fp16_script.py [MODE CHECKPOINT_DIR] VARIANT… RECORD
   VARIANT fp16 (``consecutive_hysteresis`` off), fp16-consecutive or bf16; ``-comm32`` added:
@@ -37,10 +39,13 @@ RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE",
 
 
 def names(variant: str) -> dict[str, tuple[int, bool]]:
-    """The runs of ``variant``: on several processes, or with ZeRO-Offload, the ZeRO stages 1 and 2
-    (whose averaging over the ranks, and offload, DeepSpeed's ZeRO wrapper does)."""
-    zero_only = WORLD > 1 or "offload" in variant or "cpuadam" in variant
-    return {name: run for name, run in RUNS.items() if not zero_only or run[0] > 0}
+    """The runs of ``variant``: with ZeRO-Offload the ZeRO stages 1 and 2 (whose offload DeepSpeed's
+    ZeRO wrapper does); on several processes not ZeRO-0 over FusedAdam (whose C++ kernel rounds
+    apart from torch's Adam, so that one process compares it within a half step; its averaging
+    is stage0's); else all of them."""
+    zero_only = "offload" in variant or "cpuadam" in variant
+    return {name: run for name, run in RUNS.items()
+            if (not zero_only or run[0] > 0) and (WORLD == 1 or name != "stage0_fused")}
 
 
 class _Infinite(torch.autograd.Function):
@@ -131,7 +136,7 @@ def train(engine: Any, dtype: torch.dtype, stop: int = STEPS) -> dict[str, Any]:
             record["applied"].append(engine.was_step_applied())
     record["steps"] = engine.global_steps
     record["dtypes"] = sorted({str(p.dtype) for p in engine.module.parameters()})
-    # The fp32 master elements this rank holds (ZeRO-1/2 on several ranks: its partition).
+    # The fp32 master elements this rank holds (ZeRO-1/2 on several ranks: its partition; ZeRO-0: all).
     record["master_elements"] = sum((p.to_local() if hasattr(p, "to_local") else p).numel()
                                     for group in engine.optimizer.param_groups for p in group["params"])
     return record
