@@ -54,9 +54,16 @@ def tiny_config(path: Path, steps: int, checkpoint_every: int) -> Path:
     return path
 
 
+SLACK = 4
+"""How many times its stated timeout :func:`wait_for` waits."""
+
+
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str,
              tick: Callable[[], object] | None = None) -> None:
-    """Poll ``predicate`` (ticking ``tick`` between polls); fail after ``timeout`` s."""
+    """Poll ``predicate`` (ticking ``tick`` between polls); fail after ``timeout`` s times
+    :data:`SLACK` (the suite runs on two pytest workers over as many cores, so processes the
+    service starts and stops run slower than alone; a wait that passes costs no more)."""
+    timeout *= SLACK
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if tick is not None:
