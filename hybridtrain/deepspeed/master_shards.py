@@ -64,7 +64,8 @@ class MasterShards:
         """``local`` (this rank's shard, in ``like``'s local shape) as a tensor sharded as ``like``."""
         from torch.distributed.tensor import DTensor
 
-        return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,  # type: ignore[attr-defined]
+        mesh = like.device_mesh  # type: ignore[attr-defined]
+        return DTensor.from_local(local, mesh, like.placements, run_check=False,  # type: ignore[attr-defined]
                                   shape=like.shape, stride=like.stride())
 
     @staticmethod
