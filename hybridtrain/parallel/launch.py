@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hybridtrain.parallel import exit_handshake
+
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
@@ -159,8 +161,15 @@ def launch(spec: LaunchSpec, script: str, script_args: Sequence[str] = (), annou
     # Where the ranks say that their script ended (see finished_ranks); passed on by torchrun.
     finished_dir = tempfile.mkdtemp(prefix="hybridtrain-finished-")
     os.environ[FINISHED_DIR_ENV] = finished_dir
+    nodes = exit_handshake.static_nodes(spec.nnodes, spec.master_addr, spec.rdzv_endpoint)
+    addr, port = spec.master_addr or "127.0.0.1", spec.master_port or exit_handshake.TORCHRUN_PORT
+    store = exit_handshake.host_store(addr, port) if nodes and spec.node_rank == 0 else None
     try:
         run(parse_args(torchrun_argv(spec, script, script_args)))
+        if store is not None:
+            exit_handshake.wait_for_nodes(store, nodes)
+        elif nodes:
+            exit_handshake.say_done(addr, port)
     except ChildFailedError as exc:
         done = finished_ranks(exc.failures)
         failures = {r: f for r, f in exc.failures.items() if r not in done}
