@@ -61,7 +61,8 @@ def test_kill9_of_the_service_loses_nothing_and_runs_nothing_twice(storage: str,
                                          "devices": 2})
         client.call("POST", "/v1/jobs", {"name": "late", "command": [*program, "5"],
                                          "devices": 2, "priority": -1})
-        wait_for(lambda: client.call("GET", "/v1/jobs/long")["state"] == "running", 30,
+        # Claimed ("starting") comes before the process is recorded: wait for its pid.
+        wait_for(lambda: client.call("GET", "/v1/jobs/long")["pid"] is not None, 30,
                  "'long' to run")
         long_job = client.call("GET", "/v1/jobs/long")
         # kill -9 while 'long' runs and the others wait for its device; a lease of 30 s
