@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from hybridtrain.compose import check_plain_initialize
-from hybridtrain.config import Config
+from hybridtrain.config import Config, ConfigError
 from hybridtrain.config.deepspeed_keys import deepspeed_takes_fp16_init_step
 from hybridtrain.deepspeed.client_optimizer import describe, lay_groups, with_optimizer
 from hybridtrain.deepspeed.loss_scale import DeepSpeedLossScale
@@ -52,8 +52,11 @@ _OWN_FP16_PATH = ("lamb", "onebitadam", "zerooneadam", "onebitlamb")
 def master_weights(raw: Mapping[str, Any], cfg: Config) -> bool:
     """Whether this run trains as DeepSpeed's bf16/fp16 does: half weights, fp32 masters in the
     optimizer (:mod:`hybridtrain.deepspeed.master_weights`) instead of autocast over fp32 weights.
+    The one decision: the drop-in and ``hybridtrain.initialize`` with ``precision_math: deepspeed``
+    both take it.
 
-    Decided for ``bf16.enabled`` or ``fp16.enabled`` with gradients accumulating in the model's dtype (no
+    ``precision_math: autocast`` says no. Otherwise DeepSpeed's math runs for ``bf16.enabled`` or
+    ``fp16.enabled`` with gradients accumulating in the model's dtype (no
     ``data_types.grad_accum_dtype``) without tensor/pipeline parallel, parameter offload or streaming:
     ZeRO stage 0 on any number of processes without offload (DeepSpeed's ``FP16_Optimizer``, its engine
     averaging the gradients over the processes); stages 1 and 2 on any number of processes, with or
@@ -62,19 +65,71 @@ def master_weights(raw: Mapping[str, Any], cfg: Config) -> bool:
     optimizer live in host memory); stage 3 on any number of processes without offload
     (``DeepSpeedZeroOptimizer_Stage3``: :mod:`hybridtrain.deepspeed.runtime.zero.stage3_masters`); and for
     fp16 not over the config's LAMB or 1-bit optimizers (DeepSpeed's fp16 wrapper steps those through
-    their own fused paths, which take the loss scale themselves). Elsewhere the engine keeps autocast.
+    their own fused paths, which take the loss scale themselves). Elsewhere the engine keeps autocast,
+    unless the config says ``precision_math: deepspeed``, which is then refused.
+
+    Raises:
+        ConfigError: ``precision_math: deepspeed`` with bf16/fp16 where DeepSpeed's math cannot run
+            (one line naming what stands in the way).
     """
+    if cfg.precision_math == "autocast" or not (cfg.bf16.enabled or cfg.fp16.enabled):
+        return False
+    blocker = _deepspeed_math_blocker(raw, cfg)
+    if blocker is not None and cfg.precision_math == "deepspeed":
+        raise ConfigError(f"precision_math = 'deepspeed' cannot run with {blocker}; allowed there: 'autocast' "
+                          "(or leave it unset)")
+    return blocker is None
+
+
+def _deepspeed_math_blocker(raw: Mapping[str, Any], cfg: Config) -> str | None:
+    """What keeps DeepSpeed's bf16/fp16 math from this run (see :func:`master_weights`), in the
+    config's words; None: nothing."""
     zero = cfg.zero_optimization
     data_types = raw.get("data_types")
     accumulation = data_types.get("grad_accum_dtype") if isinstance(data_types, Mapping) else None
-    own_fp16_path = cfg.fp16.enabled and cfg.optimizer.type.lower() in _OWN_FP16_PATH
     offload = zero.offload_optimizer.device
-    return ((cfg.bf16.enabled or cfg.fp16.enabled) and not own_fp16_path and accumulation is None
-            and ((zero.stage == 3 and offload == "none") or (zero.stage in (1, 2) and offload in ("none", "cpu"))
-                 or (zero.stage == 0 and offload == "none"))
-            and zero.offload_param.device == "none"
-            and max(cfg.tensor_parallel.size, cfg.tensor_model_parallel_size or 1) == 1
-            and cfg.pipeline.stages == 1 and not cfg.layer_streaming.enabled)
+    stage_offload = {0: ("none",), 1: ("none", "cpu"), 2: ("none", "cpu"), 3: ("none",)}[zero.stage]
+    checks = [
+        (cfg.fp16.enabled and cfg.optimizer.type.lower() in _OWN_FP16_PATH, f"optimizer.type = {cfg.optimizer.type!r}"
+         " under fp16 (DeepSpeed steps it through its own fused path)"),
+        (accumulation is not None, f"data_types.grad_accum_dtype = {accumulation!r}"),
+        (offload not in stage_offload, f"zero_optimization.stage = {zero.stage} with offload_optimizer.device = "
+         f"{offload!r}"),
+        (zero.offload_param.device != "none", f"zero_optimization.offload_param.device = "
+         f"{zero.offload_param.device!r}"),
+        (max(cfg.tensor_parallel.size, cfg.tensor_model_parallel_size or 1) > 1, "tensor parallel"),
+        (cfg.pipeline.stages > 1, f"pipeline.stages = {cfg.pipeline.stages}"),
+        (cfg.layer_streaming.enabled, "layer_streaming.enabled = true"),
+    ]
+    return next((why for blocked, why in checks if blocked), None)
+
+
+def initialize_with_deepspeed_math(model: nn.Module, cfg: Config, raw: Mapping[str, Any],
+                                   loss_fn: LossFn | None = None, optimizer: torch.optim.Optimizer | None = None,
+                                   example_batch: Batch | None = None) -> Engine:
+    """``hybridtrain.initialize`` under ``precision_math: deepspeed``: the drop-in's engine
+    (:func:`build_engine`, the same decision :func:`master_weights` and the same wrapper), without
+    DeepSpeed's engine surface; ``engine.train_batch`` then runs DeepSpeed's bf16/fp16 math. What
+    the drop-in adds and this does not: DeepSpeed's ``gradient_clipping`` default of 1.0 (the
+    config's value counts), ``fp16.auto_cast`` (feed half inputs) and ``consecutive_hysteresis``.
+
+    Args:
+        cfg: the loaded config; raw: the config as written (DeepSpeed's fp16 init step and
+            ``data_types`` are read from it).
+
+    Raises:
+        ConfigError: DeepSpeed's math cannot run with this config (:func:`master_weights`).
+    """
+    half_weights = master_weights(raw, cfg)
+    if dict(raw).get("fp16", {}).get("auto_cast") is True:
+        raise ConfigError("fp16.auto_cast = true casts inputs in the DeepSpeed drop-in's forward only; "
+                          "hybridtrain.initialize takes the batch as given: feed fp16 inputs and set it false")
+    if half_weights and _world_size() > 1:
+        from hybridtrain.deepspeed.comm import init_distributed
+
+        init_distributed(dist_init_required=True)  # the wrapper averages over the group, as under the drop-in
+    return build_engine(model, cfg, takes_fp16_init_step(raw, client=optimizer is not None), optimizer, None, None,
+                        loss_fn, example_batch, half_weights=half_weights, raw=raw)
 
 
 def build_engine(model: nn.Module, cfg: Config, init_step: bool, optimizer: Any, params: list[Any] | None,
@@ -141,6 +196,9 @@ def build_engine(model: nn.Module, cfg: Config, init_step: bool, optimizer: Any,
         engine.scheduler = build_scheduler(engine.optimizer, cfg.scheduler.type, cfg.scheduler.params)
     if stage3 is not None:  # over the caller's groups, laid over the half shards just above
         stage3_masters.wrap_optimizer(engine, stage3, consecutive_hysteresis, held)
+    if isinstance(engine.optimizer, MasterWeightsOptimizer):
+        # The engine scales each loss, averages after each backward and holds the schedule at a skip as it says.
+        engine.own_precision = engine.optimizer
     if isinstance(optimizer, torch.optim.Optimizer) and optimizer is not engine.optimizer:
         # DeepSpeed's ZeRO optimizer updates through the caller's own param_groups, so a
         # scheduler built on the caller's optimizer before initialize (Accelerate's, a
@@ -212,7 +270,7 @@ def _with_master_weights(model: nn.Module, cfg: Config, optimizer: torch.optim.O
                                                     "offload_optimizer": offload.model_copy(update={"device": "none"})})
     plain = cfg.model_copy(update={"bf16": cfg.bf16.model_copy(update={"enabled": False}),
                                    "fp16": cfg.fp16.model_copy(update={"enabled": False}),
-                                   "gradient_clipping": 0.0, "zero_optimization": zero,
+                                   "gradient_clipping": 0.0, "zero_optimization": zero, "precision_math": None,
                                    "nonfinite_loss": "skip"})
     return wrapped, plain
 

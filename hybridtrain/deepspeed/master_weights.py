@@ -103,6 +103,17 @@ def combined_scale(rule: NormRule, norm: float, max_norm: float, scale: float = 
     return scale
 
 
+def scaled_in_backward(loss: torch.Tensor, scale: float) -> torch.Tensor:
+    """``loss`` (a view of it) whose backward multiplies the gradient reaching it by ``scale``
+    in the loss's dtype, as DeepSpeed's ``loss * cur_scale`` does: the value reported and
+    checked stays the unscaled loss, and an fp16 loss sees the scale rounded to fp16 (2**16
+    overflows there, as in DeepSpeed)."""
+    view = loss.view_as(loss)
+    if view.requires_grad:
+        view.register_hook(lambda grad: grad * torch.tensor(scale, dtype=grad.dtype, device=grad.device))
+    return view
+
+
 class MasterWeightsOptimizer(torch.optim.Optimizer):
     """DeepSpeed's bf16/fp16 optimizer wrapper around a basic optimizer built over the module's
     half parameters: each trainable parameter gets an fp32 master, which takes its place in the
@@ -203,6 +214,12 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
     def averages_gradients(self) -> bool:
         """Whether this wrapper averages the gradients over the ranks itself (several processes)."""
         return self.ranks is not None or self.whole_averaging is not None
+
+    def scaled_for_backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` with fp16's loss scale applied in its backward (:func:`scaled_in_backward`);
+        bf16's as it is. The engine asks this of every micro-batch's loss before weighting it
+        (:class:`hybridtrain.engine.OwnPrecision`)."""
+        return scaled_in_backward(loss, self.cur_scale) if self.loss_scale is not None else loss
 
     def after_backward(self, boundary: bool) -> None:
         """After every backward on several ranks: average the gradients as DeepSpeed's ZeRO-1/2
