@@ -28,6 +28,7 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from hybridtrain.config import Config, ConfigError, ConfigSource, load_config
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 
 
 def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: LossFn | None = None,
-               optimizer: Any = None, example_batch: Batch | None = None) -> Engine:
+               optimizer: torch.optim.Optimizer | None = None, example_batch: Batch | None = None) -> Engine:
     """Prepare ``model`` for training as ``config`` describes: the one public way to an engine
     (:func:`hybridtrain.compose.initialize` documents the arguments).
 

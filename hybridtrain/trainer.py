@@ -24,6 +24,7 @@ from typing import Any
 from tqdm import tqdm
 
 from hybridtrain import checkpoint as ckpt
+from hybridtrain.compose import check_autocast_math
 from hybridtrain.config import Config
 from hybridtrain.data import TokenBatches
 from hybridtrain.engine import Engine
@@ -127,6 +128,7 @@ def _run_training(cfg: Config, resume: bool | str = False, progress: bool = True
     start_as = check_output_dir(cfg, resume, overwrite)
     if start_as.mode == "resume":
         cfg = _same_global_batch(cfg, previous_global_batch(out))
+    check_autocast_math(cfg, "hybridtrain train")  # its checkpoints hold no fp32 masters or DeepSpeed loss scale
     check_monitoring(cfg)
     check_limit_reachable(cfg)  # a device_memory_limit no plan fits under: one line, nothing allocated
     telemetry = Telemetry(cfg)
