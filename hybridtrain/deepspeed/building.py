@@ -53,7 +53,8 @@ def master_weights(raw: Mapping[str, Any], cfg: Config) -> bool:
     """Whether this run trains as DeepSpeed's bf16/fp16 does: half weights, fp32 masters in the
     optimizer (:mod:`hybridtrain.deepspeed.master_weights`) instead of autocast over fp32 weights.
     The one decision: the drop-in and ``hybridtrain.initialize`` with ``precision_math: deepspeed``
-    both take it.
+    both take it. An fp32 run takes the same wrapper, over fp32 weights, under ZeRO-1/2 on several
+    processes (:func:`fp32_partitioned_masters`).
 
     ``precision_math: autocast`` says no. Otherwise DeepSpeed's math runs for ``bf16.enabled`` or
     ``fp16.enabled`` with gradients accumulating in the model's dtype (no
@@ -72,13 +73,26 @@ def master_weights(raw: Mapping[str, Any], cfg: Config) -> bool:
         ConfigError: ``precision_math: deepspeed`` with bf16/fp16 where DeepSpeed's math cannot run
             (one line naming what stands in the way).
     """
-    if cfg.precision_math == "autocast" or not (cfg.bf16.enabled or cfg.fp16.enabled):
+    if not (cfg.bf16.enabled or cfg.fp16.enabled):
+        return fp32_partitioned_masters(raw, cfg)
+    if cfg.precision_math == "autocast":
         return False
     blocker = _deepspeed_math_blocker(raw, cfg)
     if blocker is not None and cfg.precision_math == "deepspeed":
         raise ConfigError(f"precision_math = 'deepspeed' cannot run with {blocker}; allowed there: 'autocast' "
                           "(or leave it unset)")
     return blocker is None
+
+
+def fp32_partitioned_masters(raw: Mapping[str, Any], cfg: Config) -> bool:
+    """Whether an fp32 run takes DeepSpeed's ZeRO-1/2 wrapper too: on several processes, where
+    DeepSpeed keeps the module's parameters whole on every rank (``model.state_dict()`` and
+    ``named_parameters()`` give plain tensors) and partitions fp32 copies of them with the
+    optimizer state (``DeepSpeedZeroOptimizer``, whose arithmetic the wrapper holds: the
+    gradients averaged in DeepSpeed's order, its norm and clip); the engine's own ZeRO would
+    shard the parameters themselves (DTensors)."""
+    zero = cfg.zero_optimization
+    return zero.stage in (1, 2) and _world_size() > 1 and _deepspeed_math_blocker(raw, cfg) is None
 
 
 def _deepspeed_math_blocker(raw: Mapping[str, Any], cfg: Config) -> str | None:
@@ -239,7 +253,7 @@ def _with_master_weights(model: nn.Module, cfg: Config, optimizer: torch.optim.O
                          params: list[Any] | None, init_step: bool, rule: NormRule,
                          consecutive_hysteresis: bool, raw: Mapping[str, Any] | None
                          ) -> tuple[MasterWeightsOptimizer, Config]:
-    """The module cast to the half dtype and DeepSpeed's bf16/fp16 wrapper over the basic
+    """The module cast to the half dtype (fp32: as it is) and DeepSpeed's wrapper over the basic
     optimizer (the caller's, else the config's over ``params`` or the model's parameters),
     with fp16's loss scale kept by the wrapper's rule; the config the engine then runs: no
     autocast and no loss scaling or clipping of its own (the wrapper does them as DeepSpeed),
@@ -250,7 +264,7 @@ def _with_master_weights(model: nn.Module, cfg: Config, optimizer: torch.optim.O
     from hybridtrain.plan.resolve import optimizer_settings
 
     fp16 = cfg.fp16.enabled
-    half = torch.float16 if fp16 else torch.bfloat16
+    half = torch.float16 if fp16 else torch.bfloat16 if cfg.bf16.enabled else torch.float32
     # Read (and refused) before anything changes.
     averaging = averaging_from_config(raw or {}, cfg.zero_optimization.stage, half) if _world_size() > 1 else None
     cast_parameters(model, half)

@@ -19,7 +19,7 @@ import hybridtrain
 import hybridtrain.deepspeed as deepspeed
 from hybridtrain import compose
 from hybridtrain.config import ConfigError, load_config
-from hybridtrain.deepspeed.building import without_unstreamable_param_offload
+from hybridtrain.deepspeed.building import master_weights, without_unstreamable_param_offload
 from tests.deepspeed.test_master_weights import _Scaled
 
 OFFLOAD = {"train_micro_batch_size_per_gpu": 4, "zero_force_ds_cpu_optimizer": False,
@@ -132,3 +132,14 @@ def test_deepspeed_math_is_refused_in_one_line_where_it_cannot_run() -> None:
 def test_autocast_math_is_a_choice_under_the_drop_in_too() -> None:
     engine, *_ = deepspeed.initialize(model=_Scaled(), config={**_math_config("bf16", 0), "precision_math": "autocast"})
     assert all(p.dtype == torch.float32 for p in engine.module.parameters())
+
+
+@pytest.mark.parametrize(("world", "stage", "expected"), [("2", 1, True), ("2", 2, True), ("1", 2, False),
+                                                          ("2", 0, False), ("2", 3, False)])
+def test_fp32_takes_deepspeeds_zero_wrapper_where_deepspeed_keeps_whole_parameters(
+        monkeypatch: pytest.MonkeyPatch, world: str, stage: int, expected: bool) -> None:
+    """ZeRO-1/2 on several processes: whole fp32 parameters on every rank, fp32 masters partitioned
+    (checkpoint/test_real_deepspeed.py trains it on 2 ranks against the real DeepSpeed)."""
+    monkeypatch.setenv("WORLD_SIZE", world)
+    raw = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}}
+    assert master_weights(raw, load_config(dict(raw))) is expected
