@@ -74,7 +74,11 @@ def _train(args: argparse.Namespace) -> int:
         from hybridtrain.trainer import run_training
 
         cfg = load_config(args.config, _overrides(args))
-        summary = run_training(cfg, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
+        road = None
+        if cfg.precision_math == "deepspeed":  # DeepSpeed's bf16/fp16 math, built as the drop-in builds it
+            from hybridtrain.deepspeed.building import prepare_with_deepspeed_math as road
+        summary = run_training(cfg, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite,
+                               road=road)
     except (KeyboardInterrupt, Terminated) as exc:  # before training started, or a second one while saving
         # SIGTERM outside the steps (hybridtrain.terminate); under torchrun the launcher
         # says why it stopped the ranks (and which failed first).

@@ -26,7 +26,7 @@ from hybridtrain.deepspeed.runtime.zero import stage3_masters
 from hybridtrain.deepspeed.zero_gradients import averaging_from_config
 from hybridtrain.engine import Engine
 from hybridtrain.optim import FP16_INIT_STEP
-from hybridtrain.prepare import prepare
+from hybridtrain.prepare import Prepared, prepare
 from hybridtrain.runtime.batch import Batch, LossFn
 
 
@@ -95,6 +95,22 @@ def fp32_partitioned_masters(raw: Mapping[str, Any], cfg: Config) -> bool:
     return zero.stage in (1, 2) and _world_size() > 1 and _deepspeed_math_blocker(raw, cfg) is None
 
 
+def _check_deepspeed_math_road(cfg: Config, raw: Mapping[str, Any]) -> None:
+    """What DeepSpeed's math cannot take off the drop-in (``hybridtrain.initialize``, ``hybridtrain train``).
+
+    Raises:
+        ConfigError: one line naming the field, its value and what is allowed.
+    """
+    fp16 = raw.get("fp16")
+    if cfg.fp16.enabled and isinstance(fp16, Mapping) and fp16.get("auto_cast") is True:
+        raise ConfigError("fp16.auto_cast = true casts inputs in the DeepSpeed drop-in's forward only; with "
+                          "precision_math = 'deepspeed' the batch is taken as given: allowed false (feed fp16 inputs)")
+    if cfg.auto or cfg.oom_recovery.enabled:
+        key = "auto" if cfg.auto else "oom_recovery.enabled"
+        raise ConfigError(f"{key} = true plans the run's variants under autocast; with precision_math = "
+                          "'deepspeed' allowed: false (or precision_math 'autocast')")
+
+
 def _deepspeed_math_blocker(raw: Mapping[str, Any], cfg: Config) -> str | None:
     """What keeps DeepSpeed's bf16/fp16 math from this run (see :func:`master_weights`), in the
     config's words; None: nothing."""
@@ -121,36 +137,60 @@ def _deepspeed_math_blocker(raw: Mapping[str, Any], cfg: Config) -> str | None:
 def initialize_with_deepspeed_math(model: nn.Module, cfg: Config, raw: Mapping[str, Any],
                                    loss_fn: LossFn | None = None, optimizer: torch.optim.Optimizer | None = None,
                                    example_batch: Batch | None = None) -> Engine:
-    """``hybridtrain.initialize`` under ``precision_math: deepspeed``: the drop-in's engine
-    (:func:`build_engine`, the same decision :func:`master_weights` and the same wrapper), without
-    DeepSpeed's engine surface; ``engine.train_batch`` then runs DeepSpeed's bf16/fp16 math. What
-    the drop-in adds and this does not: DeepSpeed's ``gradient_clipping`` default of 1.0 (the
-    config's value counts), ``fp16.auto_cast`` (feed half inputs) and ``consecutive_hysteresis``.
+    """``hybridtrain.initialize`` under ``precision_math: deepspeed``: the engine of
+    :func:`prepare_with_deepspeed_math` (which documents the arguments)."""
+    return prepare_with_deepspeed_math(cfg, model, loss_fn, optimizer, example_batch, raw).engine
+
+
+def prepare_with_deepspeed_math(cfg: Config, model: nn.Module, loss_fn: LossFn | None = None,
+                                optimizer: torch.optim.Optimizer | None = None, example_batch: Batch | None = None,
+                                raw: Mapping[str, Any] | None = None) -> Prepared:
+    """The drop-in's engine (:func:`build_prepared`: the same decision :func:`master_weights`, the
+    same wrapper) without DeepSpeed's engine surface, for ``hybridtrain.initialize`` and
+    ``hybridtrain train`` (:func:`hybridtrain.trainer.run_training`'s ``road``) under
+    ``precision_math: deepspeed``; ``engine.train_batch`` then runs DeepSpeed's bf16/fp16 math. The
+    plan states ``cfg`` (what a run's ``config.json`` records), not the plain settings the wrapper's
+    engine runs. What the drop-in adds and this does not: DeepSpeed's ``gradient_clipping`` default
+    of 1.0 (the config's value counts), ``fp16.auto_cast`` (feed half inputs) and
+    ``consecutive_hysteresis``.
 
     Args:
-        cfg: the loaded config; raw: the config as written (DeepSpeed's fp16 init step and
-            ``data_types`` are read from it).
+        cfg: the loaded config.
+        raw: the config as written (DeepSpeed's fp16 init step and ``data_types`` are read from it;
+            None: the keys ``cfg`` was given).
 
     Raises:
         ConfigError: DeepSpeed's math cannot run with this config (:func:`master_weights`).
     """
+    from dataclasses import replace
+
+    raw = raw if raw is not None else cfg.model_dump(exclude_unset=True)
+    _check_deepspeed_math_road(cfg, raw)
     half_weights = master_weights(raw, cfg)
-    if dict(raw).get("fp16", {}).get("auto_cast") is True:
-        raise ConfigError("fp16.auto_cast = true casts inputs in the DeepSpeed drop-in's forward only; "
-                          "hybridtrain.initialize takes the batch as given: feed fp16 inputs and set it false")
     if half_weights and _world_size() > 1:
         from hybridtrain.deepspeed.comm import init_distributed
 
         init_distributed(dist_init_required=True)  # the wrapper averages over the group, as under the drop-in
-    return build_engine(model, cfg, takes_fp16_init_step(raw, client=optimizer is not None), optimizer, None, None,
-                        loss_fn, example_batch, half_weights=half_weights, raw=raw)
+    prepared = build_prepared(model, cfg, takes_fp16_init_step(raw, client=optimizer is not None), optimizer, None,
+                              None, loss_fn, example_batch, half_weights=half_weights, raw=raw)
+    return Prepared(prepared.engine, replace(prepared.plan, config=cfg))
 
 
 def build_engine(model: nn.Module, cfg: Config, init_step: bool, optimizer: Any, params: list[Any] | None,
                  lr_scheduler: Any, loss_fn: LossFn | None = None, example_batch: Batch | None = None,
                  half_weights: bool = False, consecutive_hysteresis: bool = False,
                  raw: Mapping[str, Any] | None = None) -> Engine:
-    """:func:`hybridtrain.initialize` with ``deepspeed.initialize``'s optimizer arguments.
+    """:func:`hybridtrain.initialize` with ``deepspeed.initialize``'s optimizer arguments (the engine
+    of :func:`build_prepared`, which documents the arguments)."""
+    return build_prepared(model, cfg, init_step, optimizer, params, lr_scheduler, loss_fn, example_batch,
+                          half_weights, consecutive_hysteresis, raw).engine
+
+
+def build_prepared(model: nn.Module, cfg: Config, init_step: bool, optimizer: Any, params: list[Any] | None,
+                   lr_scheduler: Any, loss_fn: LossFn | None = None, example_batch: Batch | None = None,
+                   half_weights: bool = False, consecutive_hysteresis: bool = False,
+                   raw: Mapping[str, Any] | None = None) -> Prepared:
+    """The engine behind ``deepspeed.initialize`` and the plan the one road built it from.
 
     Args:
         init_step: DeepSpeed's fp16 wrapper takes the fp16 init step
@@ -200,7 +240,8 @@ def build_engine(model: nn.Module, cfg: Config, init_step: bool, optimizer: Any,
     held = stage3_masters.set_aside_partitions(model, stage3) if stage3 is not None else None
     # The one road; the config states DeepSpeed's fp16 init step (the plan carries it, build
     # takes it before the LR schedule, as DeepSpeed does).
-    engine = prepare(cfg, model, loss_fn, None if spec else optimizer, example_batch).engine
+    prepared = prepare(cfg, model, loss_fn, None if spec else optimizer, example_batch)
+    engine = prepared.engine
     if isinstance(optimizer, MasterWeightsOptimizer) and optimizer.averages_gradients:
         # DeepSpeed's ZeRO-1/2 wrapper (ZeRO-0: its engine) averages the gradients itself (after_backward); the
         # forward runs the bare model, so the replicas' DDP never reduces them a second time.
@@ -222,7 +263,7 @@ def build_engine(model: nn.Module, cfg: Config, init_step: bool, optimizer: Any,
     if lr_scheduler is not None:
         engine.scheduler = lr_scheduler(engine.optimizer) if callable(lr_scheduler) and not hasattr(
             lr_scheduler, "step") else lr_scheduler
-    return engine
+    return prepared
 
 
 def without_unstreamable_param_offload(cfg: Config, model: nn.Module) -> Config:
