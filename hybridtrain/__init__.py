@@ -25,13 +25,42 @@ _EXPORTS = {
     "load_config": "hybridtrain.config",
     "Engine": "hybridtrain.engine",
     "NonFiniteLossError": "hybridtrain.engine",
-    "initialize": "hybridtrain.compose",
 }
 
 if TYPE_CHECKING:
-    from hybridtrain.compose import initialize
-    from hybridtrain.config import Config, ConfigError, load_config
+    import torch
+    from torch import nn
+
+    from hybridtrain.config import Config, ConfigError, ConfigSource, load_config
     from hybridtrain.engine import Engine, NonFiniteLossError
+    from hybridtrain.runtime.batch import Batch, LossFn
+
+
+def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: LossFn | None = None,
+               optimizer: torch.optim.Optimizer | None = None, example_batch: Batch | None = None) -> Engine:
+    """Prepare ``model`` for training as ``config`` describes: the one public way to an engine
+    (:func:`hybridtrain.compose.initialize` documents the arguments).
+
+    With ``precision_math: deepspeed`` (and ``bf16``/``fp16`` enabled) the engine trains with
+    DeepSpeed's bf16/fp16 math, decided and built as the DeepSpeed drop-in does
+    (:func:`hybridtrain.deepspeed.building.initialize_with_deepspeed_math`); otherwise with
+    autocast over fp32 weights (:func:`hybridtrain.compose.initialize`).
+    """
+    from hybridtrain.compose import initialize as plain_initialize
+    from hybridtrain.config import Config, load_config
+    from hybridtrain.config.loading import plain_copy, read_config_file
+
+    cfg = load_config(config)
+    if cfg.precision_math != "deepspeed":
+        return plain_initialize(model, cfg, loss_fn, optimizer, example_batch)
+    from pathlib import Path
+
+    from hybridtrain.deepspeed.building import initialize_with_deepspeed_math
+
+    # The config as written: DeepSpeed's rules read what the user wrote, not the schema's defaults.
+    raw = cfg.model_dump(exclude_unset=True) if config is None or isinstance(config, Config) else \
+        read_config_file(Path(config)) if isinstance(config, str | Path) else plain_copy(config)
+    return initialize_with_deepspeed_math(model, cfg, raw, loss_fn, optimizer, example_batch)
 
 
 def __getattr__(name: str) -> Any:

@@ -47,8 +47,23 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
             :func:`~hybridtrain.recovery.oom.initialize_guarded`.
     """
     cfg = load_config(config)
+    check_autocast_math(cfg, "hybridtrain.compose.initialize")
     check_plain_initialize(cfg)
     return prepare(cfg, model, loss_fn, optimizer, example_batch).engine
+
+
+def check_autocast_math(config: Config, road: str) -> None:
+    """Refuse ``precision_math: deepspeed`` with bf16/fp16 on a ``road`` that trains them under
+    autocast only (DeepSpeed's math is built above the one road, by ``hybridtrain.initialize``
+    and the DeepSpeed drop-in).
+
+    Raises:
+        ConfigError: one line naming the field, its value and what this road allows.
+    """
+    if config.precision_math == "deepspeed" and (config.bf16.enabled or config.fp16.enabled):
+        raise ConfigError(f"precision_math = 'deepspeed' is not available in {road}, which trains bf16/fp16 "
+                          "under autocast; allowed here: 'autocast' or unset (hybridtrain.initialize and the "
+                          "DeepSpeed drop-in train DeepSpeed's math)")
 
 
 def check_plain_initialize(config: Config) -> None:

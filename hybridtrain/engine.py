@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -85,6 +85,27 @@ class EngineOptions:
     """What the step asks of the optimizer beyond torch's API (None: :class:`PlainSteps`)."""
 
 
+class OwnPrecision(Protocol):
+    """An optimizer that keeps the mixed-precision math itself: fp32 masters over half module
+    weights, its own loss scale and its own overflow check (the DeepSpeed drop-in's wrapper).
+    The engine then runs no autocast, scaler or clipping of its own; it asks this object to
+    scale each micro-batch's loss, tells it of every backward, and after ``optimizer.step()``
+    asks whether the update was applied: a skipped one counts in ``skipped_steps`` and holds
+    the learning-rate schedule back a step."""
+
+    last_step_skipped: bool
+    """Whether the latest ``step()`` skipped the update (gradients not finite)."""
+
+    def scaled_for_backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` as backward should see it (the loss scale applied in its backward)."""
+
+    def after_backward(self, boundary: bool) -> None:
+        """After every backward; ``boundary``: the backward ends the accumulation window."""
+
+    def skip(self) -> None:
+        """The engine skips this step (a non-finite loss): drop the gradients, count an overflow."""
+
+
 class Engine:
     """Trains ``module`` with the techniques :func:`hybridtrain.initialize` applied.
 
@@ -96,6 +117,8 @@ class Engine:
             micro-batch's backward, so a step of hundreds of micro-batches can show its
             progress (``hybridtrain train``'s progress bar does). The default runner only:
             layer-major streaming and pipeline schedules interleave the micro-batches.
+        own_precision: the optimizer's own mixed-precision math (:class:`OwnPrecision`),
+            set by whoever built it (None: the engine's autocast and loss scaler).
         overlap_updates: under optimizer offload or layer streaming, let a step whose host
             update must wait for every gradient (gradient clipping, fp16 loss scaling,
             ``nonfinite_loss: skip``) return before the updates finish: they run on the host
@@ -120,6 +143,7 @@ class Engine:
         self.global_step = 0
         self.micro_batch_done: Callable[[int, int], None] | None = None
         self.overlap_updates = False
+        self.own_precision: OwnPrecision | None = None
         self.last_timings = StepTimings()
         # Everything that differs when several processes cooperate goes through this object.
         self.parallel: ParallelRuntime = options.parallel or ReplicatedRuntime(module)
@@ -219,6 +243,7 @@ class Engine:
         """Backward of one micro-batch's loss, scaled by 1/accumulation (and the loss scale);
         gradients add up until :meth:`step` updates at the accumulation boundary and clears them."""
         weight = 1.0 / self.options.batch.accumulation_steps
+        loss = self._for_backward(loss)
         detached = reported_loss(loss) * weight
         self._manual_loss = detached if self._manual_loss is None else self._manual_loss + detached
         self._scaled_backward(loss * weight, self.is_gradient_accumulation_boundary())
@@ -271,7 +296,11 @@ class Engine:
     def _micro_loss(self, micro: Batch) -> torch.Tensor:
         micro = to_device(micro, self.device)
         with self._autocast():
-            return compute_loss(run_model(self.parallel.module, micro), micro, self.loss_fn)
+            return self._for_backward(compute_loss(run_model(self.parallel.module, micro), micro, self.loss_fn))
+
+    def _for_backward(self, loss: torch.Tensor) -> torch.Tensor:
+        # The optimizer's own loss scale goes on the unweighted loss, where its rule puts it.
+        return self.own_precision.scaled_for_backward(loss) if self.own_precision is not None else loss
 
     def _autocast(self) -> AbstractContextManager[Any]:
         return autocast(self.device, self.options.compute_dtype, self.options.autocast_cache)
@@ -282,6 +311,8 @@ class Engine:
         # so a half-precision loss is not itself overflowed by the scale.
         (loss.float() * self.scaler.scale if self.scaler else loss).backward()
         notify_after(self.options.observers, final)
+        if self.own_precision is not None:
+            self.own_precision.after_backward(final)
 
     def _optimizer_step(self, loss_value: float, resident: bool = False) -> bool:
         """Unscale, check, clip, step, schedule; returns False when the step was skipped.
@@ -302,12 +333,17 @@ class Engine:
                 )
             self._nonfinite_skips += 1
             self.optimizer.zero_grad(set_to_none=True)
+            if self.own_precision is not None:
+                self.own_precision.skip()
             return False
         if self.options.gradient_clipping > 0:
             self.last_grad_norm = self.steps.clip_grad_norm(self._params, self.options.gradient_clipping,
                                                             self.parallel.clip_grad_norm)
         self.steps.set_overlap(self.overlap_updates, resident)
         self.optimizer.step()
+        if self.own_precision is not None and self.own_precision.last_step_skipped:
+            self._nonfinite_skips += 1  # the optimizer's overflow check skipped it: the schedule waits
+            return False
         if self.scheduler is not None:
             self.scheduler.step()
         return True

@@ -24,6 +24,7 @@ from typing import Any
 from tqdm import tqdm
 
 from hybridtrain import checkpoint as ckpt
+from hybridtrain.compose import check_autocast_math
 from hybridtrain.config import Config
 from hybridtrain.data import TokenBatches
 from hybridtrain.engine import Engine
@@ -40,7 +41,7 @@ from hybridtrain.parallel.mesh import (
     restart_count,
 )
 from hybridtrain.plan.checks import parallel_sizes
-from hybridtrain.prepare import prepare
+from hybridtrain.prepare import Prepared, prepare
 from hybridtrain.profiling.scheduled import ScheduledProfile
 from hybridtrain.recovery.memory_plans import check_limit_reachable, planner_fallback
 from hybridtrain.recovery.oom import MemoryGuard
@@ -60,6 +61,9 @@ from hybridtrain.training_inputs import data_and_model, example_batch
 
 CHECKPOINTS = "checkpoints"
 logger = logging.getLogger(__name__)
+Road = Callable[..., Prepared]
+"""What builds a run's engine: :func:`hybridtrain.prepare.prepare`'s arguments
+``(cfg, model, loss_fn, optimizer, example_batch)`` and result."""
 
 
 @dataclass
@@ -86,7 +90,6 @@ class TrainSummary:
     device_memory_limit: int | None = None
     peak_tensor_bytes: int | None = None
 
-
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     """The newest complete checkpoint under ``output_dir`` (commit marker present, every
     file there with its size: :func:`hybridtrain.checkpoint.latest_complete`), if any."""
@@ -94,7 +97,7 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 
 def run_training(cfg: Config, resume: bool | str = False, progress: bool = True,
-                 overwrite: bool = False) -> TrainSummary:
+                 overwrite: bool = False, road: Road | None = None) -> TrainSummary:
     """Train as ``cfg`` says, as the one owner of ``train.output_dir``
     (:mod:`hybridtrain.run_lock`; another live run there is one line, before anything
     is read or built); arguments and errors as :func:`_run_training`.
@@ -103,11 +106,11 @@ def run_training(cfg: Config, resume: bool | str = False, progress: bool = True,
         RunDirBusyError: another live run owns ``train.output_dir`` (a ``ValueError``).
     """
     with own_run_dir(Path(cfg.train.output_dir), int(os.environ.get("RANK", "0")), restart_count()):
-        return _run_training(cfg, resume, progress, overwrite)
+        return _run_training(cfg, resume, progress, overwrite, road)
 
 
 def _run_training(cfg: Config, resume: bool | str = False, progress: bool = True,
-                  overwrite: bool = False) -> TrainSummary:
+                  overwrite: bool = False, road: Road | None = None) -> TrainSummary:
     """Train as ``cfg`` says; see the module docstring.
 
     Args:
@@ -118,6 +121,9 @@ def _run_training(cfg: Config, resume: bool | str = False, progress: bool = True
         progress: show a progress bar on a terminal.
         overwrite: remove an earlier run's checkpoints and metrics from ``train.output_dir``
             first (:func:`hybridtrain.run_dir.clear_run`).
+        road: what builds the engine in place of :func:`hybridtrain.prepare.prepare`, from a layer
+            above (``hybridtrain train`` gives the DeepSpeed drop-in's for ``precision_math:
+            deepspeed``, :func:`hybridtrain.deepspeed.building.prepare_with_deepspeed_math`).
 
     Raises:
         ValueError: a fresh start into an output directory that has checkpoints, and every
@@ -127,6 +133,8 @@ def _run_training(cfg: Config, resume: bool | str = False, progress: bool = True
     start_as = check_output_dir(cfg, resume, overwrite)
     if start_as.mode == "resume":
         cfg = _same_global_batch(cfg, previous_global_batch(out))
+    if road is None:  # the one road builds autocast only
+        check_autocast_math(cfg, "hybridtrain train")
     check_monitoring(cfg)
     check_limit_reachable(cfg)  # a device_memory_limit no plan fits under: one line, nothing allocated
     telemetry = Telemetry(cfg)
@@ -137,7 +145,8 @@ def _run_training(cfg: Config, resume: bool | str = False, progress: bool = True
         data, model = data_and_model(cfg, fits_host=True)
         rates = _Rates(flops_per_token(model), cfg.train.peak_tflops)
         example = example_batch(cfg, data)
-        prepared = prepare(cfg, model, causal_lm_loss, None, example)  # the one road ("auto": the planner)
+        # The one road ("auto": the planner), or the caller's above it.
+        prepared = (road or prepare)(cfg, model, causal_lm_loss, None, example)
         engine, plan, cfg = prepared.engine, prepared.plan, prepared.plan.config
         rates.peak_tflops = device_peak_tflops(engine.device, cfg.train.peak_tflops)
         rates.world_size = engine.topology.world_size

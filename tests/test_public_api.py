@@ -12,9 +12,15 @@ def test_every_public_name_resolves_and_initialize_is_the_way_to_an_engine() -> 
     assert "initialize" in hybridtrain.__all__
     for name in hybridtrain.__all__:
         assert getattr(hybridtrain, name) is not None, name
+    import inspect
+
     from hybridtrain.compose import initialize
 
-    assert hybridtrain.initialize is initialize
+    # The face picks the math (precision_math) and takes compose's road for autocast, with its arguments.
+    def arguments(function: object) -> list[tuple[str, object]]:
+        return [(p.name, p.default) for p in inspect.signature(function).parameters.values()]  # type: ignore[arg-type]
+
+    assert arguments(hybridtrain.initialize) == arguments(initialize)
 
 
 def test_the_internal_road_is_exported_by_no_package_face() -> None:

@@ -91,3 +91,14 @@ def test_a_step_of_many_micro_batches_shows_them_in_the_progress_bar(tmp_path: P
     run_training(cfg, progress=True)
     shown = terminal.getvalue()
     assert "micro=1/8" in shown and "loss=" in shown, shown[-2000:]
+
+
+def test_deepspeed_precision_math_is_refused_by_the_trainer_in_one_line(tmp_path: Path) -> None:
+    from hybridtrain.config import ConfigError
+    from tests.tiny_run import tiny_config
+
+    cfg = tiny_config(tmp_path).model_copy(update={"precision_math": "deepspeed"})
+    cfg = cfg.model_copy(update={"bf16": cfg.bf16.model_copy(update={"enabled": True})})
+    with pytest.raises(ConfigError, match=r"^precision_math = 'deepspeed' is not available in hybridtrain train, "):
+        run_training(cfg, progress=False)
+    assert latest_checkpoint(tmp_path) is None and not (tmp_path / "metrics.jsonl").exists()  # nothing trained

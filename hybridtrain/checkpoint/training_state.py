@@ -3,7 +3,8 @@
 Keys (every tensor in its full logical shape; DCP stores a DTensor as its shards)::
 
     model.<name>           a model state-dict entry, saved by the rank that owns it
-    optim.<param>.<key>    a parameter's optimizer state (exp_avg, step …), by parameter NAME
+    optim.<param>.<key>    a parameter's optimizer state (exp_avg, step …), by parameter NAME;
+                           ``master``: its fp32 master when the optimizer keeps one (:class:`KeepsMasters`)
     engine                 rank 0: optimizer hyperparameters per group, scheduler, loss
                            scaler, counters, the caller's client_state (a pickled blob)
     rng.<rank>             each rank's RNG states (a pickled blob)
@@ -32,7 +33,7 @@ import io
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -53,9 +54,31 @@ from hybridtrain.runtime.offload import OffloadOptimizer
 from hybridtrain.runtime.precision import LossScaler
 
 MODEL, OPTIM, ENGINE, RNG, NAMES = "model.", "optim.", "engine", "rng.", "names."
+MASTER = "master"
+"""The optimizer entry holding a parameter's fp32 master (:class:`KeepsMasters`)."""
 LAYOUT_SETTINGS = frozenset({"optimizer_state"})
 """Settings of a run's fingerprint that only described how format 1 keyed the optimizer
 state; format 2 reads any layout, so they are not compared."""
+
+
+class KeepsMasters(Protocol):
+    """An optimizer whose parameters are fp32 masters of the model's half parameters, with a
+    loss scale of its own (the DeepSpeed drop-in's bf16/fp16 wrapper): each master is saved as
+    the ``master`` entry of the parameter it updates, its precision state in the engine entry."""
+
+    def master_sources(self) -> dict[int, nn.Parameter]:
+        """``id(master)`` → the model parameter it updates."""
+
+    def precision_state_dict(self) -> dict[str, Any]:
+        """What besides the masters a resume needs (the loss scale)."""
+
+    def load_precision_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`precision_state_dict`'s state."""
+
+
+def _masters_of(optimizer: torch.optim.Optimizer) -> KeepsMasters | None:
+    sources = getattr(optimizer, "master_sources", None)
+    return optimizer if callable(sources) else None  # type: ignore[return-value]
 
 
 @dataclass
@@ -93,6 +116,7 @@ def save(path: str | Path, parts: TrainingParts, counters: dict[str, int], clien
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in parts.optimizer.param_groups],
             "scheduler": parts.scheduler.state_dict() if parts.scheduler else None,
             "scaler": parts.scaler.state_dict() if parts.scaler else None,
+            "precision": keeper.precision_state_dict() if (keeper := _masters_of(parts.optimizer)) else None,
             "counters": counters, "client_state": client_state,
         })
     full_meta = {**meta, "world_size": world, "topology": parts.parallel.topology.describe(),
@@ -143,6 +167,9 @@ def load(path: str | Path, parts: TrainingParts, check: Callable[[Path, dict[str
         parts.scheduler.load_state_dict(engine["scheduler"])
     if parts.scaler is not None and engine["scaler"] is not None:
         parts.scaler.load_state_dict(engine["scaler"])
+    keeper = _masters_of(parts.optimizer)
+    if keeper is not None and engine.get("precision") is not None:
+        keeper.load_precision_state_dict(engine["precision"])
     dev.set_rng_state(_unblob(targets[f"{RNG}{rank % old_world}"]))
     return Restored(engine["counters"], engine["client_state"])
 
@@ -161,6 +188,8 @@ def optimizer_param_names(model: nn.Module, optimizer: torch.optim.Optimizer) ->
     source: dict[int, nn.Parameter] = {}
     if isinstance(optimizer, OffloadOptimizer):
         source = {id(m): p for b in optimizer.buckets for p, m in zip(b.params, b.masters, strict=True)}
+    elif (keeper := _masters_of(optimizer)) is not None:
+        source = keeper.master_sources()
     out = []
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -183,6 +212,7 @@ def _collect(parts: TrainingParts, rank: int) -> dict[str, Any]:
             state[MODEL + name] = value
             names.note_interleave(name, runtime.row_interleave(name))
     params = [p for g in optimizer.param_groups for p in g["params"]]
+    keeps_masters = _masters_of(optimizer) is not None
     for param, aliases in zip(params, optimizer_param_names(runtime.model, optimizer), strict=True):
         owned = [n for n in aliases if runtime.owns(n)]
         if not owned:
@@ -192,6 +222,8 @@ def _collect(parts: TrainingParts, rank: int) -> dict[str, Any]:
         names.note_interleave(canonical, runtime.row_interleave(canonical))
         for key, value in optimizer.state.get(param, {}).items():
             state[f"{OPTIM}{canonical}.{key}"] = value
+        if keeps_masters:
+            state[f"{OPTIM}{canonical}.{MASTER}"] = param
     if names.aliases or names.interleave:
         state[f"{NAMES}{rank}"] = _blob({"aliases": names.aliases, "interleave": names.interleave})
     state[f"{RNG}{rank}"] = _blob(dev.get_rng_state())

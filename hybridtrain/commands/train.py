@@ -71,10 +71,16 @@ def _train(args: argparse.Namespace) -> int:
         return _launch_ranks(args)
     try:
         from hybridtrain.config import load_config
-        from hybridtrain.trainer import run_training
+        from hybridtrain.trainer import Road, run_training
 
         cfg = load_config(args.config, _overrides(args))
-        summary = run_training(cfg, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
+        road: Road | None = None
+        if cfg.precision_math == "deepspeed":  # DeepSpeed's bf16/fp16 math, built as the drop-in builds it
+            from hybridtrain.deepspeed.building import prepare_with_deepspeed_math
+
+            road = prepare_with_deepspeed_math
+        summary = run_training(cfg, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite,
+                               road=road)
     except (KeyboardInterrupt, Terminated) as exc:  # before training started, or a second one while saving
         # SIGTERM outside the steps (hybridtrain.terminate); under torchrun the launcher
         # says why it stopped the ranks (and which failed first).

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from hybridtrain.compose import check_plain_initialize
-from hybridtrain.config import Config
+from hybridtrain.config import Config, ConfigError
 from hybridtrain.config.deepspeed_keys import deepspeed_takes_fp16_init_step
 from hybridtrain.deepspeed.client_optimizer import describe, lay_groups, with_optimizer
 from hybridtrain.deepspeed.loss_scale import DeepSpeedLossScale
@@ -26,7 +26,7 @@ from hybridtrain.deepspeed.runtime.zero import stage3_masters
 from hybridtrain.deepspeed.zero_gradients import averaging_from_config
 from hybridtrain.engine import Engine
 from hybridtrain.optim import FP16_INIT_STEP
-from hybridtrain.prepare import prepare
+from hybridtrain.prepare import Prepared, prepare
 from hybridtrain.runtime.batch import Batch, LossFn
 
 
@@ -52,8 +52,12 @@ _OWN_FP16_PATH = ("lamb", "onebitadam", "zerooneadam", "onebitlamb")
 def master_weights(raw: Mapping[str, Any], cfg: Config) -> bool:
     """Whether this run trains as DeepSpeed's bf16/fp16 does: half weights, fp32 masters in the
     optimizer (:mod:`hybridtrain.deepspeed.master_weights`) instead of autocast over fp32 weights.
+    The one decision: the drop-in and ``hybridtrain.initialize`` with ``precision_math: deepspeed``
+    both take it. An fp32 run takes the same wrapper, over fp32 weights, under ZeRO-1/2 on several
+    processes (:func:`fp32_partitioned_masters`).
 
-    Decided for ``bf16.enabled`` or ``fp16.enabled`` with gradients accumulating in the model's dtype (no
+    ``precision_math: autocast`` says no. Otherwise DeepSpeed's math runs for ``bf16.enabled`` or
+    ``fp16.enabled`` with gradients accumulating in the model's dtype (no
     ``data_types.grad_accum_dtype``) without tensor/pipeline parallel, parameter offload or streaming:
     ZeRO stage 0 on any number of processes without offload (DeepSpeed's ``FP16_Optimizer``, its engine
     averaging the gradients over the processes); stages 1 and 2 on any number of processes, with or
@@ -62,26 +66,131 @@ def master_weights(raw: Mapping[str, Any], cfg: Config) -> bool:
     optimizer live in host memory); stage 3 on any number of processes without offload
     (``DeepSpeedZeroOptimizer_Stage3``: :mod:`hybridtrain.deepspeed.runtime.zero.stage3_masters`); and for
     fp16 not over the config's LAMB or 1-bit optimizers (DeepSpeed's fp16 wrapper steps those through
-    their own fused paths, which take the loss scale themselves). Elsewhere the engine keeps autocast.
+    their own fused paths, which take the loss scale themselves). Elsewhere the engine keeps autocast,
+    unless the config says ``precision_math: deepspeed``, which is then refused.
+
+    Raises:
+        ConfigError: ``precision_math: deepspeed`` with bf16/fp16 where DeepSpeed's math cannot run
+            (one line naming what stands in the way).
     """
+    if not (cfg.bf16.enabled or cfg.fp16.enabled):
+        return fp32_partitioned_masters(raw, cfg)
+    if cfg.precision_math == "autocast":
+        return False
+    blocker = _deepspeed_math_blocker(raw, cfg)
+    if blocker is not None and cfg.precision_math == "deepspeed":
+        raise ConfigError(f"precision_math = 'deepspeed' cannot run with {blocker}; allowed there: 'autocast' "
+                          "(or leave it unset)")
+    return blocker is None
+
+
+def fp32_partitioned_masters(raw: Mapping[str, Any], cfg: Config) -> bool:
+    """Whether an fp32 run takes DeepSpeed's ZeRO-1/2 wrapper too: on several processes, where
+    DeepSpeed keeps the module's parameters whole on every rank (``model.state_dict()`` and
+    ``named_parameters()`` give plain tensors) and partitions fp32 copies of them with the
+    optimizer state (``DeepSpeedZeroOptimizer``, whose arithmetic the wrapper holds: the
+    gradients averaged in DeepSpeed's order, its norm and clip); the engine's own ZeRO would
+    shard the parameters themselves (DTensors)."""
+    zero = cfg.zero_optimization
+    return zero.stage in (1, 2) and _world_size() > 1 and _deepspeed_math_blocker(raw, cfg) is None
+
+
+def _check_deepspeed_math_road(cfg: Config, raw: Mapping[str, Any]) -> None:
+    """What DeepSpeed's math cannot take off the drop-in (``hybridtrain.initialize``, ``hybridtrain train``).
+
+    Raises:
+        ConfigError: one line naming the field, its value and what is allowed.
+    """
+    fp16 = raw.get("fp16")
+    if cfg.fp16.enabled and isinstance(fp16, Mapping) and fp16.get("auto_cast") is True:
+        raise ConfigError("fp16.auto_cast = true casts inputs in the DeepSpeed drop-in's forward only; with "
+                          "precision_math = 'deepspeed' the batch is taken as given: allowed false (feed fp16 inputs)")
+    if cfg.auto or cfg.oom_recovery.enabled:
+        key = "auto" if cfg.auto else "oom_recovery.enabled"
+        raise ConfigError(f"{key} = true plans the run's variants under autocast; with precision_math = "
+                          "'deepspeed' allowed: false (or precision_math 'autocast')")
+
+
+def _deepspeed_math_blocker(raw: Mapping[str, Any], cfg: Config) -> str | None:
+    """What keeps DeepSpeed's bf16/fp16 math from this run (see :func:`master_weights`), in the
+    config's words; None: nothing."""
     zero = cfg.zero_optimization
     data_types = raw.get("data_types")
     accumulation = data_types.get("grad_accum_dtype") if isinstance(data_types, Mapping) else None
-    own_fp16_path = cfg.fp16.enabled and cfg.optimizer.type.lower() in _OWN_FP16_PATH
     offload = zero.offload_optimizer.device
-    return ((cfg.bf16.enabled or cfg.fp16.enabled) and not own_fp16_path and accumulation is None
-            and ((zero.stage == 3 and offload == "none") or (zero.stage in (1, 2) and offload in ("none", "cpu"))
-                 or (zero.stage == 0 and offload == "none"))
-            and zero.offload_param.device == "none"
-            and max(cfg.tensor_parallel.size, cfg.tensor_model_parallel_size or 1) == 1
-            and cfg.pipeline.stages == 1 and not cfg.layer_streaming.enabled)
+    stage_offload = {0: ("none",), 1: ("none", "cpu"), 2: ("none", "cpu"), 3: ("none",)}[zero.stage]
+    checks = [
+        (cfg.fp16.enabled and cfg.optimizer.type.lower() in _OWN_FP16_PATH, f"optimizer.type = {cfg.optimizer.type!r}"
+         " under fp16 (DeepSpeed steps it through its own fused path)"),
+        (accumulation is not None, f"data_types.grad_accum_dtype = {accumulation!r}"),
+        (offload not in stage_offload, f"zero_optimization.stage = {zero.stage} with offload_optimizer.device = "
+         f"{offload!r}"),
+        (zero.offload_param.device != "none", f"zero_optimization.offload_param.device = "
+         f"{zero.offload_param.device!r}"),
+        (max(cfg.tensor_parallel.size, cfg.tensor_model_parallel_size or 1) > 1, "tensor parallel"),
+        (cfg.pipeline.stages > 1, f"pipeline.stages = {cfg.pipeline.stages}"),
+        (cfg.layer_streaming.enabled, "layer_streaming.enabled = true"),
+    ]
+    return next((why for blocked, why in checks if blocked), None)
+
+
+def initialize_with_deepspeed_math(model: nn.Module, cfg: Config, raw: Mapping[str, Any],
+                                   loss_fn: LossFn | None = None, optimizer: torch.optim.Optimizer | None = None,
+                                   example_batch: Batch | None = None) -> Engine:
+    """``hybridtrain.initialize`` under ``precision_math: deepspeed``: the engine of
+    :func:`prepare_with_deepspeed_math` (which documents the arguments)."""
+    return prepare_with_deepspeed_math(cfg, model, loss_fn, optimizer, example_batch, raw).engine
+
+
+def prepare_with_deepspeed_math(cfg: Config, model: nn.Module, loss_fn: LossFn | None = None,
+                                optimizer: torch.optim.Optimizer | None = None, example_batch: Batch | None = None,
+                                raw: Mapping[str, Any] | None = None) -> Prepared:
+    """The drop-in's engine (:func:`build_prepared`: the same decision :func:`master_weights`, the
+    same wrapper) without DeepSpeed's engine surface, for ``hybridtrain.initialize`` and
+    ``hybridtrain train`` (:func:`hybridtrain.trainer.run_training`'s ``road``) under
+    ``precision_math: deepspeed``; ``engine.train_batch`` then runs DeepSpeed's bf16/fp16 math. The
+    plan states ``cfg`` (what a run's ``config.json`` records), not the plain settings the wrapper's
+    engine runs. What the drop-in adds and this does not: DeepSpeed's ``gradient_clipping`` default
+    of 1.0 (the config's value counts), ``fp16.auto_cast`` (feed half inputs) and
+    ``consecutive_hysteresis``.
+
+    Args:
+        cfg: the loaded config.
+        raw: the config as written (DeepSpeed's fp16 init step and ``data_types`` are read from it;
+            None: the keys ``cfg`` was given).
+
+    Raises:
+        ConfigError: DeepSpeed's math cannot run with this config (:func:`master_weights`).
+    """
+    from dataclasses import replace
+
+    raw = raw if raw is not None else cfg.model_dump(exclude_unset=True)
+    _check_deepspeed_math_road(cfg, raw)
+    half_weights = master_weights(raw, cfg)
+    if half_weights and _world_size() > 1:
+        from hybridtrain.deepspeed.comm import init_distributed
+
+        init_distributed(dist_init_required=True)  # the wrapper averages over the group, as under the drop-in
+    prepared = build_prepared(model, cfg, takes_fp16_init_step(raw, client=optimizer is not None), optimizer, None,
+                              None, loss_fn, example_batch, half_weights=half_weights, raw=raw)
+    return Prepared(prepared.engine, replace(prepared.plan, config=cfg))
 
 
 def build_engine(model: nn.Module, cfg: Config, init_step: bool, optimizer: Any, params: list[Any] | None,
                  lr_scheduler: Any, loss_fn: LossFn | None = None, example_batch: Batch | None = None,
                  half_weights: bool = False, consecutive_hysteresis: bool = False,
                  raw: Mapping[str, Any] | None = None) -> Engine:
-    """:func:`hybridtrain.initialize` with ``deepspeed.initialize``'s optimizer arguments.
+    """:func:`hybridtrain.initialize` with ``deepspeed.initialize``'s optimizer arguments (the engine
+    of :func:`build_prepared`, which documents the arguments)."""
+    return build_prepared(model, cfg, init_step, optimizer, params, lr_scheduler, loss_fn, example_batch,
+                          half_weights, consecutive_hysteresis, raw).engine
+
+
+def build_prepared(model: nn.Module, cfg: Config, init_step: bool, optimizer: Any, params: list[Any] | None,
+                   lr_scheduler: Any, loss_fn: LossFn | None = None, example_batch: Batch | None = None,
+                   half_weights: bool = False, consecutive_hysteresis: bool = False,
+                   raw: Mapping[str, Any] | None = None) -> Prepared:
+    """The engine behind ``deepspeed.initialize`` and the plan the one road built it from.
 
     Args:
         init_step: DeepSpeed's fp16 wrapper takes the fp16 init step
@@ -131,7 +240,8 @@ def build_engine(model: nn.Module, cfg: Config, init_step: bool, optimizer: Any,
     held = stage3_masters.set_aside_partitions(model, stage3) if stage3 is not None else None
     # The one road; the config states DeepSpeed's fp16 init step (the plan carries it, build
     # takes it before the LR schedule, as DeepSpeed does).
-    engine = prepare(cfg, model, loss_fn, None if spec else optimizer, example_batch).engine
+    prepared = prepare(cfg, model, loss_fn, None if spec else optimizer, example_batch)
+    engine = prepared.engine
     if isinstance(optimizer, MasterWeightsOptimizer) and optimizer.averages_gradients:
         # DeepSpeed's ZeRO-1/2 wrapper (ZeRO-0: its engine) averages the gradients itself (after_backward); the
         # forward runs the bare model, so the replicas' DDP never reduces them a second time.
@@ -141,6 +251,9 @@ def build_engine(model: nn.Module, cfg: Config, init_step: bool, optimizer: Any,
         engine.scheduler = build_scheduler(engine.optimizer, cfg.scheduler.type, cfg.scheduler.params)
     if stage3 is not None:  # over the caller's groups, laid over the half shards just above
         stage3_masters.wrap_optimizer(engine, stage3, consecutive_hysteresis, held)
+    if isinstance(engine.optimizer, MasterWeightsOptimizer):
+        # The engine scales each loss, averages after each backward and holds the schedule at a skip as it says.
+        engine.own_precision = engine.optimizer
     if isinstance(optimizer, torch.optim.Optimizer) and optimizer is not engine.optimizer:
         # DeepSpeed's ZeRO optimizer updates through the caller's own param_groups, so a
         # scheduler built on the caller's optimizer before initialize (Accelerate's, a
@@ -150,7 +263,7 @@ def build_engine(model: nn.Module, cfg: Config, init_step: bool, optimizer: Any,
     if lr_scheduler is not None:
         engine.scheduler = lr_scheduler(engine.optimizer) if callable(lr_scheduler) and not hasattr(
             lr_scheduler, "step") else lr_scheduler
-    return engine
+    return prepared
 
 
 def without_unstreamable_param_offload(cfg: Config, model: nn.Module) -> Config:
@@ -181,7 +294,7 @@ def _with_master_weights(model: nn.Module, cfg: Config, optimizer: torch.optim.O
                          params: list[Any] | None, init_step: bool, rule: NormRule,
                          consecutive_hysteresis: bool, raw: Mapping[str, Any] | None
                          ) -> tuple[MasterWeightsOptimizer, Config]:
-    """The module cast to the half dtype and DeepSpeed's bf16/fp16 wrapper over the basic
+    """The module cast to the half dtype (fp32: as it is) and DeepSpeed's wrapper over the basic
     optimizer (the caller's, else the config's over ``params`` or the model's parameters),
     with fp16's loss scale kept by the wrapper's rule; the config the engine then runs: no
     autocast and no loss scaling or clipping of its own (the wrapper does them as DeepSpeed),
@@ -192,7 +305,7 @@ def _with_master_weights(model: nn.Module, cfg: Config, optimizer: torch.optim.O
     from hybridtrain.plan.resolve import optimizer_settings
 
     fp16 = cfg.fp16.enabled
-    half = torch.float16 if fp16 else torch.bfloat16
+    half = torch.float16 if fp16 else torch.bfloat16 if cfg.bf16.enabled else torch.float32
     # Read (and refused) before anything changes.
     averaging = averaging_from_config(raw or {}, cfg.zero_optimization.stage, half) if _world_size() > 1 else None
     cast_parameters(model, half)
@@ -212,7 +325,7 @@ def _with_master_weights(model: nn.Module, cfg: Config, optimizer: torch.optim.O
                                                     "offload_optimizer": offload.model_copy(update={"device": "none"})})
     plain = cfg.model_copy(update={"bf16": cfg.bf16.model_copy(update={"enabled": False}),
                                    "fp16": cfg.fp16.model_copy(update={"enabled": False}),
-                                   "gradient_clipping": 0.0, "zero_optimization": zero,
+                                   "gradient_clipping": 0.0, "zero_optimization": zero, "precision_math": None,
                                    "nonfinite_loss": "skip"})
     return wrapped, plain
 

@@ -36,17 +36,6 @@ def cast_inputs_half(inputs: Any) -> Any:
     return inputs
 
 
-def scaled_in_backward(loss: torch.Tensor, scale: float) -> torch.Tensor:
-    """``loss`` (a view of it) whose backward multiplies the gradient reaching it by ``scale``
-    in the loss's dtype, as DeepSpeed's ``loss * cur_scale`` does: the value reported and
-    checked stays the unscaled loss, and an fp16 loss sees the scale rounded to fp16 (2**16
-    overflows there, as in DeepSpeed)."""
-    view = loss.view_as(loss)
-    if view.requires_grad:
-        view.register_hook(lambda grad: grad * torch.tensor(scale, dtype=grad.dtype, device=grad.device))
-    return view
-
-
 class DeepSpeedEngine(nn.Module):
     """What ``deepspeed.initialize`` returns first, backed by a hybridtrain ``Engine``.
 
@@ -103,13 +92,9 @@ class DeepSpeedEngine(nn.Module):
         if retain_graph:
             raise NotImplementedError("backward(retain_graph=True) is not supported by hybridtrain.deepspeed")
         accumulation = self.gradient_accumulation_steps()
-        wrapper = self._master_weights()
-        if wrapper is not None and wrapper.loss_scale is not None:
-            loss = scaled_in_backward(loss, wrapper.cur_scale)  # DeepSpeed's fp16 loss scale
-        boundary = self.engine.is_gradient_accumulation_boundary()
+        # Under DeepSpeed's bf16/fp16 math the engine asks its wrapper (engine.own_precision) to
+        # scale the loss and to average the gradients after the backward.
         self.engine.backward(loss if scale_wrt_gas else loss * accumulation)
-        if wrapper is not None:
-            wrapper.after_backward(boundary)  # the averaging over several ranks (ZeRO-0: the engine's)
         return loss / accumulation if scale_wrt_gas else loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
@@ -124,10 +109,9 @@ class DeepSpeedEngine(nn.Module):
         if boundary and self._config.gradient_clipping <= 0 and wrapper is None:
             # DeepSpeed reports the norm with clipping off too; the engine measures it only to clip.
             self._grad_norm = weights.grad_norm(self.engine)
-        if wrapper is None or not boundary:
-            self.engine.step()  # clears the gradients after the update, as DeepSpeed
-        else:
-            self._master_weights_step(wrapper)
+        # Clears the gradients after the update, as DeepSpeed; a step DeepSpeed's bf16/fp16 wrapper
+        # skipped holds the LR schedule back (engine.own_precision).
+        self.engine.step()
         if boundary:
             self._step_applied = self.engine.skipped_steps == skipped
             if self.callers_optimizer is not None:
@@ -138,25 +122,6 @@ class DeepSpeedEngine(nn.Module):
                 self._grad_norm = wrapper.last_grad_norm
             elif self._config.gradient_clipping > 0 and self.engine.last_grad_norm is not None:
                 self._grad_norm = float(self.engine.last_grad_norm)
-
-    def _master_weights_step(self, wrapper: MasterWeightsOptimizer) -> None:
-        """The boundary step under DeepSpeed's bf16/fp16 wrapper: the engine's step with the LR
-        schedule held here, stepped only when the wrapper applied the update; a skip (the
-        wrapper's overflow, or the engine's for a non-finite loss, which the wrapper then
-        counts as an overflow) is counted in the engine's skipped steps."""
-        scheduler, self.engine.scheduler = self.engine.scheduler, None
-        skipped = self.engine.skipped_steps
-        wrapper.last_step_skipped = False
-        try:
-            self.engine.step()
-        finally:
-            self.engine.scheduler = scheduler
-        if self.engine.skipped_steps != skipped:  # the engine skipped a non-finite loss: the wrapper never ran
-            wrapper.skip()
-        elif wrapper.last_step_skipped:
-            self.engine.restore_progress(self.engine.global_step, skipped + 1)
-        elif scheduler is not None:
-            scheduler.step()
 
     def _master_weights(self) -> MasterWeightsOptimizer | None:
         wrapper = self.engine.optimizer

@@ -60,6 +60,9 @@ from hybridtrain.deepspeed.loss_scale import DeepSpeedLossScale
 from hybridtrain.deepspeed.master_shards import MasterShards
 from hybridtrain.deepspeed.zero_gradients import Averaging, ZeroGradients, average_in_place, zero_global_norm
 
+_MASTER = "master"
+"""The optimizer-state entry of a parameter's fp32 master in the engine's own checkpoints."""
+
 NormRule = Literal["fused", "unfused", "zero"]
 """Which DeepSpeed wrapper's norm and clip arithmetic (see the module)."""
 
@@ -101,6 +104,17 @@ def combined_scale(rule: NormRule, norm: float, max_norm: float, scale: float = 
         if clip > 1:
             return clip * scale
     return scale
+
+
+def scaled_in_backward(loss: torch.Tensor, scale: float) -> torch.Tensor:
+    """``loss`` (a view of it) whose backward multiplies the gradient reaching it by ``scale``
+    in the loss's dtype, as DeepSpeed's ``loss * cur_scale`` does: the value reported and
+    checked stays the unscaled loss, and an fp16 loss sees the scale rounded to fp16 (2**16
+    overflows there, as in DeepSpeed)."""
+    view = loss.view_as(loss)
+    if view.requires_grad:
+        view.register_hook(lambda grad: grad * torch.tensor(scale, dtype=grad.dtype, device=grad.device))
+    return view
 
 
 class MasterWeightsOptimizer(torch.optim.Optimizer):
@@ -204,6 +218,12 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         """Whether this wrapper averages the gradients over the ranks itself (several processes)."""
         return self.ranks is not None or self.whole_averaging is not None
 
+    def scaled_for_backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` with fp16's loss scale applied in its backward (:func:`scaled_in_backward`);
+        bf16's as it is. The engine asks this of every micro-batch's loss before weighting it
+        (:class:`hybridtrain.engine.OwnPrecision`)."""
+        return scaled_in_backward(loss, self.cur_scale) if self.loss_scale is not None else loss
+
     def after_backward(self, boundary: bool) -> None:
         """After every backward on several ranks: average the gradients as DeepSpeed's ZeRO-1/2
         does (:meth:`ZeroGradients.after_backward`; ``boundary``: the backward ends the
@@ -296,8 +316,34 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         return self.inner.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the basic optimizer's state dict (see :meth:`state_dict`)."""
-        self.inner.load_state_dict(state_dict)
+        """Restore the basic optimizer's state dict (see :meth:`state_dict`); a ``master`` entry
+        of a parameter's state (the engine's own checkpoints, :class:`hybridtrain.checkpoint.
+        training_state.KeepsMasters`) sets that master and its half weight."""
+        entries = state_dict.get("state", {})
+        masters = {index: entry[_MASTER] for index, entry in entries.items() if _MASTER in entry}
+        inner = {index: {k: v for k, v in entry.items() if k != _MASTER} for index, entry in entries.items()}
+        self.inner.load_state_dict({**state_dict, "state": {i: e for i, e in inner.items() if e}})
+        if masters:
+            with torch.no_grad():
+                for index, master in enumerate(self._masters()):
+                    if index in masters:
+                        master.copy_(masters[index].to(master.device, torch.float32))
+            self._copy_into_halves()
+
+    def master_sources(self) -> dict[int, torch.nn.Parameter]:
+        """``id(master)`` → the half parameter it updates (the engine's checkpoints key the
+        masters and their optimizer state by that parameter's name)."""
+        return {id(m): h for halves, masters in zip(self.half_groups, self.master_groups, strict=True)
+                for h, m in zip(halves, masters, strict=True)}
+
+    def precision_state_dict(self) -> dict[str, Any]:
+        """fp16's loss scale (None for bf16 and fp32), for the engine's own checkpoints."""
+        return {"loss_scale": self.loss_scale.state_dict() if self.loss_scale is not None else None}
+
+    def load_precision_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`precision_state_dict`'s loss scale."""
+        if self.loss_scale is not None and state.get("loss_scale") is not None:
+            self.loss_scale.load_state_dict(state["loss_scale"])
 
     @torch.no_grad()
     def load_masters(self, values: list[torch.Tensor]) -> None:

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from hybridtrain.compose import check_autocast_math
 from hybridtrain.config import (
     Config,
     ConfigError,
@@ -391,5 +392,6 @@ def initialize_guarded(model_factory: ModelFactory, config: ConfigSource, loss_f
         ConfigError / ValueError: as :func:`hybridtrain.initialize` and :class:`MemoryGuard`.
     """
     cfg = load_config(config)
+    check_autocast_math(cfg, "initialize_guarded")  # a rebuild takes the one road, autocast only
     prepared = prepare(cfg, model_factory(cfg), loss_fn, None, example_batch)
     return MemoryGuard(prepared.engine, prepared.plan.config, model_factory)

@@ -10,8 +10,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "gpt_tiny.yaml"
@@ -273,3 +275,37 @@ def test_the_summary_says_what_each_memory_figure_measures(tmp_path: Path, capsy
     assert memory_words(cuda) == "peak memory 3.00 GiB (allocated, device_memory_limit 20.00 GiB)"
     plain = TrainSummary(**{**summary.__dict__, "device_memory_limit": None, "peak_tensor_bytes": None})
     assert memory_words(plain).endswith("GiB (process RSS)")
+
+
+def test_train_with_deepspeeds_math_resumes_exactly(tmp_path: Path) -> None:
+    """``precision_math: deepspeed`` under ``hybridtrain train``: fp16 module weights, fp32 masters and
+    DeepSpeed's loss scale (a window of 1 grows it until it overflows, a skip, and shrinks it) are
+    checkpointed, so 3 steps and a resume to 6 are the 6 straight steps, every loss, learning rate and
+    saved tensor alike."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from hybridtrain.commands.cli import main
+
+    math = ["--set", "fp16.enabled=true", "--set", "fp16.initial_scale_power=16", "--set", "fp16.loss_scale_window=1",
+            "--set", "precision_math=deepspeed", "--set", "train.checkpoint_every=3"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert main(["train", *TINY, *math, "--steps", "6", "--output-dir", str(straight)]) == 0
+    assert main(["train", *TINY, *math, "--steps", "3", "--output-dir", str(split)]) == 0
+    assert main(["train", *TINY, *math, "--steps", "6", "--output-dir", str(split), "--resume"]) == 0
+
+    def steps(run: Path) -> list[tuple[Any, ...]]:
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["loss"], r["lr"]) for r in rows if "loss" in r]
+
+    assert steps(split) == steps(straight) and len(steps(straight)) == 6
+    assert json.loads((straight / "summary.json").read_text())["skipped_steps"] >= 1  # the scale overflowed
+    saved = {}
+    for run in (straight, split):
+        dcp_to_torch_save(run / "checkpoints" / "step-0000006", run / "final.pt")
+        saved[run] = torch.load(run / "final.pt", weights_only=False)
+    tensors = {k for k, v in saved[straight].items() if isinstance(v, torch.Tensor)}
+    assert {saved[straight][k].dtype for k in tensors if k.startswith("model.") and k.endswith("weight")} == \
+        {torch.float16}
+    assert {saved[straight][k].dtype for k in tensors if k.endswith(".master")} == {torch.float32}
+    for key in tensors:
+        assert torch.equal(saved[split][key], saved[straight][key]), key

@@ -70,7 +70,8 @@ def test_checkpoints_cross_both_ways(tmp_path: Path, stage: int, nproc: int, off
     """Real DeepSpeed's checkpoint resumes on hybridtrain, hybridtrain's on the real
     DeepSpeed: the weights arrive exactly, the run continues as the saving system's; two ranks
     under ZeRO-2: DeepSpeed's own ``zero_to_fp32`` reads the drop-in's checkpoint, and the
-    drop-in's reads the real one's, as the weights saved."""
+    drop-in's reads the real one's, as the weights saved. ``module.state_dict()`` and
+    ``parameters()`` hold plain whole tensors on either system (two ranks: no DTensors)."""
     dirs, out = _cross(tmp_path, stage, nproc, {"CHECKPOINT_OFFLOAD": "1" if offload else "0"})
     assert (dirs["ours"] / "latest").read_text() == "global_step3"
     expected = {"mp_rank_00_model_states.pt"} | ({f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
@@ -78,6 +79,8 @@ def test_checkpoints_cross_both_ways(tmp_path: Path, stage: int, nproc: int, off
     assert {p.name for p in (dirs["ours"] / "global_step3").iterdir()} == expected
     assert {p.name for p in (dirs["real"] / "global_step3").iterdir()} == expected
     _assert_crossed(out, nproc)
+    ours, theirs = (record(out[system])[0]["kinds"] for system in ("ours", "real"))
+    assert ours == theirs == {"state_dict": ["Tensor"], "parameters": ["Parameter"]}  # no DTensor on 2 ranks
     if (stage, nproc, offload) == (2, 2, False):
         _assert_zero_to_fp32_reads_both(dirs, out)
 

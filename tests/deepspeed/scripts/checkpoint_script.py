@@ -3,7 +3,8 @@ run unchanged on the real DeepSpeed and on hybridtrain's drop-in (one or several
 
 Usage: checkpoint_script.py STAGE SAVE_DIR RESUME_DIR RECORD (``-`` for a directory: not done)
   SAVE_DIR: 6 optimizer steps, with save_checkpoint(SAVE_DIR, client_state) after the 3rd; RECORD
-  (rank 0) gets the steps, learning rates and losses, RECORD.pt the final parameters,
+  (rank 0) gets the steps, learning rates and losses, the kinds of tensor ``module.state_dict()``
+  and ``module.parameters()`` hold, RECORD.pt the final parameters,
   RECORD.at_save.pt the parameters saved.
   RESUME_DIR: then load_checkpoint(RESUME_DIR) into a new engine and the steps up to 6, recorded as
   RECORD.resumed, with the client state read back; RECORD.resumed.loaded.pt the weights as loaded.
@@ -60,6 +61,9 @@ def run(deepspeed: Any, args: list[str]) -> None:
         engine.save_checkpoint(save_dir, client_state={"epoch": 7})
         write_record(record_path + ".at_save", {}, engine.module)
         train(engine, STEPS, record, world)
+        # What a user reads off the module: DeepSpeed keeps ZeRO-1/2 parameters whole on every rank.
+        record["kinds"] = {"state_dict": sorted({type(v).__name__ for v in engine.module.state_dict().values()}),
+                           "parameters": sorted({type(p).__name__ for p in engine.module.parameters()})}
         write_record(record_path, record, engine.module)
     if resume_dir != "-":
         engine = build(deepspeed, stage, world)
