@@ -45,18 +45,21 @@ def _assert_same_weights(mine: Path, theirs: Path) -> None:
         assert torch.equal(ours[key], value), key
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_zero3_half_trains_saves_and_resumes_as_the_real_deepspeed_bit_for_bit(tmp_path: Path, nproc: int) -> None:
+@pytest.mark.parametrize(("nproc", "offload"), [(1, ()), (2, ()), (1, ("offload",)), (2, ("offload", "offloadparam"))],
+                         ids=["1", "2", "1-offload_optimizer", "2-offload_optimizer_and_param"])
+def test_zero3_half_trains_saves_and_resumes_as_the_real_deepspeed_bit_for_bit(tmp_path: Path, nproc: int,
+                                                                               offload: tuple[str, ...]) -> None:
     """One launch of the real DeepSpeed per case (its run, then a resume of the drop-in's
     checkpoint), between the drop-in's run and its resume of the real one's checkpoint (in this
-    process on one rank)."""
+    process on one rank). ``offload``: ZeRO-3 with the optimizer offloaded to the host (and the
+    parameters, on two processes), whose norm DeepSpeed takes in fp32 (the same bits here too)."""
     pytest.importorskip("deepspeed")  # the reference
     dirs = {"real": tmp_path / "real-ckpt", "ours": tmp_path / "our-ckpt"}
     out = {"real": tmp_path / "real", "ours": tmp_path / "ours"}
-    run_dropin(SCRIPT, [str(dirs["ours"]), "-", str(out["ours"])], tmp_path, nproc)
-    finish(start(SCRIPT, [str(dirs["real"]), str(dirs["ours"]), str(out["real"])], tmp_path, real=True,
+    run_dropin(SCRIPT, [str(dirs["ours"]), "-", str(out["ours"]), *offload], tmp_path, nproc)
+    finish(start(SCRIPT, [str(dirs["real"]), str(dirs["ours"]), str(out["real"]), *offload], tmp_path, real=True,
                  env={"HYBRIDTRAIN_REFERENCE_FP16": "1"}, nproc=nproc), f"the real DeepSpeed on {nproc} rank(s)")
-    run_dropin(SCRIPT, ["-", str(dirs["real"]), str(out["ours"])], tmp_path, nproc)
+    run_dropin(SCRIPT, ["-", str(dirs["real"]), str(out["ours"]), *offload], tmp_path, nproc)
     for precision in PRECISIONS:
         ours, real = _json(Path(f"{out['ours']}.{precision}")), _json(Path(f"{out['real']}.{precision}"))
         assert "+hybridtrain" not in real["deepspeed"] and ("+hybridtrain" in ours["deepspeed"] or nproc == 1)
@@ -64,6 +67,9 @@ def test_zero3_half_trains_saves_and_resumes_as_the_real_deepspeed_bit_for_bit(t
             assert ours[key] == real[key], (precision, key, ours[key], real[key])
         assert ours["dtypes"] == real["dtypes"] == [f"torch.{'bfloat16' if precision == 'bf16' else 'float16'}"]
         assert not all(real["applied"]) and all(real["applied"][5:])  # overflows skipped, then trained
+        # Offloaded, DeepSpeed roots the norm in fp32 (without, in fp64): the rule the drop-in followed.
+        finite = [n for n in real["grad_norms"] if n != float("inf")]
+        assert all(float(torch.tensor(n, dtype=torch.float32)) == n for n in finite) is bool(offload)
         _assert_same_weights(Path(f"{out['ours']}.{precision}"), Path(f"{out['real']}.{precision}"))
         prefix = "bf16_" if precision == "bf16" else ""
         names = {f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(nproc)} | {
@@ -166,7 +172,9 @@ def test_the_norm_is_fp64_and_an_inf_or_nan_is_infinite() -> None:
 @pytest.mark.parametrize(("extra", "taken"), [
     ({}, True), ({"fp16": {"enabled": True}, "bf16": {"enabled": False}}, True),
     ({"bf16": {"enabled": False}}, False),
-    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, False),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, True),
+    # One process offloads parameters by layer streaming, which keeps autocast (two: test above).
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, False),
     ({"data_types": {"grad_accum_dtype": "fp32"}}, False),
 ])
 def test_zero3_takes_deepspeeds_math_where_its_wrapper_would_run(extra: dict[str, object], taken: bool) -> None:
