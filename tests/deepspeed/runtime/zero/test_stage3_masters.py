@@ -45,51 +45,64 @@ def _assert_same_weights(mine: Path, theirs: Path) -> None:
         assert torch.equal(ours[key], value), key
 
 
-@pytest.mark.parametrize(("nproc", "offload"), [(1, ()), (2, ()), (1, ("offload",)), (2, ("offload", "offloadparam"))],
-                         ids=["1", "2", "1-offload_optimizer", "2-offload_optimizer_and_param"])
-def test_zero3_half_trains_saves_and_resumes_as_the_real_deepspeed_bit_for_bit(tmp_path: Path, nproc: int,
-                                                                               offload: tuple[str, ...]) -> None:
-    """One launch of the real DeepSpeed per case (its run, then a resume of the drop-in's
-    checkpoint), between the drop-in's run and its resume of the real one's checkpoint (in this
-    process on one rank). ``offload``: ZeRO-3 with the optimizer offloaded to the host (and the
-    parameters, on two processes), whose norm DeepSpeed takes in fp32 (the same bits here too)."""
+# Per number of processes, the setups run in one launch each (zero3_half_script's SETUP): without
+# offload, and with the optimizer offloaded to the host (on two processes the parameters too).
+SETUPS = {1: ("none", "offload"), 2: ("none", "offload+offloadparam")}
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_zero3_half_trains_saves_and_resumes_as_the_real_deepspeed_bit_for_bit(tmp_path: Path, nproc: int) -> None:
+    """One launch of the real DeepSpeed per case (its runs, then resumes of the drop-in's
+    checkpoints), between the drop-in's runs and its resumes of the real one's checkpoints (in
+    this process on one rank), for each of ``SETUPS``: offloaded, DeepSpeed takes the norm in
+    fp32 (without, in fp64), and the drop-in follows it to the same bits."""
     pytest.importorskip("deepspeed")  # the reference
     dirs = {"real": tmp_path / "real-ckpt", "ours": tmp_path / "our-ckpt"}
     out = {"real": tmp_path / "real", "ours": tmp_path / "ours"}
-    run_dropin(SCRIPT, [str(dirs["ours"]), "-", str(out["ours"]), *offload], tmp_path, nproc)
-    finish(start(SCRIPT, [str(dirs["real"]), str(dirs["ours"]), str(out["real"]), *offload], tmp_path, real=True,
+    setups = SETUPS[nproc]
+    run_dropin(SCRIPT, [str(dirs["ours"]), "-", str(out["ours"]), *setups], tmp_path, nproc)
+    finish(start(SCRIPT, [str(dirs["real"]), str(dirs["ours"]), str(out["real"]), *setups], tmp_path, real=True,
                  env={"HYBRIDTRAIN_REFERENCE_FP16": "1"}, nproc=nproc), f"the real DeepSpeed on {nproc} rank(s)")
-    run_dropin(SCRIPT, ["-", str(dirs["real"]), str(out["ours"]), *offload], tmp_path, nproc)
-    for precision in PRECISIONS:
-        ours, real = _json(Path(f"{out['ours']}.{precision}")), _json(Path(f"{out['real']}.{precision}"))
-        assert "+hybridtrain" not in real["deepspeed"] and ("+hybridtrain" in ours["deepspeed"] or nproc == 1)
-        for key in (*RECORDED, "steps"):
-            assert ours[key] == real[key], (precision, key, ours[key], real[key])
-        assert ours["dtypes"] == real["dtypes"] == [f"torch.{'bfloat16' if precision == 'bf16' else 'float16'}"]
-        assert not all(real["applied"]) and all(real["applied"][5:])  # overflows skipped, then trained
-        # Offloaded, DeepSpeed roots the norm in fp32 (without, in fp64): the rule the drop-in followed.
-        finite = [n for n in real["grad_norms"] if n != float("inf")]
-        assert all(float(torch.tensor(n, dtype=torch.float32)) == n for n in finite) is bool(offload)
-        _assert_same_weights(Path(f"{out['ours']}.{precision}"), Path(f"{out['real']}.{precision}"))
-        prefix = "bf16_" if precision == "bf16" else ""
-        names = {f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(nproc)} | {
-            f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(nproc)}
-        for directory in dirs.values():  # DeepSpeed's file names, as the real one writes them
-            assert {p.name for p in (directory / precision / "global_step4").iterdir()} == names
-            assert (directory / precision / "latest").read_text().strip() == "global_step4"
-        for system, saver in (("ours", "real"), ("real", "ours")):  # each resumes the other's checkpoint
-            resumed = Path(f"{out[system]}.{precision}.resumed")
-            _assert_same_weights(Path(f"{resumed}.loaded"), Path(f"{out[saver]}.{precision}.at_save"))
-            for key in RECORDED:  # the saver's run, continued: loss scale and skip count included
-                assert _json(resumed)[key] == _json(Path(f"{out[saver]}.{precision}"))[key][4:], (precision, system)
-            _assert_same_weights(resumed, Path(f"{out[saver]}.{precision}"))
+    run_dropin(SCRIPT, ["-", str(dirs["real"]), str(out["ours"]), *setups], tmp_path, nproc)
+    for setup in setups:
+        for precision in PRECISIONS:
+            _assert_same_setup(dirs, {k: Path(f"{v}-{setup}.{precision}") for k, v in out.items()}, setup,
+                               precision, nproc)
     if nproc == 2:  # DeepSpeed's own zero_to_fp32 reads the drop-in's fp32 master shards as the real ones
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        for precision in PRECISIONS:
-            theirs = get_fp32_state_dict_from_zero_checkpoint(str(dirs["real"] / precision))
-            ours_fp32 = get_fp32_state_dict_from_zero_checkpoint(str(dirs["ours"] / precision))
-            assert ours_fp32.keys() == theirs.keys() and all(torch.equal(ours_fp32[k], theirs[k]) for k in theirs)
+        for setup in setups:
+            for precision in PRECISIONS:
+                theirs = get_fp32_state_dict_from_zero_checkpoint(str(dirs["real"] / setup / precision))
+                ours_fp32 = get_fp32_state_dict_from_zero_checkpoint(str(dirs["ours"] / setup / precision))
+                assert ours_fp32.keys() == theirs.keys() and all(torch.equal(ours_fp32[k], theirs[k]) for k in theirs)
+
+
+def _assert_same_setup(dirs: dict[str, Path], out: dict[str, Path], setup: str, precision: str, nproc: int) -> None:
+    """The two systems' runs of one setup and precision (records ``out``, checkpoints under ``dirs``)
+    and each one's resume of the other's checkpoint: the same bits."""
+    ours, real = _json(out["ours"]), _json(out["real"])
+    assert "+hybridtrain" not in real["deepspeed"] and ("+hybridtrain" in ours["deepspeed"] or nproc == 1)
+    for key in (*RECORDED, "steps"):
+        assert ours[key] == real[key], (setup, precision, key, ours[key], real[key])
+    assert ours["dtypes"] == real["dtypes"] == [f"torch.{'bfloat16' if precision == 'bf16' else 'float16'}"]
+    assert not all(real["applied"]) and all(real["applied"][5:])  # overflows skipped, then trained
+    # Offloaded, DeepSpeed roots the norm in fp32 (without, in fp64): the rule the drop-in followed.
+    finite = [n for n in real["grad_norms"] if n != float("inf")]
+    assert all(float(torch.tensor(n, dtype=torch.float32)) == n for n in finite) is (setup != "none")
+    _assert_same_weights(out["ours"], out["real"])
+    prefix = "bf16_" if precision == "bf16" else ""
+    names = {f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(nproc)} | {
+        f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(nproc)}
+    for directory in dirs.values():  # DeepSpeed's file names, as the real one writes them
+        assert {p.name for p in (directory / setup / precision / "global_step4").iterdir()} == names
+        assert (directory / setup / precision / "latest").read_text().strip() == "global_step4"
+    for system, saver in (("ours", "real"), ("real", "ours")):  # each resumes the other's checkpoint
+        resumed = Path(f"{out[system]}.resumed")
+        _assert_same_weights(Path(f"{resumed}.loaded"), Path(f"{out[saver]}.at_save"))
+        for key in RECORDED:  # the saver's run, continued: loss scale and skip count included
+            assert _json(resumed)[key] == _json(out[saver])[key][4:], (setup, precision, system)
+        _assert_same_weights(resumed, out[saver])
 
 
 class _Net(nn.Module):
