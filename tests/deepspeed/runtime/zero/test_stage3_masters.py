@@ -45,9 +45,10 @@ def _assert_same_weights(mine: Path, theirs: Path) -> None:
         assert torch.equal(ours[key], value), key
 
 
-# Per number of processes, the setups run in one launch each (zero3_half_script's SETUP): without
-# offload, and with the optimizer offloaded to the host (on two processes the parameters too).
-SETUPS = {1: ("none", "offload"), 2: ("none", "offload+offloadparam")}
+# The setups each launch runs (zero3_half_script's SETUP): without offload, and with the optimizer
+# and the parameters offloaded to the host (on one process this model, with no blocks to stream,
+# keeps its parameters on the device, as the drop-in says; the optimizer stays offloaded).
+SETUPS = ("none", "offload+offloadparam")
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
@@ -59,7 +60,7 @@ def test_zero3_half_trains_saves_and_resumes_as_the_real_deepspeed_bit_for_bit(t
     pytest.importorskip("deepspeed")  # the reference
     dirs = {"real": tmp_path / "real-ckpt", "ours": tmp_path / "our-ckpt"}
     out = {"real": tmp_path / "real", "ours": tmp_path / "ours"}
-    setups = SETUPS[nproc]
+    setups = SETUPS
     run_dropin(SCRIPT, [str(dirs["ours"]), "-", str(out["ours"]), *setups], tmp_path, nproc)
     finish(start(SCRIPT, [str(dirs["real"]), str(dirs["ours"]), str(out["real"]), *setups], tmp_path, real=True,
                  env={"HYBRIDTRAIN_REFERENCE_FP16": "1"}, nproc=nproc), f"the real DeepSpeed on {nproc} rank(s)")
@@ -186,7 +187,8 @@ def test_the_norm_is_fp64_and_an_inf_or_nan_is_infinite() -> None:
     ({}, True), ({"fp16": {"enabled": True}, "bf16": {"enabled": False}}, True),
     ({"bf16": {"enabled": False}}, False),
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, True),
-    # One process offloads parameters by layer streaming, which keeps autocast (two: test above).
+    # One process offloads the parameters of a model with blocks by layer streaming, which keeps
+    # autocast (without blocks, or on two processes: the test above).
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, False),
     ({"data_types": {"grad_accum_dtype": "fp32"}}, False),
 ])
