@@ -60,8 +60,9 @@ def master_weights(raw: Mapping[str, Any], cfg: Config) -> bool:
     without ZeRO-Offload to the CPU (``DeepSpeedZeroOptimizer``; both averagings
     :mod:`hybridtrain.deepspeed.zero_gradients` holds; offloaded, the masters and
     optimizer live in host memory); stage 3 on any number of processes with or without
-    ``offload_optimizer`` to the CPU, and with ``offload_param`` to the CPU on several processes (FSDP2
-    offloads the half shards; on one process that offload is layer streaming, which keeps autocast)
+    ``offload_optimizer`` to the CPU (the whole update: not a partial ``ratio``), and with ``offload_param``
+    to the CPU on several processes (FSDP2 offloads the half shards; on one process that offload is
+    layer streaming, which keeps autocast)
     (``DeepSpeedZeroOptimizer_Stage3``: :mod:`hybridtrain.deepspeed.runtime.zero.stage3_masters`); and for
     fp16 not over the config's LAMB or 1-bit optimizers (DeepSpeed's fp16 wrapper steps those through
     their own fused paths, which take the loss scale themselves). Elsewhere the engine keeps autocast.
@@ -74,6 +75,7 @@ def master_weights(raw: Mapping[str, Any], cfg: Config) -> bool:
     return ((cfg.bf16.enabled or cfg.fp16.enabled) and not own_fp16_path and accumulation is None
             and ((zero.stage in (1, 2, 3) and offload in ("none", "cpu")) or (zero.stage == 0 and offload == "none"))
             and (zero.offload_param.device == "none" or (zero.stage == 3 and _world_size() > 1))
+            and (zero.stage != 3 or offload == "none" or zero.offload_optimizer.ratio == 1.0)
             and max(cfg.tensor_parallel.size, cfg.tensor_model_parallel_size or 1) == 1
             and cfg.pipeline.stages == 1 and not cfg.layer_streaming.enabled)
 
