@@ -26,6 +26,7 @@ from hybridtrain.deepspeed.runtime.zero.stage3_masters import (
     Stage3MasterWeights,
     stage3_combined_scale,
     stage3_global_norm,
+    stage3_offload_norm,
 )
 from tests.deepspeed.frameworks import finish, run_dropin, start
 
@@ -181,6 +182,18 @@ def test_the_norm_is_fp64_and_an_inf_or_nan_is_infinite() -> None:
     clipped = stage3_combined_scale(norm * 8, float(norm) / 2, 8.0)
     assert isinstance(clipped, torch.Tensor) and clipped.dtype == torch.float64
     assert torch.isclose(clipped, torch.tensor(16.0, dtype=torch.float64), rtol=1e-5)
+
+
+def test_offloaded_the_norm_is_summed_in_fp64_and_rooted_in_fp32() -> None:
+    """DeepSpeed ZeRO-3's ``complete_grad_norm_calculation_for_cpu_offload`` on one rank."""
+    generator = torch.Generator().manual_seed(3)
+    groups = [[torch.randn(5, 3, generator=generator).bfloat16(), torch.randn(7, generator=generator).bfloat16()],
+              [torch.randn(4, generator=generator).bfloat16()]]
+    sums = [sum(float(g.double().norm()) ** 2 for g in group) for group in groups]
+    per_group = torch.stack([torch.tensor(s, dtype=torch.float32) ** 0.5 for s in sums])
+    norm = stage3_offload_norm(groups)
+    assert norm.dtype == torch.float32 and torch.equal(norm, torch.linalg.vector_norm(per_group))
+    assert stage3_offload_norm([[torch.tensor([1.0, float("nan")])], []]).item() == float("inf")
 
 
 @pytest.mark.parametrize(("extra", "taken"), [
