@@ -52,6 +52,7 @@ from torch.distributed.tensor import DTensor
 
 from hybridtrain.config import Config
 from hybridtrain.deepspeed.loss_scale import DeepSpeedLossScale
+from hybridtrain.deepspeed.master_shards import MasterShards
 from hybridtrain.deepspeed.master_weights import MasterWeightsOptimizer, cast_parameters
 from hybridtrain.deepspeed.runtime.zero import partitioning
 from hybridtrain.engine import Engine
@@ -114,6 +115,17 @@ def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> torch.Tens
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor, op=op)
     return tensor
+
+
+def _widened_grad(half: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    """``half``'s gradient in fp32 where ``master`` lives (zeros without one): on a host mesh of its
+    own (offloaded shards), the local gradient shard moved there."""
+    if half.grad is None:
+        return torch.zeros_like(master)
+    grad = half.grad
+    if isinstance(grad, DTensor) and isinstance(master, DTensor) and grad.device_mesh is not master.device_mesh:
+        return MasterShards.from_local(grad.to_local().to(master.device, torch.float32), master)
+    return grad.to(master.device, torch.float32)
 
 
 def any_rank_overflows(grads: list[torch.Tensor]) -> bool:
@@ -180,7 +192,23 @@ class Stage3MasterWeights(MasterWeightsOptimizer):
 
     def __init__(self, inner: torch.optim.Optimizer, max_norm: float, loss_scale: Any = None,
                  offload: bool = False) -> None:
+        self._host_mesh: Any = None
         super().__init__(inner, max_norm, "zero", fp16_init_step=False, loss_scale=loss_scale, offload=offload)
+
+    def _new_master(self, half: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Offloaded, a half shard's fp32 master is this rank's shard on a host mesh of the same
+        ranks (a gloo group), so that the masters' collectives (checkpoints' gathers) run on the
+        host whatever the device's backend; else the shard widened where it is."""
+        if not (self.offload and isinstance(half, DTensor)):
+            return super()._new_master(half, device)
+        if self._host_mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            ranks = dist.get_process_group_ranks(half.device_mesh.get_group())
+            self._host_mesh = DeviceMesh.from_group(dist.new_group(ranks, backend="gloo"), "cpu")
+        local = half.to_local().detach().to(device, torch.float32, copy=True)
+        return DTensor.from_local(local, self._host_mesh, half.placements, run_check=False, shape=half.shape,
+                                  stride=half.stride())
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
@@ -204,8 +232,7 @@ class Stage3MasterWeights(MasterWeightsOptimizer):
         combined = stage3_combined_scale(norm, self.max_norm, scale)
         for halves, masters in zip(self.half_groups, self.master_groups, strict=True):
             for half, master in zip(halves, masters, strict=True):
-                master.grad = half.grad.to(master.device, torch.float32) if half.grad is not None else \
-                    torch.zeros_like(master)
+                master.grad = _widened_grad(half, master)
                 _local(master.grad).mul_(1.0 / combined)
         self.zero_grad()  # the half gradients are dropped before the update, as DeepSpeed's step
         self.inner.step()

@@ -46,10 +46,11 @@ def _assert_same_weights(mine: Path, theirs: Path) -> None:
         assert torch.equal(ours[key], value), key
 
 
-# The setups each launch runs (zero3_half_script's SETUP): without offload, and with the optimizer
-# and the parameters offloaded to the host (on one process this model, with no blocks to stream,
-# keeps its parameters on the device, as the drop-in says; the optimizer stays offloaded).
-SETUPS = ("none", "offload+offloadparam")
+# The setups each launch runs (zero3_half_script's SETUP): without offload, with the optimizer and the
+# parameters offloaded to the host (on one process this model, with no blocks to stream, keeps its
+# parameters on the device, as the drop-in says; the optimizer stays offloaded) and, on two, with the
+# optimizer offloaded alone (the half shards stay where FSDP2 keeps them, the masters on the host).
+SETUPS = {1: ("none", "offload+offloadparam"), 2: ("none", "offload", "offload+offloadparam")}
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
@@ -61,7 +62,7 @@ def test_zero3_half_trains_saves_and_resumes_as_the_real_deepspeed_bit_for_bit(t
     pytest.importorskip("deepspeed")  # the reference
     dirs = {"real": tmp_path / "real-ckpt", "ours": tmp_path / "our-ckpt"}
     out = {"real": tmp_path / "real", "ours": tmp_path / "ours"}
-    setups = SETUPS
+    setups = SETUPS[nproc]
     run_dropin(SCRIPT, [str(dirs["ours"]), "-", str(out["ours"]), *setups], tmp_path, nproc)
     finish(start(SCRIPT, [str(dirs["real"]), str(dirs["ours"]), str(out["real"]), *setups], tmp_path, real=True,
                  env={"HYBRIDTRAIN_REFERENCE_FP16": "1"}, nproc=nproc), f"the real DeepSpeed on {nproc} rank(s)")
