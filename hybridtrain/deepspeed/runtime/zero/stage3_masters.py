@@ -112,8 +112,17 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=op)
+    """``tensor`` all-reduced in place over the default group (nothing on one process). A host
+    tensor (a flag, an offloaded sum) goes through the accelerator when the group's backend takes
+    none (NCCL), as DeepSpeed makes these on its accelerator."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return tensor
+    accelerator = torch.accelerator.current_accelerator()
+    if tensor.device.type == "cpu" and "gloo" not in str(dist.get_backend()) and accelerator is not None:
+        moved = tensor.to(torch.device(accelerator.type, torch.accelerator.current_device_index()))
+        dist.all_reduce(moved, op=op)
+        return tensor.copy_(moved)
+    dist.all_reduce(tensor, op=op)
     return tensor
 
 
