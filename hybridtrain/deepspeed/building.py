@@ -62,7 +62,8 @@ def master_weights(raw: Mapping[str, Any], cfg: Config) -> bool:
     optimizer live in host memory); stage 3 on any number of processes with or without
     ``offload_optimizer`` to the CPU (the whole update: not a partial ``ratio``), and with ``offload_param``
     to the CPU on several processes (FSDP2 offloads the half shards; on one process that offload is
-    layer streaming, which keeps autocast)
+    layer streaming, which keeps autocast; a model with no blocks to stream keeps its parameters on the
+    device instead, :func:`without_unstreamable_param_offload`, applied to ``cfg`` before this decision)
     (``DeepSpeedZeroOptimizer_Stage3``: :mod:`hybridtrain.deepspeed.runtime.zero.stage3_masters`); and for
     fp16 not over the config's LAMB or 1-bit optimizers (DeepSpeed's fp16 wrapper steps those through
     their own fused paths, which take the loss scale themselves). Elsewhere the engine keeps autocast.
