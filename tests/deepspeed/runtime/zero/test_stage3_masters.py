@@ -1,7 +1,8 @@
 """DeepSpeed ZeRO-3's bf16/fp16 math under the drop-in (:mod:`hybridtrain.deepspeed.runtime.zero.stage3_masters`):
 half partitioned weights, fp32 master shards, ``stage3.py``'s overflow check, norm, clip and scale.
 
-Side by side with the real DeepSpeed 0.19.8 on this CPU, on one and two gloo processes: every
+Side by side with the real DeepSpeed 0.19.8 on this CPU, on one and two gloo processes, without
+offload and with the optimizer (and the parameters) offloaded to the host: every
 step's learning rate, loss, gradient norm, loss scale, skip and applied flag and the final half
 weights are the same bits (the two systems' arithmetic is the same: see the module), and the
 ZeRO-3 checkpoints each writes in DeepSpeed's layout resume on the other, bit for bit. In
