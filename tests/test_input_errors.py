@@ -223,11 +223,11 @@ def _point_storage_at(step: Path, outside: Path, how: str) -> str:
     return words
 
 
-# ZeRO-3 under bf16 with the optimizer offloaded (autocast, not DeepSpeed's half math): a config whose
-# drop-in checkpoint keeps hybridtrain's sharded layout (the DeepSpeed layout's .pt files are covered
-# by tests/deepspeed/checkpoint/test_layout.py).
-DROPIN_CONFIG = {"train_batch_size": 2, "bf16": {"enabled": True},
-                 "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+# ZeRO-3 under bf16 with gradients accumulated in fp32 (autocast, not DeepSpeed's half math): a config
+# whose drop-in checkpoint keeps hybridtrain's sharded layout (the DeepSpeed layout's .pt files are
+# covered by tests/deepspeed/checkpoint/test_layout.py).
+DROPIN_CONFIG = {"train_batch_size": 2, "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"},
+                 "zero_optimization": {"stage": 3}}
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,12 @@ import torch
 from torch import nn
 
 from hybridtrain.deepspeed import checkpointing, comm, ops, pipe, runtime, utils
-from hybridtrain.deepspeed.building import build_engine, master_weights, takes_fp16_init_step
+from hybridtrain.deepspeed.building import (
+    build_engine,
+    master_weights,
+    takes_fp16_init_step,
+    without_unstreamable_param_offload,
+)
 from hybridtrain.deepspeed.comm import init_distributed
 from hybridtrain.deepspeed.dropin import VERSION
 from hybridtrain.deepspeed.engine import DeepSpeedEngine
@@ -112,7 +117,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                                    dist_init_required, collate_fn, drop_last)
     init_step = takes_fp16_init_step(raw, client=optimizer is not None)
     raw, consecutive_hysteresis = _without_consecutive_hysteresis(raw)
-    cfg = load_config(raw)
+    # Parameter offload of a model with no blocks to stream stays on the device (same math), so
+    # DeepSpeed's half math decides over that (ZeRO-3 on one process; building keeps it).
+    cfg = without_unstreamable_param_offload(load_config(raw), model)
     half_weights = master_weights(raw, cfg)
     if consecutive_hysteresis and not half_weights:
         load_config({**raw, "fp16": {**raw["fp16"], "consecutive_hysteresis": True}})  # refused there, with why

@@ -63,7 +63,11 @@ def master_weights(raw: Mapping[str, Any], cfg: Config) -> bool:
     averaging the gradients over the processes); stages 1 and 2 on any number of processes, with or
     without ZeRO-Offload to the CPU (``DeepSpeedZeroOptimizer``; both averagings
     :mod:`hybridtrain.deepspeed.zero_gradients` holds; offloaded, the masters and
-    optimizer live in host memory); stage 3 on any number of processes without offload
+    optimizer live in host memory); stage 3 on any number of processes with or without
+    ``offload_optimizer`` to the CPU (the whole update: not a partial ``ratio``), and with ``offload_param``
+    to the CPU on several processes (FSDP2 offloads the half shards; on one process that offload is
+    layer streaming, which keeps autocast; a model with no blocks to stream keeps its parameters on the
+    device instead, :func:`without_unstreamable_param_offload`, applied to ``cfg`` before this decision)
     (``DeepSpeedZeroOptimizer_Stage3``: :mod:`hybridtrain.deepspeed.runtime.zero.stage3_masters`); and for
     fp16 not over the config's LAMB or 1-bit optimizers (DeepSpeed's fp16 wrapper steps those through
     their own fused paths, which take the loss scale themselves). Elsewhere the engine keeps autocast,
@@ -118,15 +122,18 @@ def _deepspeed_math_blocker(raw: Mapping[str, Any], cfg: Config) -> str | None:
     data_types = raw.get("data_types")
     accumulation = data_types.get("grad_accum_dtype") if isinstance(data_types, Mapping) else None
     offload = zero.offload_optimizer.device
-    stage_offload = {0: ("none",), 1: ("none", "cpu"), 2: ("none", "cpu"), 3: ("none",)}[zero.stage]
+    stage_offload = {0: ("none",), 1: ("none", "cpu"), 2: ("none", "cpu"), 3: ("none", "cpu")}[zero.stage]
     checks = [
         (cfg.fp16.enabled and cfg.optimizer.type.lower() in _OWN_FP16_PATH, f"optimizer.type = {cfg.optimizer.type!r}"
          " under fp16 (DeepSpeed steps it through its own fused path)"),
         (accumulation is not None, f"data_types.grad_accum_dtype = {accumulation!r}"),
         (offload not in stage_offload, f"zero_optimization.stage = {zero.stage} with offload_optimizer.device = "
          f"{offload!r}"),
-        (zero.offload_param.device != "none", f"zero_optimization.offload_param.device = "
-         f"{zero.offload_param.device!r}"),
+        (zero.offload_param.device != "none" and not (zero.stage == 3 and _world_size() > 1),
+         f"zero_optimization.offload_param.device = {zero.offload_param.device!r}"
+         + (" on one process (layer streaming)" if zero.stage == 3 else "")),
+        (zero.stage == 3 and offload != "none" and zero.offload_optimizer.ratio != 1.0,
+         f"zero_optimization.offload_optimizer.ratio = {zero.offload_optimizer.ratio} under ZeRO-3"),
         (max(cfg.tensor_parallel.size, cfg.tensor_model_parallel_size or 1) > 1, "tensor parallel"),
         (cfg.pipeline.stages > 1, f"pipeline.stages = {cfg.pipeline.stages}"),
         (cfg.layer_streaming.enabled, "layer_streaming.enabled = true"),

@@ -160,8 +160,7 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
             device = torch.device("cpu") if offload else halves[0].device if halves else torch.device("cpu")
             if averaging is not None and rule == "zero" and self.shards is None:
                 self.shards = MasterShards(device)
-            masters = [self._sharded(p.detach().to(device, torch.float32, copy=True)).requires_grad_(True)
-                       for p in halves]
+            masters = [self._new_master(p, device).requires_grad_(True) for p in halves]
             self.half_groups.append(halves)
             self.master_groups.append(masters)
             group["params"] = masters
@@ -355,6 +354,10 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         for master, value in zip(masters, values, strict=True):
             master.copy_(self._sharded(value.reshape(master.shape).to(master.device, torch.float32)))
         self._copy_into_halves()
+
+    def _new_master(self, half: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The fp32 master of ``half`` on ``device`` (this rank's shard on several ranks)."""
+        return self._sharded(half.detach().to(device, torch.float32, copy=True))
 
     def _sharded(self, whole: torch.Tensor) -> torch.Tensor:
         """``whole`` as the masters hold it: this rank's shard on several ranks, else itself."""

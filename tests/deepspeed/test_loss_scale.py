@@ -90,8 +90,8 @@ def test_fp16_with_a_callers_sgd_trains_as_deepspeeds_stage0_rules() -> None:
 
 
 def test_consecutive_hysteresis_is_refused_where_the_engines_own_scaler_runs() -> None:
-    config = {"train_micro_batch_size_per_gpu": 2,  # offloaded: autocast, the engine's scaler
-              "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+    config = {"train_micro_batch_size_per_gpu": 2,  # fp32 accumulation: autocast, the engine's scaler
+              "zero_optimization": {"stage": 3}, "data_types": {"grad_accum_dtype": "fp32"},
               "fp16": {"enabled": True, "consecutive_hysteresis": True}}
     with pytest.raises(ConfigError, match="consecutive_hysteresis"):
         deepspeed.initialize(model=nn.Linear(2, 2), config=config)

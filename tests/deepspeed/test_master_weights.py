@@ -226,7 +226,8 @@ def _reported_unscaled(real: dict[str, Any], name: str) -> list[float]:
     ({"zero_optimization": {"stage": 2}}, True),
     ({"zero_optimization": {"stage": 3}}, True),  # ZeRO-3's own wrapper: runtime/zero/stage3_masters.py
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, True),  # ZeRO-Offload
-    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, False),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, True),  # its offload too
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}, False),
     ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, False),
     ({"data_types": {"grad_accum_dtype": "fp32"}}, False),
     ({"bf16": {"enabled": False}}, False),

@@ -137,12 +137,14 @@ def _save_zero3(snapshot: EngineSnapshot, config: Any, raw_config: dict[str, Any
     states = _model_states(snapshot, config, raw_config, dp, client_state)
     params = {n for n, _ in snapshot.model.named_parameters(remove_duplicate=False)}
     states["module"] = OrderedDict((k, v.new_empty(0) if k in params else v) for k, v in states["module"].items())
-    states.update(param_shapes=[OrderedDict((n, snapshot.module[n].shape) for n, _ in group)
-                                for group in snapshot.groups],
+    # DeepSpeed drops the optimizer's empty groups (a Trainer's no-decay group of a model without
+    # biases) before ZeRO-3 builds its sub-groups: its files have none, nor do these.
+    kept = [(group, hypers) for group, hypers in zip(snapshot.groups, snapshot.hypers, strict=True) if group]
+    states.update(param_shapes=[OrderedDict((n, snapshot.module[n].shape) for n, _ in group) for group, _ in kept],
                   frozen_param_shapes=OrderedDict(), shared_params={}, frozen_param_fragments=OrderedDict())
     files.write_atomically(states, tag_dir / zero3.model_states_name(rank))
     state: dict[int, dict[str, Any]] = {}
-    for index, group in enumerate(snapshot.groups):
+    for index, (group, _) in enumerate(kept):
         entries = [entry for _, entry in group]
         if entries and all(entries):
             shape = snapshot.fp32(group[0][0]).shape
@@ -155,9 +157,8 @@ def _save_zero3(snapshot: EngineSnapshot, config: Any, raw_config: dict[str, Any
         "zero_stage": 3, "loss_scaler": scaler, "dynamic_loss_scale": isinstance(scaler, files.DynamicLossScalerState),
         "overflow": False, "partition_count": dp,
         files.OPTIMIZER_STATE_DICT: {"state": state, "param_groups": [
-            {**hypers, "params": [i]} for i, hypers in enumerate(snapshot.hypers)]},
-        "fp32_flat_groups": [zero3.rank_flat([snapshot.fp32(n) for n, _ in group], dp, rank)
-                             for group in snapshot.groups],
+            {**hypers, "params": [i]} for i, (_, hypers) in enumerate(kept)]},
+        "fp32_flat_groups": [zero3.rank_flat([snapshot.fp32(n) for n, _ in group], dp, rank) for group, _ in kept],
     }
     files.write_atomically({files.OPTIMIZER_STATE_DICT: optimizer_file, "ds_config": raw_config,
                             "ds_version": files.DS_VERSION_WRITTEN},

@@ -225,6 +225,37 @@ def test_0_dim_parameters_resume_exactly(tmp_path: Path, stage: int) -> None:
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
+def test_zero3_drops_an_empty_optimizer_group_from_its_files_and_resumes_exactly(tmp_path: Path) -> None:
+    """The HF Trainer's no-decay group is empty for transformers' regression model: DeepSpeed drops
+    empty groups before ZeRO-3 builds its sub-groups, so its files hold one; written with the empty
+    one, the optimizer state was not read back (transformers' zero3 resume with the Trainer's AdamW)."""
+    config = {"train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
+    generator = torch.Generator().manual_seed(0)
+    data = [torch.randn(8, generator=generator).bfloat16() for _ in range(6)]
+
+    def build() -> Any:
+        model = _Scalars()
+        groups = [{"params": list(model.parameters()), "weight_decay": 0.01}, {"params": [], "weight_decay": 0.0}]
+        return deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=0.1), config=config)[0]
+
+    def train(engine: Any, batches: list[torch.Tensor]) -> None:
+        for x in batches:
+            engine.backward(((engine(x).float() - (2 * x.float() + 3)) ** 2).mean())
+            engine.step()
+
+    engine = build()
+    train(engine, data[:3])
+    engine.save_checkpoint(tmp_path)
+    train(engine, data[3:])
+    optimizer_file = torch.load(next(tmp_path.glob("global_step3/bf16_*optim_states.pt")), weights_only=False)
+    assert len(optimizer_file[files.OPTIMIZER_STATE_DICT]["fp32_flat_groups"]) == 1
+    resumed = build()
+    resumed.load_checkpoint(tmp_path)
+    train(resumed, data[3:])
+    mine, theirs = _weights(resumed), _weights(engine)
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
 def test_an_autocast_fp16_run_resumes_with_its_loss_scale(tmp_path: Path) -> None:
     """ZeRO-2 with the optimizer offloaded and fp32 gradient accumulation keeps the engine's
     autocast and loss scaler: the scale (shrunk by the first steps' overflows, grown after a

@@ -95,6 +95,8 @@ def build(deepspeed: Any, variant: str, stage: int, torch_adam: bool, two_groups
     if "offload" in options or "cpuadam" in options:  # cpuadam: DeepSpeed steps its DeepSpeedCPUAdam
         config["zero_optimization"] = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
         config["optimizer"]["params"]["torch_adam"] = "cpuadam" not in options
+    if "offloadparam" in options:  # ZeRO-3 with its parameters offloaded to the host as well
+        config["zero_optimization"]["offload_param"] = {"device": "cpu"}
     optimizer = None
     if two_groups:
         config.pop("optimizer")
@@ -102,6 +104,7 @@ def build(deepspeed: Any, variant: str, stage: int, torch_adam: bool, two_groups
         rest = [p for p in model.parameters() if p.dim() <= 1]
         groups = [{"params": matrices, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}]
         optimizer = torch.optim.AdamW(groups, lr=1e-2)
+        config["zero_force_ds_cpu_optimizer"] = False  # offloaded, step this torch AdamW (no cpu_adam build)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=optimizer,
                                            config=config)
     return engine

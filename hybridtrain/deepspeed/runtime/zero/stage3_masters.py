@@ -24,6 +24,18 @@ shards, the gathered weights and the gradients are half, as DeepSpeed's):
   the basic optimizer steps the masters and they are copied back into the half partitions.
 - no fp16 init step (``initialize_optimizer_states`` only makes zero gradients).
 
+With ``offload_optimizer.device: cpu`` the fp32 master partitions, their gradients and the basic
+optimizer's state live in host memory (``fp32_partitioned_groups_flat`` on the CPU, the optimizer
+stepped there), and two things change in the arithmetic (``complete_grad_norm_calculation_for_cpu_offload``):
+each parameter partition's norm is taken in fp64 at the accumulation boundary (``_constant_buffered_norm2``:
+the norm squared, then rooted), the squares summed in fp64 per group, but that sum is put in an
+**fp32** tensor before the all-reduce (SUM) and the root, and the groups' norms are combined in
+fp32; so the reported norm, the clip factor and ``1 / combined`` are fp32 (:func:`stage3_offload_norm`).
+Accumulation, the overflow check and the update are as without offload. ``offload_param.device:
+cpu`` moves the half partitions to the host (gathered to the device per use): FSDP2's
+``CPUOffloadPolicy`` does the same for the half shards on several processes; the arithmetic is
+unchanged (the real DeepSpeed gives the same bits with and without it).
+
 DeepSpeed cuts every flattened parameter into equal parts, FSDP2 along its first dimension: the
 element-wise update (Adam, AdamW) is the same per element; only the per-rank partial norms are
 summed in another grouping (fp64, far below fp32's resolution).
@@ -40,6 +52,7 @@ from torch.distributed.tensor import DTensor
 
 from hybridtrain.config import Config
 from hybridtrain.deepspeed.loss_scale import DeepSpeedLossScale
+from hybridtrain.deepspeed.master_shards import MasterShards
 from hybridtrain.deepspeed.master_weights import MasterWeightsOptimizer, cast_parameters
 from hybridtrain.deepspeed.runtime.zero import partitioning
 from hybridtrain.engine import Engine
@@ -53,9 +66,13 @@ def engine_config(model: torch.nn.Module, cfg: Config) -> Config:
     non-finite loss skipped (the wrapper then counts an overflow, as DeepSpeed's norm check would)."""
     cast_parameters(model, torch.float16 if cfg.fp16.enabled else torch.bfloat16)
     params = {**cfg.optimizer.params, FP16_INIT_STEP: False}
+    zero = cfg.zero_optimization
+    # The wrapper keeps the masters and the optimizer on the host (DeepSpeed's optimizer offload,
+    # which leaves the half partitions on the device); offload_param stays the engine's.
+    kept = zero.model_copy(update={"offload_optimizer": zero.offload_optimizer.model_copy(update={"device": "none"})})
     return cfg.model_copy(update={"bf16": cfg.bf16.model_copy(update={"enabled": False}),
                                   "fp16": cfg.fp16.model_copy(update={"enabled": False}),
-                                  "gradient_clipping": 0.0, "nonfinite_loss": "skip",
+                                  "gradient_clipping": 0.0, "nonfinite_loss": "skip", "zero_optimization": kept,
                                   "optimizer": cfg.optimizer.model_copy(update={"params": params})})
 
 
@@ -81,7 +98,8 @@ def wrap_optimizer(engine: Engine, cfg: Config, consecutive_hysteresis: bool,
     if held is not None:
         partitioning.load_partitions(engine.module, held)
     scale = DeepSpeedLossScale.from_config("zero", cfg.fp16, consecutive_hysteresis) if cfg.fp16.enabled else None
-    engine.optimizer = Stage3MasterWeights(engine.optimizer, cfg.gradient_clipping, scale)
+    offload = cfg.zero_optimization.offload_optimizer.device == "cpu"
+    engine.optimizer = Stage3MasterWeights(engine.optimizer, cfg.gradient_clipping, scale, offload=offload)
 
 
 def _world() -> int:
@@ -94,9 +112,29 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=op)
+    """``tensor`` all-reduced in place over the default group (nothing on one process). A host
+    tensor (a flag, an offloaded sum) goes through the accelerator when the group's backend takes
+    none (NCCL), as DeepSpeed makes these on its accelerator."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return tensor
+    accelerator = torch.accelerator.current_accelerator()
+    if tensor.device.type == "cpu" and "gloo" not in str(dist.get_backend()) and accelerator is not None:
+        moved = tensor.to(torch.device(accelerator.type, torch.accelerator.current_device_index()))
+        dist.all_reduce(moved, op=op)
+        return tensor.copy_(moved)
+    dist.all_reduce(tensor, op=op)
     return tensor
+
+
+def _widened_grad(half: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    """``half``'s gradient in fp32 where ``master`` lives (zeros without one): on a host mesh of its
+    own (offloaded shards), the local gradient shard moved there."""
+    if half.grad is None:
+        return torch.zeros_like(master)
+    grad = half.grad
+    if isinstance(grad, DTensor) and isinstance(master, DTensor) and grad.device_mesh is not master.device_mesh:
+        return MasterShards.from_local(grad.to_local().to(master.device, torch.float32), master)
+    return grad.to(master.device, torch.float32)
 
 
 def any_rank_overflows(grads: list[torch.Tensor]) -> bool:
@@ -124,6 +162,25 @@ def stage3_global_norm(groups: list[list[torch.Tensor]]) -> torch.Tensor:
     return torch.where(invalid, torch.full_like(combined, float("inf")), combined)
 
 
+def stage3_offload_norm(groups: list[list[torch.Tensor]]) -> torch.Tensor:
+    """The global gradient norm (an fp32 tensor; inf when not finite) of this rank's gradient
+    partitions ``groups`` as DeepSpeed ZeRO-3 computes it with the optimizer offloaded (see the
+    module): per group, each partition's fp64 norm squared and rooted, their squares summed in
+    fp64, then in fp32 all-reduced and rooted; the groups combined in fp32. A collective."""
+    norms = []
+    for grads in groups:
+        total: float | torch.Tensor = 0.0
+        for grad in grads:
+            partition_norm = (grad.to(torch.float64).norm(2.0) ** 2.0) ** 0.5  # _constant_buffered_norm2
+            total = total + partition_norm**2
+        summed = _all_reduce(torch.tensor([float(total)], dtype=torch.float32), dist.ReduceOp.SUM)[0] ** (1.0 / 2.0)
+        norms.append(summed.masked_fill(summed.isinf() | summed.isnan(), -1.0))
+    stacked = torch.stack(norms)
+    combined = torch.linalg.vector_norm(stacked, ord=2.0)
+    invalid = (~torch.isfinite(stacked) | (stacked < 0)).any()
+    return torch.where(invalid, torch.full_like(combined, float("inf")), combined)
+
+
 def stage3_combined_scale(norm: torch.Tensor, max_norm: float, scale: float) -> float | torch.Tensor:
     """What DeepSpeed ZeRO-3 multiplies the fp32 gradients by the inverse of: the loss scale
     ``scale``, times the clip factor (an fp64 tensor, at least 1) when ``max_norm`` > 0."""
@@ -138,10 +195,29 @@ class Stage3MasterWeights(MasterWeightsOptimizer):
     shards (FSDP2 DTensors across processes, whole tensors on one): fp32 masters of each rank's
     shards take their place in the optimizer's groups, and :meth:`step` follows ``stage3.py``
     (see the module). Same arguments as :class:`MasterWeightsOptimizer` (no init step: ZeRO-3
-    takes none); its ``rule`` is ``zero``, whose loss-scale rule ZeRO-3 shares."""
+    takes none); its ``rule`` is ``zero``, whose loss-scale rule ZeRO-3 shares. ``offload``: the
+    fp32 master shards and the optimizer state in host memory, the norm as DeepSpeed's offload
+    path takes it (:func:`stage3_offload_norm`)."""
 
-    def __init__(self, inner: torch.optim.Optimizer, max_norm: float, loss_scale: Any = None) -> None:
-        super().__init__(inner, max_norm, "zero", fp16_init_step=False, loss_scale=loss_scale)
+    def __init__(self, inner: torch.optim.Optimizer, max_norm: float, loss_scale: Any = None,
+                 offload: bool = False) -> None:
+        self._host_mesh: Any = None
+        super().__init__(inner, max_norm, "zero", fp16_init_step=False, loss_scale=loss_scale, offload=offload)
+
+    def _new_master(self, half: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Offloaded, a half shard's fp32 master is this rank's shard on a host mesh of the same
+        ranks (a gloo group), so that the masters' collectives (checkpoints' gathers) run on the
+        host whatever the device's backend; else the shard widened where it is."""
+        if not (self.offload and isinstance(half, DTensor)):
+            return super()._new_master(half, device)
+        if self._host_mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            ranks = dist.get_process_group_ranks(half.device_mesh.get_group())
+            self._host_mesh = DeviceMesh.from_group(dist.new_group(ranks, backend="gloo"), "cpu")
+        local = half.to_local().detach().to(device, torch.float32, copy=True)
+        return DTensor.from_local(local, self._host_mesh, half.placements, run_check=False, shape=half.shape,
+                                  stride=half.stride())
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
@@ -153,7 +229,7 @@ class Stage3MasterWeights(MasterWeightsOptimizer):
         grads = [[_local(p.grad) for p in halves if p.grad is not None] for halves in self.half_groups]
         # fp16 checks the partitions first; bf16 only through the norm (ZeRO-3 checks fp16 alone).
         overflow = self.loss_scale is not None and any_rank_overflows([g for group in grads for g in group])
-        norm = None if overflow else stage3_global_norm(grads)
+        norm = None if overflow else (stage3_offload_norm if self.offload else stage3_global_norm)(grads)
         if norm is None or not math.isfinite(float(norm)):
             self.skip()
             return
@@ -165,7 +241,7 @@ class Stage3MasterWeights(MasterWeightsOptimizer):
         combined = stage3_combined_scale(norm, self.max_norm, scale)
         for halves, masters in zip(self.half_groups, self.master_groups, strict=True):
             for half, master in zip(halves, masters, strict=True):
-                master.grad = half.grad.float() if half.grad is not None else torch.zeros_like(master)
+                master.grad = _widened_grad(half, master)
                 _local(master.grad).mul_(1.0 / combined)
         self.zero_grad()  # the half gradients are dropped before the update, as DeepSpeed's step
         self.inner.step()

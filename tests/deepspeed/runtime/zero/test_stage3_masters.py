@@ -1,7 +1,8 @@
 """DeepSpeed ZeRO-3's bf16/fp16 math under the drop-in (:mod:`hybridtrain.deepspeed.runtime.zero.stage3_masters`):
 half partitioned weights, fp32 master shards, ``stage3.py``'s overflow check, norm, clip and scale.
 
-Side by side with the real DeepSpeed 0.19.8 on this CPU, on one and two gloo processes: every
+Side by side with the real DeepSpeed 0.19.8 on this CPU, on one and two gloo processes, without
+offload and with the optimizer (and the parameters) offloaded to the host: every
 step's learning rate, loss, gradient norm, loss scale, skip and applied flag and the final half
 weights are the same bits (the two systems' arithmetic is the same: see the module), and the
 ZeRO-3 checkpoints each writes in DeepSpeed's layout resume on the other, bit for bit. In
@@ -26,6 +27,7 @@ from hybridtrain.deepspeed.runtime.zero.stage3_masters import (
     Stage3MasterWeights,
     stage3_combined_scale,
     stage3_global_norm,
+    stage3_offload_norm,
 )
 from tests.deepspeed.frameworks import finish, run_dropin, start
 
@@ -45,45 +47,66 @@ def _assert_same_weights(mine: Path, theirs: Path) -> None:
         assert torch.equal(ours[key], value), key
 
 
+# The setups each launch runs (zero3_half_script's SETUP): without offload, with the optimizer and the
+# parameters offloaded to the host (on one process this model, with no blocks to stream, keeps its
+# parameters on the device, as the drop-in says; the optimizer stays offloaded) and, on two, with the
+# optimizer offloaded alone (the half shards stay where FSDP2 keeps them, the masters on the host).
+SETUPS = {1: ("none", "offload+offloadparam"), 2: ("none", "offload", "offload+offloadparam")}
+
+
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_zero3_half_trains_saves_and_resumes_as_the_real_deepspeed_bit_for_bit(tmp_path: Path, nproc: int) -> None:
-    """One launch of the real DeepSpeed per case (its run, then a resume of the drop-in's
-    checkpoint), between the drop-in's run and its resume of the real one's checkpoint (in this
-    process on one rank)."""
+    """One launch of the real DeepSpeed per case (its runs, then resumes of the drop-in's
+    checkpoints), between the drop-in's runs and its resumes of the real one's checkpoints (in
+    this process on one rank), for each of ``SETUPS``: offloaded, DeepSpeed takes the norm in
+    fp32 (without, in fp64), and the drop-in follows it to the same bits."""
     pytest.importorskip("deepspeed")  # the reference
     dirs = {"real": tmp_path / "real-ckpt", "ours": tmp_path / "our-ckpt"}
     out = {"real": tmp_path / "real", "ours": tmp_path / "ours"}
-    run_dropin(SCRIPT, [str(dirs["ours"]), "-", str(out["ours"])], tmp_path, nproc)
-    finish(start(SCRIPT, [str(dirs["real"]), str(dirs["ours"]), str(out["real"])], tmp_path, real=True,
+    setups = SETUPS[nproc]
+    run_dropin(SCRIPT, [str(dirs["ours"]), "-", str(out["ours"]), *setups], tmp_path, nproc)
+    finish(start(SCRIPT, [str(dirs["real"]), str(dirs["ours"]), str(out["real"]), *setups], tmp_path, real=True,
                  env={"HYBRIDTRAIN_REFERENCE_FP16": "1"}, nproc=nproc), f"the real DeepSpeed on {nproc} rank(s)")
-    run_dropin(SCRIPT, ["-", str(dirs["real"]), str(out["ours"])], tmp_path, nproc)
-    for precision in PRECISIONS:
-        ours, real = _json(Path(f"{out['ours']}.{precision}")), _json(Path(f"{out['real']}.{precision}"))
-        assert "+hybridtrain" not in real["deepspeed"] and ("+hybridtrain" in ours["deepspeed"] or nproc == 1)
-        for key in (*RECORDED, "steps"):
-            assert ours[key] == real[key], (precision, key, ours[key], real[key])
-        assert ours["dtypes"] == real["dtypes"] == [f"torch.{'bfloat16' if precision == 'bf16' else 'float16'}"]
-        assert not all(real["applied"]) and all(real["applied"][5:])  # overflows skipped, then trained
-        _assert_same_weights(Path(f"{out['ours']}.{precision}"), Path(f"{out['real']}.{precision}"))
-        prefix = "bf16_" if precision == "bf16" else ""
-        names = {f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(nproc)} | {
-            f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(nproc)}
-        for directory in dirs.values():  # DeepSpeed's file names, as the real one writes them
-            assert {p.name for p in (directory / precision / "global_step4").iterdir()} == names
-            assert (directory / precision / "latest").read_text().strip() == "global_step4"
-        for system, saver in (("ours", "real"), ("real", "ours")):  # each resumes the other's checkpoint
-            resumed = Path(f"{out[system]}.{precision}.resumed")
-            _assert_same_weights(Path(f"{resumed}.loaded"), Path(f"{out[saver]}.{precision}.at_save"))
-            for key in RECORDED:  # the saver's run, continued: loss scale and skip count included
-                assert _json(resumed)[key] == _json(Path(f"{out[saver]}.{precision}"))[key][4:], (precision, system)
-            _assert_same_weights(resumed, Path(f"{out[saver]}.{precision}"))
+    run_dropin(SCRIPT, ["-", str(dirs["real"]), str(out["ours"]), *setups], tmp_path, nproc)
+    for setup in setups:
+        for precision in PRECISIONS:
+            _assert_same_setup(dirs, {k: Path(f"{v}-{setup}.{precision}") for k, v in out.items()}, setup,
+                               precision, nproc)
     if nproc == 2:  # DeepSpeed's own zero_to_fp32 reads the drop-in's fp32 master shards as the real ones
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        for precision in PRECISIONS:
-            theirs = get_fp32_state_dict_from_zero_checkpoint(str(dirs["real"] / precision))
-            ours_fp32 = get_fp32_state_dict_from_zero_checkpoint(str(dirs["ours"] / precision))
-            assert ours_fp32.keys() == theirs.keys() and all(torch.equal(ours_fp32[k], theirs[k]) for k in theirs)
+        for setup in setups:
+            for precision in PRECISIONS:
+                theirs = get_fp32_state_dict_from_zero_checkpoint(str(dirs["real"] / setup / precision))
+                ours_fp32 = get_fp32_state_dict_from_zero_checkpoint(str(dirs["ours"] / setup / precision))
+                assert ours_fp32.keys() == theirs.keys() and all(torch.equal(ours_fp32[k], theirs[k]) for k in theirs)
+
+
+def _assert_same_setup(dirs: dict[str, Path], out: dict[str, Path], setup: str, precision: str, nproc: int) -> None:
+    """The two systems' runs of one setup and precision (records ``out``, checkpoints under ``dirs``)
+    and each one's resume of the other's checkpoint: the same bits."""
+    ours, real = _json(out["ours"]), _json(out["real"])
+    assert "+hybridtrain" not in real["deepspeed"] and ("+hybridtrain" in ours["deepspeed"] or nproc == 1)
+    for key in (*RECORDED, "steps"):
+        assert ours[key] == real[key], (setup, precision, key, ours[key], real[key])
+    assert ours["dtypes"] == real["dtypes"] == [f"torch.{'bfloat16' if precision == 'bf16' else 'float16'}"]
+    assert not all(real["applied"]) and all(real["applied"][5:])  # overflows skipped, then trained
+    # Offloaded, DeepSpeed roots the norm in fp32 (without, in fp64): the rule the drop-in followed.
+    finite = [n for n in real["grad_norms"] if n != float("inf")]
+    assert all(float(torch.tensor(n, dtype=torch.float32)) == n for n in finite) is (setup != "none")
+    _assert_same_weights(out["ours"], out["real"])
+    prefix = "bf16_" if precision == "bf16" else ""
+    names = {f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(nproc)} | {
+        f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(nproc)}
+    for directory in dirs.values():  # DeepSpeed's file names, as the real one writes them
+        assert {p.name for p in (directory / setup / precision / "global_step4").iterdir()} == names
+        assert (directory / setup / precision / "latest").read_text().strip() == "global_step4"
+    for system, saver in (("ours", "real"), ("real", "ours")):  # each resumes the other's checkpoint
+        resumed = Path(f"{out[system]}.resumed")
+        _assert_same_weights(Path(f"{resumed}.loaded"), Path(f"{out[saver]}.at_save"))
+        for key in RECORDED:  # the saver's run, continued: loss scale and skip count included
+            assert _json(resumed)[key] == _json(out[saver])[key][4:], (setup, precision, system)
+        _assert_same_weights(resumed, out[saver])
 
 
 class _Net(nn.Module):
@@ -163,10 +186,25 @@ def test_the_norm_is_fp64_and_an_inf_or_nan_is_infinite() -> None:
     assert torch.isclose(clipped, torch.tensor(16.0, dtype=torch.float64), rtol=1e-5)
 
 
+def test_offloaded_the_norm_is_summed_in_fp64_and_rooted_in_fp32() -> None:
+    """DeepSpeed ZeRO-3's ``complete_grad_norm_calculation_for_cpu_offload`` on one rank."""
+    generator = torch.Generator().manual_seed(3)
+    groups = [[torch.randn(5, 3, generator=generator).bfloat16(), torch.randn(7, generator=generator).bfloat16()],
+              [torch.randn(4, generator=generator).bfloat16()]]
+    sums = [sum(float(g.double().norm()) ** 2 for g in group) for group in groups]
+    per_group = torch.stack([torch.tensor(s, dtype=torch.float32) ** 0.5 for s in sums])
+    norm = stage3_offload_norm(groups)
+    assert norm.dtype == torch.float32 and torch.equal(norm, torch.linalg.vector_norm(per_group))
+    assert stage3_offload_norm([[torch.tensor([1.0, float("nan")])], []]).item() == float("inf")
+
+
 @pytest.mark.parametrize(("extra", "taken"), [
     ({}, True), ({"fp16": {"enabled": True}, "bf16": {"enabled": False}}, True),
     ({"bf16": {"enabled": False}}, False),
-    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, False),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, True),
+    # One process offloads the parameters of a model with blocks by layer streaming, which keeps
+    # autocast (without blocks, or on two processes: the test above).
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, False),
     ({"data_types": {"grad_accum_dtype": "fp32"}}, False),
 ])
 def test_zero3_takes_deepspeeds_math_where_its_wrapper_would_run(extra: dict[str, object], taken: bool) -> None:
