@@ -44,11 +44,12 @@ class _Scaled(nn.Module):
 
 
 def _plain_deepspeed_bf16(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float,
-                          clip: float) -> list[torch.Tensor]:
+                          clip: float, init_step: bool = True) -> list[torch.Tensor]:
     """DeepSpeed's ZeRO-0 bf16 rules as a plain loop (``FP16_UnfusedOptimizer`` over a torch
     AdamW): bfloat16 weights, fp32 masters stepped once with zero gradients when built,
     gradients summed in bfloat16 over 2 micro-batches, clipped on fp32 by
-    ``(norm + 1e-6) / clip``, masters copied back. Returns the final masters."""
+    ``(norm + 1e-6) / clip``, masters copied back. Returns the final masters. ``init_step``: False for
+    the ZeRO wrappers, which take no step when built."""
     params = list(model.parameters())
     for p in params:
         p.data = p.data.bfloat16()
@@ -56,7 +57,8 @@ def _plain_deepspeed_bf16(model: nn.Module, batches: list[tuple[torch.Tensor, to
     optimizer = torch.optim.AdamW(masters, lr=lr, weight_decay=0.1)
     for m in masters:
         m.grad = torch.zeros_like(m)
-    optimizer.step()
+    if init_step:
+        optimizer.step()
     for step in range(0, len(batches), 2):
         for inputs, targets in batches[step:step + 2]:
             (F.mse_loss(model(inputs.bfloat16()).float(), targets) / 2).backward()
