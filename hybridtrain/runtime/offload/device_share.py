@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridtrain.runtime.offload.inner_optimizer import inner_optimizer, sync_hyperparams
 from hybridtrain.runtime.offload import layout
+from hybridtrain.runtime.offload.inner_optimizer import inner_optimizer, sync_hyperparams
 
 
 class DeviceShareUpdate:

@@ -19,9 +19,9 @@ nothing defers the step (accumulation alone), the step's last landing adds to th
 and steps at once from the pool, as the eager path does.
 
 With background updates (``engine.overlap_updates``), with or without a device share
-(Twin-Flow, stepped in bounded runs), the streamed blocks' buckets land from a landing thread in the order the next forward reads them
-(:func:`land_held_later`): the step returns at once, and each block's next upload waits for
-its own update only.
+(Twin-Flow, stepped in bounded runs), the streamed blocks' buckets land from a landing thread
+in the order the next forward reads them (:func:`land_held_later`): the step returns at once,
+and each block's next upload waits for its own update only.
 
 The price is device memory: every offloaded gradient of the step waits there until the
 step streams it down (the planner's ``gradients_wait: device`` mode counts it), with
