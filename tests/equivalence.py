@@ -549,6 +549,15 @@ TWIN_FLOW_STREAMING_MODES: dict[str, Mode] = {
                 "half_images": "per_upload"},
             "zero_optimization": {"offload_optimizer": {"ratio": 0.7, "gradients_wait": "device"}}},
         autocast_dtype=torch.float16, extra={"grad_scaler": True, "init_scale": 2.0**20, "overlap_updates": True}),
+    # Held gradients landing after step() behind the next forward with a device share (its
+    # update in bounded runs): fp16 with accumulation, clipping that clips and an overflow that skips.
+    "stream_twinflow_fp16_overflow_accum2_clip_held_later": Mode(
+        "stream_twinflow_fp16_overflow_accum2_clip_held_later", {
+            "fp16": {"enabled": True, "hysteresis": 1, "initial_scale_power": 20}, "gradient_accumulation_steps": 2,
+            "gradient_clipping": 0.05, "layer_streaming": {"enabled": True},
+            "zero_optimization": {"offload_optimizer": {"ratio": 0.5, "gradients_wait": "device"}}},
+        autocast_dtype=torch.float16, clip=0.05,
+        extra={"grad_scaler": True, "init_scale": 2.0**20, "plain_micro_batches": 2, "overlap_updates": True}),
     "stream_layer_major_twinflow": Mode("stream_layer_major_twinflow", {
         "layer_streaming": {"enabled": True, "layer_major": True},
         "zero_optimization": {"offload_optimizer": {"ratio": 0.7}}}),

@@ -32,7 +32,7 @@ from dataclasses import dataclass, fields
 from hybridtrain.optim import optimizer_state_bytes
 from hybridtrain.plan.types import TrainingPlan
 from hybridtrain.planner.trace import ModelTrace, PhaseProfile
-from hybridtrain.runtime.offload.layout import POOLED_BUFFERS
+from hybridtrain.runtime.offload.layout import DEVICE_SHARE_GROUP_NUMEL, POOLED_BUFFERS
 
 _FP32 = 4
 
@@ -262,23 +262,30 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
         replay.current -= grads_full - grads_kept  # reduce-scattered
         replay.grads = grads_kept
     # Optimizer step: torch's single-tensor Adam (CPU) makes two temporaries the size of a
-    # parameter; the foreach path (CUDA) one the size of all device-updated parameters.
-    if held and lands_later(plan) and stage_blocks:
+    # parameter; the foreach path (CUDA) one the size of what one call updates: all device-
+    # updated parameters, or one bounded run of an offloading optimizer's Twin-Flow share
+    # (runtime/offload/device_share.py).
+    later = held and lands_later(plan)
+    if later and stage_blocks:
         # The next forward starts with every held gradient still on the device (each block's
         # own lands before it runs again): its first block finds them all.
         first = trace.block(stage_blocks[0], treatments[stage_blocks[0]])
         replay.touch(trace.pre.forward_peak, "next forward of pre")
         replay.touch(trace.pre.kept_bytes + _split(first.forward_peak, first.output_bytes, tp),
                      f"next forward of {first.name}")
-    if held:
+    if held and not later:
         # OffloadOptimizer.step sends the held gradients down bucket by bucket before the
-        # device share steps; at most the pool's buckets are still in flight then.
+        # device share steps; at most the pool's buckets are still in flight then. Landing
+        # later, they are all still on the device while its bounded runs step.
         going = replay.grads - _FP32 * device_state_numel // shard
         in_flight = POOLED_BUFFERS * _FP32 * max(block_numel, default=0)
         replay.current -= max(0, going - in_flight)
         replay.grads -= max(0, going - in_flight)
     if device_state_numel:
-        work = 2 * _FP32 * trace.largest_param_numel if on_cpu else _FP32 * device_state_numel // shard
+        one_call = device_state_numel // shard
+        if opt.placement in ("host", "host_streamed"):
+            one_call = min(one_call, max(DEVICE_SHARE_GROUP_NUMEL, trace.largest_param_numel))
+        work = 2 * _FP32 * trace.largest_param_numel if on_cpu else _FP32 * one_call
         replay.touch(work, "optimizer step")
     host_acts = 0 if on_cpu else host_acts
     optimizer_work = replay.peak_at == "optimizer step"
@@ -298,9 +305,10 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
 def lands_later(plan: TrainingPlan) -> bool:
     """Whether held gradients land after ``step()`` returned, behind the next forward
     (:func:`hybridtrain.runtime.offload.held_grads.land_held_later`, as ``hybridtrain train``
-    runs the step): held on the device with no device share (Twin-Flow ratio 1)."""
+    runs the step): held on the device, with or without a Twin-Flow device share (its update
+    runs in bounded runs beside the held gradients)."""
     opt = plan.optimizer
-    return opt.grads_wait_on_device and opt.placement in ("host", "host_streamed") and opt.host_ratio >= 1.0
+    return opt.grads_wait_on_device and opt.placement in ("host", "host_streamed")
 
 
 def treatment(plan: TrainingPlan, name: str) -> str:

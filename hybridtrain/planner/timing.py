@@ -20,6 +20,8 @@ bandwidth, overlapped as each technique overlaps them.
                  Unpipelined (the code before it): the deferred step is all exposed
     optimizer  = device-updated elements × 28 bytes ÷ device memory bandwidth
                  + one kernel per parameter tensor and operation (torch's per-tensor Adam)
+                 (on a GPU, an offloading optimizer's Twin-Flow share: one foreach launch per
+                 operation and bounded run)
     comm       = all-reduce / reduce-scatter / all-gather bytes ÷ device link;
                  overlapped with backward (DDP buckets, FSDP prefetch)
     pipeline   = (stages - 1) / (micro-batches + stages - 1) of the compute is bubble
@@ -31,6 +33,7 @@ its source: the H100's measured on our H100 machine), on a CPU the measured matm
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
@@ -38,7 +41,7 @@ from hybridtrain.hardware.links import Links
 from hybridtrain.plan.types import TrainingPlan
 from hybridtrain.planner.memory import kept_blocks, lands_later, uploaded_bytes
 from hybridtrain.planner.trace import ModelTrace
-from hybridtrain.runtime.offload.layout import POOLED_BUFFERS
+from hybridtrain.runtime.offload.layout import DEVICE_SHARE_GROUP_NUMEL, POOLED_BUFFERS
 
 _ADAM_BYTES_PER_ELEMENT = 28
 """A fused Adam step reads parameter, gradient and two moments and writes three: 7 × 4 bytes."""
@@ -179,6 +182,11 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
     if plan.zero_stage:
         device_elems /= dp
     kernels = _ADAM_KERNELS_PER_TENSOR * trace.param_tensors if hw.kind == "cpu" else 0
+    if hw.kind != "cpu" and opt.placement in ("host", "host_streamed") and device_elems:
+        # The offloading optimizer steps its Twin-Flow share in bounded runs
+        # (runtime/offload/device_share.py): one foreach launch per operation and run.
+        kernels = _ADAM_KERNELS_PER_TENSOR * math.ceil(
+            device_elems / max(DEVICE_SHARE_GROUP_NUMEL, trace.largest_param_numel))
     optimizer = (device_elems * _ADAM_BYTES_PER_ELEMENT / hw.links.device_memory + kernels * hw.kernel_seconds
                  if device_elems else 0.0)
     if hw.kind == "cpu":

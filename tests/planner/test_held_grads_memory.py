@@ -13,6 +13,7 @@ import torch
 import hybridtrain as ht
 from hybridtrain.models.gpt import GPT, causal_lm_loss, gpt_config
 from hybridtrain.plan.variants import grid
+from hybridtrain.planner import memory
 from hybridtrain.planner.estimate import Target, estimate, model_source
 from hybridtrain.runtime.offload.optimizer import OffloadOptimizer
 from hybridtrain.runtime.streaming.streamer import LayerStreamer
@@ -108,3 +109,25 @@ def test_half_gradients_held_on_the_device_are_planned_at_half_width(layer_major
     counter.clear()
     measured = live.peak_bytes - before.current_bytes  # on a CPU the plan's peak counts the host state too
     assert abs(planned.device_peak_bytes - measured) / measured <= 0.10, (planned.device_peak_bytes, measured)
+
+
+def test_the_device_share_steps_beside_every_held_gradient_in_runs_of_bounded_size(monkeypatch) -> None:
+    """Held gradients land after the step with a Twin-Flow share too (``lands_later``): all of
+    them are still on the device when the share steps, beside the foreach temporary of one run
+    (runtime/offload/device_share.py). A run as large as the share (the whole-share update)
+    makes the step the peak; runs of one parameter move the peak back to the backward."""
+    config = _waiting({"data": {"seq_len": 8}, "train_batch_size": 1, "train_micro_batch_size_per_gpu": 1,
+                       "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "ratio": 0.1}}},
+                      "device")
+    monkeypatch.setattr(memory, "DEVICE_SHARE_GROUP_NUMEL", 10**12)
+    whole = estimate(config, H100)
+    assert memory.lands_later(whole.plan) and whole.plan.optimizer.host_ratio == 0.1
+    share_numel = whole.memory.device.optimizer_state // 8  # two fp32 moments per device-updated element
+    model_numel = sum(p.numel() for p in GPT(gpt_config("gpt-tiny", seq_len=8)).parameters())
+    assert whole.memory.peak_at == "optimizer step"
+    assert whole.memory.device.gradients == 4 * model_numel  # every held gradient, none landed yet
+    monkeypatch.setattr(memory, "DEVICE_SHARE_GROUP_NUMEL", 1)
+    runs = estimate(config, H100)
+    assert runs.memory.peak_at != "optimizer step" and runs.memory.device_peak < whole.memory.device_peak
+    # The step's workspace: the batch, and at the whole-share step its temporary (4 bytes an element).
+    assert whole.memory.device.workspace - runs.memory.device.workspace == 4 * share_numel

@@ -18,10 +18,10 @@ fp32 (unscaled) gradient, and the host multiplies by the clip factor before step
 nothing defers the step (accumulation alone), the step's last landing adds to the held sum
 and steps at once from the pool, as the eager path does.
 
-With background updates (``engine.overlap_updates``) and no device share (Twin-Flow), the
-streamed blocks' buckets land from a landing thread in the order the next forward reads them
-(:func:`land_held_later`): the step returns at once, and each block's next upload waits for
-its own update only.
+With background updates (``engine.overlap_updates``), with or without a device share
+(Twin-Flow, stepped in bounded runs), the streamed blocks' buckets land from a landing thread
+in the order the next forward reads them (:func:`land_held_later`): the step returns at once,
+and each block's next upload waits for its own update only.
 
 The price is device memory: every offloaded gradient of the step waits there until the
 step streams it down (the planner's ``gradients_wait: device`` mode counts it), with
@@ -195,13 +195,9 @@ def land_held_later(optimizer: OffloadingOptimizer, buckets: Sequence[Bucket], c
     reader of its weights, waits for its own. The same copies, kernels and order as landing
     them in the step: only when the calling thread waits changes.
 
-    With a device share (Twin-Flow) they land here, before its update: that update's
-    temporaries (one per device parameter in torch's foreach kernels) would otherwise meet
-    every held gradient on the device."""
-    if optimizer._device_optimizer is not None:
-        for bucket in buckets:
-            land_held(optimizer, bucket, coef, background=True, clocks=clocks)
-        return
+    With a device share (Twin-Flow) too: its update runs in bounded runs
+    (:mod:`~hybridtrain.runtime.offload.device_share`), so its temporaries meet the held
+    gradients at one run's size, not the share's."""
     if not buckets:
         return
     later = _Later(transfer.compute_event(optimizer.device), optimizer._held_inv_scale)

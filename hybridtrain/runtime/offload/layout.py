@@ -85,3 +85,15 @@ def check_host_memory(params: list[nn.Parameter], on_device: set[int], optimizer
     # Parameters already in host memory (CPU device, streamed blocks) are replaced, not added to.
     needed = host_state_bytes(numel, optimizer, grads_wait_on_host) + min(pool_bytes, 4 * numel) - cpu_resident
     transfer.check_host_memory(needed, "optimizer offload")
+
+
+DEVICE_SHARE_GROUP_NUMEL = 100_000_000
+"""Elements of the device share (Twin-Flow) one update group holds at most (or one parameter,
+if larger): torch's foreach AdamW makes a temporary of its group's size (400 MB in fp32), not of
+the whole share's, so held gradients can still be on the device while it steps."""
+
+
+def device_share_groups(params: list[nn.Parameter], numel: int) -> list[list[nn.Parameter]]:
+    """The device share's parameters (in the model's order: the next forward's) in runs of at
+    most ``numel`` elements (one larger parameter alone), each of one master type."""
+    return list(chunks(params, numel))

@@ -50,6 +50,7 @@ from hybridtrain.runtime.device import normalize_device
 from hybridtrain.runtime.offload import held_grads
 from hybridtrain.runtime.offload.background_updates import PendingWeights, running_in_background
 from hybridtrain.runtime.offload.bucket import Bucket
+from hybridtrain.runtime.offload.device_share import DeviceShareUpdate
 from hybridtrain.runtime.offload.grads import copy_grads_to_host, hook_arrivals
 from hybridtrain.runtime.offload.half_uploads import STAGING_BUFFERS, HalfUploads
 from hybridtrain.runtime.offload.host_bytes import HostBytes, offload_host_bytes
@@ -189,9 +190,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if bucket.params:  # a streamed block may have none (an activation function)
                 bucket.optimizer = inner_optimizer(self._cls, self, [bucket.masters], [bucket.group_of], fused=True)
         self._device_params = device_params = [p for p in params if id(p) in on_device]
-        device_groups = [[group_index[id(p)] for p in device_params]]
-        self._device_optimizer = (inner_optimizer(self._cls, self, [device_params], device_groups, fused=False)
-                                  if device_params else None)
+        # Stepped in bounded runs: a whole-share foreach temporary would meet the held gradients.
+        self._device_optimizer = DeviceShareUpdate(self._cls, self, device_params, group_index) \
+            if device_params else None
         self._hooks: list[RemovableHandle] = hook_arrivals(self, several_backwards)
         self._final = False
         self._eager = False
@@ -372,7 +373,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     self._pending.watch(bucket)
             held_grads.land_held_later(self, [b for b in ordered if b.has_held], coef, clocks)
         if self._device_optimizer is not None:
-            sync_hyperparams(self._device_optimizer, self)
             self._device_optimizer.step()
         for bucket in self.buckets:
             if bucket.update is None:

@@ -106,14 +106,16 @@ def test_waiting_on_the_device_gives_the_bits_of_waiting_in_host_memory(mode: st
 
 
 
-def test_the_step_returns_before_the_first_block_updates_and_its_next_forward_waits_for_it() -> None:
+@pytest.mark.parametrize("ratio", [1.0, 0.85])
+def test_the_step_returns_before_the_first_block_updates_and_its_next_forward_waits_for_it(ratio: float) -> None:
     """``overlap_updates`` with held gradients: the step lands them from a landing thread and
     returns at once (it used to return only once all but the pool's last buckets had updated:
     here, after the first block's update); block 0's next forward waits for its own update, and
-    the result is the same bits as waiting for every update in the step."""
+    the result is the same bits as waiting for every update in the step. With a Twin-Flow
+    device share (ratio 0.85) too: its update runs in bounded runs beside the held gradients."""
     config = {"device": "cpu", "model": {"blocks": "blocks"}, "bf16": {"enabled": True}, "gradient_clipping": 0.05,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "layer_streaming": {"enabled": True},
-              "zero_optimization": {"offload_optimizer": {"gradients_wait": "device"}}}
+              "zero_optimization": {"offload_optimizer": {"gradients_wait": "device", "ratio": ratio}}}
     tokens = torch.randint(0, 256, (2, 3, 17), generator=torch.Generator().manual_seed(SEED))
     batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
 
@@ -124,6 +126,7 @@ def test_the_step_returns_before_the_first_block_updates_and_its_next_forward_wa
         engine.overlap_updates = overlap
         optimizer = engine.optimizer
         assert isinstance(optimizer, OffloadOptimizer) and sum(b.streamed for b in optimizer.buckets) > POOLED_BUFFERS
+        assert (optimizer._device_optimizer is not None) == (ratio < 1.0)
         first = optimizer.buckets[0]  # blocks.0's: the first the next forward reads, the first updated
         assert first.streamed and first.optimizer is not None
         inner, ends, starts, returns = first.optimizer.step, [], [], []
@@ -153,11 +156,12 @@ def test_the_step_returns_before_the_first_block_updates_and_its_next_forward_wa
 
 
 @pytest.mark.parametrize("mode", ["stream_layer_major_fp16_overflow_accum2_clip_grads_on_device",
-                                  "stream_host_accum2_clip_grads_on_device"])
+                                  "stream_host_accum2_clip_grads_on_device",
+                                  "stream_twinflow_fp16_overflow_accum2_clip_held_later"])
 def test_resume_is_exact_with_gradients_waiting_on_the_device(mode: str, tmp_path) -> None:
-    """The second mode lands its held gradients after each step returned (``overlap_updates``):
-    the checkpoint waits for them."""
-    case, m = CASES["gpt_tied"], GRADS_ON_DEVICE_MODES[mode]
+    """The last two modes land their held gradients after each step returned
+    (``overlap_updates``; the last beside a Twin-Flow device share): the checkpoint waits for them."""
+    case, m = CASES["gpt_tied"], {**GRADS_ON_DEVICE_MODES, **TWIN_FLOW_STREAMING_MODES}[mode]
 
     def make() -> ht.Engine:
         torch.manual_seed(SEED)
@@ -174,6 +178,8 @@ def test_resume_is_exact_with_gradients_waiting_on_the_device(mode: str, tmp_pat
                                   "stream_layer_major_fp16_overflow_accum2_clip_grads_on_device",
                                   "stream_host_accum2_clip_grads_on_device",
                                   "stream_twinflow_bf16_accum2_clip_grads_on_device",
+                                  "stream_twinflow_fp16_overflow_accum2_clip_held_later",
+                                  "stream_host_twinflow_keep1_bf16_clip_held_per_upload",
                                   "stream_bf16_accum2_clip_images_per_upload"])
 def test_the_new_modes_train_on_cuda_as_the_plain_loop_there(mode: str) -> None:
     """Gradients held on a CUDA device (copied down on the side stream, the clip factor
