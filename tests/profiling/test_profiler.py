@@ -160,7 +160,7 @@ class _SlowForward(torch.nn.Module):
     """Sleeps in forward: device work a background host update can hide behind."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(0.02)
+        time.sleep(0.05)  # long enough that a worker descheduled under load still hides
         return x
 
 
