@@ -463,6 +463,18 @@ def engine_run(case: ModelCase, mode: Mode, steps: int = STEPS,
     return losses, engine.model_state_dict()
 
 
+def train_recording_norms(engine: ht.Engine, case: ModelCase,
+                          steps: int = STEPS) -> tuple[list[float], list[float | None]]:
+    """Train ``engine`` on ``case``'s batches (seeded as :func:`plain_run`): each step's loss and
+    gradient norm."""
+    torch.manual_seed(SEED + 1)
+    losses, norms = [], []
+    for batch in case.batches(steps):
+        losses.append(engine.train_batch(batch))
+        norms.append(engine.last_grad_norm)
+    return losses, norms
+
+
 def assert_same_training(expected: tuple[list[float], dict[str, torch.Tensor]],
                          actual: tuple[list[float], dict[str, torch.Tensor]], rtol: float, atol: float) -> None:
     """Losses and every parameter agree within tolerance."""

@@ -16,12 +16,12 @@ from hybridtrain.runtime.offload.device_share import DeviceShareUpdate
 from hybridtrain.runtime.offload.optimizer import OffloadOptimizer
 from tests.equivalence import (
     SEED,
-    STEPS,
     TWIN_FLOW_STREAMING_MODES,
     assert_same_training,
     engine_config,
     gpt_case,
     plain_run,
+    train_recording_norms,
 )
 
 # A share of six tensors in two groups; runs of at most 300 elements hold one to three of them.
@@ -112,11 +112,7 @@ def test_the_engine_with_a_share_in_small_runs_trains_as_the_plain_loop(mode: st
     optimizer = engine.optimizer
     assert isinstance(optimizer, OffloadOptimizer) and isinstance(optimizer._device_optimizer, DeviceShareUpdate)
     assert len(optimizer._device_optimizer.runs) > 2
-    torch.manual_seed(SEED + 1)
-    losses, norms = [], []
-    for batch in case.batches(STEPS):
-        losses.append(engine.train_batch(batch))
-        norms.append(engine.last_grad_norm)
+    losses, norms = train_recording_norms(engine, case)
     assert_same_training(plain_run(case, m), (losses, engine.model_state_dict()), rtol=m.rtol, atol=m.atol)
     assert max(float(n) for n in norms if n is not None) > m.clip  # clipping clipped
     assert (engine.skipped_steps > 0) == ("overflow" in mode)

@@ -21,6 +21,7 @@ from tests.equivalence import (
     engine_config,
     model_cases,
     plain_run,
+    train_recording_norms,
 )
 
 CASES = model_cases()
@@ -34,11 +35,7 @@ def test_twin_flow_under_streaming_trains_as_the_plain_loop(case: str, mode: str
     model = c.build()
     engine = ht.initialize(model, engine_config(m), loss_fn=c.loss_fn)
     engine.overlap_updates = bool(m.extra.get("overlap_updates"))
-    torch.manual_seed(SEED + 1)
-    losses, norms = [], []
-    for batch in c.batches(STEPS):
-        losses.append(engine.train_batch(batch))
-        norms.append(engine.last_grad_norm)
+    losses, norms = train_recording_norms(engine, c)
     assert_same_training(plain_run(c, m), (losses, engine.model_state_dict()), rtol=m.rtol, atol=m.atol)
     if m.clip and engine.skipped_steps < STEPS:
         assert max(float(n) for n in norms if n is not None) > m.clip
