@@ -66,7 +66,12 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any]:
     host_bandwidth = _bytes("--host-bandwidth", args.host_bandwidth, parse_rate)
     link = _bytes("--link-bandwidth", getattr(args, "link_bandwidth", None), parse_rate)
     target = resolve_target(args.device, device_memory, host_memory, host_bandwidth, link)
-    return load_config(args.config, args.overrides), target
+    cfg = load_config(args.config, args.overrides)
+    if cfg.precision_math == "deepspeed" and (cfg.bf16.enabled or cfg.fp16.enabled):
+        # Its memory and time models, and variants such as layer streaming, are autocast's.
+        raise ValueError("precision_math = 'deepspeed': the planner models bf16/fp16 as autocast over fp32 weights; "
+                         "allowed: 'autocast' or unset (--set precision_math=autocast)")
+    return cfg, target
 
 
 def _bytes(flag: str, value: str | None, parse: Any) -> Any:

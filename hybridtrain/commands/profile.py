@@ -33,6 +33,7 @@ def add_profile_command(sub: Any) -> None:
 
 
 def _profile(args: argparse.Namespace) -> int:
+    from hybridtrain.compose import check_autocast_math
     from hybridtrain.config import ConfigError, load_config
 
     if args.steps < 2:
@@ -41,6 +42,7 @@ def _profile(args: argparse.Namespace) -> int:
         return 2
     try:
         cfg = load_config(args.config, args.overrides)
+        check_autocast_math(cfg, "hybridtrain profile")  # before the model and data are built
         if args.output_dir and Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
             raise ValueError(f"-o {args.output_dir} is a file: give a directory for profile.json, trace.json "
                              "and memory.png")

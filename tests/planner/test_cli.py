@@ -53,6 +53,10 @@ def test_plan_writes_a_config_that_loads_and_trains(config: str, tmp_path: Path,
      "error: --host-bandwidth: 'fast' is not a bandwidth; use a positive number of bytes per second"),
     (["plan", "{config}", "--device", "H100", "--host-bandwidth", "0GB/s"],
      "error: --host-bandwidth: '0GB/s' is not a positive bandwidth"),
+    (["plan", "{config}", "--device", "H100", "--set", "bf16.enabled=true", "--set", "precision_math=deepspeed"],
+     "error: precision_math = 'deepspeed': the planner models bf16/fp16 as autocast over fp32 weights; allowed: "),
+    (["estimate", "{config}", "--device", "H100", "--set", "fp16.enabled=true", "--set", "precision_math=deepspeed"],
+     "error: precision_math = 'deepspeed': the planner models"),
 ])
 def test_bad_input_is_one_line(argv: list[str], expected: str, config: str,
                                capsys: pytest.CaptureFixture[str]) -> None:

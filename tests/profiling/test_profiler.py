@@ -91,6 +91,8 @@ def test_cli_prints_the_table_and_writes_its_files(tmp_path: Path, capsys: pytes
     (["--set", "optimizer.type=Nope"], "optimizer"),
     (["--steps", "1"], "at least 2 steps"),
     (["/no/such/config.json"], "/no/such/config.json"),
+    (["--set", "bf16.enabled=true", "--set", "precision_math=deepspeed"],
+     "precision_math = 'deepspeed' is not available in hybridtrain profile"),
 ])
 def test_bad_input_is_one_line(args: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
     if args[1:] == ["device=cuda:3"] and torch.cuda.is_available():
