@@ -17,7 +17,7 @@ from hybridtrain.commands.cli import main
 from hybridtrain.service.client import Client
 from tests.service.conftest import REPO, TOKEN, wait_for
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(240)  # above the service waits (30 s x SLACK) and the start
 
 
 @pytest.fixture

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,6 +41,9 @@ def serving(workdir: Path, token: str = TOKEN) -> Iterator[dict[str, str]]:
             if sep:
                 printed[label] = rest.strip()
         printed["base"] = printed["jobs page"].split("/jobs")[0]
+        # Keep reading what it prints: a pipe nobody drains fills (64 KiB) and then blocks
+        # the service at its next log line, jobs and all.
+        threading.Thread(target=collections.deque, args=(proc.stdout, 0), daemon=True).start()
         deadline = time.monotonic() + 60
         while not healthy(printed["base"]):
             if time.monotonic() > deadline:
