@@ -162,7 +162,7 @@ class _SlowForward(torch.nn.Module):
     """Sleeps in forward: device work a background host update can hide behind."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(0.05)  # long enough that a worker descheduled under load still hides
+        time.sleep(0.03)
         return x
 
 
@@ -172,7 +172,9 @@ def test_with_overlapped_updates_the_clipped_host_step_hides_behind_the_next_for
     so the profile finds most of the host step hidden. (Without it, only the clipping norms
     the worker takes as blocks land hide behind backward: 5-18 % measured on CPU.)"""
     torch.manual_seed(0)
-    blocks = [torch.nn.Sequential(_SlowForward(), torch.nn.Linear(512, 512)) for _ in range(4)]
+    # The first block's update is exposed by design (its forward needs it): with 8 blocks at most 1/8,
+    # which leaves room for a worker descheduled under load.
+    blocks = [torch.nn.Sequential(_SlowForward(), torch.nn.Linear(512, 512)) for _ in range(8)]
     model = torch.nn.Sequential(*blocks)
     engine = ht.initialize(model, {"device": "cpu", "train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0,
                                    "layer_streaming": {"enabled": True}},
