@@ -47,20 +47,16 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
     autocast over fp32 weights (:func:`hybridtrain.compose.initialize`).
     """
     from hybridtrain.compose import initialize as plain_initialize
-    from hybridtrain.config import Config, load_config
-    from hybridtrain.config.loading import plain_copy, read_config_file
+    from hybridtrain.config import load_config
+    from hybridtrain.config.loading import config_as_written
 
     cfg = load_config(config)
     if cfg.precision_math != "deepspeed":
         return plain_initialize(model, cfg, loss_fn, optimizer, example_batch)
-    from pathlib import Path
-
     from hybridtrain.deepspeed.building import initialize_with_deepspeed_math
 
-    # The config as written: DeepSpeed's rules read what the user wrote, not the schema's defaults.
-    raw = cfg.model_dump(exclude_unset=True) if config is None or isinstance(config, Config) else \
-        read_config_file(Path(config)) if isinstance(config, str | Path) else plain_copy(config)
-    return initialize_with_deepspeed_math(model, cfg, raw, loss_fn, optimizer, example_batch)
+    # DeepSpeed's rules read what the user wrote, not the schema's defaults.
+    return initialize_with_deepspeed_math(model, cfg, config_as_written(config), loss_fn, optimizer, example_batch)
 
 
 def __getattr__(name: str) -> Any:

@@ -52,6 +52,12 @@ def initialize(model: nn.Module, config: ConfigSource | None = None, loss_fn: Lo
     return prepare(cfg, model, loss_fn, optimizer, example_batch).engine
 
 
+def asks_deepspeed_math(config: Config) -> bool:
+    """Whether ``config`` asks for DeepSpeed's bf16/fp16 math (``precision_math: deepspeed`` with
+    ``bf16`` or ``fp16`` enabled)."""
+    return config.precision_math == "deepspeed" and (config.bf16.enabled or config.fp16.enabled)
+
+
 def check_autocast_math(config: Config, road: str) -> None:
     """Refuse ``precision_math: deepspeed`` with bf16/fp16 on a ``road`` that trains them under
     autocast only (DeepSpeed's math is built above the one road, by ``hybridtrain.initialize``
@@ -60,7 +66,7 @@ def check_autocast_math(config: Config, road: str) -> None:
     Raises:
         ConfigError: one line naming the field, its value and what this road allows.
     """
-    if config.precision_math == "deepspeed" and (config.bf16.enabled or config.fp16.enabled):
+    if asks_deepspeed_math(config):
         raise ConfigError(f"precision_math = 'deepspeed' is not available in {road}, which trains bf16/fp16 "
                           "under autocast; allowed here: 'autocast' or unset (hybridtrain.initialize and the "
                           "DeepSpeed drop-in train DeepSpeed's math)")

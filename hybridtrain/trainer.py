@@ -90,6 +90,7 @@ class TrainSummary:
     device_memory_limit: int | None = None
     peak_tensor_bytes: int | None = None
 
+
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     """The newest complete checkpoint under ``output_dir`` (commit marker present, every
     file there with its size: :func:`hybridtrain.checkpoint.latest_complete`), if any."""

@@ -55,6 +55,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 def _inputs(args: argparse.Namespace) -> tuple[Any, Any]:
     """The config and the target; every error here is one line, before any tracing."""
+    from hybridtrain.compose import asks_deepspeed_math
     from hybridtrain.config import load_config
     from hybridtrain.planner.estimate import resolve_target
     from hybridtrain.units import parse_bytes, parse_rate
@@ -67,7 +68,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any]:
     link = _bytes("--link-bandwidth", getattr(args, "link_bandwidth", None), parse_rate)
     target = resolve_target(args.device, device_memory, host_memory, host_bandwidth, link)
     cfg = load_config(args.config, args.overrides)
-    if cfg.precision_math == "deepspeed" and (cfg.bf16.enabled or cfg.fp16.enabled):
+    if asks_deepspeed_math(cfg):
         # Its memory and time models, and variants such as layer streaming, are autocast's.
         raise ValueError("precision_math = 'deepspeed': the planner models bf16/fp16 as autocast over fp32 weights; "
                          "allowed: 'autocast' or unset (--set precision_math=autocast)")

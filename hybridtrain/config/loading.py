@@ -76,20 +76,11 @@ def explain_config(source: ConfigSource | None = None,
     (``device = "auto"`` means detect the device, not DeepSpeed's placeholder), so it is
     validated again with its overrides (schema paths) but not treated a second time.
     """
+    raw = config_as_written(source)
     if isinstance(source, Config):
-        own: dict[str, Any] = source.model_dump(exclude_unset=True)
         for item in overrides:
-            _apply_override(own, item)
-        return _validated(own), []
-    if source is None:
-        raw: dict[str, Any] = {}
-    elif isinstance(source, Mapping):
-        try:
-            raw = plain_copy(check_bounds(source, "the config"))
-        except TooLargeError as exc:
-            raise ConfigError(str(exc)) from None
-    else:
-        raw = read_config_file(Path(source))
+            _apply_override(raw, item)
+        return _validated(raw), []
     for item in overrides:
         _apply_override(raw, item)
     try:
@@ -97,6 +88,21 @@ def explain_config(source: ConfigSource | None = None,
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return _validated(raw), applied
+
+
+def config_as_written(source: ConfigSource | None) -> dict[str, Any]:
+    """``source``'s keys as written (a fresh copy, before DeepSpeed's keys are treated and
+    defaults filled in): a file read, a mapping copied, a ``Config``'s keys that were set."""
+    if isinstance(source, Config):
+        return source.model_dump(exclude_unset=True)
+    if source is None:
+        return {}
+    if isinstance(source, Mapping):
+        try:
+            return plain_copy(check_bounds(source, "the config"))
+        except TooLargeError as exc:
+            raise ConfigError(str(exc)) from None
+    return read_config_file(Path(source))
 
 
 def _validated(raw: dict[str, Any]) -> Config:

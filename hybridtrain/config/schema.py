@@ -322,9 +322,10 @@ class Config(Section):
     """Which math ``bf16.enabled``/``fp16.enabled`` train with. ``deepspeed``: DeepSpeed's, as
     DeepSpeed 0.19.8 trains them: the module's parameters cast to the half dtype, gradients
     accumulated in it, fp32 masters in the optimizer, DeepSpeed's loss scaler and overflow skips
-    (docs/deepspeed.md, "DeepSpeed's bf16 and fp16 math"; ZeRO-0/1/2, ZeRO-1/2 with
-    ``offload_optimizer.device: cpu``, ZeRO-3 without offload; no parameter offload, layer
-    streaming, tensor or pipeline parallel; refused in one line elsewhere). ``autocast``: the
+    (docs/deepspeed.md, "DeepSpeed's bf16 and fp16 math"; ZeRO-0/1/2/3, ZeRO-1/2/3 with
+    ``offload_optimizer.device: cpu`` (ZeRO-3: the whole update, no partial ratio), ZeRO-3's
+    parameter offload on several processes; no layer streaming, tensor or pipeline parallel;
+    refused in one line elsewhere). ``autocast``: the
     forward under autocast over fp32 weights (hybridtrain's own, any technique). Unset: DeepSpeed's
     under the DeepSpeed drop-in (``deepspeed.initialize``) wherever it supports it, autocast
     under ``hybridtrain.initialize`` and ``hybridtrain train``."""

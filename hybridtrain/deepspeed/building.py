@@ -19,6 +19,7 @@ from torch import nn
 from hybridtrain.compose import check_plain_initialize
 from hybridtrain.config import Config, ConfigError
 from hybridtrain.config.deepspeed_keys import deepspeed_takes_fp16_init_step
+from hybridtrain.config.loading import config_as_written
 from hybridtrain.deepspeed.client_optimizer import describe, lay_groups, with_optimizer
 from hybridtrain.deepspeed.loss_scale import DeepSpeedLossScale
 from hybridtrain.deepspeed.master_weights import MasterWeightsOptimizer, NormRule, cast_parameters
@@ -171,7 +172,7 @@ def prepare_with_deepspeed_math(cfg: Config, model: nn.Module, loss_fn: LossFn |
     """
     from dataclasses import replace
 
-    raw = raw if raw is not None else cfg.model_dump(exclude_unset=True)
+    raw = raw if raw is not None else config_as_written(cfg)
     _check_deepspeed_math_road(cfg, raw)
     half_weights = master_weights(raw, cfg)
     if half_weights and _world_size() > 1:

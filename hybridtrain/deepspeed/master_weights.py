@@ -56,12 +56,10 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from hybridtrain.checkpoint.training_state import MASTER
 from hybridtrain.deepspeed.loss_scale import DeepSpeedLossScale
 from hybridtrain.deepspeed.master_shards import MasterShards
 from hybridtrain.deepspeed.zero_gradients import Averaging, ZeroGradients, average_in_place, zero_global_norm
-
-_MASTER = "master"
-"""The optimizer-state entry of a parameter's fp32 master in the engine's own checkpoints."""
 
 NormRule = Literal["fused", "unfused", "zero"]
 """Which DeepSpeed wrapper's norm and clip arithmetic (see the module)."""
@@ -319,8 +317,8 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         of a parameter's state (the engine's own checkpoints, :class:`hybridtrain.checkpoint.
         training_state.KeepsMasters`) sets that master and its half weight."""
         entries = state_dict.get("state", {})
-        masters = {index: entry[_MASTER] for index, entry in entries.items() if _MASTER in entry}
-        inner = {index: {k: v for k, v in entry.items() if k != _MASTER} for index, entry in entries.items()}
+        masters = {index: entry[MASTER] for index, entry in entries.items() if MASTER in entry}
+        inner = {index: {k: v for k, v in entry.items() if k != MASTER} for index, entry in entries.items()}
         self.inner.load_state_dict({**state_dict, "state": {i: e for i, e in inner.items() if e}})
         if masters:
             with torch.no_grad():

@@ -284,7 +284,7 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
     if device_state_numel:
         one_call = device_state_numel // shard
         if opt.placement in ("host", "host_streamed"):
-            one_call = min(one_call, max(DEVICE_SHARE_GROUP_NUMEL, trace.largest_param_numel))
+            one_call = min(one_call, device_share_run_numel(trace))
         work = 2 * _FP32 * trace.largest_param_numel if on_cpu else _FP32 * one_call
         replay.touch(work, "optimizer step")
     host_acts = 0 if on_cpu else host_acts
@@ -300,6 +300,12 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
     host = MemoryBreakdown(parameters=host_params, gradients=host_grads, optimizer_state=host_state,
                            activations=host_acts, transfer_buffers=host_buffers)
     return MemoryEstimate(device_peak=replay.peak, device=device, host=host, peak_at=replay.peak_at)
+
+
+def device_share_run_numel(trace: ModelTrace) -> int:
+    """Elements one bounded run of an offloading optimizer's Twin-Flow share updates at most
+    (:func:`hybridtrain.runtime.offload.layout.device_share_groups`: a larger parameter alone)."""
+    return max(DEVICE_SHARE_GROUP_NUMEL, trace.largest_param_numel)
 
 
 def lands_later(plan: TrainingPlan) -> bool:

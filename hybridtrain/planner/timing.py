@@ -39,9 +39,9 @@ from dataclasses import dataclass, fields
 
 from hybridtrain.hardware.links import Links
 from hybridtrain.plan.types import TrainingPlan
-from hybridtrain.planner.memory import kept_blocks, lands_later, uploaded_bytes
+from hybridtrain.planner.memory import device_share_run_numel, kept_blocks, lands_later, uploaded_bytes
 from hybridtrain.planner.trace import ModelTrace
-from hybridtrain.runtime.offload.layout import DEVICE_SHARE_GROUP_NUMEL, POOLED_BUFFERS
+from hybridtrain.runtime.offload.layout import POOLED_BUFFERS
 
 _ADAM_BYTES_PER_ELEMENT = 28
 """A fused Adam step reads parameter, gradient and two moments and writes three: 7 × 4 bytes."""
@@ -185,8 +185,7 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
     if hw.kind != "cpu" and opt.placement in ("host", "host_streamed") and device_elems:
         # The offloading optimizer steps its Twin-Flow share in bounded runs
         # (runtime/offload/device_share.py): one foreach launch per operation and run.
-        kernels = _ADAM_KERNELS_PER_TENSOR * math.ceil(
-            device_elems / max(DEVICE_SHARE_GROUP_NUMEL, trace.largest_param_numel))
+        kernels = _ADAM_KERNELS_PER_TENSOR * math.ceil(device_elems / device_share_run_numel(trace))
     optimizer = (device_elems * _ADAM_BYTES_PER_ELEMENT / hw.links.device_memory + kernels * hw.kernel_seconds
                  if device_elems else 0.0)
     if hw.kind == "cpu":

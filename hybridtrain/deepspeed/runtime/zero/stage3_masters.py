@@ -144,6 +144,15 @@ def any_rank_overflows(grads: list[torch.Tensor]) -> bool:
     return bool(_all_reduce(torch.tensor([int(local)], dtype=torch.uint8), dist.ReduceOp.MAX)[0])
 
 
+def _combined_norm(norms: list[torch.Tensor]) -> torch.Tensor:
+    """The groups' norms (-1 where one was not finite) combined as DeepSpeed ZeRO-3 does: their
+    2-norm, inf when any was not finite."""
+    stacked = torch.stack(norms)
+    combined = torch.linalg.vector_norm(stacked, ord=2.0)
+    invalid = (~torch.isfinite(stacked) | (stacked < 0)).any()
+    return torch.where(invalid, torch.full_like(combined, float("inf")), combined)
+
+
 def stage3_global_norm(groups: list[list[torch.Tensor]]) -> torch.Tensor:
     """The global gradient norm (an fp64 tensor; inf when not finite) of this rank's gradient
     partitions ``groups`` (one list per parameter group), as DeepSpeed ZeRO-3 computes it (see
@@ -156,10 +165,7 @@ def stage3_global_norm(groups: list[list[torch.Tensor]]) -> torch.Tensor:
             total = torch.tensor(0.0, dtype=torch.float64)
         total = _all_reduce(total.reshape(1), dist.ReduceOp.SUM)[0] ** (1.0 / 2.0)
         norms.append(torch.where(total.isinf() | total.isnan(), torch.tensor(-1.0, dtype=torch.float32), total))
-    stacked = torch.stack(norms)
-    combined = torch.linalg.vector_norm(stacked, ord=2.0)
-    invalid = (~torch.isfinite(stacked) | (stacked < 0)).any()
-    return torch.where(invalid, torch.full_like(combined, float("inf")), combined)
+    return _combined_norm(norms)
 
 
 def stage3_offload_norm(groups: list[list[torch.Tensor]]) -> torch.Tensor:
@@ -175,10 +181,7 @@ def stage3_offload_norm(groups: list[list[torch.Tensor]]) -> torch.Tensor:
             total = total + partition_norm**2
         summed = _all_reduce(torch.tensor([float(total)], dtype=torch.float32), dist.ReduceOp.SUM)[0] ** (1.0 / 2.0)
         norms.append(summed.masked_fill(summed.isinf() | summed.isnan(), -1.0))
-    stacked = torch.stack(norms)
-    combined = torch.linalg.vector_norm(stacked, ord=2.0)
-    invalid = (~torch.isfinite(stacked) | (stacked < 0)).any()
-    return torch.where(invalid, torch.full_like(combined, float("inf")), combined)
+    return _combined_norm(norms)
 
 
 def stage3_combined_scale(norm: torch.Tensor, max_norm: float, scale: float) -> float | torch.Tensor:
