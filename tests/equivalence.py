@@ -358,18 +358,22 @@ def plain_optimizers(model: nn.Module, mode: Mode, device: str) -> list[torch.op
     """AdamW over ``model``'s parameters on the kernels the engine steps them with: fused
     where it steps on the host (:func:`steps_with_fused_adam`), except Twin-Flow's device
     share (``offload_optimizer.ratio`` < 1), which the engine steps on the device with the
-    default kernel. Twin-Flow keeps the last parameters, ``1 - ratio`` of the elements,
-    on the device (DeepSpeed's ``ratio``: the share of the optimizer offloaded)."""
+    default kernel. Twin-Flow keeps ``1 - ratio`` of the elements on the device (DeepSpeed's
+    ``ratio``: the share of the optimizer offloaded): the last parameters, or the first with
+    ``device_share: first``."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not steps_with_fused_adam(mode, device):
         return [torch.optim.AdamW(params, **OPTIMIZER["params"])]
-    ratio = mode.config.get("zero_optimization", {}).get("offload_optimizer", {}).get("ratio", 1.0)
-    left = (1.0 - ratio) * sum(p.numel() for p in params)
+    offload = mode.config.get("zero_optimization", {}).get("offload_optimizer", {})
+    ordered = params if offload.get("device_share") == "first" else params[::-1]
+    left = (1.0 - offload.get("ratio", 1.0)) * sum(p.numel() for p in params)
     kept = 0
-    while left > 0 and kept < len(params):
+    while left > 0 and kept < len(ordered):
+        left -= ordered[kept].numel()
         kept += 1
-        left -= params[-kept].numel()
-    host, on_device = params[:len(params) - kept], params[len(params) - kept:]
+    on_device_ids = {id(p) for p in ordered[:kept]}
+    host = [p for p in params if id(p) not in on_device_ids]
+    on_device = [p for p in params if id(p) in on_device_ids]
     opts = [torch.optim.AdamW(host, **OPTIMIZER["params"], fused=True)] if host else []
     return opts + ([torch.optim.AdamW(on_device, **OPTIMIZER["params"])] if on_device else [])
 
@@ -570,6 +574,23 @@ TWIN_FLOW_STREAMING_MODES: dict[str, Mode] = {
             "zero_optimization": {"offload_optimizer": {"ratio": 0.5, "gradients_wait": "device"}}},
         autocast_dtype=torch.float16, clip=0.05,
         extra={"grad_scaler": True, "init_scale": 2.0**20, "plain_micro_batches": 2, "overlap_updates": True}),
+    # The device share on the first blocks (device_share: first; the planner's 6.7B plan):
+    # the next forward runs through them while the host updates the rest. bf16 with
+    # accumulation and clipping that clips, gradients in host memory; fp16 with an overflow
+    # that skips, gradients held on the device and landing after the step.
+    "stream_twinflow_first_bf16_accum2_clip": Mode("stream_twinflow_first_bf16_accum2_clip", {
+        "bf16": {"enabled": True}, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
+        "layer_streaming": {"enabled": True, "boundary_activations": "host", "keep_blocks_for_backward": 1},
+        "zero_optimization": {"offload_optimizer": {"ratio": 0.6, "device_share": "first"}}},
+        autocast_dtype=torch.bfloat16, clip=0.05, extra={"plain_micro_batches": 2, "overlap_updates": True}),
+    "stream_twinflow_first_fp16_overflow_clip_held_later": Mode(
+        "stream_twinflow_first_fp16_overflow_clip_held_later", {
+            "fp16": {"enabled": True, "hysteresis": 1, "initial_scale_power": 20}, "gradient_clipping": 0.05,
+            "layer_streaming": {"enabled": True},
+            "zero_optimization": {"offload_optimizer": {"ratio": 0.6, "gradients_wait": "device",
+                                                        "device_share": "first"}}},
+        autocast_dtype=torch.float16, clip=0.05,
+        extra={"grad_scaler": True, "init_scale": 2.0**20, "overlap_updates": True}),
     "stream_layer_major_twinflow": Mode("stream_layer_major_twinflow", {
         "layer_streaming": {"enabled": True, "layer_major": True},
         "zero_optimization": {"offload_optimizer": {"ratio": 0.7}}}),

@@ -98,6 +98,12 @@ class OffloadOptimizerConfig(Section):
     fp16, ``nonfinite_loss: skip``, accumulation): ``host``, a 4-byte buffer per parameter in host
     memory; ``device``, on the device at the width backward gave them, streamed to the host step
     through a few pooled buffers (host: 12 bytes per AdamW parameter; the same math)."""
+    device_share: Literal["last", "first"] = "last"
+    """Which parameters Twin-Flow (``ratio`` below 1) updates on the device: ``last``, DeepSpeed's
+    choice, or ``first``. Under layer streaming their blocks stay resident: with ``first`` a deferred
+    host step (clipping, fp16) hides behind the next forward through them, with ``last`` their
+    activations are freed first in backward (the room held gradients need). The same math either way;
+    ``hybridtrain plan`` picks."""
 
     @model_validator(mode="before")
     @classmethod

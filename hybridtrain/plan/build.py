@@ -97,7 +97,8 @@ def build(plan: TrainingPlan, model: nn.Module, loss_fn: LossFn | None = None,
                                    several_backwards=params_in_several_backwards(model, swap_recompute),
                                    half_dtypes=half_dtypes,
                                    grad_norms=plan.step_rules.gradient_clipping > 0,
-                                   grads_wait_on_device=placement.grads_wait_on_device)
+                                   grads_wait_on_device=placement.grads_wait_on_device,
+                                   device_share_first=placement.device_share_first)
         # model.state_dict() waits for updates first; updated weights go up in half where exact.
         offload.half_uploads.attach(model, offload.buckets, offload.wait_for_updates)
         optimizer = offload

@@ -216,10 +216,11 @@ def _streamed(model: nn.Module, cfg: Config, blocks: _Blocks) -> list[str]:
     if unknown:
         raise ConfigError(f"layer_streaming.resident {unknown} are not blocks; blocks are "
                           f"{', '.join(names[:4])}, …")
-    # Twin-Flow (offload_optimizer.ratio below 1): the blocks holding the last parameters
-    # stay resident, their update on the device.
+    # Twin-Flow (offload_optimizer.ratio below 1): the blocks holding its device share (the
+    # first or the last parameters) stay resident, their update on the device.
+    offload = cfg.zero_optimization.offload_optimizer
     on_device = twin_flow_blocks(list(zip(names, blocks.modules, strict=True)), list(model.parameters()),
-                                 cfg.zero_optimization.offload_optimizer.ratio)
+                                 offload.ratio, first=offload.device_share == "first")
     streamed = [name for name in names if name not in section.resident and name not in on_device]
     try:
         check_not_shared(model, [m for n, m in zip(names, blocks.modules, strict=True) if n in streamed])
@@ -398,8 +399,8 @@ def _replication(sizes: ParallelSizes, zero_stage: int) -> Replication:
 
 def _optimizer(cfg: Config, sizes: ParallelSizes, streaming: bool, accumulation: int) -> OptimizerPlan:
     """ZeRO-Offload on one process (several processes offload inside ZeRO sharding); layer
-    streaming updates its streamed blocks on the host, each one bucket (Twin-Flow's last
-    parameters, in resident blocks, on the device)."""
+    streaming updates its streamed blocks on the host, each one bucket (Twin-Flow's
+    device share, in resident blocks, on the device)."""
     section = cfg.zero_optimization.offload_optimizer
     if not streaming and (section.device != "cpu" or sizes.world != 1):
         return OptimizerPlan()
@@ -416,5 +417,6 @@ def _optimizer(cfg: Config, sizes: ParallelSizes, streaming: bool, accumulation:
         defer_step=defer, grads_wait_on_host=waits and not on_device, grads_wait_on_device=on_device,
         pin_memory=cfg.layer_streaming.pin_memory if streaming else section.pin_memory,
         bucket_size=cfg.zero_optimization.reduce_bucket_size,
+        device_share_first=section.device_share == "first",
     )
 

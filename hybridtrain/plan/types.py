@@ -73,6 +73,8 @@ class OptimizerPlan:
             parameter on the host; the device holds the waiting gradients).
         pin_memory: host buffers page-locked.
         bucket_size: elements per gradient bucket (optimizer offload).
+        device_share_first: Twin-Flow's device share is the first parameters, not the
+            last (``offload_optimizer.device_share``).
     """
 
     placement: OptimizerPlacement = "device"
@@ -82,6 +84,7 @@ class OptimizerPlan:
     grads_wait_on_device: bool = False
     pin_memory: bool = False
     bucket_size: int = 0
+    device_share_first: bool = False
 
 
 @dataclass(frozen=True)

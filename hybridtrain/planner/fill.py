@@ -15,6 +15,15 @@ monotonically along it, so the largest fitting value is found by bisection:
 A grown value is taken only when it is predicted faster. A streaming variant whose host
 state does not fit host memory is first given the largest ratio whose host state fits
 (:func:`fit_host`): host bytes fall with the ratio as device bytes rise.
+
+Kept blocks and the ratio compete for the same device bytes, and which pays more depends on
+what binds: a kept block saves an upload (and, with images cast per upload, a host cast), a
+lower ratio shortens the host step. A streaming variant is therefore filled in both orders
+(its kept blocks first, then the ratio; or the ratio first from no kept blocks, then the
+kept blocks) and the faster fill is taken. The ratio-first fill is also tried with
+Twin-Flow's device share on the first blocks (``offload_optimizer.device_share: first``): the
+next forward runs through them while a deferred host step updates the rest, but their
+activations live until the end of backward, beside every gradient held on the device.
 """
 
 from __future__ import annotations
@@ -25,10 +34,14 @@ from typing import Any
 from hybridtrain.config import Config, ConfigError
 from hybridtrain.planner.estimate import Estimate, ModelSource, Target, estimate
 
-RATIO_STEP = 0.05
-"""Twin-Flow ratios tried: multiples of this below the variant's own."""
+RATIO_STEP = 0.01
+"""Twin-Flow ratios tried: multiples of this below the variant's own (one block of a 32-block
+model is about 0.03: a coarser step leaves device memory idle)."""
 FIT_RATIO_STEP = 0.01
 """Twin-Flow ratios :func:`fit_host` tries: the host's last gigabytes decide a fit."""
+
+SHARE_FIRST = "Twin-Flow's device share the first blocks"
+"""The words for ``offload_optimizer.device_share: first``."""
 
 Variant = tuple[Config, tuple[str, ...], Estimate]
 
@@ -55,7 +68,8 @@ def keep_most(variant: Config, changes: tuple[str, ...], est: Estimate, target: 
 def fill_device(variant: Config, changes: tuple[str, ...], est: Estimate, target: Target, world: int,
                 margin: float, model: ModelSource | None) -> Variant:
     """``variant`` with its checkpoint interval, then its Twin-Flow ratio, grown as far as
-    the device holds them, each only where predicted faster (see the module docstring)."""
+    the device holds them, each only where predicted faster; a streaming variant also
+    filled ratio first, the faster fill taken (see the module docstring)."""
     best: Variant = (variant, changes, est)
     checkpointed = variant.activation_checkpointing
     blocks = len(est.plan.blocks)
@@ -63,13 +77,41 @@ def fill_device(variant: Config, changes: tuple[str, ...], est: Estimate, target
         intervals = list(range(checkpointed.every_n_blocks + 1, blocks + 1))
         best = _grown(best, intervals, _with_interval, "checkpoint every {} blocks", target, world, margin, model,
                       replaces="checkpoint every")
-    opt = best[2].plan.optimizer
-    if opt.placement in ("host", "host_streamed") and world == 1:
-        steps = round(opt.host_ratio / RATIO_STEP)
-        ratios = [round(RATIO_STEP * n, 4) for n in range(steps - 1, 0, -1)]  # device memory grows along it
-        best = _grown(best, ratios, _with_ratio, "optimizer offload ratio {} (Twin-Flow: the rest on the device)",
-                      target, world, margin, model, replaces="optimizer offload")
+    best = grow_ratio(best, target, world, margin, model)
+    if any(b.stream for b in est.plan.blocks) and world == 1:
+        starts = [(variant, changes)]
+        if est.plan.optimizer.placement == "host_streamed" and not est.plan.optimizer.device_share_first:
+            starts.append((_with_share_first(variant), (*changes, SHARE_FIRST)))
+        for start, start_changes in starts:
+            ratio_first = _ratio_before_kept(start, start_changes, target, margin, model)
+            if ratio_first is not None and ratio_first[2].step_seconds < best[2].step_seconds:
+                best = ratio_first
     return best
+
+
+def grow_ratio(best: Variant, target: Target, world: int, margin: float, model: ModelSource | None) -> Variant:
+    """``best`` with its Twin-Flow ratio lowered as far as the device holds it, when faster."""
+    opt = best[2].plan.optimizer
+    if opt.placement not in ("host", "host_streamed") or world != 1:
+        return best
+    steps = round(opt.host_ratio / RATIO_STEP)
+    ratios = [round(RATIO_STEP * n, 4) for n in range(steps - 1, 0, -1)]  # device memory grows along it
+    return _grown(best, ratios, _with_ratio, "optimizer offload ratio {} (Twin-Flow: the rest on the device)",
+                  target, world, margin, model, replaces="optimizer offload")
+
+
+def _ratio_before_kept(variant: Config, changes: tuple[str, ...], target: Target, margin: float,
+                       model: ModelSource | None) -> Variant | None:
+    """The streaming ``variant`` filled the other way round: no kept blocks, the ratio grown
+    first, then as many kept blocks as still fit (:func:`keep_most`); None when even that
+    lean start does not fit."""
+    lean = _with_keep(variant, 0)
+    lean_changes = tuple(words for words in changes if not words.startswith("keep "))
+    lean_est = estimate(lean, target, 1, all_passes=True, model=model)
+    if lean_est.problems(margin):
+        return None
+    grown = grow_ratio((lean, lean_changes, lean_est), target, 1, margin, model)
+    return keep_most(*grown, target, 1, margin, model)
 
 
 def _grown(best: Variant, values: Sequence[Any], change: Callable[[Config, Any], Config], words: str, target: Target,
@@ -108,6 +150,12 @@ def _largest_fitting(values: Sequence[Any], make: Callable[[Any], Config], targe
             found = (values[mid], config, est)
             low = mid + 1
     return found
+
+
+def _with_share_first(cfg: Config) -> Config:
+    zero = cfg.zero_optimization
+    offload = zero.offload_optimizer.model_copy(update={"device_share": "first"})
+    return cfg.model_copy(update={"zero_optimization": zero.model_copy(update={"offload_optimizer": offload})})
 
 
 def _with_keep(cfg: Config, keep: int) -> Config:

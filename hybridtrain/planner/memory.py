@@ -159,7 +159,7 @@ def estimate_memory(plan: TrainingPlan, trace: ModelTrace, device_kind: str = "c
     host_ratio = opt.host_ratio if opt.placement == "host" else 0.0
     offloaded_numel = int(resident_numel * host_ratio) if opt.placement == "host" else 0
     if opt.placement == "host_streamed":
-        # Resident parts are offloaded too, but for Twin-Flow's last parameters (in resident blocks).
+        # Resident parts are offloaded too, but for Twin-Flow's share (in resident blocks).
         offloaded_numel = model_numel - int((1.0 - opt.host_ratio) * model_numel)
     zero_offload = zero and cfg.zero_optimization.offload_optimizer.device == "cpu"
 

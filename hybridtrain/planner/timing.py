@@ -112,6 +112,10 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
     stage = 1.0 / pp
     fwd = sum(p.forward_flops for p in trace.phases) * stage / tp
     first_update = 0.0  # elements of the first bucket the next forward waits for
+    # The next forward's FLOPs that can run while the host still updates: all of it, but
+    # under streaming only what comes before the last host-updated (streamed) block, so a
+    # Twin-Flow share of the last blocks (device_share: last) hides nothing behind it.
+    forward_ahead = fwd
     bwd = sum(p.backward_flops for p in trace.phases) * stage / tp
     checkpointed = set(plan.checkpoint_modules)
     recomputed = sum(p.forward_flops for p in trace.blocks if p.name in checkpointed) * stage / tp
@@ -162,6 +166,10 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
         else:
             transfers += (uploads * (2 * width - kept_width) + uploads * grads) / link
         first_update = float(streamed[0].param_numel) if streamed else host_elems
+        if streamed:
+            names = {p.name for p in streamed}
+            last = max(i for i, p in enumerate(trace.blocks) if p.name in names)
+            forward_ahead = sum(p.forward_flops for p in (trace.pre, *trace.blocks[:last])) * stage / tp
         if plan.stream_images_per_upload:
             recast = uploads * sum(min(half_numel.get(p.name, 0), p.param_numel)
                                    for p in streamed if p.name not in kept)
@@ -205,7 +213,7 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
         if not eager and pipelined_host_step and host_update:
             # The next forward (all micro-batches in layer-major) waits only for the
             # first bucket's update; the rest runs behind that forward.
-            forward_time = (k if whole else 1) * fwd / hw.flops
+            forward_time = (k if whole else 1) * forward_ahead / hw.flops
             first = min(host_update, first_update / hw.host_update_rate)
             behind = host_update - first
             if opt.grads_wait_on_device and not lands_later(plan):

@@ -12,7 +12,7 @@ import pytest
 from hybridtrain.config import ConfigError, load_config
 from hybridtrain.planner import plan
 from hybridtrain.planner.estimate import Estimate, Target, estimate
-from hybridtrain.planner.fill import RATIO_STEP, fill_device
+from hybridtrain.planner.fill import RATIO_STEP, grow_ratio, fill_device
 from hybridtrain.planner.search import MARGIN
 
 BASE = {"data": {"seq_len": 64}, "train_batch_size": 4, "train_micro_batch_size_per_gpu": 4, "device": "cpu",
@@ -133,14 +133,40 @@ def _unfilled(candidate: Any) -> str:
 def test_a_ratio_that_leaves_fewer_streamed_blocks_than_are_kept_is_not_taken() -> None:
     # gpt-tiny's two blocks stream, one kept for backward. Low ratios stream neither (both
     # updated on the device), and the engine refuses keeping one of none: those ratios fit
-    # nowhere, so the fill stops at the lowest ratio that still streams a block.
+    # nowhere, so the keep-first fill stops at the lowest ratio that still streams a block.
     streamed = {**OFFLOAD, "zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 1.0}},
                 "layer_streaming": {"enabled": True, "keep_blocks_for_backward": 1}}
     start = estimate(streamed, _target(2**40), all_passes=True)
     assert [b.stream for b in start.plan.blocks] == [True, True]
-    config, changes, filled = fill_device(load_config(streamed), (), start, _target(2**40), 1, MARGIN, None)
+    config, changes, filled = grow_ratio((load_config(streamed), (), start), _target(2**40), 1, MARGIN, None)
     ratio = config.zero_optimization.offload_optimizer.ratio
     assert ratio < 1.0 and changes == (f"optimizer offload ratio {ratio} (Twin-Flow: the rest on the device)",)
     assert [b.stream for b in filled.plan.blocks] == [True, False]
     with pytest.raises(ConfigError, match="keep_blocks_for_backward = 1 but 0 blocks are streamed"):
         estimate(_with(streamed, "zero_optimization", ratio=round(ratio - RATIO_STEP, 4)), _target(2**40))
+    # The whole fill also tries the ratio first from no kept blocks: whatever it takes is a
+    # config the engine accepts, and no slower.
+    best_config, _, best = fill_device(load_config(streamed), (), start, _target(2**40), 1, MARGIN, None)
+    assert best.step_seconds <= filled.step_seconds
+    assert estimate(best_config, _target(2**40)).step_seconds == pytest.approx(best.step_seconds)
+
+
+def test_kept_blocks_give_way_to_a_lower_ratio_when_that_is_faster() -> None:
+    """Kept blocks and the Twin-Flow ratio compete for device bytes. With the host step
+    binding and the link idle, the ratio-first fill (no kept blocks, the ratio as low as fits,
+    then kept blocks) is faster than keeping every block first: the planner takes it."""
+    streamed = {**OFFLOAD, "model": {"name": "gpt-tiny", "overrides": {"n_layer": 8}},
+                "zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 1.0}},
+                "layer_streaming": {"enabled": True, "keep_blocks_for_backward": -1}}
+    unlimited = _target(None)
+    all_kept = estimate(streamed, unlimited, all_passes=True)
+    none_kept_low = estimate(_with({**streamed, "layer_streaming": {"enabled": True}}, "zero_optimization",
+                                   ratio=0.5), unlimited, all_passes=True)
+    # Room for every block kept at ratio 1, or for half the update on the device without keeping.
+    limit = int(max(all_kept.device_peak_bytes, none_kept_low.device_peak_bytes) / (1 - MARGIN)) + 1
+    target = _target(limit)
+    start = estimate(streamed, target, all_passes=True)
+    greedy = grow_ratio((load_config(streamed), (), start), target, 1, MARGIN, None)
+    config, changes, filled = fill_device(load_config(streamed), (), start, target, 1, MARGIN, None)
+    assert filled.step_seconds < greedy[2].step_seconds and not filled.problems(MARGIN)
+    assert config.zero_optimization.offload_optimizer.ratio < greedy[0].zero_optimization.offload_optimizer.ratio

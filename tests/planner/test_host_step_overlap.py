@@ -46,6 +46,14 @@ def _forward_seconds(trace: Any, hw: Hardware, k: int) -> float:
     return k * sum(p.forward_flops for p in trace.phases) / hw.flops
 
 
+def _forward_ahead_seconds(plan: Any, trace: Any, hw: Hardware, k: int) -> float:
+    """The next forward up to the last streamed (host-updated) block: what runs while the
+    host still updates (the rest needs that block's update)."""
+    streamed = {b.name for b in plan.blocks if b.stream}
+    last = max(i for i, p in enumerate(trace.blocks) if p.name in streamed)
+    return k * sum(p.forward_flops for p in (trace.pre, *trace.blocks[:last])) / hw.flops
+
+
 def _time(plan: Any, trace: Any, hw: Hardware, half: dict[str, int], pipelined: bool = True) -> StepTime:
     return estimate_time(plan, trace, hw, trace.kernels, half, pipelined_host_step=pipelined)
 
@@ -63,8 +71,8 @@ def test_a_deferred_host_step_hides_behind_the_next_forward_but_the_first_blocks
     pipelined, serial = _time(plan, trace, hw, half), _time(plan, trace, hw, half, pipelined=False)
     assert pipelined.host_step == pytest.approx(host_over_forward * forward)
     # Shorter than the forward: only the first block's update is waited for; longer: what
-    # the forward cannot cover, plus that first update.
-    expected = first if host_over_forward < 1 else pipelined.host_step - forward
+    # the forward up to the last block cannot cover.
+    expected = first if host_over_forward < 1 else pipelined.host_step - _forward_ahead_seconds(plan, trace, hw, 2)
     assert pipelined.host_step_exposed == pytest.approx(expected)
     assert serial.host_step_exposed == pytest.approx(serial.host_step)  # the code before: all exposed
     assert serial.total - pipelined.total == pytest.approx(serial.host_step - expected)
@@ -156,10 +164,11 @@ def test_held_gradients_land_behind_the_next_forward_with_or_without_a_device_sh
     (runtime/offload/device_share.py); before, they landed in the step ahead of its update and
     only the pool's last buckets updated behind the next forward (the bound asserted below)."""
     plan, trace, _, half = _setup(clip=1.0, model={"name": "gpt-tiny", "overrides": {"n_layer": 6}},
-                                  zero_optimization={"offload_optimizer": {"gradients_wait": "device", "ratio": ratio}})
+                                  zero_optimization={"offload_optimizer": {"gradients_wait": "device", "ratio": ratio,
+                                                                           "device_share": "first"}})
     assert plan.optimizer.grads_wait_on_device and plan.optimizer.host_ratio == ratio
     hw = hardware(H100, plan.compute_dtype)
-    forward = _forward_seconds(trace, hw, k=2)
+    forward = _forward_ahead_seconds(plan, trace, hw, k=2)
     host_numel = trace.param_numel * ratio
     # The host step fits behind the forward; a link fast enough that the copies never set its pace.
     hw = replace(hw, host_update_rate=host_numel / (0.9 * forward), links=replace(hw.links, host_to_device=1e18))
@@ -168,3 +177,26 @@ def test_held_gradients_land_behind_the_next_forward_with_or_without_a_device_sh
     pool = (POOLED_BUFFERS - 1) * first
     assert held.host_step - first > pool  # the pool's bound would bind
     assert held.host_step_exposed == pytest.approx(first, rel=1e-6)
+
+
+def test_a_device_share_of_the_last_blocks_hides_nothing_of_the_host_step_behind_their_forward() -> None:
+    """The next forward reaches a Twin-Flow share of the last blocks only after every
+    host-updated block's update (device_share: last); a share of the first blocks runs
+    while the host updates the rest (device_share: first). The same share, the same host
+    step: only what hides differs, by about the share's forward."""
+    model = {"name": "gpt-tiny", "overrides": {"n_layer": 6}}
+    times = {}
+    for share in ("last", "first"):
+        plan, trace, _, half = _setup(clip=1.0, model=model, zero_optimization={
+            "offload_optimizer": {"ratio": 0.5, "device_share": share}})
+        streamed = [b.stream for b in plan.blocks]
+        assert streamed == (sorted(streamed) if share == "first" else sorted(streamed, reverse=True))
+        hw = hardware(H100, plan.compute_dtype)
+        # A host step three times the whole forward: the hidden part is what runs ahead.
+        hw = replace(hw, host_update_rate=trace.param_numel * 0.5 / (3 * _forward_seconds(trace, hw, k=2)))
+        times[share] = (_time(plan, trace, hw, half), _forward_ahead_seconds(plan, trace, hw, 2))
+    (last, last_ahead), (first, first_ahead) = times["last"], times["first"]
+    assert last.host_step == pytest.approx(first.host_step)
+    for step, ahead in times.values():
+        assert step.host_step_exposed == pytest.approx(step.host_step - ahead)
+    assert first_ahead > 1.5 * last_ahead and last.total > first.total

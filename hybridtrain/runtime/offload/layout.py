@@ -13,14 +13,22 @@ from hybridtrain.optim import optimizer_state_bytes
 from hybridtrain.runtime import transfer
 
 
-def device_kept(params: list[nn.Parameter], host_ratio: float, streamed: set[int]) -> set[int]:
-    """Twin-flow: the last parameters, ``1 - host_ratio`` of all the elements, stay on the
-    device; none of the ``streamed`` (layer streaming makes the blocks holding them resident
-    first, :func:`twin_flow_blocks`, so they are the same last parameters)."""
+def device_kept(params: list[nn.Parameter], host_ratio: float, streamed: set[int], first: bool = False) -> set[int]:
+    """Twin-flow: ``1 - host_ratio`` of all the elements stay on the device, none of the
+    ``streamed`` (layer streaming makes the blocks holding them resident first,
+    :func:`twin_flow_blocks`, so they are the same parameters). Which ones: the last
+    parameters (DeepSpeed's choice), or with ``first`` the first ones.
+
+    Why the first can pay: a deferred host step (clipping, fp16 checks) hides behind the next
+    forward, which reads the parameters in order. With the device share first, that forward
+    runs through it at once while the host updates the rest; with it last, the forward waits
+    for every host update before reaching it, and its part of the forward hides nothing.
+    Why the last can pay under streaming: backward frees the resident blocks' activations
+    first, before the gradients held on the device have grown."""
     candidates = [p for p in params if id(p) not in streamed]
     budget = (1.0 - host_ratio) * sum(p.numel() for p in params)
     kept: set[int] = set()
-    for p in reversed(candidates):
+    for p in candidates if first else reversed(candidates):
         if budget <= 0:
             break
         kept.add(id(p))
@@ -29,11 +37,11 @@ def device_kept(params: list[nn.Parameter], host_ratio: float, streamed: set[int
 
 
 def twin_flow_blocks(blocks: Sequence[tuple[str, nn.Module]], params: list[nn.Parameter],
-                     host_ratio: float) -> list[str]:
+                     host_ratio: float, first: bool = False) -> list[str]:
     """The blocks (``(name, module)``) holding a parameter Twin-Flow keeps on the device at
     ``host_ratio`` (:func:`device_kept` over ``params``): under layer streaming they stay
     resident, their update and state on the device."""
-    kept = device_kept(params, host_ratio, set())
+    kept = device_kept(params, host_ratio, set(), first)
     return [name for name, module in blocks if any(id(p) in kept for p in module.parameters())]
 
 

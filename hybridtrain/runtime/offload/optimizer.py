@@ -84,7 +84,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         device: the compute device.
         pin_memory: page-locked host buffers (asynchronous copies on CUDA).
         host_ratio: fraction of the parameters (by elements) updated on the host; the
-            rest (the last parameters) keep device state and a device optimizer.
+            rest (the last parameters, or the first with ``device_share_first``) keep
+            device state and a device optimizer.
         bucket_numel: elements per automatically formed bucket.
         defer: always defer the host step to :meth:`step` (clipping, fp16, skip-on-inf).
         streamed: parameter lists (blocks) that become their own host masters and whose
@@ -104,6 +105,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             under fp16 loss scaling, once unscaled there: :meth:`unscale_on_landing`).
         grads_wait_on_device: gradients that must wait (a deferred step, a sum over
             landings) wait on the device, not in host buffers (:mod:`~.held_grads`).
+        device_share_first: the Twin-Flow share is the first parameters (layer streaming,
+            whose resident blocks hold them: :func:`~.layout.device_kept`).
 
     Attributes:
         background: a deferred :meth:`step` updates the streamed blocks on the host worker
@@ -122,7 +125,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                  streamed: Sequence[Sequence[nn.Parameter]] = (), grads_wait_on_host: bool = True,
                  several_backwards: frozenset[int] = frozenset(),
                  half_dtypes: Mapping[int, torch.dtype] | None = None,
-                 grad_norms: bool = False, grads_wait_on_device: bool = False) -> None:
+                 grad_norms: bool = False, grads_wait_on_device: bool = False,
+                 device_share_first: bool = False) -> None:
         self.device = device = normalize_device(device)
         self.pin_memory = pin_memory
         self.defer = defer
@@ -151,7 +155,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         several backward passes per micro-batch, so hook arrival counts mean nothing)."""
         streamed_ids = {id(p) for block in streamed for p in block}
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        on_device = device_kept(params, host_ratio, streamed_ids)
+        on_device = device_kept(params, host_ratio, streamed_ids, first=device_share_first)
         # A host-updated weight that autocast reads only in half has, after one backward,
         # the fp32 gradient autocast widened from a half one: narrowing it back on the
         # device is exact, and it crosses in 2 bytes. Not when it may hold a sum: several

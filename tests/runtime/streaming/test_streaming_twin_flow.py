@@ -42,15 +42,24 @@ def test_twin_flow_under_streaming_trains_as_the_plain_loop(case: str, mode: str
     streamer = engine.options.observers[0]
     optimizer = engine.optimizer
     assert isinstance(streamer, LayerStreamer) and isinstance(optimizer, OffloadOptimizer)
-    # Some blocks stream, the last parameters (1 - ratio of the elements) are updated on the device.
+    # Some blocks stream, the last parameters (1 - ratio of the elements; the first with
+    # device_share: first) are updated on the device, their blocks resident after (before)
+    # every streamed block.
     params = list(model.parameters())
-    ratio = m.config["zero_optimization"]["offload_optimizer"]["ratio"]
-    kept = device_kept(params, ratio, set())
+    offload = m.config["zero_optimization"]["offload_optimizer"]
+    ratio, first = offload["ratio"], offload.get("device_share") == "first"
+    kept = device_kept(params, ratio, set(), first)
     total = sum(p.numel() for p in params)
     assert streamer.blocks and kept
     assert sum(p.numel() for p in params if id(p) in kept) >= (1 - ratio) * total
     assert optimizer.host_numel == total - sum(p.numel() for p in params if id(p) in kept)
     assert not any(id(p) in kept for block in streamer.blocks for p in block.bucket.params)
+    position = {id(p): i for i, p in enumerate(params)}
+    streamed_at = [position[id(p)] for block in streamer.blocks for p in block.bucket.params]
+    if first:
+        assert max(position[i] for i in kept) < min(streamed_at)
+    else:
+        assert min(position[i] for i in kept) > max(streamed_at)
     counted = streamer.host_bytes()
     tensors = sum(len(b.masters) for b in optimizer.buckets)
     waiting = 4 if optimizer.defer and not optimizer.grads_wait_on_device else 0  # a deferred step's gradients
