@@ -83,9 +83,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             masters, so the run continues exactly as the plain optimizer would).
         device: the compute device.
         pin_memory: page-locked host buffers (asynchronous copies on CUDA).
-        host_ratio: fraction of the parameters (by elements) updated on the host; the
-            rest (the last parameters, or the first with ``device_share_first``) keep
-            device state and a device optimizer.
+        host_ratio: share of the elements updated on the host; the rest (the last, or first) on the device.
         bucket_numel: elements per automatically formed bucket.
         defer: always defer the host step to :meth:`step` (clipping, fp16, skip-on-inf).
         streamed: parameter lists (blocks) that become their own host masters and whose
@@ -105,8 +103,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             under fp16 loss scaling, once unscaled there: :meth:`unscale_on_landing`).
         grads_wait_on_device: gradients that must wait (a deferred step, a sum over
             landings) wait on the device, not in host buffers (:mod:`~.held_grads`).
-        device_share_first: the Twin-Flow share is the first parameters (layer streaming,
-            whose resident blocks hold them: :func:`~.layout.device_kept`).
+        device_share_first: Twin-Flow's share is the first parameters (:func:`~.layout.device_kept`).
 
     Attributes:
         background: a deferred :meth:`step` updates the streamed blocks on the host worker
@@ -123,8 +120,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, pin_memory: bool = True,
                  host_ratio: float = 1.0, bucket_numel: int = 500_000_000, defer: bool = False,
                  streamed: Sequence[Sequence[nn.Parameter]] = (), grads_wait_on_host: bool = True,
-                 several_backwards: frozenset[int] = frozenset(),
-                 half_dtypes: Mapping[int, torch.dtype] | None = None,
+                 several_backwards: frozenset[int] = frozenset(), half_dtypes: Mapping[int, torch.dtype] | None = None,
                  grad_norms: bool = False, grads_wait_on_device: bool = False,
                  device_share_first: bool = False) -> None:
         self.device = device = normalize_device(device)
