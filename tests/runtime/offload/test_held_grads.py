@@ -179,11 +179,14 @@ def test_resume_is_exact_with_gradients_waiting_on_the_device(mode: str, tmp_pat
                                   "stream_host_accum2_clip_grads_on_device",
                                   "stream_twinflow_bf16_accum2_clip_grads_on_device",
                                   "stream_twinflow_fp16_overflow_accum2_clip_held_later",
+                                  "stream_twinflow_first_fp16_overflow_clip_held_later",
+                                  "stream_twinflow_first_bf16_accum2_clip",
                                   "stream_host_twinflow_keep1_bf16_clip_held_per_upload",
                                   "stream_bf16_accum2_clip_images_per_upload"])
 def test_the_new_modes_train_on_cuda_as_the_plain_loop_there(mode: str) -> None:
     """Gradients held on a CUDA device (copied down on the side stream, the clip factor
-    brought to the host), Twin-Flow under streaming and pooled images, against the plain
+    brought to the host), Twin-Flow under streaming (its share last or first: the next
+    forward's reads racing the host's updates) and pooled images, against the plain
     loop on the same device."""
     m = {**GRADS_ON_DEVICE_MODES, **TWIN_FLOW_STREAMING_MODES, **PER_UPLOAD_IMAGE_MODES}[mode]
     case = CASES["gpt_tied"]
