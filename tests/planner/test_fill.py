@@ -12,7 +12,7 @@ import pytest
 from hybridtrain.config import ConfigError, load_config
 from hybridtrain.planner import plan
 from hybridtrain.planner.estimate import Estimate, Target, estimate
-from hybridtrain.planner.fill import RATIO_STEP, grow_ratio, fill_device
+from hybridtrain.planner.fill import RATIO_STEP, fill_device, grow_ratio
 from hybridtrain.planner.search import MARGIN
 
 BASE = {"data": {"seq_len": 64}, "train_batch_size": 4, "train_micro_batch_size_per_gpu": 4, "device": "cpu",
