@@ -20,10 +20,11 @@ Kept blocks and the ratio compete for the same device bytes, and which pays more
 what binds: a kept block saves an upload (and, with images cast per upload, a host cast), a
 lower ratio shortens the host step. A streaming variant is therefore filled in both orders
 (its kept blocks first, then the ratio; or the ratio first from no kept blocks, then the
-kept blocks) and the faster fill is taken. The ratio-first fill is also tried with
-Twin-Flow's device share on the first blocks (``offload_optimizer.device_share: first``): the
-next forward runs through them while a deferred host step updates the rest, but their
-activations live until the end of backward, beside every gradient held on the device.
+kept blocks) and the faster fill is taken. The ratio is also grown with Twin-Flow's device
+share on the first parameters (``offload_optimizer.device_share: first``; under streaming,
+ratio first): the next forward runs through them while a deferred host step updates the
+rest, but under streaming their blocks' activations live until the end of backward, beside
+every gradient held on the device.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ model is about 0.03: a coarser step leaves device memory idle)."""
 FIT_RATIO_STEP = 0.01
 """Twin-Flow ratios :func:`fit_host` tries: the host's last gigabytes decide a fit."""
 
-SHARE_FIRST = "Twin-Flow's device share the first blocks"
+SHARE_FIRST = "Twin-Flow's device share the first parameters"
 """The words for ``offload_optimizer.device_share: first``."""
 
 Variant = tuple[Config, tuple[str, ...], Estimate]
@@ -78,15 +79,26 @@ def fill_device(variant: Config, changes: tuple[str, ...], est: Estimate, target
         best = _grown(best, intervals, _with_interval, "checkpoint every {} blocks", target, world, margin, model,
                       replaces="checkpoint every")
     best = grow_ratio(best, target, world, margin, model)
-    if any(b.stream for b in est.plan.blocks) and world == 1:
-        starts = [(variant, changes)]
-        if est.plan.optimizer.placement == "host_streamed" and not est.plan.optimizer.device_share_first:
-            starts.append((_with_share_first(variant), (*changes, SHARE_FIRST)))
-        for start, start_changes in starts:
-            ratio_first = _ratio_before_kept(start, start_changes, target, margin, model)
-            if ratio_first is not None and ratio_first[2].step_seconds < best[2].step_seconds:
-                best = ratio_first
+    opt = est.plan.optimizer
+    if world != 1 or opt.placement not in ("host", "host_streamed"):
+        return best
+    streams = any(b.stream for b in est.plan.blocks)
+    starts = [(variant, changes)] if streams else []
+    if not opt.device_share_first:
+        starts.append((_with_share_first(variant), (*changes, SHARE_FIRST)))
+    for start, start_changes in starts:
+        filled = _ratio_before_kept(start, start_changes, target, margin, model) if streams \
+            else _ratio_grown_from(start, start_changes, target, margin, model)
+        if filled is not None and filled[2].step_seconds < best[2].step_seconds:
+            best = filled
     return best
+
+
+def _ratio_grown_from(variant: Config, changes: tuple[str, ...], target: Target, margin: float,
+                      model: ModelSource | None) -> Variant | None:
+    """``variant`` (optimizer offload) with its ratio grown; None when it does not fit as it is."""
+    est = estimate(variant, target, 1, all_passes=True, model=model)
+    return None if est.problems(margin) else grow_ratio((variant, changes, est), target, 1, margin, model)
 
 
 def grow_ratio(best: Variant, target: Target, world: int, margin: float, model: ModelSource | None) -> Variant:

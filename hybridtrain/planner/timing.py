@@ -112,9 +112,9 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
     stage = 1.0 / pp
     fwd = sum(p.forward_flops for p in trace.phases) * stage / tp
     first_update = 0.0  # elements of the first bucket the next forward waits for
-    # The next forward's FLOPs that can run while the host still updates: all of it, but
-    # under streaming only what comes before the last host-updated (streamed) block, so a
-    # Twin-Flow share of the last blocks (device_share: last) hides nothing behind it.
+    # The next forward's FLOPs that can run while the host still updates: what comes before
+    # the last host-updated block (streaming) or bucket (offload), so a Twin-Flow share of
+    # the last parameters (device_share: last) hides nothing behind its forward.
     forward_ahead = fwd
     bwd = sum(p.backward_flops for p in trace.phases) * stage / tp
     checkpointed = set(plan.checkpoint_modules)
@@ -147,6 +147,9 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
         else:
             transfers += (width * k + width) / link
         first_update = min(host_elems, plan.optimizer.bucket_size)
+        forward_ahead = _forward_before(trace, _last_bucket_start(trace.param_numel, trace.param_numel * opt.host_ratio,
+                                                                  plan.optimizer.bucket_size,
+                                                                  opt.device_share_first)) * stage / tp
     streamed = [p for p in trace.blocks if any(b.stream and b.name == p.name for b in plan.blocks)]
     if opt.placement == "host_streamed":
         host_elems = trace.param_numel * opt.host_ratio * stage / tp  # Twin-Flow: the rest on the device
@@ -245,3 +248,24 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
                     communication=comm, bubble=bubble, total=total, transfers_exposed=transfers - hidden_transfers,
                     communication_exposed=comm - hidden_comm)
 
+
+
+def _last_bucket_start(total: float, host: float, bucket: int, share_first: bool) -> float:
+    """Where, in the model's parameter order, the last host-updated bucket of optimizer offload
+    starts: buckets are cut from the last host parameter backwards (backward order), so the
+    last one holds ``bucket`` elements (or every host one); the host parameters are the first
+    ``host`` elements, or with a device share first the last ones."""
+    end = total if share_first else host
+    return end - min(float(bucket or host), host)
+
+
+def _forward_before(trace: ModelTrace, element: float) -> float:
+    """Forward FLOPs of the phases whose parameters all come before parameter ``element`` (the
+    model's order): the next forward runs them before it reads what an update still holds."""
+    flops, seen = 0.0, 0
+    for phase in trace.phases:
+        seen += phase.param_numel
+        if seen > element:
+            break
+        flops += phase.forward_flops
+    return flops

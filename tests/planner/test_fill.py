@@ -125,6 +125,7 @@ def _unfilled(candidate: Any) -> str:
     offload = dump["zero_optimization"]["offload_optimizer"]
     offload.pop("ratio")
     offload.pop("gpu_ratio")
+    offload.pop("device_share")
     dump["activation_checkpointing"].pop("every_n_blocks")
     return json.dumps(dump, sort_keys=True)
 

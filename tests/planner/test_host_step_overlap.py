@@ -200,3 +200,46 @@ def test_a_device_share_of_the_last_blocks_hides_nothing_of_the_host_step_behind
     for step, ahead in times.values():
         assert step.host_step_exposed == pytest.approx(step.host_step - ahead)
     assert first_ahead > 1.5 * last_ahead and last.total > first.total
+
+
+def _offload_setup(share: str) -> tuple[Any, Any, dict[str, int]]:
+    """gpt-tiny (6 blocks) under optimizer offload with clipping, half its update on the
+    device (its share ``share``), in buckets of about one block."""
+    config = load_config({"model": {"name": "gpt-tiny", "overrides": {"n_layer": 6}}, "data": {"seq_len": 64},
+                          "train_micro_batch_size_per_gpu": 4, "device": "cpu", "bf16": {"enabled": True},
+                          "gradient_clipping": 1.0, "zero_optimization": {
+                              "stage": 1, "reduce_bucket_size": 3000,
+                              "offload_optimizer": {"device": "cpu", "ratio": 0.5, "device_share": share}}})
+    source = _config_source(config)
+    plan = resolve(config, source.model, 1, example_batch=source.example(4))
+    trace = _trace(config, source, plan, "cuda", PASSES[1:])
+    return plan, trace, half_width_numel(source.model, plan, [p.name for p in trace.blocks])
+
+
+def test_under_optimizer_offload_the_host_step_hides_behind_the_forward_ahead_of_its_last_bucket() -> None:
+    """Optimizer offload's host buckets are cut from the last host parameter backwards and the
+    next forward's first read of a bucket waits for its whole update: what hides a deferred host
+    step is the forward of the phases wholly before the last bucket. With the Twin-Flow share
+    last that is the first half of the model less a bucket; with it first, all but the last bucket."""
+    exposed = {}
+    for share in ("last", "first"):
+        plan, trace, half = _offload_setup(share)
+        assert plan.optimizer.placement == "host" and plan.optimizer.defer_step
+        assert plan.optimizer.device_share_first == (share == "first")
+        hw = hardware(H100, plan.compute_dtype)
+        hw = replace(hw, host_update_rate=trace.param_numel * 0.5 / (3 * _forward_seconds(trace, hw, k=1)),
+                     links=replace(hw.links, host_to_device=1e18))
+        host = trace.param_numel * 0.5
+        end = trace.param_numel if share == "first" else host
+        start = end - min(plan.optimizer.bucket_size, host)
+        ahead, seen = 0.0, 0
+        for phase in trace.phases:  # the phases whose parameters all come before the last bucket
+            seen += phase.param_numel
+            if seen > start:
+                break
+            ahead += phase.forward_flops
+        step = _time(plan, trace, hw, half)
+        first = min(step.host_step, min(host, plan.optimizer.bucket_size) / hw.host_update_rate)
+        assert step.host_step_exposed == pytest.approx(step.host_step - min(step.host_step - first, ahead / hw.flops))
+        exposed[share] = step.host_step_exposed
+    assert exposed["first"] < exposed["last"]
