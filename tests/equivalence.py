@@ -300,6 +300,13 @@ HALF_WIDTH_MODES: dict[str, Mode] = {
         # offload_opt_twinflow_fp16's tolerance, for its reason (fused CPU AdamW's 1-ulp
         # roundings amplified by fp16 forwards); fp32 gradient transfers give the same bits.
         atol=1e-5),
+    # Twin-Flow's share on the first parameters under optimizer offload (device_share: first):
+    # clipping that clips, the host buckets updating behind the next forward.
+    "offload_opt_twinflow_first_bf16_clip": Mode("offload_opt_twinflow_first_bf16_clip", {
+        "bf16": {"enabled": True}, "gradient_clipping": 0.05, "zero_optimization": {
+            "stage": 1, "reduce_bucket_size": 2000,
+            "offload_optimizer": {"device": "cpu", "ratio": 0.5, "device_share": "first"}}},
+        autocast_dtype=torch.bfloat16, clip=0.05, extra={"overlap_updates": True}),
     "stream_fp16_overflow": Mode("stream_fp16_overflow", {
         "fp16": {"enabled": True, "hysteresis": 1, "initial_scale_power": 20},
         "layer_streaming": {"enabled": True, "prefetch_blocks": 2}}, autocast_dtype=torch.float16,

@@ -249,7 +249,6 @@ def estimate_time(plan: TrainingPlan, trace: ModelTrace, hw: Hardware, kernels_p
                     communication_exposed=comm - hidden_comm)
 
 
-
 def _last_bucket_start(total: float, host: float, bucket: int, share_first: bool) -> float:
     """Where, in the model's parameter order, the last host-updated bucket of optimizer offload
     starts: buckets are cut from the last host parameter backwards (backward order), so the

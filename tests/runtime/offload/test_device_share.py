@@ -116,3 +116,25 @@ def test_the_engine_with_a_share_in_small_runs_trains_as_the_plain_loop(mode: st
     assert_same_training(plain_run(case, m), (losses, engine.model_state_dict()), rtol=m.rtol, atol=m.atol)
     assert max(float(n) for n in norms if n is not None) > m.clip  # clipping clipped
     assert (engine.skipped_steps > 0) == ("overflow" in mode)
+
+
+@pytest.mark.parametrize("share", ["last", "first"])
+def test_the_device_share_is_the_first_or_the_last_parameters_as_configured(share: str) -> None:
+    """``offload_optimizer.device_share`` places Twin-Flow's share: the engine's offloading
+    optimizer steps on the device exactly the parameters :func:`layout.device_kept` names, at
+    least ``1 - ratio`` of the elements, all before (first) or after (last) every host one."""
+    torch.manual_seed(SEED)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
+    engine = ht.initialize(model, {"device": "cpu", "train_micro_batch_size_per_gpu": 2, "zero_optimization": {
+        "stage": 1, "offload_optimizer": {"device": "cpu", "ratio": 0.5, "device_share": share}}},
+        loss_fn=lambda out, batch: out.pow(2).mean())
+    optimizer = engine.optimizer
+    assert isinstance(optimizer, OffloadOptimizer)
+    params = list(model.parameters())
+    host_updated = {id(p) for bucket in optimizer.buckets for p in bucket.params}
+    on_device = {id(p) for p in params if id(p) not in host_updated}
+    assert on_device == layout.device_kept(params, 0.5, set(), first=share == "first")
+    assert sum(p.numel() for p in params if id(p) in on_device) >= 0.5 * sum(p.numel() for p in params)
+    positions = [i for i, p in enumerate(params) if id(p) in on_device]
+    host = [i for i, p in enumerate(params) if id(p) not in on_device]
+    assert host and (max(positions) < min(host) if share == "first" else min(positions) > max(host))
