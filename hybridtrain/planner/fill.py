@@ -165,9 +165,7 @@ def _largest_fitting(values: Sequence[Any], make: Callable[[Any], Config], targe
 
 
 def _with_share_first(cfg: Config) -> Config:
-    zero = cfg.zero_optimization
-    offload = zero.offload_optimizer.model_copy(update={"device_share": "first"})
-    return cfg.model_copy(update={"zero_optimization": zero.model_copy(update={"offload_optimizer": offload})})
+    return _with_offload(cfg, device_share="first")
 
 
 def _with_keep(cfg: Config, keep: int) -> Config:
@@ -181,8 +179,13 @@ def _with_interval(cfg: Config, every: int) -> Config:
 
 
 def _with_ratio(cfg: Config, ratio: float) -> Config:
+    return _with_offload(cfg, ratio=ratio, gpu_ratio=None)
+
+
+def _with_offload(cfg: Config, **settings: Any) -> Config:
+    """``cfg`` with ``zero_optimization.offload_optimizer`` settings replaced."""
     zero = cfg.zero_optimization
-    offload = zero.offload_optimizer.model_copy(update={"ratio": ratio, "gpu_ratio": None})
+    offload = zero.offload_optimizer.model_copy(update=settings)
     return cfg.model_copy(update={"zero_optimization": zero.model_copy(update={"offload_optimizer": offload})})
 
 
