@@ -59,9 +59,9 @@ def _check_offload_combinations(cfg: Config, dp: int, tp: int, pp: int) -> None:
         "layer_streaming already keeps optimizer state in host memory; remove "
         "zero_optimization.offload_optimizer":
             streaming and offload_optimizer,
-        "layer_streaming recomputes blocks itself; set layer_streaming.boundary_activations "
-        "instead of activation_checkpointing":
-            streaming and cfg.activation_checkpointing.enabled,
+        "activation_checkpointing.module_classes cannot be combined with layer_streaming (it checkpoints the "
+        "blocks that stay on the device, every_n_blocks of them); allowed: module_classes = []":
+            streaming and cfg.activation_checkpointing.enabled and bool(cfg.activation_checkpointing.module_classes),
         "device_map does not compose with layer_streaming, activation_offload or optimizer offload; "
         "remove device_map or those settings":
             bool(cfg.device_map) and (streaming or swapping or offload_optimizer),

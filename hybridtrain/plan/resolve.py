@@ -241,10 +241,12 @@ def _kept(cfg: Config, streamed: list[str]) -> int:
 
 def _checkpointed(model: nn.Module, cfg: Config, blocks: _Blocks, streamed: list[str]) -> list[str]:
     """Paths of the modules activation checkpointing wraps: blocks, or modules chosen by
-    class (``module_classes``); streaming recomputes its blocks itself."""
-    if streamed:
-        return streamed if cfg.layer_streaming.boundary_activations != "device" else []
+    class (``module_classes``). Streaming recomputes its blocks itself; under it the section
+    checkpoints the blocks that stay on the device (every n-th of them)."""
     section = cfg.activation_checkpointing
+    if streamed:
+        own = streamed if cfg.layer_streaming.boundary_activations != "device" else []
+        return own + _resident_checkpointed(cfg, blocks, streamed)
     if not section.enabled:
         return []
     names = {id(m): name for name, m in model.named_modules()}
@@ -261,6 +263,17 @@ def _checkpointed(model: nn.Module, cfg: Config, blocks: _Blocks, streamed: list
     except ValueError as exc:
         raise ConfigError(f"activation_checkpointing: {exc}") from None
     return [names[id(m)] for m in chosen]
+
+
+def _resident_checkpointed(cfg: Config, blocks: _Blocks, streamed: list[str]) -> list[str]:
+    """Under layer streaming, the blocks that stay on the device (``resident``, Twin-Flow's
+    share) which ``activation_checkpointing`` wraps: every n-th of them, in model order.
+    Their activations otherwise live from forward to backward beside the device share."""
+    section = cfg.activation_checkpointing
+    if not section.enabled:
+        return []
+    resident = [name for name in blocks.names if name not in streamed]
+    return resident[::section.every_n_blocks]
 
 
 def _swapped(cfg: Config, blocks: _Blocks, checkpointed: list[str], streamed: list[str]) -> list[str]:

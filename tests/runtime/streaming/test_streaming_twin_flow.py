@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import hybridtrain as ht
+from hybridtrain.runtime.activations.recompute import is_checkpointed
 from hybridtrain.runtime.offload.layout import device_kept
 from hybridtrain.runtime.offload.optimizer import OffloadOptimizer
 from hybridtrain.runtime.streaming.streamer import LayerStreamer
@@ -60,6 +61,10 @@ def test_twin_flow_under_streaming_trains_as_the_plain_loop(case: str, mode: str
         assert max(position[i] for i in kept) < min(streamed_at)
     else:
         assert min(position[i] for i in kept) > max(streamed_at)
+    # activation_checkpointing under streaming wraps the blocks that stay on the device.
+    streamed_ids = {id(block.module) for block in streamer.blocks}
+    wrapped = [module for module in model.modules() if is_checkpointed(module) and id(module) not in streamed_ids]
+    assert bool(wrapped) == ("activation_checkpointing" in m.config)
     counted = streamer.host_bytes()
     tensors = sum(len(b.masters) for b in optimizer.buckets)
     waiting = 4 if optimizer.defer and not optimizer.grads_wait_on_device else 0  # a deferred step's gradients
@@ -69,7 +74,8 @@ def test_twin_flow_under_streaming_trains_as_the_plain_loop(case: str, mode: str
 
 
 @pytest.mark.parametrize("name", ["stream_twinflow_bf16_accum2_clip_grads_on_device",
-                                  "stream_twinflow_first_fp16_overflow_clip_held_later"])
+                                  "stream_twinflow_first_fp16_overflow_clip_held_later",
+                                  "stream_layer_major_twinflow_checkpointed_fp16_overflow_clip_held_later"])
 def test_resume_is_exact_with_twin_flow_under_streaming(tmp_path, name: str) -> None:
     case, mode = CASES["gpt_tied"], TWIN_FLOW_STREAMING_MODES[name]
 
