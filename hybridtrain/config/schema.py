@@ -158,12 +158,15 @@ class ZeroConfig(Section):
 
 
 class ActivationCheckpointingConfig(Section):
-    """Activation checkpointing: keep block inputs, recompute the rest in backward."""
+    """Activation checkpointing: keep block inputs, recompute the rest in backward. Under
+    layer streaming (which recomputes its streamed blocks itself) it checkpoints the blocks
+    that stay on the device: ``layer_streaming.resident`` and Twin-Flow's device share."""
 
     enabled: bool = False
     """Checkpoint the model's blocks."""
     every_n_blocks: int = Field(default=1, ge=1)
-    """Checkpoint every n-th block (1 = all blocks): fewer checkpoints, more memory, less recompute."""
+    """Checkpoint every n-th block (1 = all blocks; under layer streaming, every n-th block staying on
+    the device): fewer checkpoints, more memory, less recompute."""
     module_classes: list[str] = Field(default_factory=list)
     """Checkpoint modules of these class names instead of the blocks (e.g. ``["GPT2Block"]``)."""
     cpu_checkpointing: bool = False

@@ -134,8 +134,9 @@ def ladder(config: Config, batch: BatchSizes, device: torch.device,
     for backward, checkpoint every block, swap activations, offload the optimizer,
     stream layers (these three beside a GPU only: on CPU host memory is the same memory),
     halve the micro-batch. Rungs this build refuses with ``config`` on one process are
-    left out (under layer streaming, checkpointing and optimizer offload: it recomputes its
-    blocks and keeps their optimizer state on the host itself).
+    left out (under layer streaming, optimizer offload: it keeps its blocks' optimizer state
+    on the host itself), and so is checkpointing where streaming leaves no block on the
+    device (it recomputes its streamed blocks itself; checkpointing wraps the others).
 
     The order is by what each rung costs in time. Kept blocks cost bandwidth only: without
     them each streamed block but the last is uploaded once more for its backward, while the
@@ -161,7 +162,10 @@ def _rungs(config: Config, batch: BatchSizes, device: torch.device,
     if keep != 0:
         yield f"no streamed blocks kept for backward ({'all' if keep < 0 else keep} -> 0)", kept_blocks(0)
     ac = config.activation_checkpointing
-    if not ac.enabled or (ac.every_n_blocks > 1 and not ac.module_classes):
+    # Under streaming it checkpoints the blocks staying on the device: a rung only where some do.
+    stays = config.zero_optimization.offload_optimizer.ratio < 1.0 or bool(config.layer_streaming.resident)
+    if (not ac.enabled or (ac.every_n_blocks > 1 and not ac.module_classes)) and \
+            (stays or not config.layer_streaming.enabled):
         yield "activation checkpointing of every block", checkpointing(1)
     if device.type == "cuda":
         if not config.activation_offload.enabled:

@@ -41,6 +41,10 @@ model is about 0.03: a coarser step leaves device memory idle)."""
 FIT_RATIO_STEP = 0.01
 """Twin-Flow ratios :func:`fit_host` tries: the host's last gigabytes decide a fit."""
 
+RESIDENT_INTERVALS = (1, 2, 3)
+"""Under streaming, the checkpoint intervals tried over the blocks that stay on the device
+(every one, every 2nd, every 3rd): what recomputing them frees goes to a lower ratio."""
+
 SHARE_FIRST = "Twin-Flow's device share the first parameters"
 """The words for ``offload_optimizer.device_share: first``."""
 
@@ -86,6 +90,9 @@ def fill_device(variant: Config, changes: tuple[str, ...], est: Estimate, target
     starts = [(variant, changes)] if streams else []
     if not opt.device_share_first:
         starts.append((_with_share_first(variant), (*changes, SHARE_FIRST)))
+    if streams and not variant.activation_checkpointing.enabled:
+        starts += [(_with_resident_checkpoints(start, every), (*start_changes, _resident_words(every)))
+                   for start, start_changes in list(starts) for every in RESIDENT_INTERVALS]
     for start, start_changes in starts:
         filled = _ratio_before_kept(start, start_changes, target, margin, model) if streams \
             else _ratio_grown_from(start, start_changes, target, margin, model)
@@ -171,6 +178,20 @@ def _with_share_first(cfg: Config) -> Config:
 def _with_keep(cfg: Config, keep: int) -> Config:
     streaming = cfg.layer_streaming.model_copy(update={"keep_blocks_for_backward": keep})
     return cfg.model_copy(update={"layer_streaming": streaming})
+
+
+def _with_resident_checkpoints(cfg: Config, every: int) -> Config:
+    section = cfg.activation_checkpointing.model_copy(update={"enabled": True, "every_n_blocks": every,
+                                                              "module_classes": []})
+    return cfg.model_copy(update={"activation_checkpointing": section})
+
+
+def _resident_words(every: int) -> str:
+    return "checkpoint every resident block" if every == 1 else f"checkpoint every {_ordinal(every)} resident block"
+
+
+def _ordinal(n: int) -> str:
+    return {2: "2nd", 3: "3rd"}.get(n, f"{n}th")
 
 
 def _with_interval(cfg: Config, every: int) -> Config:

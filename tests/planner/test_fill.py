@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from hybridtrain.config import ConfigError, load_config
-from hybridtrain.planner import plan
+from hybridtrain.planner import fill, plan
 from hybridtrain.planner.estimate import Estimate, Target, estimate
 from hybridtrain.planner.fill import RATIO_STEP, fill_device, grow_ratio
 from hybridtrain.planner.search import MARGIN
@@ -171,3 +171,29 @@ def test_kept_blocks_give_way_to_a_lower_ratio_when_that_is_faster() -> None:
     config, changes, filled = fill_device(load_config(streamed), (), start, target, 1, MARGIN, None)
     assert filled.step_seconds < greedy[2].step_seconds and not filled.problems(MARGIN)
     assert config.zero_optimization.offload_optimizer.ratio < greedy[0].zero_optimization.offload_optimizer.ratio
+
+
+def test_checkpointing_the_resident_blocks_frees_room_for_a_lower_ratio(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under streaming the blocks of Twin-Flow's device share keep their activations from
+    forward to backward unless checkpointed. With the host step binding, recomputing them
+    costs less than the host time a lower ratio saves: the fill checkpoints them (the engine
+    then wraps them, tests/runtime/streaming/test_streaming_twin_flow.py) and takes the ratio lower
+    than any fill that keeps their activations, within the same device limit."""
+    streamed = {**OFFLOAD, "model": {"name": "gpt-tiny", "overrides": {"n_layer": 8}},
+                "zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 1.0}},
+                "layer_streaming": {"enabled": True}}
+    unlimited = _target(None)
+    start_free = estimate(streamed, unlimited, all_passes=True)
+    half = estimate(_with(streamed, "zero_optimization", ratio=0.5), unlimited, all_passes=True)
+    target = _target(_between(start_free, half))
+    start = estimate(streamed, target, all_passes=True)
+    config, changes, filled = fill_device(load_config(streamed), (), start, target, 1, MARGIN, None)
+    monkeypatch.setattr(fill, "RESIDENT_INTERVALS", ())
+    kept_activations = fill_device(load_config(streamed), (), start, target, 1, MARGIN, None)
+    assert not filled.problems(MARGIN) and filled.step_seconds < kept_activations[2].step_seconds
+    assert config.activation_checkpointing.enabled and any(w.endswith("resident block") for w in changes)
+    ratio = config.zero_optimization.offload_optimizer.ratio
+    assert ratio < kept_activations[0].zero_optimization.offload_optimizer.ratio
+    streamed_names = {b.name for b in filled.plan.blocks if b.stream}
+    resident_checkpointed = set(filled.plan.checkpoint_modules) - streamed_names
+    assert resident_checkpointed and filled.time.recompute > kept_activations[2].time.recompute
