@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("cuda_tests", "link", "big", "big64k", "modes", "clip_overlap", "host_adam", "depth")
+PARTS = ("cuda_tests", "link", "width", "big", "big64k", "modes", "clip_overlap", "host_adam", "depth")
 MODES = ["plain", "checkpointing", "activation_swap", "optimizer_offload", "layer_streaming", "layer_major"]
 OURS_WITH_TIMELINE = {"activation_swap", "optimizer_offload", "layer_streaming", "layer_major", "layer_major_kept"}
 DEEPSPEED = ("deepspeed_zero_offload", "deepspeed_zero3_offload", "deepspeed_super_offload")
@@ -84,6 +84,8 @@ def test_dry_run_runs_every_part_and_writes_its_rows(tmp_path: Path) -> None:
     assert all(r["planned_step_s"] > 0 and r["planned_peak_gib"] > 0 for r in measured.values())
     _peers_ran(rows, "modes", ("fsdp2_cpu_offload", *DEEPSPEED))
     _peers_ran(rows, "big", DEEPSPEED)
+    (wide,) = [r for r in ours if r["part"] == "width"]
+    assert (wide["name"], wide["n_layer"]) == ("plain", 2) and wide["step_s"] > 0
     (big,) = [r for r in ours if r["part"] == "big"]
     assert (big["name"], big["n_layer"], big["clip"]) == ("layer_major_kept", 3, 1.0)
     big_peers = [r for r in rows if r["part"] == "big" and r.get("kind") == "baseline"]
