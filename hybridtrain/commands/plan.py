@@ -219,7 +219,8 @@ def searched_modes() -> str:
     return ("modes searched (each implemented by the runtime): micro-batch x accumulation, activation checkpointing "
             "every n blocks, activation swapping, optimizer offload (ZeRO-Offload) with its Twin-Flow ratio, "
             "layer streaming (micro-batch- or layer-major, block inputs recomputed or in host memory, kept blocks, "
-            "Twin-Flow ratio and its share first or last, half-width images kept or cast per upload), waiting "
+            "Twin-Flow ratio and its share first or last, resident blocks checkpointed, half-width images kept or "
+            "cast per upload), waiting "
             "gradients on the host or the device; several processes: data/tensor/pipeline split and ZeRO stage")
 
 

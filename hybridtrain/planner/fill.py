@@ -24,7 +24,9 @@ kept blocks) and the faster fill is taken. The ratio is also grown with Twin-Flo
 share on the first parameters (``offload_optimizer.device_share: first``; under streaming,
 ratio first): the next forward runs through them while a deferred host step updates the
 rest, but under streaming their blocks' activations live until the end of backward, beside
-every gradient held on the device.
+every gradient held on the device — unless they are checkpointed: a streaming variant is also
+filled with every, every 2nd or every 3rd resident block checkpointed (``activation_checkpointing``
+under streaming), the room it frees going to a lower ratio where that pays for the recomputation.
 """
 
 from __future__ import annotations
@@ -181,9 +183,7 @@ def _with_keep(cfg: Config, keep: int) -> Config:
 
 
 def _with_resident_checkpoints(cfg: Config, every: int) -> Config:
-    section = cfg.activation_checkpointing.model_copy(update={"enabled": True, "every_n_blocks": every,
-                                                              "module_classes": []})
-    return cfg.model_copy(update={"activation_checkpointing": section})
+    return _with_checkpointing(cfg, enabled=True, every_n_blocks=every, module_classes=[])
 
 
 def _resident_words(every: int) -> str:
@@ -195,7 +195,12 @@ def _ordinal(n: int) -> str:
 
 
 def _with_interval(cfg: Config, every: int) -> Config:
-    section = cfg.activation_checkpointing.model_copy(update={"every_n_blocks": every})
+    return _with_checkpointing(cfg, every_n_blocks=every)
+
+
+def _with_checkpointing(cfg: Config, **settings: Any) -> Config:
+    """``cfg`` with ``activation_checkpointing`` settings replaced."""
+    section = cfg.activation_checkpointing.model_copy(update=settings)
     return cfg.model_copy(update={"activation_checkpointing": section})
 
 
