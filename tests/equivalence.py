@@ -601,29 +601,27 @@ TWIN_FLOW_STREAMING_MODES: dict[str, Mode] = {
     "stream_layer_major_twinflow": Mode("stream_layer_major_twinflow", {
         "layer_streaming": {"enabled": True, "layer_major": True},
         "zero_optimization": {"offload_optimizer": {"ratio": 0.7}}}),
-    # The blocks staying on the device (Twin-Flow's share) checkpointed too, their
-    # activations recomputed in backward (the planner's 6.7B plan): micro-batch-major bf16
-    # with accumulation and clipping that clips; layer-major fp16 with an overflow that
-    # skips, gradients held on the device and landing after the step.
-    "stream_twinflow_first_checkpointed_bf16_accum2_clip": Mode(
-        "stream_twinflow_first_checkpointed_bf16_accum2_clip", {
-            "bf16": {"enabled": True}, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
-            "activation_checkpointing": {"enabled": True},
-            "layer_streaming": {"enabled": True, "boundary_activations": "host", "keep_blocks_for_backward": 1},
-            "zero_optimization": {"offload_optimizer": {"ratio": 0.6, "device_share": "first"}}},
-        autocast_dtype=torch.bfloat16, clip=0.05, extra={"plain_micro_batches": 2, "overlap_updates": True}),
-    "stream_layer_major_twinflow_checkpointed_fp16_overflow_clip_held_later": Mode(
-        "stream_layer_major_twinflow_checkpointed_fp16_overflow_clip_held_later", {
-            "fp16": {"enabled": True, "hysteresis": 1, "initial_scale_power": 20}, "gradient_clipping": 0.05,
-            "activation_checkpointing": {"enabled": True},
-            "layer_streaming": {"enabled": True, "layer_major": True},
-            "zero_optimization": {"offload_optimizer": {"ratio": 0.6, "gradients_wait": "device"}}},
-        autocast_dtype=torch.float16, clip=0.05,
-        extra={"grad_scaler": True, "init_scale": 2.0**20, "overlap_updates": True}),
 }
 TWIN_FLOW_STREAMING_MODES.update({m.name: m for m in map(_gradients_wait_on_device, [
     TWIN_FLOW_STREAMING_MODES["stream_twinflow_bf16_accum2_clip"],
     TWIN_FLOW_STREAMING_MODES["stream_layer_major_twinflow_fp16_overflow_accum2_clip"]])})
+
+
+def _resident_checkpointed(mode: Mode) -> Mode:
+    """``mode`` with the blocks staying on the device (Twin-Flow's share) checkpointed too:
+    ``activation_checkpointing`` under streaming, their activations recomputed in backward."""
+    config = copy.deepcopy(mode.config)
+    config["activation_checkpointing"] = {"enabled": True}
+    return dataclasses.replace(mode, name=f"{mode.name}_resident_checkpointed", config=config)
+
+
+# The planner's 6.7B plan (share first, resident blocks checkpointed): bf16 with accumulation
+# and clipping that clips; fp16 with an overflow that skips, gradients held on the device and
+# landing after the step; layer-major fp16 with accumulation, gradients held on the device.
+TWIN_FLOW_STREAMING_MODES.update({m.name: m for m in map(_resident_checkpointed, [
+    TWIN_FLOW_STREAMING_MODES["stream_twinflow_first_bf16_accum2_clip"],
+    TWIN_FLOW_STREAMING_MODES["stream_twinflow_first_fp16_overflow_clip_held_later"],
+    TWIN_FLOW_STREAMING_MODES["stream_layer_major_twinflow_fp16_overflow_accum2_clip_grads_on_device"]])})
 
 
 def _images_per_upload(mode: Mode) -> Mode:

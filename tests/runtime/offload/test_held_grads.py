@@ -181,8 +181,8 @@ def test_resume_is_exact_with_gradients_waiting_on_the_device(mode: str, tmp_pat
                                   "stream_twinflow_fp16_overflow_accum2_clip_held_later",
                                   "stream_twinflow_first_fp16_overflow_clip_held_later",
                                   "stream_twinflow_first_bf16_accum2_clip",
-                                  "stream_twinflow_first_checkpointed_bf16_accum2_clip",
-                                  "stream_layer_major_twinflow_checkpointed_fp16_overflow_clip_held_later",
+                                  "stream_twinflow_first_bf16_accum2_clip_resident_checkpointed",
+                                  "stream_twinflow_first_fp16_overflow_clip_held_later_resident_checkpointed",
                                   "stream_host_twinflow_keep1_bf16_clip_held_per_upload",
                                   "stream_bf16_accum2_clip_images_per_upload"])
 def test_the_new_modes_train_on_cuda_as_the_plain_loop_there(mode: str) -> None:

@@ -73,9 +73,9 @@ def test_twin_flow_under_streaming_trains_as_the_plain_loop(case: str, mode: str
         (12 + waiting) * counted.params + 4 * tensors
 
 
-@pytest.mark.parametrize("name", ["stream_twinflow_bf16_accum2_clip_grads_on_device",
-                                  "stream_twinflow_first_fp16_overflow_clip_held_later",
-                                  "stream_layer_major_twinflow_checkpointed_fp16_overflow_clip_held_later"])
+@pytest.mark.parametrize("name", [
+    "stream_twinflow_bf16_accum2_clip_grads_on_device", "stream_twinflow_first_fp16_overflow_clip_held_later",
+    "stream_layer_major_twinflow_fp16_overflow_accum2_clip_grads_on_device_resident_checkpointed"])
 def test_resume_is_exact_with_twin_flow_under_streaming(tmp_path, name: str) -> None:
     case, mode = CASES["gpt_tied"], TWIN_FLOW_STREAMING_MODES[name]
 
