@@ -72,6 +72,12 @@ MODES: dict[str, dict[str, Any]] = {
     # would not fit a 128 GiB host beside them.
     "layer_major_kept": {"layer_streaming": {"enabled": True, "boundary_activations": "recompute",
                                              "layer_major": True, "keep_blocks_for_backward": -1}},
+    # The planner's 6.7B choice since issue #39's modes (benchmarks/results/plan-h100-resident-
+    # checkpoints-2026-11-28): Twin-Flow's device share on the first blocks (55 % of the
+    # update on the device), every 2nd of those blocks checkpointed, block inputs in host memory.
+    "twin_flow_first": {"layer_streaming": {"enabled": True, "boundary_activations": "host"},
+                        "activation_checkpointing": {"enabled": True, "every_n_blocks": 2},
+                        "zero_optimization": {"offload_optimizer": {"ratio": 0.45, "device_share": "first"}}},
 }
 # Host bytes per parameter an offload cannot do without: the fp32 master and AdamW's two
 # moments; FSDP2 and DeepSpeed also keep an fp32 gradient there (ZeRO-3 bf16 weights too).
@@ -80,9 +86,10 @@ MODES: dict[str, dict[str, Any]] = {
 # fit from being built at all.
 BASELINES = list(PEERS)
 TIMELINE_MODES = {"activation_swap", "activation_swap_all", "optimizer_offload", "layer_streaming", "layer_major",
-                  "layer_major_kept"}
+                  "layer_major_kept", "twin_flow_first"}
 """Our offload and streaming modes: their rows carry a measured ``timeline``."""
 HOST_PER_PARAM = {"optimizer_offload": 12, "layer_streaming": 12, "layer_major": 12, "layer_major_kept": 12,
+                  "twin_flow_first": 12,
                   "fsdp2_cpu_offload": 16, "deepspeed_zero_offload": 16, "deepspeed_zero3_offload": 18,
                   "deepspeed_super_offload": 18}
 # A mode doing the same computation as another but moving data: its cost is shown against it.

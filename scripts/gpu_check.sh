@@ -27,8 +27,9 @@
 #                planner's --link-bandwidth)
 #   width        plain bf16 training at 6.7B's width (4 blocks of d_model 4096, 16k tokens): the
 #                kernel share there (the planner's 0.474 is 1.3B's)
-#   big          GPT-6.7B, 16k tokens/step, clipping at 1.0: our best mode (layer-major, blocks
-#                kept for backward) against tuned DeepSpeed ZeRO-Offload in the same run (ZeRO-3
+#   big          GPT-6.7B, 16k tokens/step, clipping at 1.0: our modes (layer-major, blocks kept for
+#                backward; the planner's Twin-Flow share first with resident blocks checkpointed)
+#                against tuned DeepSpeed ZeRO-Offload in the same run (ZeRO-3
 #                offload and SuperOffload rows say whether they fit the host); peers checkpoint
 #   big64k       ours at 64k tokens/step (8 micro-batches of 8 x 1024): the offload issue's MFU target
 #   modes        GPT-1.3B, bf16, 16k tokens/step: plain, checkpointing, swap, optimizer offload,
@@ -223,7 +224,7 @@ if [[ $dry == 1 ]]; then
 else
   big=(--size 6.7b --seq-len 1024 --batch 8 --accumulation 2 --device cuda)
 fi
-part big 120 240 "${bench[@]}" "${big[@]}" --clip 1.0 --modes layer_major_kept --peer-checkpointing \
+part big 120 270 "${bench[@]}" "${big[@]}" --clip 1.0 --modes layer_major_kept twin_flow_first --peer-checkpointing \
   --baselines deepspeed_zero_offload deepspeed_zero3_offload deepspeed_super_offload --part big
 
 # (d) ours at 65,536 tokens per step (8 micro-batches of 8 x 1024).

@@ -16,7 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("cuda_tests", "link", "width", "big", "big64k", "modes", "clip_overlap", "host_adam", "depth")
 MODES = ["plain", "checkpointing", "activation_swap", "optimizer_offload", "layer_streaming", "layer_major"]
-OURS_WITH_TIMELINE = {"activation_swap", "optimizer_offload", "layer_streaming", "layer_major", "layer_major_kept"}
+OURS_WITH_TIMELINE = {"activation_swap", "optimizer_offload", "layer_streaming", "layer_major", "layer_major_kept",
+                      "twin_flow_first"}
 DEEPSPEED = ("deepspeed_zero_offload", "deepspeed_zero3_offload", "deepspeed_super_offload")
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
@@ -86,8 +87,9 @@ def test_dry_run_runs_every_part_and_writes_its_rows(tmp_path: Path) -> None:
     _peers_ran(rows, "big", DEEPSPEED)
     (wide,) = [r for r in ours if r["part"] == "width"]
     assert (wide["name"], wide["n_layer"]) == ("plain", 2) and wide["step_s"] > 0
-    (big,) = [r for r in ours if r["part"] == "big"]
+    big, planned = [r for r in ours if r["part"] == "big"]
     assert (big["name"], big["n_layer"], big["clip"]) == ("layer_major_kept", 3, 1.0)
+    assert (planned["name"], planned["clip"]) == ("twin_flow_first", 1.0) and planned["planned_step_s"] > 0
     big_peers = [r for r in rows if r["part"] == "big" and r.get("kind") == "baseline"]
     assert all(r["config"]["activation_checkpointing"].startswith("every block") for r in big_peers)
     (big64k,) = [r for r in ours if r["part"] == "big64k"]
