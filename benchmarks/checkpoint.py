@@ -169,7 +169,8 @@ def main() -> int:
               f"| {result['bytes'][fmt] / 2**20:.0f} |")
     g, s = best["gathered"], best["sharded"]
     print(f"gathered / sharded: save time {g['total_s'] / s['total_s']:.2f}x, rank-0 extra peak host memory "
-          f"{g['extra_rss'] / max(s['extra_rss'], 2**20):.1f}x (sharded counted as at least 1 MiB); background save returns "
+          f"{g['extra_rss'] / max(s['extra_rss'], 2**20):.1f}x (sharded counted as at least 1 MiB); "
+          "background save returns "
           f"{g['total_s'] / best['sharded_async']['returned_s']:.2f}x sooner than the gathered save")
     return 0
 

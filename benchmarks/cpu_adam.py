@@ -132,8 +132,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.jsonl is not None:
         with open(args.jsonl, "a") as fh:
             for row in rows:
+                gparams = row["params_s"] / 1e9 if row["params_s"] else None
                 line = {"part": "host_optimizer", "numel": args.numel, "threads": torch.get_num_threads(),
-                        "host_memory_triad_bytes_s": bandwidth, **row, "gparams_s": row["params_s"] / 1e9 if row["params_s"] else None}
+                        "host_memory_triad_bytes_s": bandwidth, **row, "gparams_s": gparams}
                 fh.write(json.dumps(json.loads(json.dumps(line), parse_constant=lambda _: None)) + "\n")
 
 

@@ -113,7 +113,8 @@ def main() -> int:
         ddp_states = sum(modes["ddp"][k] for k in ("param_bytes", "grad_bytes", "optim_bytes"))
         for mode, r in modes.items():
             states = r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"]
-            print(f"| {mode} | {n} | {r['samples_per_s']:.1f} | {r['samples_per_s'] / base[mode]['samples_per_s']:.2f}x "
+            speedup = r["samples_per_s"] / base[mode]["samples_per_s"]
+            print(f"| {mode} | {n} | {r['samples_per_s']:.1f} | {speedup:.2f}x "
                   f"| {r['param_bytes'] / 2**20:.2f} | {r['grad_bytes'] / 2**20:.2f} | {r['optim_bytes'] / 2**20:.2f} "
                   f"| {states / ddp_states:.2f} |")
     return 0

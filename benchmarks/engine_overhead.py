@@ -106,11 +106,14 @@ def main() -> None:
     tokens = args.batch * seq
     x = torch.randint(0, base.config.vocab_size, (args.batch, seq + 1), device=device)
     batch = (x[:, :-1].contiguous(), x[:, 1:].contiguous())
-    where = torch.cuda.get_device_name() if device.type == "cuda" else f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
-    print(f"model {args.model} ({sum(p.numel() for p in base.parameters()) / 1e6:.1f}M params), batch {args.batch}×{seq}, "
+    where = torch.cuda.get_device_name() if device.type == "cuda" else \
+        f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
+    millions = sum(p.numel() for p in base.parameters()) / 1e6
+    print(f"model {args.model} ({millions:.1f}M params), batch {args.batch}×{seq}, "
           f"device {where}, torch {torch.__version__}")
     mem_label = "peak MiB" if device.type == "cuda" else "saved-for-backward MiB"
-    print(f"{'technique':<24} {'hand tok/s':>11} {'engine tok/s':>13} {'engine/hand':>12} {'overhead':>9}   {mem_label} hand / engine")
+    print(f"{'technique':<24} {'hand tok/s':>11} {'engine tok/s':>13} {'engine/hand':>12} {'overhead':>9}   "
+          f"{mem_label} hand / engine")
     for name, config in TECHNIQUES.items():
         if args.only and name not in args.only:
             continue

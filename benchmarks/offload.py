@@ -384,7 +384,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="gradient clipping for every configuration (0 = none); the host step then waits "
                              "for every gradient")
     parser.add_argument("--no-overlap", action="store_true",
-                        help="our engine without overlap_updates (a deferred host step finishes before the next forward)")
+                        help="our engine without overlap_updates (a deferred host step finishes before the next "
+                             "forward)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="device bf16 peak (H100 SXM: 989)")
     parser.add_argument("--jsonl", default=None, help="append each row to this file as soon as it is measured "
                                                       "(a run cut off by its time limit keeps what it measured)")

@@ -135,7 +135,8 @@ def main() -> None:
     # Lightning's two test_deepspeed.py files share a basename: one pytest run each.
     suites += [(f"lightning {path.removeprefix('tests/')}", [path.removeprefix("tests/")], work / "lightning" / "tests",
                 lightning_env) for path in LIGHTNING_SUITES]
-    print("| suite | run | passed | failed | errors | skipped | failures needing the network |\n|---|---|---|---|---|---|---|")
+    print("| suite | run | passed | failed | errors | skipped | failures needing the network |\n"
+          "|---|---|---|---|---|---|---|")
     for name, suite, cwd, env in suites:
         for ours in (True, False):
             if args.only and args.only != ("ours" if ours else "real"):

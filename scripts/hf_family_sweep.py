@@ -168,7 +168,8 @@ def _plain_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
 
 
 def max_rel_err(expected: tuple[list[float], dict[str, torch.Tensor]],
-                actual: tuple[list[float], dict[str, torch.Tensor]], rtol: float, atol: float) -> tuple[bool, float, str]:
+                actual: tuple[list[float], dict[str, torch.Tensor]], rtol: float,
+                atol: float) -> tuple[bool, float, str]:
     """``(within tolerance, largest relative error, where)``; the relative error of an element
     is ``|a - e| / max(|e|, atol / rtol)`` (elements near zero are judged by ``atol``)."""
     pairs = [("loss", torch.tensor(actual[0]), torch.tensor(expected[0]))]
@@ -271,7 +272,8 @@ def run_model(arch: Arch, modes: list[str], out_path: str) -> None:
         emit(stage="reference", cell="undrivable", params=params, message=f"non-finite plain loss {reference[0]}")
         return
     emit(stage="reference", cell="ok", params=params, seconds=time.perf_counter() - started,
-         deterministic=deterministic, stateful=stateful, nondeterminism=None if deterministic else f"{nd_err:.2e} at {nd_where}",
+         deterministic=deterministic, stateful=stateful,
+         nondeterminism=None if deterministic else f"{nd_err:.2e} at {nd_where}",
          loss=reference[0])
     for name in modes:
         mode = MODES[name]
@@ -418,7 +420,8 @@ def summarize(records: list[dict[str, Any]], modes: list[str]) -> str:
         arch, stages = rec["arch"], rec["stages"]
         head = stages.get("build") or stages.get("reference") or {}
         if head.get("cell") in _APART and not any(m in stages for m in modes):
-            apart.append(f"- {arch['model_type']} ({arch['model_class']}): **{head['cell']}** — {head.get('message', '')}")
+            why = head.get("message", "")
+            apart.append(f"- {arch['model_type']} ({arch['model_class']}): **{head['cell']}** — {why}")
             totals[f"model {head['cell']}"] += 1
             continue
         reference = stages.get("reference", {})
