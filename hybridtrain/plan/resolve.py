@@ -10,7 +10,8 @@ fails identically everywhere and no rank waits in a collective.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import weakref
+from collections.abc import Hashable, Sequence
 
 import torch
 from torch import nn
@@ -292,21 +293,52 @@ def _swapped(cfg: Config, blocks: _Blocks, checkpointed: list[str], streamed: li
     return [names[i] for i in sorted(set(section.blocks))] if section.blocks else names
 
 
+_META_USAGES: weakref.WeakKeyDictionary[nn.Module, dict[Hashable, ModelUsage]] = weakref.WeakKeyDictionary()
+"""Traces of models on the meta device, by block list and batch shapes: the planner resolves
+hundreds of variants of one meta model, and a meta forward sees shapes, never values."""
+
+
 def _usage(model: nn.Module, blocks: _Blocks, example: Batch, compute_dtype: torch.dtype | None) -> ModelUsage:
     """Trace one forward of the example batch (where the model lives now); per-sample
     shapes do not depend on its size."""
     where = next((p.device for p in model.parameters()), torch.device("cpu"))
     example = to_device(example, where)
+    shapes = _shapes(example) if where.type == "meta" else None
+    # The modules and parameters by identity: a model changed in between is traced again.
+    key = None if shapes is None else (tuple(id(m) for m in model.modules()), tuple(id(p) for p in model.parameters()),
+                                       tuple(id(b) for b in blocks.modules), shapes)
+    known = _META_USAGES.get(model, {})
+    if key is not None and key in known:
+        return known[key]
     # Under the training precision, so that the recorded boundary dtypes are the sent ones.
     dtype = compute_dtype if where.type in ("cpu", "cuda") else None
     try:
-        return trace_usage(model, blocks.modules, lambda: run_model(model, example), batch_size(example),
-                           lambda: autocast(where, dtype))
+        usage = trace_usage(model, blocks.modules, lambda: run_model(model, example), batch_size(example),
+                            lambda: autocast(where, dtype))
     except Exception as exc:  # noqa: BLE001 - any failure of the user's forward, in one line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise ConfigError(f"example_batch: the model's forward failed on it ({type(exc).__name__}: {first}); "
                           "check that it is a batch like those train_batch receives and that the model runs "
                           "on it") from None
+    if key is not None:
+        _META_USAGES.setdefault(model, {})[key] = usage
+    return usage
+
+
+def _shapes(batch: Batch) -> Hashable | None:
+    """A meta batch's structure: its tensors' shapes and dtypes, its plain values; None when
+    it holds anything else (that forward is traced every time)."""
+    if isinstance(batch, torch.Tensor):
+        return ("tensor", tuple(batch.shape), batch.dtype)
+    if isinstance(batch, tuple | list):
+        items = [_shapes(item) for item in batch]
+        return None if None in items else (type(batch).__name__, *items)
+    if isinstance(batch, dict):
+        values = [_shapes(value) for value in batch.values()]
+        return None if None in values else ("dict", *zip(batch.keys(), values, strict=True))
+    if batch is None or isinstance(batch, bool | int | float | str):
+        return ("value", batch)
+    return None
 
 
 def _refuse_foreign_uses(usage: ModelUsage, indices: set[int], section: str, hint: str,

@@ -3,6 +3,7 @@ there, before the model changes."""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import pytest
@@ -200,3 +201,28 @@ def test_deepspeed_zero3_offload_on_one_process_is_layer_streaming() -> None:
         "offload_optimizer": {"device": "cpu", "pin_memory": True}}}, build_gpt("gpt-tiny"), world_size=1)
     assert plan.blocks_where("stream") == ["blocks.0", "blocks.1"]
     assert plan.optimizer.placement == "host_streamed" and plan.config.layer_streaming.pin_memory
+
+
+def test_a_meta_model_is_traced_once_for_every_variant_of_one_batch_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner resolves hundreds of variants of one meta model: a meta forward sees
+    shapes only, so its usage trace is taken once per batch shape; another shape, or a
+    model changed in between, is traced again."""
+    resolve_module = importlib.import_module("hybridtrain.plan.resolve")  # the package exports the function
+    calls = []
+    real = resolve_module.trace_usage
+    monkeypatch.setattr(resolve_module, "trace_usage", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.device("meta"):
+        model = gpt_case().build()
+    tokens = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    streaming = {"device": "cpu", "layer_streaming": {"enabled": True}}
+    first = resolve(streaming, model, 1, example_batch=(tokens, tokens))
+    for variant in ({"layer_streaming": {"enabled": True, "boundary_activations": "host"}},
+                    {"layer_streaming": {"enabled": True, "layer_major": True},
+                     "zero_optimization": {"offload_optimizer": {"ratio": 0.6}}}):
+        resolve({"device": "cpu", **variant}, model, 1, example_batch=(tokens, tokens))
+    assert len(calls) == 1 and first.blocks_where("stream")
+    resolve(streaming, model, 1, example_batch=(tokens[:, :8], tokens[:, :8]))
+    assert len(calls) == 2
+    model.blocks[0].register_parameter("extra", nn.Parameter(torch.zeros(1, device="meta")))
+    resolve(streaming, model, 1, example_batch=(tokens, tokens))
+    assert len(calls) == 3
