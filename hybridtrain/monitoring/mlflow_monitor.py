@@ -108,8 +108,9 @@ class MLflowMonitor:
         self.client = MlflowClient(tracking_uri or None)
         self.pending: list[tuple[str, float, int]] = []
         self.outcome: Outcome = "finished"
-        self.run_id = self._recorded_run(run_dir) if resume else None
-        if self.run_id is not None:
+        recorded = self._recorded_run(run_dir) if resume else None
+        if recorded is not None:
+            self.run_id = recorded
             self.client.update_run(self.run_id, status="RUNNING")
             return
         found = self.client.get_experiment_by_name(experiment)

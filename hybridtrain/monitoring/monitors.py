@@ -178,7 +178,7 @@ class WandbMonitor:
         recorded = _recorded_wandb_id(run_dir) if resume else None
         self.run = wandb.init(project=project, group=group, entity=team, dir=str(run_dir),
                               config=dict(config or {}), name=name,
-                              **({"id": recorded, "resume": "allow"} if recorded else {}))
+                              id=recorded, resume="allow" if recorded else None)  # None: wandb's defaults
         if getattr(self.run, "id", None):
             (run_dir / WANDB_RUN_FILE).write_text(json.dumps({"id": self.run.id}))
         self.outcome: Outcome = "finished"
