@@ -9,6 +9,7 @@ fails identically everywhere and no rank waits in a collective.
 
 from __future__ import annotations
 
+import math
 import os
 import weakref
 from collections.abc import Hashable, Sequence
@@ -45,6 +46,7 @@ from hybridtrain.runtime.activations import select_checkpoint_targets
 from hybridtrain.runtime.batch import Batch, batch_size, run_model, to_device
 from hybridtrain.runtime.device import resolve_device
 from hybridtrain.runtime.offload import twin_flow_blocks
+from hybridtrain.runtime.offload.layout import least_streaming_ratio
 from hybridtrain.runtime.precision import autocast
 from hybridtrain.runtime.streaming import check_not_shared
 
@@ -223,11 +225,27 @@ def _streamed(model: nn.Module, cfg: Config, blocks: _Blocks) -> list[str]:
     on_device = twin_flow_blocks(list(zip(names, blocks.modules, strict=True)), list(model.parameters()),
                                  offload.ratio, first=offload.device_share == "first")
     streamed = [name for name in names if name not in section.resident and name not in on_device]
+    if not streamed:
+        raise ConfigError(_nothing_streams(model, cfg, blocks))
     try:
         check_not_shared(model, [m for n, m in zip(names, blocks.modules, strict=True) if n in streamed])
     except ValueError as exc:
         raise ConfigError(f"layer_streaming: {exc}") from None
     return streamed
+
+
+def _nothing_streams(model: nn.Module, cfg: Config, blocks: _Blocks) -> str:
+    """Why layer streaming would stream no block, and what would let it, in one line."""
+    resident = cfg.layer_streaming.resident
+    if set(blocks.names) <= set(resident):
+        return ("layer_streaming.resident lists every block, so nothing streams; leave some out, or disable "
+                "layer_streaming")
+    offload = cfg.zero_optimization.offload_optimizer
+    free = [m for n, m in zip(blocks.names, blocks.modules, strict=True) if n not in resident]
+    least = least_streaming_ratio(free, list(model.parameters()), first=offload.device_share == "first")
+    return (f"zero_optimization.offload_optimizer.ratio = {offload.ratio} keeps a parameter of every block in "
+            f"Twin-Flow's device share, so layer_streaming streams nothing; allowed: a ratio of at least "
+            f"{math.ceil(least * 100) / 100:g} (or disable layer_streaming)")
 
 
 def _kept(cfg: Config, streamed: list[str]) -> int:

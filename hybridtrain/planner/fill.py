@@ -238,7 +238,11 @@ def fit_host(variant: Config, changes: tuple[str, ...], est: Estimate, target: T
     low, high, found = 0, len(ratios) - 1, None
     while low <= high:  # the first ratio (largest) whose host bytes fit
         mid = (low + high) // 2
-        trial = estimate(_with_ratio(variant, ratios[mid]), target, world, all_passes=True, model=model)
+        try:
+            trial = estimate(_with_ratio(variant, ratios[mid]), target, world, all_passes=True, model=model)
+        except ConfigError:  # so low that Twin-Flow's share leaves no block to stream: go higher
+            high = mid - 1
+            continue
         if trial.host_bytes <= host:
             found, high = (ratios[mid], trial), mid - 1
         else:

@@ -226,3 +226,22 @@ def test_a_meta_model_is_traced_once_for_every_variant_of_one_batch_shape(monkey
     model.blocks[0].register_parameter("extra", nn.Parameter(torch.zeros(1, device="meta")))
     resolve(streaming, model, 1, example_batch=(tokens, tokens))
     assert len(calls) == 3
+
+
+def test_streaming_that_would_stream_no_block_is_one_line_naming_the_ratio_that_would() -> None:
+    """Twin-Flow's device share (the last parameters) reaching into every block, or a
+    ``resident`` list naming every block, leaves layer streaming nothing to stream: refused
+    before any work, with the smallest ratio that streams a block — which does."""
+    model = gpt_case().build()
+    low = {"device": "cpu", "layer_streaming": {"enabled": True},
+           "zero_optimization": {"offload_optimizer": {"ratio": 0.05}}}
+    with pytest.raises(ConfigError, match=r"ratio = 0\.05 keeps a parameter of every block") as refused:
+        resolve(low, model, 1)
+    least = float(str(refused.value).split("at least ")[1].split(" ")[0])
+    enough = {**low, "zero_optimization": {"offload_optimizer": {"ratio": least}}}
+    assert resolve(enough, model, 1).blocks_where("stream")
+    with pytest.raises(ConfigError, match="keeps a parameter of every block"):
+        resolve({**low, "zero_optimization": {"offload_optimizer": {"ratio": round(least - 0.02, 2)}}}, model, 1)
+    everything = {"device": "cpu", "layer_streaming": {"enabled": True, "resident": ["blocks.0", "blocks.1", "blocks.2"]}}
+    with pytest.raises(ConfigError, match="resident lists every block"):
+        resolve(everything, model, 1)

@@ -45,6 +45,21 @@ def twin_flow_blocks(blocks: Sequence[tuple[str, nn.Module]], params: list[nn.Pa
     return [name for name, module in blocks if any(id(p) in kept for p in module.parameters())]
 
 
+def least_streaming_ratio(blocks: Sequence[nn.Module], params: list[nn.Parameter], first: bool = False) -> float:
+    """The smallest Twin-Flow ``host_ratio`` at which the device share (:func:`device_kept`)
+    leaves one of ``blocks`` wholly on the host, so layer streaming has a block to stream:
+    the share (the last parameters, or the first) must end short of that block's parameters."""
+    position = {id(p): i for i, p in enumerate(params)}
+    sizes = [p.numel() for p in params]
+    total = sum(sizes)
+    room = 0  # elements the share may take without touching some block
+    for block in blocks:
+        where = [position[id(p)] for p in block.parameters() if id(p) in position]
+        if where:
+            room = max(room, sum(sizes[:min(where)]) if first else sum(sizes[max(where) + 1:]))
+    return 1.0 - room / total if total else 1.0
+
+
 def master_dtype(param: torch.Tensor) -> torch.dtype:
     """The host master's type: fp64 for an fp64 parameter (an fp64 model trains in fp64, as
     the plain loop does), fp32 for every other (mixed precision's fp32 masters; fp8 too)."""
