@@ -242,6 +242,7 @@ def test_streaming_that_would_stream_no_block_is_one_line_naming_the_ratio_that_
     assert resolve(enough, model, 1).blocks_where("stream")
     with pytest.raises(ConfigError, match="keeps a parameter of every block"):
         resolve({**low, "zero_optimization": {"offload_optimizer": {"ratio": round(least - 0.02, 2)}}}, model, 1)
-    everything = {"device": "cpu", "layer_streaming": {"enabled": True, "resident": ["blocks.0", "blocks.1", "blocks.2"]}}
+    everything = {"device": "cpu",
+                  "layer_streaming": {"enabled": True, "resident": ["blocks.0", "blocks.1", "blocks.2"]}}
     with pytest.raises(ConfigError, match="resident lists every block"):
         resolve(everything, model, 1)
