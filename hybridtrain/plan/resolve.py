@@ -17,6 +17,7 @@ from collections.abc import Hashable, Sequence
 import torch
 from torch import nn
 
+from hybridtrain.compat import tree_flatten
 from hybridtrain.config import Config, ConfigError, ConfigSource, load_config, resolve_batch_sizes
 from hybridtrain.config.offload_sections import apply_offload_sections
 from hybridtrain.models.blocks import BlockList, BlocksNotFoundError, block_names, find_block_lists
@@ -325,9 +326,8 @@ def _usage(model: nn.Module, blocks: _Blocks, example: Batch, compute_dtype: tor
     # The modules and parameters by identity: a model changed in between is traced again.
     key = None if shapes is None else (tuple(id(m) for m in model.modules()), tuple(id(p) for p in model.parameters()),
                                        tuple(id(b) for b in blocks.modules), shapes)
-    known = _META_USAGES.get(model, {})
-    if key is not None and key in known:
-        return known[key]
+    if key is not None and key in _META_USAGES.get(model, {}):
+        return _META_USAGES[model][key]
     # Under the training precision, so that the recorded boundary dtypes are the sent ones.
     dtype = compute_dtype if where.type in ("cpu", "cuda") else None
     try:
@@ -344,19 +344,18 @@ def _usage(model: nn.Module, blocks: _Blocks, example: Batch, compute_dtype: tor
 
 
 def _shapes(batch: Batch) -> Hashable | None:
-    """A meta batch's structure: its tensors' shapes and dtypes, its plain values; None when
-    it holds anything else (that forward is traced every time)."""
-    if isinstance(batch, torch.Tensor):
-        return ("tensor", tuple(batch.shape), batch.dtype)
-    if isinstance(batch, tuple | list):
-        items = [_shapes(item) for item in batch]
-        return None if None in items else (type(batch).__name__, *items)
-    if isinstance(batch, dict):
-        values = [_shapes(value) for value in batch.values()]
-        return None if None in values else ("dict", *zip(batch.keys(), values, strict=True))
-    if batch is None or isinstance(batch, bool | int | float | str):
-        return ("value", batch)
-    return None
+    """A meta batch's structure (torch's pytree spec) with its tensors' shapes and dtypes and
+    its plain values; None when it holds anything else (that forward is traced every time)."""
+    leaves, spec = tree_flatten(batch)
+    signature: list[Hashable] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            signature.append((tuple(leaf.shape), leaf.dtype))
+        elif leaf is None or isinstance(leaf, bool | int | float | str):
+            signature.append(leaf)
+        else:
+            return None
+    return spec, tuple(signature)
 
 
 def _refuse_foreign_uses(usage: ModelUsage, indices: set[int], section: str, hint: str,

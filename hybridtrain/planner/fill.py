@@ -161,16 +161,22 @@ def _largest_fitting(values: Sequence[Any], make: Callable[[Any], Config], targe
     while low <= high:
         mid = (low + high) // 2
         config = make(values[mid])
-        try:
-            est: Estimate | None = estimate(config, target, world, all_passes=True, model=model)
-        except ConfigError:
-            est = None
+        est = _accepted_estimate(config, target, world, model)
         if est is None or est.problems(margin):
             high = mid - 1
         else:
             found = (values[mid], config, est)
             low = mid + 1
     return found
+
+
+def _accepted_estimate(config: Config, target: Target, world: int, model: ModelSource | None) -> Estimate | None:
+    """``config``'s estimate, or None when the engine refuses it (a ratio that leaves no block
+    to stream, fewer streamed blocks than are kept)."""
+    try:
+        return estimate(config, target, world, all_passes=True, model=model)
+    except ConfigError:
+        return None
 
 
 def _with_share_first(cfg: Config) -> Config:
@@ -238,12 +244,10 @@ def fit_host(variant: Config, changes: tuple[str, ...], est: Estimate, target: T
     low, high, found = 0, len(ratios) - 1, None
     while low <= high:  # the first ratio (largest) whose host bytes fit
         mid = (low + high) // 2
-        try:
-            trial = estimate(_with_ratio(variant, ratios[mid]), target, world, all_passes=True, model=model)
-        except ConfigError:  # so low that Twin-Flow's share leaves no block to stream: go higher
+        trial = _accepted_estimate(_with_ratio(variant, ratios[mid]), target, world, model)
+        if trial is None:  # so low that Twin-Flow's share leaves no block to stream: go higher
             high = mid - 1
-            continue
-        if trial.host_bytes <= host:
+        elif trial.host_bytes <= host:
             found, high = (ratios[mid], trial), mid - 1
         else:
             low = mid + 1

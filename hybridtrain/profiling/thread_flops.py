@@ -13,7 +13,7 @@ thread counts into the same totals: the entering thread's, and one more for each
 that joins the count (:mod:`hybridtrain.runtime.thread_counters`)::
 
     caller:  ThreadFlopCounter ── FlopCounterMode ─┐
-    worker 0: joined() ────────── FlopCounterMode ─┼─► get_flop_counts(): summed per module and op
+    worker 0: joined() ────────── FlopCounterMode ─┼─► get_flop_counts(): per module and op
     worker 1: joined() ────────── FlopCounterMode ─┘
              one ThreadModuleTracker: running modules per thread
 """
